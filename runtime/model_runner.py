@@ -1,0 +1,97 @@
+"""The model worker: weights, KV memory and attention backend; runs a `ForwardBatch`, returns logits."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kernels import create_backend, resolve_backend_name
+from runtime.forward_batch import ForwardBatch
+from runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from runtime.model_config import ModelConfig
+from runtime.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("radixlm.model_runner")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Without an explicit --max-total-tokens the KV pool takes this share of free host/GPU memory.
+KV_MEMORY_FRACTION = 0.25
+MAX_AUTO_TOTAL_TOKENS = 1 << 20
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_total_tokens: int | None = None,
+        max_running_requests: int = 64,
+        context_length: int | None = None,
+        attention_backend: str = "auto",
+    ):
+        from runtime.model_loader import iter_weights, load_hf_config
+
+        t0 = time.perf_counter()
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.config = ModelConfig.from_hf(load_hf_config(model_dir))
+        cfg = self.config
+        self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(iter_weights(model_dir))
+        self.model = model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        if max_total_tokens is None:
+            max_total_tokens = self._auto_total_tokens()
+        # +1 row so a full pool of running requests plus one being admitted never runs dry of rows.
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 8, self.device)
+        self.allocator = SlotAllocator(max_total_tokens, self.device)
+        self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.backend_name = resolve_backend_name(attention_backend, self.device.type)
+        self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
+        logger.info(
+            "model loaded in %.2fs: %s, %d layers, dtype=%s, device=%s, backend=%s, KV pool %d tokens (%.0f MiB)",
+            self.load_seconds, cfg.architecture, cfg.num_layers, dtype, device, self.backend_name,
+            max_total_tokens, max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
+        )
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.allocator.size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits [num_selected_tokens, vocab] (last token of each request unless chosen)."""
+        self.backend.init_forward_metadata(batch)
+        return self.model(batch, self.backend)
+
+    def _auto_total_tokens(self) -> int:
+        c = self.config
+        per_token = KVPool.bytes_per_token_for(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = _available_host_memory()
+        return int(max(1024, min(MAX_AUTO_TOTAL_TOKENS, free * KV_MEMORY_FRACTION // per_token)))
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

@@ -1,0 +1,142 @@
+"""Sampling parameters: defined once, shared by the runtime, the HTTP layer and the DSL.
+
+`SamplingParams.from_dict` is the single entry point for untrusted input: it rejects unknown
+fields and wrong types with a `ValueError` that names the field, so every layer reports the
+same message (HTTP turns it into a 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# Upper bounds that keep a single request from monopolising the server; bigger values are
+# almost always client bugs (e.g. max_tokens=1e9).
+MAX_NEW_TOKENS_LIMIT = 1 << 20
+MAX_STOP_STRINGS = 64
+MAX_N = 64
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    regex: str | None = None
+    json_schema: str | None = None  # JSON text of the schema
+    n: int = 1
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        self.verify()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-6 or self.top_k == 1
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.regex is not None or self.json_schema is not None
+
+    def verify(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        _check_type("max_new_tokens", self.max_new_tokens, int)
+        _check_type("min_new_tokens", self.min_new_tokens, int)
+        _check_type("top_k", self.top_k, int)
+        _check_type("n", self.n, int)
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            _check_type(name, getattr(self, name), (int, float))
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            _check_type(name, getattr(self, name), bool)
+        if not 0 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(f"max_new_tokens must be in [0, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+            )
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("regex must be a string")
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, str):
+                raise ValueError("json_schema must be a JSON object or its JSON text")
+            try:
+                json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("regex and json_schema are mutually exclusive")
+        if self.seed is not None:
+            _check_type("seed", self.seed, int)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError("sampling_params must be a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        # JSON null means "use the default" for every field.
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ValueError(f"{name} must be a number, got a boolean")
+    if not isinstance(value, types):
+        want = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise ValueError(f"{name} must be of type {want}, got {type(value).__name__}")

