@@ -1,0 +1,411 @@
+"""Radix-tree KV prefix cache: token-id sequences -> KV slot indices (page size 1).
+
+The cache is pure bookkeeping. It never allocates or frees KV slots: `insert` reports how many of the
+caller's slots were duplicates, `evict` and `reset` hand slots back, and the caller (the cache manager)
+returns them to the allocator. That keeps the tree testable without a model or a device.
+
+Tree invariants (checked by `RadixCache.check_integrity`):
+  * the root has an empty key; every other node has a non-empty key and `len(key) == len(value)`;
+  * `parent.children[node.key[0]] is node` (children are keyed by their first token; siblings never share
+    a first token, so a path is determined by the tokens);
+  * `lock_ref` counts the locks held on a node or on any descendant: `lock(n)` increments `n` and every
+    ancestor, so `parent.lock_ref >= sum(child.lock_ref)` and a locked node's ancestors are locked;
+  * `evictable_size() + protected_size() == total_size()`; a node's tokens are protected iff its
+    `lock_ref > 0`; the two counters always equal a recomputation over the tree;
+  * no slot is held twice.
+
+Why `match_prefix` does not modify the cache: a lookup may end inside a node (a partial match). Splitting
+there would fragment the tree for every probe (the scheduler matches every waiting request each step to
+rank them), and touching LRU times would make a merely-probed prefix look hot. Instead the partially
+matched node is returned as `last_node`; `lock(last_node)` protects all of its slots, including the
+matched ones, and every ancestor. A later split keeps that protection: the new upper half inherits the
+lower half's `lock_ref` and LRU time, so `unlock(last_node)` still releases exactly what `lock` took.
+
+Matched indices are only safe to use while `last_node` is locked (or until the next `evict`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Key = tuple[int, ...]
+
+# A prefix comparison first tries one C-level tuple compare of the whole overlap; on a mismatch it bisects
+# with slice compares (about 2x the overlap in copied elements) down to a window of this many tokens, which
+# it scans one by one.
+_SCAN = 32
+
+
+def _empty_slots() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+def _as_key(key: Sequence[int] | torch.Tensor) -> Key:
+    if isinstance(key, torch.Tensor):
+        return tuple(key.tolist())
+    return tuple(key)
+
+
+def _as_value(value: torch.Tensor, n: int) -> torch.Tensor:
+    """Validate a slot tensor and return a private int64 copy (the caller's may be a reused buffer row)."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1:
+        raise TypeError("value must be a 1-D tensor of KV slot indices")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"value must hold integer slot indices, got {value.dtype}")
+    if value.numel() != n:
+        raise ValueError(f"len(key) == {n} but len(value) == {value.numel()}")
+    return value.to(dtype=torch.int64, copy=True)
+
+
+def _common_prefix_len(key: Key, start: int, node_key: Key) -> int:
+    """Length of the common prefix of `key[start:]` and `node_key`."""
+    n = min(len(node_key), len(key) - start)
+    if key[start : start + n] == node_key[:n]:
+        return n
+    lo, hi = 0, n  # invariant: the first mismatch lies in [lo, hi)
+    while hi - lo > _SCAN:
+        mid = (lo + hi) // 2
+        if key[start + lo : start + mid] == node_key[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while key[start + lo] == node_key[lo]:  # stops before hi
+        lo += 1
+    return lo
+
+
+class TreeNode:
+    """One edge of the radix tree: a run of tokens and their KV slots."""
+
+    _ids = itertools.count()
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+
+    def __init__(self, key: Key = (), value: torch.Tensor | None = None, parent: TreeNode | None = None):
+        self.children: dict[int, TreeNode] = {}  # first token of the child's key -> child
+        self.parent = parent
+        self.key = key
+        self.value = _empty_slots() if value is None else value  # [len(key)] int64
+        self.lock_ref = 0
+        self.last_access = 0  # cache-local monotonic tick; larger == more recently used
+        self.id = next(TreeNode._ids)  # creation order: deterministic LRU tie-break
+
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, t={self.last_access})"
+
+
+@dataclass
+class MatchResult:
+    indices: torch.Tensor  # [matched_tokens] int64 KV slots of the matched prefix
+    last_node: TreeNode  # deepest node touched; possibly matched only partially (lock it to protect all)
+
+
+class BasePrefixCache(ABC):
+    """Interface shared by the radix cache and the disabled (never-matching) cache."""
+
+    enabled: bool
+    root: TreeNode
+
+    @abstractmethod
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `key`. Does not modify the cache (no split, no LRU touch)."""
+
+    @abstractmethod
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+        """Cache `key -> value` and return how many leading tokens were already cached.
+
+        The cache keeps its own slots for those tokens, so `value[:returned]` is not stored. Slots in that
+        range that the caller allocated are duplicates to free; slots it got from `match_prefix` (the first
+        `len(match.indices)`) belong to the cache and must not be freed.
+        """
+
+    @abstractmethod
+    def lock(self, node: TreeNode) -> None:
+        """Protect `node` and its ancestors from eviction (reference counted); refresh their LRU time."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock(node)`; raises RuntimeError if `node` is not locked."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Evict unlocked leaves, oldest first, until >= num_tokens slots are freed or none are left."""
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    @abstractmethod
+    def all_slots(self) -> torch.Tensor:
+        """Every slot held by the cache (for accounting checks)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+
+    @abstractmethod
+    def reset(self) -> torch.Tensor:
+        """Drop everything and return all slots; raises RuntimeError while anything is locked."""
+
+
+class RadixCache(BasePrefixCache):
+    enabled = True
+
+    def __init__(self) -> None:
+        self._clock = itertools.count(1)
+        self.root = TreeNode()
+        self._evictable = 0
+        self._protected = 0
+
+    # ---- lookup / insert -------------------------------------------------------------------------
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        key = _as_key(key)
+        node, pos, pieces = self.root, 0, []
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_prefix_len(key, pos, child.key)
+            pieces.append(child.value if n == len(child.key) else child.value[:n])
+            pos += n
+            node = child
+            if n < len(child.key):
+                break
+        if not pieces:
+            indices = _empty_slots()
+        elif len(pieces) == 1:
+            indices = pieces[0].clone()  # never hand out a view of the cache's own storage
+        else:
+            indices = torch.cat(pieces)
+        return MatchResult(indices=indices, last_node=node)
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+        key = _as_key(key)
+        value = _as_value(value, len(key))
+        now = next(self._clock)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                leaf = TreeNode(key[pos:], value[pos:].clone(), parent=node)
+                leaf.last_access = now
+                node.children[key[pos]] = leaf
+                self._evictable += len(leaf.key)
+                return pos
+            n = _common_prefix_len(key, pos, child.key)
+            if n < len(child.key) and pos + n < len(key):
+                child = self._split(child, n)  # the new key branches off inside `child`
+            child.last_access = now
+            pos += n
+            node = child
+        return pos  # everything was cached already (possibly ending inside a node: no split needed)
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split `node` so that its first `at` tokens become a new parent; returns that parent.
+
+        The new parent inherits `lock_ref` (every lock through `node` also covers its upper half) and
+        `last_access`; sizes are unchanged because both halves keep the same protection state.
+        """
+        assert node.parent is not None and 0 < at < len(node.key)
+        upper = TreeNode(node.key[:at], node.value[:at].clone(), parent=node.parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        node.parent.children[node.key[0]] = upper
+        node.key = node.key[at:]
+        node.value = node.value[at:].clone()
+        node.parent = upper
+        upper.children[node.key[0]] = node
+        return upper
+
+    # ---- locking --------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> None:
+        path = self._path_to_root(node)
+        now = next(self._clock)
+        for node in path:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node.last_access = now
+
+    def unlock(self, node: TreeNode) -> None:
+        path = self._path_to_root(node)
+        if path and path[0].lock_ref <= 0:  # ancestors hold >= the node's count, so this check suffices
+            raise RuntimeError(f"unlock of an unlocked node {node!r}")
+        for node in path:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """`node` and its ancestors, root excluded; raises ValueError for a node not in this tree."""
+        path = []
+        while node is not self.root:
+            if node.parent is None:
+                raise ValueError(f"{node!r} is not attached to this cache (evicted or reset?)")
+            path.append(node)
+            node = node.parent
+        return path
+
+    # ---- eviction -------------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        if num_tokens <= 0:
+            return _empty_slots()
+        # O(nodes) scan per call, like SGLang; evict runs only when the pool is short of slots.
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.is_leaf() and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.key[0]]
+            leaf.parent = None  # detached: a stale lock/unlock on it now fails loudly
+            self._evictable -= len(leaf.key)
+            freed.append(leaf.value)
+            num_freed += len(leaf.key)
+            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return torch.cat(freed) if freed else _empty_slots()
+
+    # ---- sizes and accounting -------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def all_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else _empty_slots()
+
+    def num_nodes(self) -> int:
+        """Number of non-root nodes."""
+        return sum(1 for _ in self._nodes())
+
+    def reset(self) -> torch.Tensor:
+        if self._protected or any(n.lock_ref for n in self._nodes()):
+            raise RuntimeError("reset() while nodes are locked")
+        slots = self.all_slots()
+        for node in self._nodes():
+            node.parent = None  # stale handles now fail loudly in lock()
+        self.root.children = {}  # keep the root object: requests that matched nothing still hold it
+        self._evictable = 0
+        self._protected = 0
+        return slots
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """All non-root nodes, iteratively (chains can be deeper than Python's recursion limit)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ---- checks and debugging -------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        root = self.root
+        assert root.parent is None and root.key == () and root.value.numel() == 0, "malformed root"
+        evictable = protected = 0
+        seen: set[int] = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            assert node.id not in seen, f"{node!r} reachable twice (cycle or shared child)"
+            seen.add(node.id)
+            child_locks = 0
+            for first, child in node.children.items():
+                assert child.parent is node, f"{child!r} has a wrong parent pointer"
+                assert len(child.key) > 0, f"{child!r} has an empty key"
+                assert child.key[0] == first, f"{child!r} is keyed by {first}, not its first token"
+                assert child.value.dtype == torch.int64 and child.value.dim() == 1, f"{child!r} bad value"
+                assert child.value.numel() == len(child.key), f"{child!r}: len(key) != len(value)"
+                assert child.lock_ref >= 0, f"{child!r} has a negative lock_ref"
+                child_locks += child.lock_ref
+                if child.lock_ref > 0:
+                    protected += len(child.key)
+                else:
+                    evictable += len(child.key)
+                stack.append(child)
+            if node is not root:
+                assert node.lock_ref >= child_locks, f"{node!r}: lock_ref < sum of children's ({child_locks})"
+        assert evictable == self._evictable, f"evictable_size {self._evictable} != recomputed {evictable}"
+        assert protected == self._protected, f"protected_size {self._protected} != recomputed {protected}"
+        slots = self.all_slots()
+        assert torch.unique(slots).numel() == slots.numel(), "a KV slot is held by two tree positions"
+
+    def pretty(self, max_tokens: int = 8) -> str:
+        """Indented dump, one node a line: key preview, slot preview, lock_ref, LRU tick."""
+        lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
+        stack = [(c, 1) for c in sorted(self.root.children.values(), key=lambda c: c.key[0], reverse=True)]
+        while stack:
+            node, depth = stack.pop()
+            more = "..." if len(node.key) > max_tokens else ""
+            keys = ",".join(map(str, node.key[:max_tokens])) + more
+            slots = ",".join(map(str, node.value[:max_tokens].tolist())) + more
+            lines.append(
+                f"{'  ' * depth}[{keys}] slots=[{slots}] len={len(node.key)} lock={node.lock_ref} "
+                f"t={node.last_access}"
+            )
+            kids = sorted(node.children.values(), key=lambda c: c.key[0], reverse=True)
+            stack.extend((c, depth + 1) for c in kids)
+        return "\n".join(lines)
+
+
+class NoPrefixCache(BasePrefixCache):
+    """`--disable-radix-cache`: same interface, never matches, never holds a slot."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        self.root = TreeNode()
+
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        return MatchResult(indices=_empty_slots(), last_node=self.root)
+
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
+        key = _as_key(key)
+        _as_value(value, len(key))
+        return len(key)  # nothing is kept: the caller frees every slot
+
+    def lock(self, node: TreeNode) -> None:
+        if node is not self.root:
+            raise ValueError("NoPrefixCache only hands out its root")
+
+    def unlock(self, node: TreeNode) -> None:
+        if node is not self.root:
+            raise ValueError("NoPrefixCache only hands out its root")
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        return _empty_slots()
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def all_slots(self) -> torch.Tensor:
+        return _empty_slots()
+
+    def check_integrity(self) -> None:
+        assert not self.root.children and self.root.lock_ref == 0, "NoPrefixCache holds nodes"
+
+    def reset(self) -> torch.Tensor:
+        return _empty_slots()
