@@ -1,0 +1,124 @@
+"""Moves KV slots between requests, the radix cache and the free list.
+
+A request's row `req_to_token[row, :kv_len]` holds its KV slots. The first `cached_len` of them belong to the
+radix cache (matched at admission and kept alive by locking `locked_node`); the rest are the request's own.
+When a request leaves (finish, abort, retraction) its tokens are inserted into the cache, duplicates freed and
+the lock dropped, so the accounting invariant holds after every step:
+
+    allocator.available() + cache.total_size() + sum(own slots of live requests) == pool size
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.memory_pool import ReqToTokenPool, SlotAllocator
+from runtime.radix_cache import BasePrefixCache
+from runtime.req import Req
+
+
+class CacheManager:
+    def __init__(self, cache: BasePrefixCache, req_pool: ReqToTokenPool, allocator: SlotAllocator):
+        self.cache = cache
+        self.req_pool = req_pool
+        self.allocator = allocator
+
+    # ---- lookup ----------------------------------------------------------------------------------------
+    def match(self, req: Req) -> int:
+        """Record on `req` the longest usable cached prefix (no cache mutation); returns its length."""
+        res = self.cache.match_prefix(req.all_ids[: req.prefix_limit()])
+        req.match_len, req.match_node, req.match_indices = len(res.indices), res.last_node, res.indices
+        return req.match_len
+
+    def available(self) -> int:
+        """Slots obtainable right now: free plus evictable."""
+        return self.allocator.available() + self.cache.evictable_size()
+
+    # ---- slots -------------------------------------------------------------------------------------------
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.allocator.free(self.cache.evict(n - self.allocator.available()))
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def start(self, req: Req) -> bool:
+        """Give a request without KV its row and the cached prefix recorded by `match`. False: no free row."""
+        assert req.req_pool_idx is None
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        self.cache.lock(req.match_node)
+        req.locked_node = req.match_node
+        req.cached_len = req.kv_len = req.match_len
+        if req.match_len:
+            self.req_pool.write(row, 0, req.match_indices)
+        return True
+
+    def append_slots(self, req: Req, slots: torch.Tensor) -> None:
+        """Record slots for the request's next tokens (their KV is written by the coming forward)."""
+        self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
+        req.kv_len += slots.numel()
+
+    def truncate(self, req: Req, new_kv_len: int) -> bool:
+        """Drop KV past `new_kv_len` (jump-forward rewrote those tokens). False if that would cut into
+        cache-owned slots; the caller then releases the request instead."""
+        if new_kv_len < req.cached_len:
+            return False
+        if new_kv_len < req.kv_len:
+            self.allocator.free(self.req_pool.read(req.req_pool_idx, req.kv_len, new_kv_len).clone())
+            req.kv_len = new_kv_len
+        return True
+
+    def cache_prefix(self, req: Req) -> None:
+        """Publish a running request's computed tokens to the cache so later requests can share them while
+        it keeps decoding; the request then holds only a lock on them, no slots of its own."""
+        if not self.cache.enabled or req.kv_len <= req.cached_len:
+            return
+        key = req.all_ids[: req.kv_len]
+        slots = self.req_pool.read(req.req_pool_idx, req.kv_len).clone()
+        dup = self.cache.insert(key, slots)
+        self.allocator.free(slots[req.cached_len : max(dup, req.cached_len)])
+        res = self.cache.match_prefix(key)
+        assert len(res.indices) == req.kv_len, "a just-inserted prefix must match in full"
+        self.req_pool.write(req.req_pool_idx, 0, res.indices)
+        self.cache.lock(res.last_node)
+        self.cache.unlock(req.locked_node)
+        req.locked_node, req.cached_len = res.last_node, req.kv_len
+
+    def release(self, req: Req, cache_tokens: bool = True) -> None:
+        """Return a request's KV: its tokens go into the cache (duplicates freed), then its lock and row."""
+        if req.req_pool_idx is None:
+            return
+        row = req.req_pool_idx
+        slots = self.req_pool.read(row, req.kv_len).clone()
+        if cache_tokens and req.kv_len:
+            dup = self.cache.insert(req.all_ids[: req.kv_len], slots)
+            self.allocator.free(slots[req.cached_len : max(dup, req.cached_len)])
+        else:
+            self.allocator.free(slots[req.cached_len :])
+        self.cache.unlock(req.locked_node)
+        self.req_pool.free(row)
+        req.req_pool_idx, req.locked_node, req.kv_len, req.cached_len = None, None, 0, 0
+
+    def flush(self) -> bool:
+        """Drop the whole cache; only possible while no request holds a lock."""
+        if self.cache.protected_size() > 0:
+            return False
+        self.allocator.free(self.cache.reset())
+        return True
+
+    # ---- invariants -------------------------------------------------------------------------------------
+    def check_accounting(self, live: list[Req]) -> None:
+        """Raise AssertionError if any slot is lost or held twice."""
+        own = [self.req_pool.read(r.req_pool_idx, r.kv_len, r.cached_len) for r in live if r.req_pool_idx is not None]
+        parts = [self.allocator.free_slots(), self.cache.all_slots(), *own]
+        held = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        size = self.allocator.size
+        assert held.numel() == size, (
+            f"KV accounting broken: free {self.allocator.available()} + cache {self.cache.total_size()} + "
+            f"requests {sum(o.numel() for o in own)} = {held.numel()} != pool size {size}"
+        )
+        assert torch.unique(held).numel() == size, "KV accounting broken: a slot is held twice"
+        self.cache.check_integrity()

@@ -1,0 +1,58 @@
+"""The scheduler's view of constrained decoding: compile off the critical path, masks, jump-forward plans."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from runtime.req import Req
+from runtime.sampling_params import SamplingParams
+
+
+class GrammarManager:
+    def __init__(self, tokenizer, vocab_size: int, jump_forward: bool = True):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.jump_forward = jump_forward
+        self._compiler = None  # built on first use: the vocabulary takes a moment
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            from constrained import GrammarCompiler
+
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._compiler
+
+    def compile_async(self, params: SamplingParams) -> Future:
+        if params.regex is not None:
+            return self.compiler.compile_async("regex", params.regex)
+        return self.compiler.compile_async("json_schema", params.json_schema)
+
+    def vocab_mask(self, reqs: list[Req], vocab: int, device: torch.device) -> torch.Tensor | None:
+        """[bs, vocab] bool, True = allowed; None when no request in the batch is constrained."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        mask = torch.zeros((len(reqs), vocab), dtype=torch.bool)
+        for i, req in enumerate(reqs):
+            if req.grammar is None:
+                mask[i] = True
+            else:
+                req.grammar.fill_vocab_mask(mask[i])
+        return mask.to(device)
+
+    def plan_jump(self, req: Req) -> tuple[int, list[int]] | None:
+        """(tokens of output to keep, tokens to append) when the grammar forces text from here."""
+        forced = req.grammar.jump_forward_string()
+        if not forced:
+            return None
+        from constrained import plan_jump_forward
+
+        return plan_jump_forward(self.tokenizer, req.output_ids, forced)
+
+    def stats(self) -> dict:
+        if self._compiler is None:
+            return {}
+        s = getattr(self._compiler, "stats", None)
+        return s() if callable(s) else (dict(s) if s else {})

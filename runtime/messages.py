@@ -1,0 +1,115 @@
+"""Every message that crosses a process boundary, and the one serializer for them.
+
+Messages are tagged `msgspec.Struct`s encoded as MessagePack: typed on decode, fast, and unlike pickle they
+cannot execute code. Flow (one way): TokenizerManager -> Scheduler -> Detokenizer -> TokenizerManager;
+the scheduler also answers control requests (flush, server info) straight to the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from runtime.sampling_params import SamplingParams
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+# ---- TokenizerManager -> Scheduler -------------------------------------------------------------------
+class TokenizedGenerateReq(Message):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+class AbortReq(Message):
+    rid: str  # "" aborts everything
+
+
+class FlushCacheReq(Message):
+    pass
+
+
+class GetServerInfoReq(Message):
+    pass
+
+
+# ---- Scheduler -> TokenizerManager (control replies) ------------------------------------------------------
+class FlushCacheResp(Message):
+    success: bool
+    message: str = ""
+
+
+class ServerInfoResp(Message):
+    info: dict[str, Any]
+
+
+# ---- Scheduler -> Detokenizer -> TokenizerManager --------------------------------------------------------
+class ReqOutput(Message):
+    """Incremental output of one request for one scheduler step."""
+
+    rid: str
+    new_token_ids: list[int]  # appended after dropping `replaced_tokens` from the tail (jump-forward)
+    replaced_tokens: int = 0
+    finished_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # logprob entries are [logprob | None, token_id, top_logprobs | None]
+    input_token_logprobs: list[list[Any]] | None = None
+    output_token_logprobs: list[list[Any]] | None = None
+    # detokenizer settings, sent with the first chunk
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strings: list[str] | None = None
+    no_stop_trim: bool = False
+    error: str | None = None  # set when the request failed (e.g. grammar compile error)
+    error_status: int = 0  # HTTP status for `error` (400: client's fault)
+
+
+class BatchTokenIDOut(Message):
+    outputs: list[ReqOutput]
+
+
+class ReqTextOutput(Message):
+    rid: str
+    text_delta: str  # new text since the previous chunk (stop strings trimmed)
+    new_token_ids: list[int]
+    replaced_tokens: int = 0
+    finished_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_token_logprobs: list[list[Any]] | None = None
+    output_token_logprobs: list[list[Any]] | None = None
+    error: str | None = None
+    error_status: int = 0
+
+
+class BatchStrOut(Message):
+    outputs: list[ReqTextOutput]
+
+
+AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged structs
+    TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, FlushCacheResp, ServerInfoResp,
+    BatchTokenIDOut, BatchStrOut,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

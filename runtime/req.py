@@ -1,0 +1,101 @@
+"""Per-request state inside the scheduler process."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.messages import TokenizedGenerateReq
+from runtime.radix_cache import TreeNode
+from runtime.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    GRAMMAR = "grammar"  # waiting for its grammar to compile
+    WAITING = "waiting"  # queued for prefill
+    RUNNING = "running"  # has KV; in prefill chunks or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finished_reason: dict[str, Any] | None = None
+    error: str | None = None
+    error_status: int = 0
+
+    # ---- KV memory (owned jointly with CacheManager) ----
+    req_pool_idx: int | None = None
+    kv_len: int = 0  # tokens of `all_ids` whose KV is in req_to_token[req_pool_idx, :kv_len]
+    locked_node: TreeNode | None = None  # radix node locked for the cached prefix we use
+    cached_len: int = 0  # leading tokens of kv whose slots belong to the radix cache (not to this request)
+    cached_tokens: int = 0  # prefix hit at first admission, reported to the client
+    # set by the prefill adder: prefix length matched at scheduling time and the node it ends in
+    match_len: int = 0
+    match_node: TreeNode | None = None
+    match_indices: torch.Tensor | None = None
+
+    # ---- outputs not yet sent ----
+    sent_output_len: int = 0
+    replaced_since_send: int = 0
+    pending_input_logprobs: list[list[Any]] | None = None
+    pending_output_logprobs: list[list[Any]] = field(default_factory=list)
+    first_chunk_sent: bool = False
+
+    grammar: Any = None  # constrained.GrammarMatcher
+    grammar_future: Any = None
+    generator: torch.Generator | None = None
+    retractions: int = 0
+
+    @classmethod
+    def from_message(cls, msg: TokenizedGenerateReq) -> Req:
+        return cls(rid=msg.rid, prompt_ids=list(msg.input_ids), params=msg.sampling_params, stream=msg.stream,
+                   return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                   top_logprobs_num=msg.top_logprobs_num)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.pending_input_logprobs is None \
+            and not self.output_ids
+
+    def prefix_limit(self) -> int:
+        """Longest prefix we may take from the cache: positions whose logits we must compute are excluded,
+        and at least one token is always recomputed so the last logits exist."""
+        limit = self.seq_len - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(0, self.logprob_start_len - 1))
+        return max(0, limit)
+
+    def finish(self, reason: dict[str, Any]) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = reason

@@ -1,0 +1,111 @@
+"""Which waiting requests to prefill next: queue ordering policies and token-budget admission."""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import defaultdict
+
+from runtime.cache_manager import CacheManager
+from runtime.req import Req
+
+# Matching every waiting request against the tree costs O(total prompt tokens); past this queue length
+# `lpm` falls back to arrival order, as prefix locality matters less than keeping the scheduler cheap.
+LPM_MAX_QUEUE = 128
+
+
+def order_waiting(policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None = None) -> list[Req]:
+    """Return `waiting` in the order to try admission; fills each request's match_* fields."""
+    if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
+        policy = "fcfs"
+    for req in waiting:
+        cm.match(req)
+    if policy == "lpm":
+        return sorted(waiting, key=lambda r: (-r.match_len, r.arrival))
+    if policy == "fcfs":
+        return sorted(waiting, key=lambda r: r.arrival)
+    if policy == "random":
+        out = list(waiting)
+        (rng or random).shuffle(out)
+        return out
+    if policy == "dfs-weight":
+        return _dfs_weight_order(waiting, cm)
+    raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _dfs_weight_order(waiting: list[Req], cm: CacheManager) -> list[Req]:
+    """Depth-first over the radix tree, heavier subtrees (more waiting requests below) first, so requests
+    sharing a prefix run back to back while that prefix is hot."""
+    at_node: dict[int, list[Req]] = defaultdict(list)
+    weight: dict[int, int] = defaultdict(int)
+    for req in sorted(waiting, key=lambda r: r.arrival):
+        node = req.match_node
+        at_node[id(node)].append(req)
+        while node is not None:
+            weight[id(node)] += 1
+            node = node.parent
+    out: list[Req] = []
+    stack = [cm.cache.root]
+    while stack:
+        node = stack.pop()
+        out.extend(at_node.get(id(node), []))
+        kids = [c for c in node.children.values() if weight.get(id(c))]
+        stack.extend(sorted(kids, key=lambda c: weight[id(c)]))  # heaviest popped first
+    return out
+
+
+class AddResult(enum.Enum):
+    CONTINUE = "continue"
+    NO_TOKEN = "no_token"  # KV budget exhausted
+    FULL = "full"  # prefill budget or running-request limit reached
+
+
+class PrefillAdder:
+    """Admits requests into one extend batch under three budgets.
+
+    - KV: free + evictable slots, minus a reservation of `new_token_ratio` x the remaining max_new_tokens
+      of every running request (they will need those slots to decode).
+    - Prefill tokens per batch (`max_prefill_tokens`): the first request may exceed it so nothing starves.
+    - Chunking: a prompt longer than the remaining chunk budget is cut; its rest runs in later batches.
+    """
+
+    def __init__(self, cm: CacheManager, running: list[Req], *, max_prefill_tokens: int, chunk_size: int,
+                 new_token_ratio: float, max_running: int):
+        self.ratio = new_token_ratio
+        reserved = sum(self._reserve(r) for r in running)
+        self.rem_total = cm.available() - reserved
+        self.rem_prefill = max_prefill_tokens
+        self.rem_chunk = chunk_size if chunk_size > 0 else None
+        self.rem_requests = max_running - len(running)
+        self.admitted: list[tuple[Req, int]] = []  # (request, tokens to extend now)
+
+    def _reserve(self, req: Req) -> int:
+        return int(req.remaining_new_tokens * self.ratio)
+
+    def add(self, req: Req, extend_len: int, chunkable: bool = True) -> AddResult:
+        """`extend_len`: tokens this request still has to prefill (after its cached prefix). A request that is
+        not `chunkable` (it wants prompt logprobs) is taken whole or not at all."""
+        if self.rem_requests <= 0:
+            return AddResult.FULL
+        take = extend_len
+        if self.rem_chunk is not None and take > self.rem_chunk:
+            if not chunkable and self.admitted:
+                return AddResult.FULL
+        if self.rem_chunk is not None and take > self.rem_chunk and chunkable:
+            take = self.rem_chunk
+        if self.admitted and take > self.rem_prefill:
+            return AddResult.FULL
+        if take <= 0:
+            return AddResult.FULL
+        need = take + (self._reserve(req) if take == extend_len else 0)
+        if need > self.rem_total:
+            if self.admitted or take > self.rem_total:
+                return AddResult.NO_TOKEN
+        self.admitted.append((req, take))
+        self.rem_total -= need
+        self.rem_prefill -= take
+        if self.rem_chunk is not None:
+            self.rem_chunk -= take
+        if take == extend_len:
+            self.rem_requests -= 1
+        return AddResult.CONTINUE if take == extend_len else AddResult.FULL

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random-weight models saved as HF folders, the default model's tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from runtime.model_loader import resolve_model_path
+
+    return resolve_model_path("default")
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    from runtime.model_loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
+    """A 2-layer Llama with a 512-token vocabulary (ids < 512 of the default tokenizer, which it ships)
+    and weights scaled up so greedy choices are far from ties (outputs stable under round-off)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=2, bos_token_id=1, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
+    return str(path)
