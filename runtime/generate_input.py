@@ -1,0 +1,105 @@
+"""The native /generate request body, validated once for HTTP and the Engine alike.
+
+`parse_generate_body` turns SGLang-style input (single or batch, text or input_ids, n) into a list of
+`SingleRequest`s, raising ValueError with a message that names the offending field.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.sampling_params import SamplingParams
+
+MAX_BATCH = 1024
+ALLOWED_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+                  "top_logprobs_num", "return_text_in_logprobs", "rid", "model"}
+
+
+@dataclass
+class SingleRequest:
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
+    """Returns (requests, is_batch)."""
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    unknown = sorted(set(body) - ALLOWED_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(unknown)}")
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ValueError("exactly one of 'text' or 'input_ids' is required")
+    if text is not None:
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("'text' must be a string or a list of strings")
+        prompts: list[tuple[str | None, list[int] | None]] = [(t, None) for t in texts]
+    else:
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("'input_ids' must be a non-empty list of token ids or a list of such lists")
+        is_batch = isinstance(ids[0], list)
+        seqs = ids if is_batch else [ids]
+        for s in seqs:
+            if not isinstance(s, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in s):
+                raise ValueError("'input_ids' must contain only integers")
+        prompts = [(None, s) for s in seqs]
+    if is_batch and not prompts:
+        raise ValueError("batch input must not be empty")
+    if len(prompts) > MAX_BATCH:
+        raise ValueError(f"at most {MAX_BATCH} prompts per request, got {len(prompts)}")
+
+    sp = body.get("sampling_params")
+    sp_list = sp if isinstance(sp, list) else [sp] * len(prompts)
+    if len(sp_list) != len(prompts):
+        raise ValueError("'sampling_params' list must have one entry per prompt")
+    params = [SamplingParams.from_dict(p) for p in sp_list]
+
+    stream = _bool(body, "stream")
+    return_logprob = _bool(body, "return_logprob")
+    text_in_lp = _bool(body, "return_text_in_logprobs")
+    start = _int(body, "logprob_start_len", -1, low=-1)
+    top_n = _int(body, "top_logprobs_num", 0, low=0, high=20)
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+    if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
+        raise ValueError("'rid' must be a string (or a list of strings for batch input)")
+    if stream and is_batch:
+        raise ValueError("streaming is supported for a single prompt only")
+    reqs = []
+    for (t, i), p, r in zip(prompts, params, rids):
+        reqs.append(SingleRequest(rid=r or uuid.uuid4().hex, text=t, input_ids=i, params=p, stream=stream,
+                                  return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top_n,
+                                  return_text_in_logprobs=text_in_lp))
+    return reqs, is_batch
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ValueError(f"'{name}' must be a boolean")
+    return v
+
+
+def _int(body: dict, name: str, default: int, low: int, high: int | None = None) -> int:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"'{name}' must be an integer")
+    if v < low or (high is not None and v > high):
+        raise ValueError(f"'{name}' must be in [{low}, {high if high is not None else 'inf'}], got {v}")
+    return v

@@ -1,0 +1,70 @@
+"""Scheduler process entry point: drives `Scheduler` with messages from ZMQ.
+
+Loop: drain incoming messages -> one `step()` -> push outputs to the detokenizer. When idle it blocks on the
+socket (no busy spin) and checks the KV accounting invariant once per transition to idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import traceback
+
+import zmq
+
+from runtime import ipc
+from runtime.messages import BatchTokenIDOut
+from runtime.server_args import ServerArgs
+
+
+def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEndpoints, ready_conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    _setup_logging(args, "scheduler")
+    logger = logging.getLogger("radixlm.scheduler")
+    try:
+        import torch
+
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        from runtime.scheduler import Scheduler
+
+        scheduler = Scheduler(args, model_dir)
+        ctx = zmq.Context()
+        recv_sock = ipc.socket(ctx, zmq.PULL, endpoints.scheduler, bind=True)
+        detok_sock = ipc.socket(ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
+        reply_sock = ipc.socket(ctx, zmq.PUSH, endpoints.tokenizer, bind=False)
+        r = scheduler.runner
+        ready_conn.send({"status": "ready", "max_total_tokens": r.max_total_tokens,
+                         "context_length": r.context_length, "vocab_size": r.vocab_size,
+                         "attention_backend": r.backend_name, "load_seconds": r.load_seconds})
+    except Exception as e:  # report startup failures to the parent instead of dying silently
+        ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        return
+    poller = zmq.Poller()
+    poller.register(recv_sock, zmq.POLLIN)
+    was_busy = False
+    while True:
+        if not scheduler.has_work():
+            if was_busy:
+                try:
+                    scheduler.check_accounting()
+                except AssertionError as e:
+                    logger.error("KV accounting invariant broken: %s", e)
+                    os._exit(3)  # a leak is a bug: fail loudly so a supervisor restarts us
+                was_busy = False
+            poller.poll(timeout=1000)
+        while (msg := ipc.recv_nowait(recv_sock)) is not None:
+            reply = scheduler.handle(msg)
+            if reply is not None:
+                ipc.send(reply_sock, reply)
+        if scheduler.has_work():
+            was_busy = True
+            outputs = scheduler.step()
+            if outputs:
+                ipc.send(detok_sock, BatchTokenIDOut(outputs=outputs))
+
+
+def _setup_logging(args: ServerArgs, role: str) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s", force=True)

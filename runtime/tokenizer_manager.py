@@ -1,0 +1,356 @@
+"""TokenizerManager: the front of the process trio, living in the caller's process on an asyncio loop.
+
+It launches the scheduler and detokenizer processes, tokenizes and validates requests, sends them over ZMQ,
+and wakes each request's waiter when its text arrives. A watchdog notices a dead child and fails every
+in-flight request at once with a clear error instead of letting it hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import logging
+import multiprocessing as mp
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime import ipc
+from runtime.generate_input import SingleRequest
+from runtime.messages import (
+    AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResp, GetServerInfoReq, ReqTextOutput, ServerInfoResp,
+    TokenizedGenerateReq, decode,
+)
+from runtime.sampling_params import SamplingParams
+from runtime.server_args import ServerArgs
+
+logger = logging.getLogger("radixlm.tokenizer_manager")
+STARTUP_TIMEOUT_S = 600
+
+
+class RequestError(Exception):
+    """A request failed; `status` is the HTTP status the front end should answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_tokens: int
+    return_text_in_logprobs: bool
+    created: float = field(default_factory=time.perf_counter)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    chunks: list[ReqTextOutput] = field(default_factory=list)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+    first_token_time: float | None = None
+    input_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, model_dir: str, on_child_death: Callable[[str], None] | None = None):
+        from runtime.model_loader import load_tokenizer
+
+        self.args = args
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        self.on_child_death = on_child_death
+        self.endpoints = ipc.IpcEndpoints.create()
+        self.states: dict[str, ReqState] = {}
+        self.pending_control: dict[type, list[asyncio.Future]] = {FlushCacheResp: [], ServerInfoResp: []}
+        self.dead_reason: str | None = None
+        self.draining = False
+        self.metrics = None  # set by the HTTP server (runtime.metrics.Metrics)
+        self._tasks: list[asyncio.Task] = []
+        self.procs: dict[str, mp.Process] = {}
+        self.info = self._launch_children()
+        self.context_length: int = self.info["context_length"]
+        self._ctx = zmq.asyncio.Context()
+        self._send_sock = ipc.socket(self._ctx, zmq.PUSH, self.endpoints.scheduler, bind=False)
+        self._recv_sock = ipc.socket(self._ctx, zmq.PULL, self.endpoints.tokenizer, bind=True)
+
+    # ---- processes -------------------------------------------------------------------------------------
+    def _launch_children(self) -> dict[str, Any]:
+        from runtime.detokenizer import run_detokenizer_process
+        from runtime.scheduler_process import run_scheduler_process
+
+        ctx = mp.get_context("spawn")
+        info: dict[str, Any] = {}
+        conns = {}
+        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+            parent_conn, child_conn = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child_main, name=f"radixlm-{name}",
+                               args=(target, self.args, self.model_dir, self.endpoints, child_conn), daemon=True)
+            proc.start()
+            self.procs[name], conns[name] = proc, parent_conn
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for name, conn in conns.items():
+            while not conn.poll(0.2):
+                if not self.procs[name].is_alive():
+                    self.shutdown()
+                    raise RuntimeError(f"{name} process exited during startup (exit code {self.procs[name].exitcode})")
+                if time.monotonic() > deadline:
+                    self.shutdown()
+                    raise RuntimeError(f"{name} process did not become ready within {STARTUP_TIMEOUT_S}s")
+            msg = conn.recv()
+            if msg["status"] != "ready":
+                self.shutdown()
+                raise RuntimeError(f"{name} process failed to start: {msg['message']}\n{msg.get('traceback', '')}")
+            info.update({k: v for k, v in msg.items() if k != "status"})
+        return info
+
+    def start(self) -> None:
+        """Start the receive loop and the watchdog on the running event loop."""
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watchdog())]
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs.values():
+            proc.join(timeout=5)
+        for t in self._tasks:
+            t.cancel()
+        if hasattr(self, "_ctx"):
+            self._send_sock.close()
+            self._recv_sock.close()
+            self._ctx.term()
+        self.endpoints.cleanup()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(0.5)
+            for name, proc in self.procs.items():
+                if not proc.is_alive():
+                    self._on_death(f"{name} process died (exit code {proc.exitcode})")
+                    break
+
+    def _on_death(self, reason: str) -> None:
+        logger.error("%s: failing %d in-flight request(s)", reason, len(self.states))
+        self.dead_reason = reason
+        for st in list(self.states.values()):
+            st.chunks.append(ReqTextOutput(rid=st.rid, text_delta="", new_token_ids=[], error=reason,
+                                           error_status=503, finished_reason={"type": "abort", "message": reason}))
+            st.event.set()
+        for futs in self.pending_control.values():
+            for f in futs:
+                if not f.done():
+                    f.set_exception(RequestError(reason, 503))
+            futs.clear()
+        if self.on_child_death:
+            self.on_child_death(reason)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = decode(await self._recv_sock.recv())
+            if isinstance(msg, BatchStrOut):
+                for out in msg.outputs:
+                    st = self.states.get(out.rid)
+                    if st is not None:
+                        st.chunks.append(out)
+                        st.event.set()
+            elif type(msg) in self.pending_control:
+                futs = self.pending_control[type(msg)]
+                if futs:
+                    fut = futs.pop(0)
+                    if not fut.done():
+                        fut.set_result(msg)
+
+    # ---- requests --------------------------------------------------------------------------------------
+    def num_in_flight(self) -> int:
+        return len(self.states)
+
+    def check_admission(self, n: int = 1) -> None:
+        if self.dead_reason:
+            raise RequestError(f"server is unhealthy: {self.dead_reason}", 503)
+        if self.draining:
+            raise RequestError("server is shutting down", 503)
+        limit = self.args.max_running_requests + self.args.max_queued_requests
+        if len(self.states) + n > limit:
+            raise RequestError(f"server overloaded: {len(self.states)} requests in flight (limit {limit})", 503)
+
+    def tokenize(self, req: SingleRequest) -> list[int]:
+        if req.input_ids is not None:
+            return req.input_ids
+        return self.tokenizer.encode(req.text)
+
+    async def validate_grammar(self, params: SamplingParams) -> None:
+        if not params.has_grammar:
+            return
+        from constrained import validate_spec
+
+        kind, spec = ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
+        try:
+            await asyncio.to_thread(validate_spec, kind, spec)
+        except ValueError as e:
+            raise RequestError(f"invalid {kind}: {e}", 400) from None
+
+    async def generate(self, req: SingleRequest) -> AsyncIterator[dict[str, Any]]:
+        """Yield the cumulative output dict after every chunk (streaming) or once at the end.
+
+        Closing the iterator early (client disconnect) aborts the request in the scheduler at once.
+        """
+        self.check_admission()
+        ids = self.tokenize(req)
+        if not ids:
+            raise RequestError("the prompt is empty (no tokens)", 400)
+        total = len(ids) + req.params.max_new_tokens
+        if total > self.context_length:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
+                               f"exceeds the context length ({self.context_length})", 400)
+        if req.logprob_start_len >= len(ids):
+            raise RequestError(f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length "
+                               f"({len(ids)})", 400)
+        await self.validate_grammar(req.params)
+        if req.rid in self.states:
+            raise RequestError(f"duplicate request id {req.rid!r}", 400)
+        st = ReqState(req.rid, len(ids), req.return_text_in_logprobs)
+        self.states[req.rid] = st
+        if self.metrics:
+            self.metrics.on_request_start()
+        ipc.send(self._send_sock, TokenizedGenerateReq(
+            rid=req.rid, input_ids=ids, sampling_params=req.params, stream=req.stream,
+            return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+            top_logprobs_num=req.top_logprobs_num, return_text_in_logprobs=req.return_text_in_logprobs))
+        try:
+            while True:
+                await st.event.wait()
+                st.event.clear()
+                chunks, st.chunks = st.chunks, []
+                for c in chunks:
+                    self._apply_chunk(st, c)
+                if st.finished:
+                    yield self._result(st, chunks[-1])
+                    return
+                if req.stream and chunks:
+                    yield self._result(st, chunks[-1])
+        finally:
+            self.states.pop(req.rid, None)
+            if not st.finished and self.dead_reason is None:
+                self.abort(req.rid)
+            if self.metrics:
+                self.metrics.on_request_end(st)
+
+    def _apply_chunk(self, st: ReqState, c: ReqTextOutput) -> None:
+        if c.error:
+            st.finished = True
+            raise RequestError(c.error, c.error_status or 500)
+        if c.replaced_tokens:
+            del st.output_ids[len(st.output_ids) - c.replaced_tokens :]
+        st.output_ids.extend(c.new_token_ids)
+        if st.first_token_time is None and st.output_ids:
+            st.first_token_time = time.perf_counter()
+        st.text += c.text_delta
+        if c.input_token_logprobs:
+            st.input_logprobs.extend(self._lp_entries(st, c.input_token_logprobs))
+        if c.output_token_logprobs:
+            st.output_logprobs.extend(self._lp_entries(st, c.output_token_logprobs))
+        if c.finished_reason is not None:
+            st.finished = True
+
+    def _lp_entries(self, st: ReqState, entries: list) -> list:
+        out = []
+        for lp, tid, top in entries:
+            text = self.tokenizer.decode([tid]) if st.return_text_in_logprobs else None
+            top_fmt = None
+            if top:
+                top_fmt = [[tlp, t, self.tokenizer.decode([t]) if st.return_text_in_logprobs else None] for tlp, t in top]
+            out.append((lp, tid, text, top_fmt))
+        return out
+
+    def _result(self, st: ReqState, last: ReqTextOutput) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": st.rid,
+            "prompt_tokens": st.prompt_tokens,
+            "completion_tokens": len(st.output_ids),
+            "cached_tokens": last.cached_tokens,
+            "finish_reason": last.finished_reason,
+            "e2e_latency": time.perf_counter() - st.created,
+        }
+        if st.input_logprobs or st.output_logprobs:
+            meta["input_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.input_logprobs]
+            meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.output_logprobs]
+            meta["input_top_logprobs"] = [top for *_, top in st.input_logprobs]
+            meta["output_top_logprobs"] = [top for *_, top in st.output_logprobs]
+        return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+    async def generate_all(self, reqs: list[SingleRequest]) -> list[dict[str, Any]]:
+        """Run non-streaming requests to completion, expanding `n > 1` into n samples that share the prompt's
+        KV (the prompt is prefilled once first). Results are flattened in order."""
+        expanded = self.expand_n(reqs)
+        self.check_admission(len(expanded))
+        warm = [self.prefill_only(r) for r in reqs if r.params.n > 1]
+        if warm:
+            await asyncio.gather(*(self.final(w) for w in warm))
+        return list(await asyncio.gather(*(self.final(r) for r in expanded)))
+
+    async def final(self, req: SingleRequest) -> dict[str, Any]:
+        out = None
+        async for out in self.generate(req):
+            pass
+        return out
+
+    @staticmethod
+    def expand_n(reqs: list[SingleRequest]) -> list[SingleRequest]:
+        out = []
+        for r in reqs:
+            if r.params.n == 1:
+                out.append(r)
+                continue
+            for i in range(r.params.n):
+                p = dataclasses.replace(r.params, n=1)
+                if p.seed is not None:
+                    p = dataclasses.replace(p, seed=p.seed + i)  # distinct samples, still reproducible
+                out.append(dataclasses.replace(r, rid=f"{r.rid}-{i}", params=p))
+        return out
+
+    @staticmethod
+    def prefill_only(r: SingleRequest) -> SingleRequest:
+        p = dataclasses.replace(r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None)
+        return dataclasses.replace(r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False)
+
+    def abort(self, rid: str) -> None:
+        ipc.send(self._send_sock, AbortReq(rid=rid))
+
+    # ---- control ---------------------------------------------------------------------------------------
+    async def _control(self, msg, resp_type: type, timeout: float = 30.0):
+        if self.dead_reason:
+            raise RequestError(f"server is unhealthy: {self.dead_reason}", 503)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending_control[resp_type].append(fut)
+        ipc.send(self._send_sock, msg)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> FlushCacheResp:
+        return await self._control(FlushCacheReq(), FlushCacheResp)
+
+    async def server_info(self) -> dict[str, Any]:
+        resp = await self._control(GetServerInfoReq(), ServerInfoResp)
+        return resp.info
+
+
+def _child_main(target, args, model_dir, endpoints, conn) -> None:
+    """Child entry: die with the parent (no orphans even after kill -9 of the server), then run."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    target(args, model_dir, endpoints, conn)
