@@ -55,6 +55,7 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     finished: bool = False
     first_token_time: float | None = None
+    cached_tokens: int = 0
     input_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
 
@@ -258,6 +259,7 @@ class TokenizerManager:
         if st.first_token_time is None and st.output_ids:
             st.first_token_time = time.perf_counter()
         st.text += c.text_delta
+        st.cached_tokens = c.cached_tokens
         if c.input_token_logprobs:
             st.input_logprobs.extend(self._lp_entries(st, c.input_token_logprobs))
         if c.output_token_logprobs:

@@ -1,0 +1,52 @@
+"""Prometheus metrics of the HTTP front end (a private registry, so several servers in one test process
+do not collide)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("radixlm_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("radixlm_prompt_tokens_total", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("radixlm_generation_tokens_total", "Tokens generated", registry=r)
+        self.cached_tokens = Counter("radixlm_cached_tokens_total", "Prompt tokens served from the radix cache",
+                                     registry=r)
+        self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("radixlm_requests_in_flight", "Requests between arrival and response", registry=r)
+        self.running = Gauge("radixlm_num_running_reqs", "Requests holding KV in the scheduler", registry=r)
+        self.queued = Gauge("radixlm_num_queued_reqs", "Requests waiting in the scheduler", registry=r)
+        self.token_usage = Gauge("radixlm_token_usage", "Share of the KV pool in use", registry=r)
+        self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Cached share of prompt tokens", registry=r)
+
+    def on_request_start(self) -> None:
+        self.in_flight.inc()
+
+    def on_request_end(self, st: Any) -> None:
+        self.in_flight.dec()
+        last = getattr(st, "finished", False)
+        self.requests.labels(outcome="finished" if last else "aborted").inc()
+        self.prompt_tokens.inc(st.prompt_tokens)
+        self.generation_tokens.inc(len(st.output_ids))
+        self.cached_tokens.inc(getattr(st, "cached_tokens", 0))
+        if st.first_token_time is not None:
+            self.ttft.observe(st.first_token_time - st.created)
+        self.e2e.observe(time.perf_counter() - st.created)
+
+    def render(self, scheduler_info: dict[str, Any] | None) -> bytes:
+        if scheduler_info:
+            self.running.set(scheduler_info.get("num_running_reqs", 0))
+            self.queued.set(scheduler_info.get("num_queued_reqs", 0))
+            self.token_usage.set(scheduler_info.get("token_usage", 0.0))
+            self.cache_hit_rate.set(scheduler_info.get("cache_hit_rate", 0.0))
+        return generate_latest(self.registry)
