@@ -32,6 +32,7 @@ class ModelRunner:
         max_running_requests: int = 64,
         context_length: int | None = None,
         attention_backend: str = "auto",
+        disable_cuda_graph: bool = False,
     ):
         from runtime.model_loader import iter_weights, load_hf_config
 
@@ -57,6 +58,14 @@ class ModelRunner:
         self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.backend_name = resolve_backend_name(attention_backend, self.device.type)
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
+        self.graph_runner = None
+        if self.device.type == "cuda" and not disable_cuda_graph:
+            from runtime.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
+
+            if supports_cuda_graph(self.backend):
+                sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_running_requests]
+                self.graph_runner = CudaGraphRunner(lambda b: self.model(b, self.backend), sizes,
+                                                    attn_backend=self.backend, device=self.device)
         logger.info(
             "model loaded in %.2fs: %s, %d layers, dtype=%s, device=%s, backend=%s, KV pool %d tokens (%.0f MiB)",
             self.load_seconds, cfg.architecture, cfg.num_layers, dtype, device, self.backend_name,
@@ -73,6 +82,8 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [num_selected_tokens, vocab] (last token of each request unless chosen)."""
+        if self.graph_runner is not None and batch.is_decode and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.backend.init_forward_metadata(batch)
         return self.model(batch, self.backend)
 

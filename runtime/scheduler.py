@@ -41,7 +41,7 @@ class Scheduler:
         self.runner = runner or ModelRunner(
             model_dir, dtype=args.dtype, device=args.device, max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
-            attention_backend=args.attention_backend)
+            attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
         self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator)
