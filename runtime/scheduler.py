@@ -37,7 +37,7 @@ class Scheduler:
     def __init__(self, args: ServerArgs, model_dir: str, runner: ModelRunner | None = None, tokenizer=None):
         from runtime.model_loader import load_tokenizer
 
-        self.args = args
+        self.args = args = args.resolve()  # idempotent; tests may pass unresolved args
         self.runner = runner or ModelRunner(
             model_dir, dtype=args.dtype, device=args.device, max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests, context_length=args.context_length,
