@@ -1,0 +1,273 @@
+"""JSON Schema -> regex, via outlines-core, with the fixes the served grammars need.
+
+outlines-core's ``build_regex_from_schema`` does the structural work. Before it runs we rewrite the schema:
+
+* numeric bounds (``minimum``, ``maximum``, ``exclusiveMinimum``, ``exclusiveMaximum``, draft-4 boolean
+  exclusives), which outlines-core ignores, become a placeholder ``const`` that is swapped for a range regex
+  (``constrained.numeric``) in the output;
+* ``pattern`` loses a leading ``^`` / trailing ``$`` (the whole string must match anyway; left in place they
+  make the pattern unsatisfiable once embedded between quotes);
+* free-form subschemas (``{}``, ``{"type": "object"}``, ``{"type": "array"}`` with nothing else) become
+  our compact JSON regexes (``json_value_regex``), nested at most JSON_OBJECT_DEPTH levels at the root and
+  one level below it: outlines-core's own (depth 3, ~1,600-3,300 DFA states) take 30-60 s to compile over a
+  49k vocabulary, since compile time is ~linear in states x vocabulary;
+* after conversion, ``\\d`` and ``\\w`` become ASCII classes: JSON Schema patterns are ECMA-262, where they are
+  ASCII, and the Unicode versions multiply the automaton size (seconds of compile time for ``\\w{8}``).
+
+Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, ``minProperties``, ...) stay
+ignored: output may violate them. Keywords it cannot express (``not``, bad ``$ref``) raise GrammarError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from outlines_core.json_schema import build_regex_from_schema
+
+from constrained.errors import GrammarError
+from constrained.numeric import integer_range_regex, number_range_regex
+
+# Where subschemas live. Values under any other key are data and are copied untouched.
+_MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_LIST_KEYS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "items"})
+_SCHEMA_KEYS = frozenset(
+    {
+        "items",
+        "additionalProperties",
+        "additionalItems",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+# Subschemas that may be swapped for a placeholder when free-form (map keys: always).
+_FREE_FORM_OK = frozenset({"anyOf", "oneOf", "prefixItems", "items"})
+_ANNOTATION_KEYS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$id",
+        "$schema",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_PLACEHOLDER = "__radixlm_fragment_{}__"
+JSON_OBJECT_DEPTH = 2  # nesting depth of free JSON; compile time grows ~5x per level (1.1 s, 5 s, 54 s)
+
+_STRING = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"'  # same character set as outlines-core
+_NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
+
+
+def json_value_regex(whitespace_pattern: str, depth: int, kind: str = "value") -> str:
+    """Any JSON value (kind="value"), object or array, with containers nested at most ``depth`` levels."""
+    ws = whitespace_pattern
+
+    def value(d: int) -> str:
+        primitive = f"{_STRING}|{_NUMBER}|true|false|null"
+        return primitive if d == 0 else f"{primitive}|{obj(d)}|{arr(d)}"
+
+    def obj(d: int) -> str:
+        pair = f"{_STRING}{ws}:{ws}({value(d - 1)})"
+        return rf"\{{{ws}({pair}({ws},{ws}{pair})*)?{ws}\}}"
+
+    def arr(d: int) -> str:
+        item = f"({value(d - 1)})"
+        return rf"\[{ws}({item}({ws},{ws}{item})*)?{ws}\]"
+
+    depth = max(depth, 1)
+    return {"value": value, "object": obj, "array": arr}[kind](depth)
+
+
+def json_object_regex(whitespace_pattern: str, depth: int = JSON_OBJECT_DEPTH) -> str:
+    """Any JSON object (the ``json_object`` response format)."""
+    return json_value_regex(whitespace_pattern, depth, "object")
+
+
+def schema_to_regex(
+    spec: str, whitespace_pattern: str, max_recursion_depth: int = 3, patterns: list[str] | None = None
+) -> str:
+    """Parse ``spec`` (JSON text) and return the regex of its instances. Raises GrammarError.
+
+    ``patterns``, if given, receives every ``pattern`` as embedded in the regex, for separate checking.
+    """
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as err:
+        raise GrammarError(f"json_schema is not valid JSON: {err}") from None
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise GrammarError("json_schema `false` accepts no value")
+    if not isinstance(schema, dict):
+        raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    fragments: list[str] = []
+    rewriter = _Rewriter(whitespace_pattern, fragments)
+    rewritten = rewriter.rewrite(schema, JSON_OBJECT_DEPTH)
+    if patterns is not None:
+        patterns.extend(ascii_digit_word_classes(p) for p in rewriter.patterns)
+    try:
+        regex = build_regex_from_schema(json.dumps(rewritten), whitespace_pattern, max_recursion_depth)
+    except (ValueError, TypeError, KeyError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise GrammarError(f"unsupported JSON schema: {reason}") from None
+    for i, fragment in enumerate(fragments):
+        regex = regex.replace(f'"{_PLACEHOLDER.format(i)}"', f"({fragment})")
+    return ascii_digit_word_classes(regex)
+
+
+class _Rewriter:
+    """Copies a schema, replacing subschemas we express better with placeholder ``const`` strings."""
+
+    def __init__(self, whitespace_pattern: str, fragments: list[str]):
+        self.ws = whitespace_pattern
+        self.fragments = fragments  # placeholder i -> regex fragment
+        self.patterns: list[str] = []  # every `pattern`, anchors stripped
+
+    def placeholder(self, regex: str) -> dict:
+        self.fragments.append(regex)
+        return {"const": _PLACEHOLDER.format(len(self.fragments) - 1)}
+
+    def rewrite(self, node: Any, free_depth: int | None) -> Any:
+        """Rewrite one subschema; ``free_depth`` (None: keep as is) is the nesting allowed if it is free-form."""
+        if not isinstance(node, dict):
+            return node
+        free = _free_form_kind(node) if free_depth is not None else None
+        if free is not None:
+            return self.placeholder(json_value_regex(self.ws, free_depth, free))
+        out = {}
+        for key, value in node.items():
+            if key in _MAP_KEYS and isinstance(value, dict):
+                # boolean subschemas, which outlines-core rejects: `true` is any value, a `false` property
+                # can never be present
+                subs = {name: ({} if sub is True else sub) for name, sub in value.items() if sub is not False}
+                out[key] = {name: self.rewrite(sub, 1) for name, sub in subs.items()}
+            elif key in _LIST_KEYS and isinstance(value, list):
+                out[key] = [self.rewrite(sub, 1 if key in _FREE_FORM_OK else None) for sub in value]
+            elif key in _SCHEMA_KEYS:
+                out[key] = self.rewrite(value, 1 if key in _FREE_FORM_OK else None)
+            else:
+                out[key] = value
+        if isinstance(out.get("pattern"), str):
+            out["pattern"] = strip_anchors(out["pattern"])
+            self.patterns.append(out["pattern"])
+        if "enum" in out or "const" in out or not any(k in out for k in _BOUND_KEYS):
+            return out
+        types = out.get("type")
+        if types in ("integer", "number"):
+            return self.placeholder(_bounded_number_regex(out, types))
+        if isinstance(types, list) and any(t in ("integer", "number") for t in types):
+            # split a multi-type schema so each numeric branch gets its own bounds
+            branches = []
+            for t in types:
+                branch = {**out, "type": t}
+                numeric = t in ("integer", "number")
+                branches.append(self.placeholder(_bounded_number_regex(branch, t)) if numeric else branch)
+            return {"anyOf": branches}
+        return out
+
+
+def _free_form_kind(node: dict) -> str | None:
+    """ "value", "object" or "array" when the subschema accepts any such JSON, else None."""
+    keys = set(node) - _ANNOTATION_KEYS
+    if not keys:
+        return "value"
+    if node.get("additionalProperties", True) not in (True, {}) or keys - {"type", "additionalProperties"}:
+        return None
+    if node.get("type") == "object":
+        return "object"
+    if node.get("type") == "array" and keys == {"type"}:
+        return "array"
+    return None
+
+
+def _bounded_number_regex(schema: dict, kind: str) -> str:
+    lo, lo_excl = _bound(schema, "minimum", "exclusiveMinimum")
+    hi, hi_excl = _bound(schema, "maximum", "exclusiveMaximum")
+    if kind == "integer":
+        ilo = None if lo is None else (int(lo) + 1 if lo_excl and lo == int(lo) else math.ceil(lo))
+        ihi = None if hi is None else (int(hi) - 1 if hi_excl and hi == int(hi) else math.floor(hi))
+        return integer_range_regex(ilo, ihi)
+    return number_range_regex(lo, lo_excl, hi, hi_excl)
+
+
+def _bound(schema: dict, inclusive_key: str, exclusive_key: str) -> tuple[float | None, bool]:
+    """(bound, exclusive) from draft-6+ numeric exclusives or draft-4 boolean ones; the tighter one wins."""
+    value = schema.get(inclusive_key)
+    excl = schema.get(exclusive_key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise GrammarError(f"`{inclusive_key}` must be a number, got {value!r}")
+    if excl is not None and not isinstance(excl, (bool, int, float)):
+        raise GrammarError(f"`{exclusive_key}` must be a number or a boolean, got {excl!r}")
+    for v in (value, excl):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise GrammarError(f"`{inclusive_key}`/`{exclusive_key}` must be finite, got {v!r}")
+    if isinstance(excl, bool):  # draft 4: exclusiveMinimum: true modifies minimum
+        return value, excl and value is not None
+    if excl is None:
+        return value, False
+    if value is None:
+        return excl, True
+    tighter_is_excl = excl >= value if inclusive_key == "minimum" else excl <= value
+    return (excl, True) if tighter_is_excl else (value, False)
+
+
+def strip_anchors(pattern: str) -> str:
+    """Drop a leading ``^`` and an unescaped trailing ``$``: our regexes always match the whole text."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$"):
+        backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
+        if backslashes % 2 == 0:
+            pattern = pattern[:-1]
+    return pattern
+
+
+def ascii_digit_word_classes(regex: str) -> str:
+    r"""Rewrite ``\d`` -> ``[0-9]`` and ``\w`` -> ``[0-9A-Za-z_]`` (bare ``0-9`` etc. inside a class)."""
+    if "\\d" not in regex and "\\w" not in regex:
+        return regex
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            esc = regex[i + 1]
+            if esc == "d":
+                out.append("0-9" if in_class else "[0-9]")
+            elif esc == "w":
+                out.append("0-9A-Za-z_" if in_class else "[0-9A-Za-z_]")
+            else:
+                out.append(regex[i : i + 2])
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+            out.append(c)
+            # a leading ^ and/or ] are literal parts of the class, not its end
+            if regex.startswith("^", i + 1):
+                out.append("^")
+                i += 1
+            if regex.startswith("]", i + 1):
+                out.append("]")
+                i += 1
+        elif c == "]" and in_class:
+            in_class = False
+            out.append(c)
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)

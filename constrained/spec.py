@@ -1,0 +1,148 @@
+r"""Turn a request's grammar spec into a regex, or a GrammarError that says why not.
+
+``validate_spec`` is meant for the HTTP process (before anything is queued): it needs no tokenizer. A regex
+(a ``regex`` spec, or each ``pattern`` of a schema) is checked by building an outlines-core Index over a
+256-token vocabulary of single bytes: the byte-level DFA construction the real compile does, minus the walk
+over the model's vocabulary. That is milliseconds for ordinary patterns, but it is not bounded (``\w{100}``
+takes seconds), so call it off the event loop. Results are memoized: a hot spec costs a dict lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import outlines_core
+
+from constrained.errors import GrammarError
+from constrained.json_schema import JSON_OBJECT_DEPTH, json_object_regex, schema_to_regex, strip_anchors
+from constrained.vocab import END_MARKER, END_MARKER_REGEX
+
+try:  # re's parser, used only to explain rejected patterns; `sre_parse` is its deprecated alias
+    from re import _parser as sre_parse  # type: ignore[attr-defined]
+except ImportError:  # Python 3.10
+    import sre_parse  # type: ignore[no-redef]
+
+GRAMMAR_KINDS = ("regex", "json_schema", "json_object")
+# One optional space: JSON stays compact and the model cannot stall on endless whitespace.
+DEFAULT_WHITESPACE = r"[ ]?"
+
+
+def validate_spec(kind: str, spec: str | dict, whitespace_pattern: str = DEFAULT_WHITESPACE) -> str:
+    """Check a grammar spec and return the regex that will be compiled. Raises GrammarError.
+
+    ``kind``: "regex" (full-match regex in Rust ``regex`` syntax; a leading ``^`` / trailing ``$`` is
+    dropped), "json_schema" (JSON text), "json_object" (``spec`` ignored: any JSON object).
+    """
+    if kind not in GRAMMAR_KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
+    if kind == "json_schema" and isinstance(spec, (dict, bool)):
+        spec = json.dumps(spec)  # an already-parsed schema
+    if kind != "json_object" and not isinstance(spec, str):
+        raise GrammarError(f"{kind} spec must be a string, got {type(spec).__name__}")
+    return _validate_cached(kind, spec if kind != "json_object" else "", whitespace_pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def _validate_cached(kind: str, spec: str, whitespace_pattern: str) -> str:
+    if kind == "json_object":
+        return json_object_regex(whitespace_pattern, JSON_OBJECT_DEPTH)
+    if kind == "regex":
+        regex = strip_anchors(spec)
+        check_regex(regex, what="regex")
+        return regex
+    # Only the patterns go through the DFA check: a whole schema's automaton can take minutes to build
+    # (outlines-core expands optional properties quadratically), which the HTTP process must not wait for.
+    patterns: list[str] = []
+    regex = schema_to_regex(spec, whitespace_pattern, patterns=patterns)
+    for pattern in patterns:
+        check_regex(pattern, what=f"json_schema pattern {pattern!r}")
+    return regex
+
+
+@functools.cache
+def _byte_vocabulary() -> outlines_core.Vocabulary:
+    # eos id 256 is outside the map, as outlines-core requires
+    return outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
+
+
+@functools.lru_cache(maxsize=1024)
+def check_regex(regex: str, what: str = "regex") -> None:
+    """Raise GrammarError unless outlines-core can compile ``regex`` into a satisfiable automaton."""
+    try:
+        outlines_core.Index(regex, _byte_vocabulary())
+    except ValueError as err:
+        raise GrammarError(f"{what}: {_explain(regex, str(err))}") from None
+
+
+def regex_accepts(regex: str, text: str) -> bool:
+    """Whether a grammar compiled from ``regex`` accepts exactly ``text``, as the served grammars decide it.
+
+    Uses the same end-marker construction as ``constrained.grammar`` over a byte vocabulary. Meant for tests
+    and diagnostics (builds an Index per call).
+    """
+    index = _marker_byte_index(regex)
+    state = index.get_initial_state()
+    for byte in text.encode("utf-8"):
+        state = index.get_next_state(state, byte)
+        if state is None:
+            return False
+    return index.get_next_state(state, 256) in index.get_final_states()
+
+
+@functools.lru_cache(maxsize=64)
+def _marker_byte_index(regex: str) -> outlines_core.Index:
+    vocab = outlines_core.Vocabulary(
+        257, {**{bytes([b]): [b] for b in range(256)}, END_MARKER.encode(): [256]}
+    )
+    return outlines_core.Index(f"(?:{regex}){END_MARKER_REGEX}", vocab)
+
+
+def _explain(regex: str, engine_message: str) -> str:
+    """A human reason for an outlines-core failure (its own messages are terse: 'error building NFA')."""
+    if "incompatible with the regex" in engine_message:
+        return "the pattern can never match (unsatisfiable, e.g. an anchor in the middle or an empty class)"
+    if "anchored" in engine_message:
+        return "anchors (^, $, \\A, \\z) are only supported at the very start/end of the pattern"
+    if "word boundar" in engine_message:
+        return "word boundaries (\\b, \\B) are not supported"
+    try:
+        parsed = sre_parse.parse(regex)
+    except re.error as err:
+        return f"invalid regex syntax: {err}"
+    except (OverflowError, RecursionError):
+        return "regex is too large"
+    feature = _unsupported_feature(parsed)
+    if feature:
+        return f"{feature} are not supported (the grammar is compiled to a finite automaton)"
+    detail = engine_message.replace("Failed to build DFA", "").strip(" :")
+    return f"the grammar engine rejected the pattern ({detail})"
+
+
+def _unsupported_feature(parsed: sre_parse.SubPattern) -> str | None:
+    """Name a construct that Python's re accepts but a DFA cannot express."""
+    for op, arg in parsed.data:
+        name = str(op)
+        if name in ("ASSERT", "ASSERT_NOT"):
+            return "look-around assertions"
+        if name in ("GROUPREF", "GROUPREF_EXISTS"):
+            return "backreferences"
+        if name == "ATOMIC_GROUP" or name == "POSSESSIVE_REPEAT":
+            return "atomic groups and possessive quantifiers"
+        for sub in _children(arg):
+            feature = _unsupported_feature(sub)
+            if feature:
+                return feature
+    return None
+
+
+def _children(arg: object) -> list[sre_parse.SubPattern]:
+    found = []
+    items = arg if isinstance(arg, (tuple, list)) else [arg]
+    for item in items:
+        if isinstance(item, sre_parse.SubPattern):
+            found.append(item)
+        elif isinstance(item, (tuple, list)):
+            found.extend(_children(item))
+    return found
