@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
 
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
+
+# A request whose grammar is not compiled by then fails with 400 instead of waiting forever (outlines-core can
+# take minutes on some real-world schemas). Two workers, so one pathological schema does not stall the rest.
+COMPILE_TIMEOUT_S = 120.0
+COMPILE_WORKERS = 2
 
 
 class GrammarManager:
@@ -22,13 +28,17 @@ class GrammarManager:
         if self._compiler is None:
             from constrained import GrammarCompiler
 
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, max_workers=COMPILE_WORKERS)
         return self._compiler
 
     def compile_async(self, params: SamplingParams) -> Future:
         if params.regex is not None:
             return self.compiler.compile_async("regex", params.regex)
         return self.compiler.compile_async("json_schema", params.json_schema)
+
+    @staticmethod
+    def deadline() -> float:
+        return time.monotonic() + COMPILE_TIMEOUT_S
 
     def vocab_mask(self, reqs: list[Req], vocab: int, device: torch.device) -> torch.Tensor | None:
         """[bs, vocab] bool, True = allowed; None when no request in the batch is constrained."""
@@ -47,9 +57,7 @@ class GrammarManager:
         forced = req.grammar.jump_forward_string()
         if not forced:
             return None
-        from constrained import plan_jump_forward
-
-        return plan_jump_forward(self.tokenizer, req.output_ids, forced)
+        return self.compiler.plan_jump_forward(req.output_ids, forced)
 
     def stats(self) -> dict:
         if self._compiler is None:

@@ -19,7 +19,13 @@ from runtime.cache_manager import CacheManager
 from runtime.forward_batch import ForwardBatch
 from runtime.grammar_manager import GrammarManager
 from runtime.messages import (
-    AbortReq, FlushCacheReq, FlushCacheResp, GetServerInfoReq, Message, ReqOutput, ServerInfoResp,
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetServerInfoReq,
+    Message,
+    ReqOutput,
+    ServerInfoResp,
     TokenizedGenerateReq,
 )
 from runtime.model_runner import ModelRunner
@@ -88,6 +94,7 @@ class Scheduler:
         req.generator = make_generator(req.params.seed)
         if req.params.has_grammar:
             req.grammar_future = self.grammars.compile_async(req.params)
+            req.grammar_deadline = self.grammars.deadline()
             req.status = ReqStatus.GRAMMAR
             self.grammar_wait.append(req)
         else:
@@ -131,6 +138,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.grammar_wait or self.waiting or self.chunked or self.reextend or self.running)
 
+    def can_run(self) -> bool:
+        """Work that needs a forward pass (not just grammars compiling in the background)."""
+        return bool(self.waiting or self.chunked or self.reextend or self.running)
+
     def step(self) -> list[ReqOutput]:
         """Run at most one forward pass; return the outputs to send."""
         self._poll_grammars()
@@ -143,6 +154,10 @@ class Scheduler:
         return self._collect_outputs()
 
     def _poll_grammars(self) -> None:
+        now = time.monotonic()
+        for req in [r for r in self.grammar_wait if not r.grammar_future.done() and now > r.grammar_deadline]:
+            self.grammar_wait.remove(req)
+            self._fail(req, "grammar compilation timed out: the regex or schema is too complex", 400)
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:

@@ -54,6 +54,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
                     os._exit(3)  # a leak is a bug: fail loudly so a supervisor restarts us
                 was_busy = False
             poller.poll(timeout=1000)
+        elif not scheduler.can_run():
+            poller.poll(timeout=5)  # only grammars compiling: check their futures without spinning
         while (msg := ipc.recv_nowait(recv_sock)) is not None:
             reply = scheduler.handle(msg)
             if reply is not None:

@@ -23,9 +23,17 @@ import zmq.asyncio
 
 from runtime import ipc
 from runtime.generate_input import SingleRequest
+from runtime.grammar_validator import GrammarValidator
 from runtime.messages import (
-    AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResp, GetServerInfoReq, ReqTextOutput, ServerInfoResp,
-    TokenizedGenerateReq, decode,
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReq,
+    FlushCacheResp,
+    GetServerInfoReq,
+    ReqTextOutput,
+    ServerInfoResp,
+    TokenizedGenerateReq,
+    decode,
 )
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -75,6 +83,7 @@ class TokenizerManager:
         self.draining = False
         self.metrics = None  # set by the HTTP server (runtime.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
+        self.grammar_validator = GrammarValidator()
         self.procs: dict[str, mp.Process] = {}
         self.info = self._launch_children()
         self.context_length: int = self.info["context_length"]
@@ -118,6 +127,8 @@ class TokenizerManager:
         self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watchdog())]
 
     def shutdown(self) -> None:
+        if hasattr(self, "grammar_validator"):
+            self.grammar_validator.close()
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()
@@ -195,13 +206,10 @@ class TokenizerManager:
     async def validate_grammar(self, params: SamplingParams) -> None:
         if not params.has_grammar:
             return
-        from constrained import validate_spec
-
         kind, spec = ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
-        try:
-            await asyncio.to_thread(validate_spec, kind, spec)
-        except ValueError as e:
-            raise RequestError(f"invalid {kind}: {e}", 400) from None
+        problem = await self.grammar_validator.validate(kind, spec)
+        if problem:
+            raise RequestError(f"invalid {kind}: {problem}", 400)
 
     async def generate(self, req: SingleRequest) -> AsyncIterator[dict[str, Any]]:
         """Yield the cumulative output dict after every chunk (streaming) or once at the end.
@@ -304,10 +312,10 @@ class TokenizerManager:
         return list(await asyncio.gather(*(self.final(r) for r in expanded)))
 
     async def final(self, req: SingleRequest) -> dict[str, Any]:
-        out = None
-        async for out in self.generate(req):
-            pass
-        return out
+        last = None
+        async for chunk in self.generate(req):
+            last = chunk
+        return last
 
     @staticmethod
     def expand_n(reqs: list[SingleRequest]) -> list[SingleRequest]:

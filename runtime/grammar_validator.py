@@ -1,0 +1,83 @@
+"""Checks regex / JSON-Schema specs before a request is queued, in a child process with a time limit.
+
+Some specs make automaton construction run for minutes and eat gigabytes; a Python thread cannot be stopped,
+so the check runs in a helper process that is killed and replaced when it exceeds its time. Verdicts are
+cached, so a spec is checked once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing as mp
+import signal
+from collections import OrderedDict
+
+VALIDATION_TIMEOUT_S = 15.0
+CACHE_SIZE = 512
+
+
+class GrammarValidator:
+    def __init__(self, timeout_s: float = VALIDATION_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self._proc: mp.Process | None = None
+        self._conn = None
+        self._lock: asyncio.Lock | None = None
+        self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+
+    async def validate(self, kind: str, spec: str) -> str | None:
+        """None when the spec is usable, else the reason it is not."""
+        key = (kind, spec)
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+            return self._verdicts[key]
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            verdict = await asyncio.to_thread(self._check, kind, spec)
+        self._verdicts[key] = verdict
+        if len(self._verdicts) > CACHE_SIZE:
+            self._verdicts.popitem(last=False)
+        return verdict
+
+    def _check(self, kind: str, spec: str) -> str | None:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send((kind, spec))
+        if not self._conn.poll(self.timeout_s):
+            self.close()
+            return f"the {kind} is too complex (checking it took longer than {self.timeout_s:.0f}s)"
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.close()
+            return f"the {kind} could not be checked (the checker crashed, probably out of memory)"
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child,), name="radixlm-grammar-check", daemon=True)
+        self._proc.start()
+        self._conn = parent
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        self._proc = None
+
+
+def _serve(conn) -> None:
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
+    except OSError:
+        pass
+    from constrained import GrammarError, validate_spec
+
+    while True:
+        kind, spec = conn.recv()
+        try:
+            validate_spec(kind, spec)
+            conn.send(None)
+        except GrammarError as e:
+            conn.send(str(e))

@@ -1,0 +1,123 @@
+"""Constrained decoding through the real scheduler on the default model: every output matches its regex or
+validates against its schema, greedy and sampled, with and without jump-forward; jump-forward gives the same
+greedy text in fewer model forward passes."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from runtime.messages import TokenizedGenerateReq
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+from runtime.server_args import ServerArgs
+
+REGEXES = {
+    "integer": r"-?[1-9]\d{0,5}",
+    "float": r"-?\d{1,3}\.\d{1,3}",
+    "date": r"(19|20)\d{2}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])",
+    "ipv4": r"((25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(25[0-5]|2[0-4]\d|1?\d?\d)",
+    "email": r"[a-z]{1,10}@[a-z]{1,10}\.(com|org|net)",
+    "enum": r"(red|green|blue)",
+}
+SCHEMAS = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}},
+        "required": ["name", "age"]},
+    "nested": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "location": {"type": "object", "properties": {
+            "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+            "lon": {"type": "integer", "minimum": -180, "maximum": 180}}, "required": ["lat", "lon"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+        "required": ["city", "location", "tags"]},
+    "flags": {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]},
+        "count": {"type": "integer", "minimum": 1, "maximum": 9},
+        "score": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["ok", "level", "count"]},
+}
+
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def schedulers(default_model_dir, default_tokenizer):
+    out = {}
+    for jf in (True, False):
+        args = ServerArgs(model=default_model_dir, max_total_tokens=8192, log_interval=0,
+                          attention_backend="torch_native", disable_jump_forward=not jf)
+        out[jf] = Scheduler(args, default_model_dir, tokenizer=default_tokenizer)
+    return out
+
+
+def chat(tok, text: str) -> list[int]:
+    p = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok.encode(p, add_special_tokens=False)
+
+
+def run(sched: Scheduler, tok, cases: dict[str, tuple[str, dict]]) -> tuple[dict[str, str], int]:
+    """cases: rid -> (prompt, sampling params). Returns texts and the number of forward passes used."""
+    before = sched.stats["extend_steps"] + sched.stats["decode_steps"]
+    for rid, (prompt, params) in cases.items():
+        sched.handle(TokenizedGenerateReq(rid=rid, input_ids=chat(tok, prompt),
+                                          sampling_params=SamplingParams(**params)))
+    ids: dict[str, list[int]] = {rid: [] for rid in cases}
+    finish = {}
+    while sched.has_work():
+        for o in sched.step():
+            assert o.error is None, o.error
+            if o.replaced_tokens:
+                del ids[o.rid][len(ids[o.rid]) - o.replaced_tokens:]
+            ids[o.rid].extend(o.new_token_ids)
+            if o.finished_reason:
+                finish[o.rid] = o.finished_reason
+    sched.check_accounting()
+    assert all(f["type"] == "stop" for f in finish.values()), finish
+    texts = {rid: tok.decode(t, skip_special_tokens=True) for rid, t in ids.items()}
+    return texts, sched.stats["extend_steps"] + sched.stats["decode_steps"] - before
+
+
+def test_regex_outputs_match(schedulers, default_tokenizer):
+    for jf, sched in schedulers.items():
+        for sampled in (False, True):
+            extra = {"temperature": 1.0, "seed": 7} if sampled else {"temperature": 0.0}
+            cases = {name: (f"Give me an example of: {name}.", {"regex": rx, "max_new_tokens": 40, **extra})
+                     for name, rx in REGEXES.items()}
+            texts, _ = run(sched, default_tokenizer, cases)
+            for name, text in texts.items():
+                assert re.fullmatch(REGEXES[name], text), (jf, sampled, name, text)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_json_schema_outputs_validate(schedulers, default_tokenizer, jump_forward):
+    sched = schedulers[jump_forward]
+    for sampled in (False, True):
+        extra = {"temperature": 0.7, "seed": 3} if sampled else {"temperature": 0.0}
+        cases = {name: (f"Describe a {name} as JSON.", {"json_schema": json.dumps(s), "max_new_tokens": 160,
+                                                         **extra})
+                 for name, s in SCHEMAS.items()}
+        texts, _ = run(sched, default_tokenizer, cases)
+        for name, text in texts.items():
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_jump_forward_same_greedy_text_fewer_steps(schedulers, default_tokenizer):
+    results = {}
+    for jf, sched in schedulers.items():
+        steps_total = 0
+        texts = {}
+        for name, schema in SCHEMAS.items():  # one at a time, so the step counts are per request
+            t, steps = run(sched, default_tokenizer, {name: (f"Describe a {name} as JSON.", {
+                "json_schema": json.dumps(schema), "max_new_tokens": 160, "temperature": 0.0})})
+            texts.update(t)
+            steps_total += steps
+        results[jf] = (texts, steps_total)
+    assert results[True][0] == results[False][0]
+    assert results[True][1] < results[False][1], results
+    assert schedulers[True].stats["jump_forward_tokens"] > 0
