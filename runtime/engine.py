@@ -98,6 +98,14 @@ class Engine:
         finally:
             fut.cancel()  # consumer stopped early: the request is aborted
 
+    def get_model_info(self) -> dict[str, Any]:
+        """The same fields as GET /get_model_info."""
+        tok = self.tm.tokenizer
+        return {"model_path": self.args.model, "model_dir": self.model_dir, "served_model_name": self.args.model_name,
+                "tokenizer_path": self.model_dir, "is_generation": True, "chat_template": tok.chat_template,
+                "bos_token": tok.bos_token, "eos_token": tok.eos_token, "context_length": self.tm.context_length,
+                "vocab_size": self.tm.info.get("vocab_size")}
+
     def flush_cache(self) -> bool:
         return self._run(self.tm.flush_cache()).success
 
@@ -108,8 +116,18 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._loop.call_soon_threadsafe(self.tm.shutdown)
-        self._stop_loop()
+
+        async def close():
+            self.tm.shutdown()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self._run(close())
+        finally:
+            self._stop_loop()
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -163,8 +163,12 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                           "logprobs": _completion_logprobs(tm, r["meta_info"]) if top is not None else None}
                 choices.append(choice)
                 flat.append(r)
+        usage = _usage(flat)
+        if len(results_per_prompt) > 1:  # several prompts: each prompt counts once
+            usage["prompt_tokens"] = sum(rs[0]["meta_info"]["prompt_tokens"] for rs in results_per_prompt)
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": args.model_name,
-                "choices": choices, "usage": _usage(flat)}
+                "choices": choices, "usage": usage}
 
 
 # ---- request translation ---------------------------------------------------------------------------------
