@@ -100,8 +100,9 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim] for `slots` [num_tokens]."""
-        self.k[layer][slots] = k.to(self.dtype)
-        self.v[layer][slots] = v.to(self.dtype)
+        # index_copy_ rather than `buf[slots] = x`: the advanced-indexing path is far slower on CPU.
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
 
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
