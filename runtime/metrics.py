@@ -34,8 +34,8 @@ class Metrics:
 
     def on_request_end(self, st: Any) -> None:
         self.in_flight.dec()
-        last = getattr(st, "finished", False)
-        self.requests.labels(outcome="finished" if last else "aborted").inc()
+        outcome = st.finish_type if st.finished and st.finish_type != "abort" else "aborted"
+        self.requests.labels(outcome="finished" if outcome != "aborted" else "aborted").inc()
         self.prompt_tokens.inc(st.prompt_tokens)
         self.generation_tokens.inc(len(st.output_ids))
         self.cached_tokens.inc(getattr(st, "cached_tokens", 0))

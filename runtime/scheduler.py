@@ -136,7 +136,8 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.grammar_wait or self.waiting or self.chunked or self.reextend or self.running)
+        # `touched`: outputs still to send (a request rejected or aborted while nothing else runs).
+        return bool(self.grammar_wait or self.waiting or self.chunked or self.reextend or self.running or self.touched)
 
     def can_run(self) -> bool:
         """Work that needs a forward pass (not just grammars compiling in the background)."""

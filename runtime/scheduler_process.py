@@ -57,7 +57,11 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         elif not scheduler.can_run():
             poller.poll(timeout=5)  # only grammars compiling: check their futures without spinning
         while (msg := ipc.recv_nowait(recv_sock)) is not None:
-            reply = scheduler.handle(msg)
+            try:
+                reply = scheduler.handle(msg)
+            except Exception:  # a bad control message must not take the server down
+                logger.exception("failed to handle %s", type(msg).__name__)
+                reply = _error_reply(msg)
             if reply is not None:
                 ipc.send(reply_sock, reply)
         if scheduler.has_work():
@@ -65,6 +69,16 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
             outputs = scheduler.step()
             if outputs:
                 ipc.send(detok_sock, BatchTokenIDOut(outputs=outputs))
+
+
+def _error_reply(msg):
+    from runtime.messages import FlushCacheReq, FlushCacheResp, GetServerInfoReq, ServerInfoResp
+
+    if isinstance(msg, FlushCacheReq):
+        return FlushCacheResp(success=False, message="internal error while flushing; see the scheduler log")
+    if isinstance(msg, GetServerInfoReq):
+        return ServerInfoResp(info={"error": "internal error while collecting server info; see the scheduler log"})
+    return None
 
 
 def _setup_logging(args: ServerArgs, role: str) -> None:

@@ -61,34 +61,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError):
         return error_response(400, _describe_validation(e))
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if args.api_key and request.url.path != "/health":
-            auth = request.headers.get("authorization", "")
-            expected = f"Bearer {args.api_key}"
-            if not hmac.compare_digest(auth.encode(), expected.encode()):
-                return error_response(401, "missing or invalid API key (use 'Authorization: Bearer KEY')")
-        if request.method == "POST" and "json" not in request.headers.get("content-type", ""):
-            # Bodies are always JSON here; accept clients (curl -d) that omit or mislabel the content type.
-            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-            request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return error_response(400, "invalid Content-Length header")
-            if int(length) > args.max_request_bytes:
-                return error_response(413, f"request body too large ({length} bytes; limit {args.max_request_bytes})")
-        elif request.method == "POST" and request.headers.get("transfer-encoding", "").lower() == "chunked":
-            body = b""
-            async for part in request.stream():
-                body += part
-                if len(body) > args.max_request_bytes:
-                    return error_response(413, f"request body too large (limit {args.max_request_bytes} bytes)")
-            request._body = body  # starlette caches the body here; handlers read it from the cache
-        try:
-            return await call_next(request)
-        except RequestError as e:
-            return error_response(e.status, e.message)
+    app.add_middleware(_Guard, args=args)
 
     # ---- native API ---------------------------------------------------------------------------------------
     @app.post("/generate")
@@ -177,6 +150,57 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
 
     register_openai_routes(app, tm, args)
     return app
+
+
+class _Guard:
+    """Pure ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the handlers):
+    API key, JSON content type, body size limit."""
+
+    def __init__(self, app, args: ServerArgs):
+        self.app, self.args = app, args
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        args = self.args
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        if args.api_key and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {args.api_key}".encode()):
+                resp = error_response(401, "missing or invalid API key (use 'Authorization: Bearer KEY')")
+                return await resp(scope, receive, send)
+        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+            scope["headers"] = [*((k, v) for k, v in scope["headers"] if k != b"content-type"),
+                                (b"content-type", b"application/json")]
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_response(400, "invalid Content-Length header")(scope, receive, send)
+            if int(length) > args.max_request_bytes:
+                msg = f"request body too large ({int(length)} bytes; limit {args.max_request_bytes})"
+                return await error_response(413, msg)(scope, receive, send)
+        elif scope["method"] == "POST" and headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            body = b""
+            while True:
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    return
+                body += msg.get("body", b"")
+                if len(body) > args.max_request_bytes:
+                    msg = f"request body too large (limit {args.max_request_bytes} bytes)"
+                    return await error_response(413, msg)(scope, receive, send)
+                if not msg.get("more_body"):
+                    break
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # after the body: disconnect detection still works
+
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
 
 
 async def _first_or_error(agen):

@@ -64,6 +64,7 @@ class ReqState:
     finished: bool = False
     first_token_time: float | None = None
     cached_tokens: int = 0
+    finish_type: str | None = None
     input_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
 
@@ -274,6 +275,7 @@ class TokenizerManager:
             st.output_logprobs.extend(self._lp_entries(st, c.output_token_logprobs))
         if c.finished_reason is not None:
             st.finished = True
+            st.finish_type = c.finished_reason.get("type")
 
     def _lp_entries(self, st: ReqState, entries: list) -> list:
         out = []
