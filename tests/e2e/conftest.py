@@ -1,0 +1,43 @@
+"""Fixtures shared by the end-to-end tests: one real server on the default model for the whole session.
+
+Other e2e modules can start their own servers with `from server_utils import ServerProcess` (this directory
+is put on sys.path here, because pytest runs with `--import-mode=importlib`). Set RADIXLM_TEST_SERVER_URL to
+test an already running server instead of starting one (tests that need the process itself are skipped).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from server_utils import ServerProcess  # noqa: E402
+
+MAX_TOTAL_TOKENS = 20000
+EXTERNAL_URL = os.environ.get("RADIXLM_TEST_SERVER_URL")
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[ServerProcess]:
+    """The shared server: `--model default --max-total-tokens 20000`. Stopping it must be clean: exit code 0
+    after SIGTERM and no surviving child process (checked by `ServerProcess.stop`)."""
+    if EXTERNAL_URL:
+        pytest.skip("RADIXLM_TEST_SERVER_URL is set: not starting a server process")
+    srv = ServerProcess(extra_args=["--max-total-tokens", str(MAX_TOTAL_TOKENS)]).start()
+    try:
+        yield srv
+    finally:
+        code = srv.stop()
+    assert code == 0, f"server exited with {code} after SIGTERM; log tail:\n{srv.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def server_url(request: pytest.FixtureRequest) -> str:
+    if EXTERNAL_URL:
+        return EXTERNAL_URL.rstrip("/")
+    return request.getfixturevalue("server").url
