@@ -1,0 +1,105 @@
+"""MMLU k-shot: `select` over " A"/" B"/" C"/" D" after a per-subject few-shot prefix, radixlm vs HF.
+
+Every question of a subject starts with the same k dev examples, so radixlm computes that prefix once per
+subject (radix cache) and each choice scores only its own token; the HF baseline recomputes prompt + choice
+for every choice of every question. Both sides score a choice by the mean log-probability of its tokens after
+the prompt (same tokenizer, same float32 weights): accuracy is identical, item by item, up to round-off ties.
+
+    python bench/mmlu.py --quick
+    python bench/mmlu.py --subjects all --num-questions 20 --num-shots 5
+"""
+
+from __future__ import annotations
+
+import csv
+import random
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
+
+from bench import common
+from bench.workload import Workload, add_workload_args, compare
+
+SUBJECTS = ("clinical_knowledge", "global_facts", "high_school_physics", "machine_learning", "nutrition")
+CHOICES = (" A", " B", " C", " D")
+LETTERS = "ABCD"
+
+
+def read_rows(path: Path) -> list[list[str]]:
+    """hendrycks/test CSV rows: question, A, B, C, D, answer letter (no header)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [r for r in csv.reader(f) if r]
+    for r in rows:
+        if len(r) != 6 or r[5].strip() not in LETTERS:
+            raise ValueError(f"{path}: malformed MMLU row {r[:1]!r}")
+    return rows
+
+
+def format_question(row: list[str], with_answer: bool) -> str:
+    text = row[0].strip() + "".join(f"\n{LETTERS[i]}. {row[1 + i].strip()}" for i in range(4)) + "\nAnswer:"
+    return text + f" {row[5].strip()}\n\n" if with_answer else text
+
+
+def few_shot_prefix(subject: str, dev_rows: list[list[str]], k: int) -> str:
+    head = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    return head + "".join(format_question(r, True) for r in dev_rows[:k])
+
+
+def build_items(data_dir: Path, subjects: list[str], num_questions: int | None, k: int,
+                seed: int) -> tuple[list[dict[str, str]], list[str]]:
+    """(program kwargs, answer letters): the first `num_questions` test rows of each subject (all if None),
+    interleaved across subjects in a seeded order so that no side sees them grouped."""
+    items, labels = [], []
+    for subject in subjects:
+        dev = read_rows(data_dir / "mmlu" / "dev" / f"{subject}_dev.csv")
+        test = read_rows(data_dir / "mmlu" / "test" / f"{subject}_test.csv")
+        prefix = few_shot_prefix(subject, dev, k)
+        for row in test[:num_questions]:
+            items.append({"prefix": prefix, "question": format_question(row, False)})
+            labels.append(row[5].strip())
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    return [items[i] for i in order], [labels[i] for i in order]
+
+
+def make_program():
+    from lang import function, select
+
+    @function
+    def mmlu_question(s, prefix: str, question: str):
+        s += prefix + question
+        s += select("answer", choices=list(CHOICES))
+
+    return mmlu_question
+
+
+def score(label: str, state) -> float:
+    return float(state["answer"].strip() == label)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.base_parser(__doc__.splitlines()[0])
+    add_workload_args(p, default_sides="radixlm,hf", num_threads=32)
+    p.add_argument("--subjects", default="all", help=f"comma-separated or 'all' ({', '.join(SUBJECTS)})")
+    p.add_argument("--num-questions", type=int, default=20, help="test questions per subject (0: all)")
+    p.add_argument("--num-shots", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.subjects, args.num_questions = "global_facts,machine_learning", 6
+    subjects = list(SUBJECTS) if args.subjects == "all" else common.csv_list(args.subjects)
+    items, labels = build_items(common.DATA_DIR, subjects, args.num_questions or None, args.num_shots, args.seed)
+    # Warm-up on a different subject's prefix style: two dev questions of the first subject, cache flushed after.
+    dev = read_rows(common.DATA_DIR / "mmlu" / "dev" / f"{subjects[0]}_dev.csv")
+    warm = [{"prefix": few_shot_prefix(subjects[0], dev, 2), "question": format_question(r, False)}
+            for r in dev[3:5]]
+    wl = Workload("mmlu", make_program(), items, labels=labels, score=score, prediction=lambda s: s["answer"],
+                  warmup_items=warm,
+                  config={"subjects": subjects, "num_questions": args.num_questions, "num_shots": args.num_shots,
+                          "seed": args.seed, "choices": list(CHOICES), "dtype": args.dtype})
+    return compare(wl, args)
+
+
+if __name__ == "__main__":
+    main()

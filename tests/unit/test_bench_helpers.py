@@ -1,0 +1,213 @@
+"""Bench helpers that decide reported figures: statistics, tables, result files, answer parsing and scoring,
+dataset builders, arrival processes and serving metrics. Pure Python: no model is loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a folder of scripts, not installed
+
+from bench import common, gsm8k, json_decode, mmlu, multi_turn_chat, serving  # noqa: E402
+from bench.run_all import HEADLINES, headline_row  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------ common
+def test_percentile_interpolates_and_summary_handles_empty():
+    assert common.percentile([1, 2, 3, 4], 50) == 2.5
+    assert common.percentile([10], 99) == 10
+    assert common.percentile([4, 1, 3, 2], 100) == 4  # order does not matter
+    assert common.percentile([0, 10], 99) == pytest.approx(9.9)
+    s = common.summarize([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["mean"] == 22.0 and s["p50"] == 3.0 and s["n"] == 5 and s["max"] == 100.0
+    empty = common.summarize([])
+    assert empty["n"] == 0 and math.isnan(empty["mean"]) and math.isnan(empty["p99"])
+
+
+def test_ratio_is_none_when_undefined():
+    assert common.ratio(6.0, 2.0) == 3.0
+    assert common.ratio(1.0, 0.0) is None
+    assert common.ratio(None, 2.0) is None
+    assert common.ratio(1.0, float("nan")) is None
+
+
+def test_format_table_aligns_columns_and_formats_numbers():
+    text = common.format_table([{"side": "radixlm", "x": 12345.6, "acc": 0.25, "ok": True},
+                                {"side": "hf", "x": 1.5, "acc": None}], title="T")
+    lines = text.splitlines()
+    assert lines[0] == "T"
+    assert lines[1].split() == ["side", "x", "acc", "ok"]
+    assert "12,346" in lines[3] and "0.25" in lines[3] and "yes" in lines[3]
+    assert lines[4].split() == ["hf", "1.50", "-", "-"]
+    assert len({len(line) for line in lines[1:4]}) == 1  # header, rule and full rows have equal width
+
+
+def test_write_results_records_config_environment_and_load(tmp_path):
+    path = common.write_results("unit", {"command": "x"}, {"value": 1.5}, env={"cpu_model": "test"},
+                                results_dir=tmp_path)
+    doc = json.loads(path.read_text())
+    assert path == tmp_path / "unit.json"
+    assert doc["config"] == {"command": "x"} and doc["results"] == {"value": 1.5}
+    assert doc["environment"]["cpu_model"] == "test"
+    assert set(doc["environment"]["load_after"]) == {"load_1m", "load_5m", "load_15m", "quiet"}
+
+
+def test_charts_write_png(tmp_path):
+    bar = common.bar_chart(tmp_path / "b.png", ["a", "b"], {"s1": [1.0, None], "s2": [2.0, 3.0]}, "y", "t")
+    line = common.line_chart(tmp_path / "l.png", {"s": ([1, 8, 32], [1.0, 5.0, 9.0])}, "x", "y", "t", logx=True,
+                             hlines={"limit": 10.0})
+    for p in (bar, line):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_environment_names_cpu_cores_and_git():
+    env = common.environment()
+    assert env["cpu_cores"] >= 1 and env["cpu_model"] and env["torch"]
+    assert "commit" in env["git"] and "dirty" in env["git"]
+
+
+# ------------------------------------------------------------------------------------------ gsm8k
+@pytest.mark.parametrize("text, want", [
+    ("so the answer is 1,234.50.", 1234.5),
+    ("She has 3 apples and 18 pears. The answer is 18", 18.0),
+    ("The answer is -7.", -7.0),
+    ("no digits here", None),
+])
+def test_gsm8k_parse_number_takes_the_last_number(text, want):
+    assert gsm8k.parse_number(text) == want
+
+
+def test_gsm8k_reference_and_few_shot_cleaning():
+    answer = "Natalia sold 48/2 = <<48/2=24>>24 clips.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"
+    assert gsm8k.reference_answer(answer) == 72.0
+    cleaned = gsm8k.clean_solution(answer)
+    assert "<<" not in cleaned and cleaned.endswith("The answer is 72.")
+    with pytest.raises(ValueError):
+        gsm8k.reference_answer("no marker")
+
+
+class _State(dict):
+    """Stand-in for a ProgramState: variables by name."""
+
+
+def test_gsm8k_score_compares_final_numbers():
+    assert gsm8k.score(72.0, _State(answer=" 48 + 24 = 72. The answer is 72.")) == 1.0
+    assert gsm8k.score(72.0, _State(answer=" The answer is 71")) == 0.0
+    assert gsm8k.score(72.0, _State(answer=" I do not know")) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ mmlu
+def test_mmlu_prompt_format_and_scoring():
+    row = ["What is 2+2?", "3", "4", "5", "6", "B"]
+    assert mmlu.format_question(row, False) == "What is 2+2?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:"
+    assert mmlu.format_question(row, True).endswith("Answer: B\n\n")
+    prefix = mmlu.few_shot_prefix("high_school_physics", [row] * 3, 2)
+    assert prefix.startswith("The following are multiple choice questions (with answers) about high school physics.")
+    assert prefix.count("Answer: B") == 2
+    assert mmlu.score("B", _State(answer=" B")) == 1.0 and mmlu.score("B", _State(answer=" C")) == 0.0
+
+
+@pytest.mark.skipif(not (common.DATA_DIR / "mmlu").is_dir(), reason="shared data not present")
+def test_mmlu_items_share_one_prefix_per_subject():
+    items, labels = mmlu.build_items(common.DATA_DIR, ["global_facts", "machine_learning"], 5, 5, seed=0)
+    assert len(items) == len(labels) == 10
+    assert set(labels) <= set("ABCD")
+    assert len({it["prefix"] for it in items}) == 2  # the shared few-shot prefix: one per subject
+    assert all(it["question"].endswith("\nAnswer:") for it in items)
+    again, _ = mmlu.build_items(common.DATA_DIR, ["global_facts", "machine_learning"], 5, 5, seed=0)
+    assert again == items  # seeded order
+
+
+# ------------------------------------------------------------------------------------------ json_decode
+def test_json_field_accuracy_and_validity():
+    rec = json_decode.city_record(random.Random(0))
+    assert set(rec) == set(json_decode.CITY_SCHEMA["required"])
+    assert json_decode.field_accuracy(rec, json.dumps(rec)) == 1.0
+    wrong = dict(rec, population_count=rec["population_count"] + 1, city_name=rec["city_name"].upper())
+    assert json_decode.field_accuracy(rec, json.dumps(wrong)) == pytest.approx(6 / 7)  # case-blind strings
+    assert json_decode.field_accuracy(rec, '{"city_name": "x"') == 0.0  # truncated JSON
+    assert json_decode.schema_valid(json_decode.CITY_SCHEMA, json.dumps(rec)) == 1.0
+    assert json_decode.schema_valid(json_decode.CITY_SCHEMA, json.dumps(dict(rec, extra=1))) == 0.0
+    text = json_decode.describe(rec)
+    assert rec["city_name"] in text and str(rec["population_count"]) in text
+
+
+def test_json_extraction_items_are_seeded():
+    a, la = json_decode.extraction_items(3, seed=5)
+    b, lb = json_decode.extraction_items(3, seed=5)
+    assert a == b and la == lb and len({it["instruction"] for it in a}) == 3
+
+
+# ------------------------------------------------------------------------------------------ multi-turn
+def test_multi_turn_conversations_are_seeded_with_four_turns():
+    convs = multi_turn_chat.conversations(3, 20, seed=1)
+    assert convs == multi_turn_chat.conversations(3, 20, seed=1)
+    assert all(len(c["turns"]) == multi_turn_chat.NUM_TURNS for c in convs)
+    assert all(len(t.split()) == 20 for c in convs for t in c["turns"])
+
+
+# ------------------------------------------------------------------------------------------ serving
+def test_poisson_arrival_gaps():
+    gaps = serving.arrival_gaps(4000, 8.0, seed=0)
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 8.0, rel=0.08)
+    assert serving.arrival_gaps(5, float("inf"), seed=0) == [0.0] * 5
+
+
+def test_serving_metrics_from_outcomes():
+    a = serving.Outcome(ok=True, prompt_len=10, output_tokens=5, ttft=0.5, e2e=1.3, itls=[0.2] * 4)
+    b = serving.Outcome(ok=True, prompt_len=20, output_tokens=1, ttft=0.1, e2e=0.1)
+    c = serving.Outcome(ok=False, error="HTTP 503")
+    m = serving.metrics([a, b, c], wall=2.0)
+    assert m["completed"] == 2 and m["failed"] == 1 and m["first_error"] == "HTTP 503"
+    assert m["request_throughput"] == 1.0
+    assert m["input_token_throughput"] == 15.0 and m["output_token_throughput"] == 3.0
+    assert m["tpot_ms"]["n"] == 1 and m["tpot_ms"]["mean"] == pytest.approx(200.0)  # (1.3 - 0.5) / 4
+    assert m["ttft_ms"]["p50"] == pytest.approx(300.0)
+    assert m["itl_ms"]["n"] == 4
+
+
+class _FakeTokenizer:
+    all_special_ids = [0, 1, 2]
+
+    def __len__(self) -> int:
+        return 50000
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+    def encode(self, text):
+        return text.split()
+
+
+def test_shared_prefix_dataset_groups_share_system_prompts():
+    reqs = serving.shared_prefix_dataset(_FakeTokenizer(), groups=3, per_group=4, system_len=50,
+                                         question_len=5, output_len=7, seed=0)
+    assert len(reqs) == 12 and all(r.output_len == 7 for r in reqs)
+    systems = {r.prompt.split("\n\nQuestion: ")[0] for r in reqs}
+    assert len(systems) == 3
+    assert len({r.prompt for r in reqs}) == 12
+    rnd = serving.random_dataset(_FakeTokenizer(), 20, 100, 10, 0.5, seed=0)
+    assert all(50 <= r.prompt_len <= 100 and 5 <= r.output_len <= 10 for r in rnd)
+
+
+# ------------------------------------------------------------------------------------------ run_all
+def test_headline_ratio_and_target():
+    doc = {"results": {"sides": {"radixlm": {"programs_per_s": 6.0, "accuracy": 0.3},
+                                 "hf": {"programs_per_s": 1.0, "accuracy": 0.3}}}}
+    prog = next(h for h in HEADLINES if h.bench == "mmlu" and h.metric == "programs/s")
+    acc = next(h for h in HEADLINES if h.bench == "mmlu" and h.metric == "accuracy")
+    row = headline_row(prog, doc)
+    assert row["ratio"] == 6.0 and row["met"] is True
+    assert headline_row(acc, doc)["met"] is True  # identical accuracy
+    assert headline_row(prog, None)["ratio"] is None
+    dec = next(h for h in HEADLINES if h.bench == "decode_throughput")
+    ddoc = {"results": {"by_dtype": {"float32": {"batch_sizes": {
+        "1": {"radixlm": {"decode_tok_s": 5.0}, "hf": {"decode_tok_s": 5.0}},
+        "8": {"radixlm": {"decode_tok_s": 30.0}, "hf": {"decode_tok_s": 25.0}}}}}}}
+    r = headline_row(dec, ddoc)  # no batch 32 measured: the largest one is reported
+    assert r["ratio"] == pytest.approx(1.2) and r["met"] is False
