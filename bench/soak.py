@@ -1,0 +1,457 @@
+"""Soak test: N minutes of mixed load against a radixlm server, watching for leaks and errors.
+
+Load (seeded): native /generate streaming and not, OpenAI chat streaming and not, n > 1, constrained output
+(when the server accepts it), prompts sharing prefixes (radix cache), clients that vanish mid-stream or
+mid-request, and /abort_request of running requests. A sampler records the RSS of the server and each child
+and /get_server_info over time. At the end the server must be idle with every KV slot free or cached, and a
+flush must free them all.
+
+    python bench/soak.py --minutes 10               # starts its own server on a free port
+    python bench/soak.py --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
+
+Prints a summary table and writes bench/results/soak.json and soak.png. Exit status 1 if the accounting
+check fails, the server died, or any request got a 5xx other than an overload 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PREFIXES = (
+    "You are a helpful assistant. Answer briefly.\n",
+    "You are a pirate. Stay in character and use nautical words in every answer.\n",
+    "System: the user is a student of chemistry. Explain step by step, with one example.\n",
+)
+QUESTIONS = (
+    "What is the boiling point of water?",
+    "Name three prime numbers.",
+    "Why is the sky blue?",
+    "Write a haiku about rain.",
+    "What does a compiler do?",
+    "How many legs does a spider have?",
+)
+REGEX = r"(yes|no), because [a-z ]{5,20}\."
+SCHEMA = {
+    "type": "object",
+    "required": ["answer", "confidence"],
+    "properties": {
+        "answer": {"type": "string", "maxLength": 20},
+        "confidence": {"type": "integer", "maximum": 99},
+    },
+}
+# request kind -> weight in the mix
+MIX = {"plain": 4, "stream": 3, "chat": 2, "chat_stream": 2, "n_choices": 1, "constrained": 2}
+MIX.update({"drop_stream": 1, "drop_plain": 1, "abort": 1})
+INFO_KEYS = ("num_running_reqs", "num_queued_reqs", "requests_in_flight", "free_slots", "cache_tokens")
+FINAL_KEYS = ("free_slots", "cache_tokens", "request_held_tokens", "max_total_tokens", "requests_aborted")
+
+
+@dataclass
+class Record:
+    t: float  # start, seconds since the run began
+    kind: str
+    latency: float
+    status: int  # HTTP status; 0 = no response (the client left on purpose, or a transport error)
+    tokens: int
+    error: str = ""
+
+
+# ---- the server process ----------------------------------------------------------------------------------
+def start_server(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "runtime.launch_server", "--model", "default", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--log-level", "warning", *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} during startup; see {log_path}")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit("server did not become healthy in 600 s")
+
+
+def process_tree(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def process_roles(pid: int) -> dict[str, str]:
+    """pid -> role: the server, and its children told apart by the ipc:// socket each binds."""
+    paths = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        f = line.split()
+        if len(f) >= 8 and "radixlm-ipc-" in f[7]:
+            paths[f"socket:[{f[6]}]"] = os.path.basename(f[7])
+    roles = {}
+    for p in process_tree(pid):
+        held = set()
+        for fd in Path(f"/proc/{p}/fd").glob("*"):
+            try:
+                held.add(paths.get(os.readlink(fd)))
+            except OSError:  # closed while we looked
+                continue
+        bound = sorted(held - {None, "tokenizer"}) if p != pid else ["http+tokenizer"]
+        roles[str(p)] = bound[0] if bound else "helper"
+    return roles
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+# ---- load --------------------------------------------------------------------------------------------------
+class Load:
+    """Request kinds are `do_<kind>` methods returning (HTTP status or 0, completion tokens)."""
+
+    def __init__(self, url: str, seed: int, max_new: int, constrained: bool):
+        self.url, self.seed, self.max_new, self.constrained = url, seed, max_new, constrained
+        self.records: list[Record] = []
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+
+    def worker(self, wid: int, deadline: float) -> None:
+        rng = random.Random(self.seed * 1000 + wid)
+        kinds = [k for k in MIX if k != "constrained" or self.constrained]
+        while time.monotonic() < deadline:
+            kind = rng.choices(kinds, [MIX[k] for k in kinds])[0]
+            start = time.monotonic()
+            try:
+                (status, tokens), err = getattr(self, "do_" + kind)(rng), ""
+            except requests.RequestException as e:
+                status, tokens, err = 0, 0, f"{type(e).__name__}: {e}"[:200]
+            with self.lock:
+                self.records.append(
+                    Record(start - self.t0, kind, time.monotonic() - start, status, tokens, err)
+                )
+
+    # -- building blocks
+    def prompt(self, rng: random.Random) -> str:
+        return rng.choice(PREFIXES) + rng.choice(QUESTIONS)
+
+    def params(self, rng: random.Random, **extra) -> dict:
+        p = {"max_new_tokens": rng.randint(4, self.max_new), "temperature": 0}
+        if rng.random() < 0.5:
+            p.update(temperature=0.8, top_p=0.95, seed=rng.randint(0, 1 << 30))
+        return {**p, **extra}
+
+    def chat_body(self, rng: random.Random) -> dict:
+        p = self.params(rng)
+        messages = [{"role": "system", "content": rng.choice(PREFIXES)}]
+        messages.append({"role": "user", "content": rng.choice(QUESTIONS)})
+        return {"model": "default", "max_tokens": p["max_new_tokens"], "temperature": p["temperature"],
+                "messages": messages}  # fmt: skip
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict | list | None]:
+        r = requests.post(self.url + path, json=body, timeout=timeout)
+        return r.status_code, r.json() if r.status_code == 200 else None
+
+    def stream(self, path: str, body: dict, stop_after: int | None = None) -> tuple[int, int]:
+        with requests.post(self.url + path, json={**body, "stream": True}, stream=True, timeout=300) as r:
+            if r.status_code != 200:
+                return r.status_code, 0
+            events, last = 0, None
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                events, last = events + 1, json.loads(line[6:])
+                if "error" in last:  # a failure after the 200 went out
+                    return int(last["error"].get("code") or 500), 0
+                if stop_after is not None and events >= stop_after:
+                    return 0, events  # vanish mid-stream
+        if path == "/generate":
+            return 200, last["meta_info"]["completion_tokens"] if last else 0
+        return 200, events
+
+    # -- request kinds
+    def do_plain(self, rng):
+        status, out = self.post("/generate", {"text": self.prompt(rng), "sampling_params": self.params(rng)})
+        return status, out["meta_info"]["completion_tokens"] if out else 0
+
+    def do_stream(self, rng):
+        return self.stream("/generate", {"text": self.prompt(rng), "sampling_params": self.params(rng)})
+
+    def do_chat(self, rng):
+        status, out = self.post("/v1/chat/completions", self.chat_body(rng))
+        return status, out["usage"]["completion_tokens"] if out else 0
+
+    def do_chat_stream(self, rng):
+        return self.stream("/v1/chat/completions", self.chat_body(rng))
+
+    def do_n_choices(self, rng):
+        params = self.params(rng, n=rng.randint(2, 3), temperature=0.9)
+        status, out = self.post("/generate", {"text": self.prompt(rng), "sampling_params": params})
+        return status, sum(o["meta_info"]["completion_tokens"] for o in out) if out else 0
+
+    def do_constrained(self, rng):
+        grammar = {"regex": REGEX} if rng.random() < 0.5 else {"json_schema": SCHEMA}
+        params = {"max_new_tokens": 48, "temperature": 0, **grammar}
+        status, out = self.post("/generate", {"text": self.prompt(rng), "sampling_params": params})
+        return status, out["meta_info"]["completion_tokens"] if out else 0
+
+    def long_body(self, rng: random.Random, **extra) -> dict:
+        params = {"max_new_tokens": 4 * self.max_new, "temperature": 0, "ignore_eos": True}
+        return {"text": self.prompt(rng), "sampling_params": params, **extra}
+
+    def do_drop_stream(self, rng):
+        return self.stream("/generate", self.long_body(rng), stop_after=rng.randint(1, 6))
+
+    def do_drop_plain(self, rng):
+        try:
+            return self.post("/generate", self.long_body(rng), timeout=rng.uniform(0.3, 2.0))[0], 0
+        except requests.Timeout:
+            return 0, 0
+
+    def do_abort(self, rng):
+        rid = f"soak-abort-{rng.getrandbits(64):x}"
+        timer = threading.Timer(rng.uniform(0.2, 2.0), requests.post, args=(self.url + "/abort_request",),
+                                kwargs={"json": {"rid": rid}, "timeout": 30})  # fmt: skip
+        timer.start()
+        try:
+            status, out = self.post("/generate", self.long_body(rng, rid=rid))
+        finally:
+            timer.cancel()
+        return status, out["meta_info"]["completion_tokens"] if out else 0
+
+
+class Sampler(threading.Thread):
+    """Every `interval` s: RSS of the server and its children (when we know its pid), /get_server_info."""
+
+    def __init__(self, url: str, pid: int | None, interval: float, t0: float):
+        super().__init__(daemon=True)
+        self.url, self.pid, self.interval, self.t0 = url, pid, interval, t0
+        self.samples: list[dict] = []
+        self.roles: dict[str, str] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            s: dict = {"t": round(time.monotonic() - self.t0, 2)}
+            if self.pid:
+                s["rss_mb"] = {str(p): round(rss_mb(p), 1) for p in process_tree(self.pid)}
+                if not self.roles:
+                    self.roles = process_roles(self.pid)
+            try:
+                info = requests.get(self.url + "/get_server_info", timeout=30).json()
+                s.update({k: info.get(k) for k in INFO_KEYS})
+            except (requests.RequestException, ValueError) as e:
+                s["error"] = str(e)[:100]
+            self.samples.append(s)
+            self.stop.wait(self.interval)
+
+
+# ---- end-of-run checks and reporting -----------------------------------------------------------------------
+def final_checks(url: str, idle_timeout: float = 300) -> dict:
+    """Idle, no KV held by requests, free + cached == pool, and a flush frees everything."""
+    t0 = time.monotonic()
+    while True:
+        info = requests.get(url + "/get_server_info", timeout=60).json()
+        idle = (
+            info["requests_in_flight"] == 0 and info["num_running_reqs"] == 0 and info["num_queued_reqs"] == 0
+        )
+        if idle or time.monotonic() - t0 > idle_timeout:
+            break
+        time.sleep(0.5)
+    out: dict = {"idle": idle, "idle_after_s": round(time.monotonic() - t0, 1)}
+    out["before_flush"] = {k: info.get(k) for k in FINAL_KEYS}
+    out["no_kv_held_by_requests"] = info["request_held_tokens"] == 0
+    out["free_plus_cache_is_pool"] = info["free_slots"] + info["cache_tokens"] == info["max_total_tokens"]
+    out["flush_status"] = requests.post(url + "/flush_cache", timeout=60).status_code
+    after = requests.get(url + "/get_server_info", timeout=60).json()
+    out["all_free_after_flush"] = after["free_slots"] == after["max_total_tokens"]
+    out["healthy"] = requests.get(url + "/health", timeout=30).status_code == 200
+    checks = ("idle", "no_kv_held_by_requests", "free_plus_cache_is_pool", "all_free_after_flush", "healthy")
+    out["ok"] = all(out[k] for k in checks) and out["flush_status"] == 200
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summarize(records: list[Record], wall: float) -> dict:
+    kinds: dict = {}
+    for kind in sorted({r.kind for r in records}):
+        rs = [r for r in records if r.kind == kind]
+        lat = [r.latency for r in rs if r.status == 200]
+        kinds[kind] = {"count": len(rs), "ok": len(lat), "503": sum(r.status == 503 for r in rs),
+                       "no_response": sum(r.status == 0 for r in rs),
+                       "other": sum(r.status not in (0, 200, 503) for r in rs),
+                       "tokens": sum(r.tokens for r in rs),
+                       **{f"p{q}_s": round(pct(lat, q / 100), 3) for q in (50, 90, 99)}}  # fmt: skip
+    tokens = sum(r.tokens for r in records)
+    return {"kinds": kinds, "requests": len(records), "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2),
+            "server_errors": [asdict(r) for r in records if r.status >= 500 and r.status != 503][:20],
+            "transport_errors": [asdict(r) for r in records if r.status == 0 and r.error][:20]}  # fmt: skip
+
+
+def rss_trend(samples: list[dict]) -> dict:
+    totals = [sum(s["rss_mb"].values()) for s in samples if s.get("rss_mb")]
+    if len(totals) < 2:
+        return {}
+    k = max(1, len(totals) // 5)
+    first, last = statistics.mean(totals[:k]), statistics.mean(totals[-k:])
+    return {"total_mb_first_fifth": round(first, 1), "total_mb_last_fifth": round(last, 1),
+            "total_mb_max": round(max(totals), 1), "growth_mb": round(last - first, 1)}  # fmt: skip
+
+
+def plot(samples: list[dict], roles: dict[str, str], records: list[Record], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rss, lat, reqs) = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
+    for p in sorted({p for s in samples for p in s.get("rss_mb", {})}, key=int):
+        pts = [(s["t"], s["rss_mb"][p]) for s in samples if p in s.get("rss_mb", {})]
+        rss.plot([t for t, _ in pts], [v for _, v in pts], label=f"{roles.get(p, 'pid')} ({p})")
+    rss.set_ylabel("RSS (MiB)")
+    rss.legend(fontsize=7)
+    for kind in sorted({r.kind for r in records}):
+        ok = [r for r in records if r.kind == kind and r.status == 200]
+        lat.scatter([r.t + r.latency for r in ok], [r.latency for r in ok], s=8, label=kind)
+    lat.set_ylabel("latency (s), at completion")
+    lat.legend(fontsize=7, ncol=3)
+    info = [s for s in samples if "num_running_reqs" in s]
+    for key in INFO_KEYS[:3]:
+        reqs.plot([s["t"] for s in info], [s[key] for s in info], label=key)
+    reqs.set_ylabel("requests")
+    reqs.set_xlabel("time (s)")
+    reqs.legend(fontsize=7)
+    fig.suptitle("radixlm soak")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_table(summary: dict, checks: dict, trend: dict, wall: float) -> None:
+    print(f"\nsoak: {wall / 60:.1f} min, {summary['requests']} requests, {summary['tokens']} tokens "
+          f"({summary['tokens_per_s']} tok/s)")  # fmt: skip
+    cols = ("count", "ok", "503", "no_response", "other", "p50_s", "p90_s", "p99_s", "tokens")
+    print(f"{'kind':14s}" + "".join(f"{c:>12s}" for c in cols))
+    for kind, k in summary["kinds"].items():
+        print(f"{kind:14s}" + "".join(f"{k[c]:12.2f}" if c.endswith("_s") else f"{k[c]:12d}" for c in cols))
+    if trend:
+        first, last, top = trend["total_mb_first_fifth"], trend["total_mb_last_fifth"], trend["total_mb_max"]
+        print(
+            f"RSS, server + children: {first:.0f} MiB (first fifth) -> {last:.0f} MiB (last), max {top:.0f}"
+        )
+    print(f"KV accounting and health: {'OK' if checks.get('ok') else 'FAILED'} {json.dumps(checks)}")
+
+
+def run(args: argparse.Namespace, url: str, pid: int | None, server_alive) -> int:
+    constrained = False
+    if not args.no_constrained:  # only if this server supports it
+        probe = requests.post(url + "/generate", timeout=300, json={
+            "text": "Answer:", "sampling_params": {"max_new_tokens": 2, "regex": "(yes|no)"}})  # fmt: skip
+        constrained = probe.status_code == 200
+    load = Load(url, args.seed, args.max_new_tokens, constrained)
+    sampler = Sampler(url, pid, args.sample_interval, load.t0)
+    sampler.start()
+    deadline = load.t0 + args.minutes * 60
+    workers = [
+        threading.Thread(target=load.worker, args=(i, deadline), daemon=True) for i in range(args.concurrency)
+    ]
+    for t in workers:
+        t.start()
+    for t in workers:  # every request has a client timeout, so workers stop soon after the deadline
+        t.join(timeout=max(0.0, deadline - time.monotonic()) + 400)
+    wall = time.monotonic() - load.t0
+    checks = final_checks(url)
+    sampler.stop.set()
+    sampler.join(timeout=60)
+    with load.lock:
+        records = list(load.records)
+    summary, trend = summarize(records, wall), rss_trend(sampler.samples)
+    ok = checks["ok"] and not summary["server_errors"] and server_alive()
+    out = Path(args.out)
+    result = {"name": "soak", "ok": ok, "config": vars(args), "constrained": load.constrained,
+              "environment": {"python": platform.python_version(), "machine": platform.machine(),
+                              "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+              "wall_s": round(wall, 1), "summary": summary, "rss": trend, "final_checks": checks,
+              "roles": sampler.roles, "samples": sampler.samples,
+              "records": [asdict(r) for r in records]}  # fmt: skip
+    out.write_text(json.dumps(result, indent=1))
+    plot(sampler.samples, sampler.roles, records, out.with_suffix(".png"))
+    print_table(summary, checks, trend, wall)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0, help="length of the load phase (default 10)")
+    ap.add_argument("--url", help="use a running server instead of starting one")
+    ap.add_argument("--server-pid", type=int, help="pid of the --url server, to sample its RSS")
+    ap.add_argument("--concurrency", type=int, default=4, help="client threads (default 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="upper bound of a normal request's length")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-constrained", action="store_true", help="leave regex / JSON-schema requests out")
+    ap.add_argument("--sample-interval", type=float, default=2.0, help="seconds between RSS / info samples")
+    ap.add_argument(
+        "--server-args", default="--max-total-tokens 16384", help="extra args for the started server"
+    )
+    ap.add_argument("--out", default=str(RESULTS / "soak.json"))
+    args = ap.parse_args(argv)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        return run(args, args.url.rstrip("/"), args.server_pid, lambda: True)
+    proc, url = start_server(args.server_args.split(), Path(args.out).with_suffix(".server.log"))
+    try:
+        return run(args, url, proc.pid, lambda: proc.poll() is None)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
