@@ -38,6 +38,7 @@ def add_workload_args(p: argparse.ArgumentParser, default_sides: str, num_thread
     add_side_args(p, default_sides)
     p.add_argument("--num-threads", type=int, default=num_threads, help="programs in flight at once")
     p.add_argument("--seed", type=int, default=0, help="item sampling seed")
+    p.add_argument("--repeats", type=int, default=1, help="measured runs per side; the fastest is reported")
 
 
 def run_programs(program: Any, items: list[dict[str, Any]], backend: Any, num_threads: int,
@@ -130,9 +131,13 @@ def compare(wl: Workload, args: argparse.Namespace, baseline: str | None = None,
         print(f"[{wl.name}] opening {name} ...", flush=True)
         side = open_side(name, args)
         try:
-            per_side[name], states[name] = measure_side(side, wl, args.num_threads)
+            # Best of --repeats (all recorded): on a shared machine the fastest run is the least disturbed.
+            runs = [measure_side(side, wl, args.num_threads) for _ in range(max(1, args.repeats))]
         finally:
             side.close()
+        best = max(runs, key=lambda r: r[0]["programs_per_s"] or 0.0)
+        per_side[name], states[name] = best
+        per_side[name]["programs_per_s_samples"] = [r[0]["programs_per_s"] for r in runs]
     baseline = baseline or (HF if HF in per_side else names[-1])
     base_rate = per_side[baseline]["programs_per_s"]
     for fig in per_side.values():
@@ -144,7 +149,7 @@ def compare(wl: Workload, args: argparse.Namespace, baseline: str | None = None,
         results.update(extra(per_side, states))
     name = args.name or wl.name
     config = {"command": common.command_line(), "workload": wl.name, "items": len(wl.items),
-              "num_threads": args.num_threads, "sides": names, **wl.config}
+              "num_threads": args.num_threads, "sides": names, "repeats": args.repeats, **wl.config}
     print_summary(wl.name, per_side, baseline, results.get("agreement"))
     plot(name, per_side, baseline, args.results_dir)
     common.write_results(name, config, results, env, args.results_dir)
