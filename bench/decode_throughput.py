@@ -195,11 +195,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sides", default="radixlm,hf", help="radixlm, hf")
     p.add_argument("--engine", action="store_true", help="also measure the whole runtime.Engine")
     p.add_argument("--no-cold-load", action="store_true", help="skip the cold (GGUF conversion) load")
+    p.add_argument("--threads", type=int, default=0, help="torch threads, both sides (0: all cores)")
     p.add_argument("--repeats", type=int, default=3, help="runs per side and batch size; the best counts")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.decode_steps, args.prompt_len, args.repeats = "1,8", 6, 64, 1
+    torch.set_num_threads(args.threads or common.usable_cores())
     batch_sizes = common.csv_list(args.batch_sizes, int)
     dtypes = common.csv_list(args.dtype)
     sides = common.csv_list(args.sides)
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
 
             engine = Engine(dtype=dtype, max_total_tokens=need, max_running_requests=max_bs,
                             disable_radix_cache=True, attention_backend=args.attention_backend,
-                            log_level="warning")
+                            log_level="warning", num_threads=torch.get_num_threads())
         gen = torch.Generator().manual_seed(args.seed)
         # Warm-up (first-call allocations, thread pools) on both sides, not timed.
         radixlm_decode(runner, 2, 16, 2, gen)
@@ -290,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = {"command": common.command_line(), "batch_sizes": batch_sizes, "prompt_len": args.prompt_len,
               "decode_steps": args.decode_steps, "dtypes": dtypes, "device": args.device,
               "attention_backend": args.attention_backend, "sides": sides, "engine": args.engine,
-              "repeats": args.repeats}
+              "repeats": args.repeats, "threads": torch.get_num_threads()}
     common.write_results(name, config, results, env, args.results_dir)
     return results
 

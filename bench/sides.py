@@ -50,6 +50,9 @@ def add_side_args(p: argparse.ArgumentParser, default_sides: str) -> None:
     g.add_argument("--attention-backend", default="auto", help="radixlm attention backend")
     g.add_argument("--disable-radix-cache", action="store_true", help="applies to every radixlm side")
     g.add_argument("--schedule-policy", default="lpm", help="radixlm queue policy (every radixlm side)")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch threads on every side (0: all cores). On a loaded machine 1 can be much faster: "
+                        "OpenMP regions stall while a sibling thread is descheduled")
     g.add_argument("--url", default=None, help="use this running radixlm server for the `radixlm` side")
     g.add_argument("--hf-max-batch-size", type=int, default=32, help="rows of one HF static batch")
     g.add_argument("--hf-max-batch-tokens", type=int, default=8192, help="padded tokens of one HF scoring batch")
@@ -59,7 +62,7 @@ def engine_args(args: argparse.Namespace, side: str) -> dict[str, Any]:
     base = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens,
             "max_running_requests": args.max_running_requests, "attention_backend": args.attention_backend,
             "disable_radix_cache": args.disable_radix_cache, "schedule_policy": args.schedule_policy,
-            "log_level": "warning"}
+            "log_level": "warning", "num_threads": args.threads or None}
     return {**base, **RADIXLM_VARIANTS[side]}
 
 
@@ -118,7 +121,7 @@ def open_side(name: str, args: argparse.Namespace, model: str = "default") -> Op
         from bench.common import usable_cores
         from bench.hf_backend import HFBackend
 
-        torch.set_num_threads(usable_cores())
+        torch.set_num_threads(args.threads or usable_cores())
         backend = HFBackend(resolve_model_path(model), dtype=args.dtype, max_batch_size=args.hf_max_batch_size,
                             max_batch_tokens=args.hf_max_batch_tokens)
         cfg = {"dtype": args.dtype, "max_batch_size": args.hf_max_batch_size,

@@ -9,8 +9,9 @@ flush must free them all.
     python bench/soak.py --minutes 10               # starts its own server on a free port
     python bench/soak.py --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
 
-Prints a summary table and writes bench/results/soak.json and soak.png. Exit status 1 if the accounting
-check fails, the server died, or any request got a 5xx other than an overload 503.
+Prints a summary table and writes bench/results/soak.json and soak.png (a server it starts logs to
+$TMPDIR/radixlm-soak-server-<pid>.log). Exit status 1 if the accounting check fails, the server died, or any
+request got a 5xx other than an overload 503.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -129,7 +131,15 @@ def process_roles(pid: int) -> dict[str, str]:
             except OSError:  # closed while we looked
                 continue
         bound = sorted(held - {None, "tokenizer"}) if p != pid else ["http+tokenizer"]
-        roles[str(p)] = bound[0] if bound else "helper"
+        try:
+            helper = (
+                "resource_tracker"
+                if b"resource_tracker" in Path(f"/proc/{p}/cmdline").read_bytes()
+                else "helper"
+            )
+        except OSError:
+            helper = "helper"
+        roles[str(p)] = bound[0] if bound else helper
     return roles
 
 
@@ -156,8 +166,9 @@ class Load:
     def worker(self, wid: int, deadline: float) -> None:
         rng = random.Random(self.seed * 1000 + wid)
         kinds = [k for k in MIX if k != "constrained" or self.constrained]
+        first_pass = kinds[wid % len(kinds) :] + kinds[: wid % len(kinds)]  # every kind early, then the mix
         while time.monotonic() < deadline:
-            kind = rng.choices(kinds, [MIX[k] for k in kinds])[0]
+            kind = first_pass.pop(0) if first_pass else rng.choices(kinds, [MIX[k] for k in kinds])[0]
             start = time.monotonic()
             try:
                 (status, tokens), err = getattr(self, "do_" + kind)(rng), ""
@@ -441,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.url:
         return run(args, args.url.rstrip("/"), args.server_pid, lambda: True)
-    proc, url = start_server(args.server_args.split(), Path(args.out).with_suffix(".server.log"))
+    log = Path(tempfile.gettempdir()) / f"radixlm-soak-server-{os.getpid()}.log"
+    proc, url = start_server(args.server_args.split(), log)
+    print(f"server pid {proc.pid} at {url}, log {log}")
     try:
         return run(args, url, proc.pid, lambda: proc.poll() is None)
     finally:
