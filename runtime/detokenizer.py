@@ -1,4 +1,4 @@
-"""Detokenizer process: token ids -> incremental text, UTF-8 safe, stop strings trimmed.
+"""Detokenizer process: token ids -> incremental text, UTF-8 safe, stop strings and stop tokens trimmed.
 
 Per request it keeps the ids and the text already sent. New text is what the decoded ids add beyond the sent
 text, held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a stop string,
@@ -51,16 +51,19 @@ class IncrementalDetokenizer:
                 skip_special_tokens=out.skip_special_tokens,
                 spaces_between_special_tokens=out.spaces_between_special_tokens,
                 stop=list(out.stop_strings or []), no_stop_trim=out.no_stop_trim)
+        new_ids = out.new_token_ids
+        if _ends_on_stop_token(out) and not st.no_stop_trim:
+            new_ids = new_ids[:-1]  # like a stop string, the matched stop token is not part of the text
         if out.replaced_tokens:
             # Jump-forward rewrote the tail; the decoded text of the kept prefix is unchanged, so rebuild the
             # text from scratch and keep what was already sent.
             del st.ids[len(st.ids) - out.replaced_tokens :]
-            st.ids.extend(out.new_token_ids)
+            st.ids.extend(new_ids)
             st.text = self._decode(st, st.ids)
             st.read = len(st.ids)
             st.surr = max(0, st.read - SURROUNDING_TOKENS)
         else:
-            st.ids.extend(out.new_token_ids)
+            st.ids.extend(new_ids)
             if len(st.ids) > st.read:
                 prefix_text = self._decode(st, st.ids[st.surr : st.read])
                 new_text = self._decode(st, st.ids[st.surr :])
@@ -86,6 +89,13 @@ class IncrementalDetokenizer:
             completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
             input_token_logprobs=out.input_token_logprobs, output_token_logprobs=out.output_token_logprobs,
             error=out.error, error_status=out.error_status)
+
+
+def _ends_on_stop_token(out: ReqOutput) -> bool:
+    reason = out.finished_reason
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    return (isinstance(matched, int) and not isinstance(matched, bool) and bool(out.new_token_ids)
+            and out.new_token_ids[-1] == matched)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:
