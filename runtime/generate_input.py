@@ -34,6 +34,7 @@ def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
     """Returns (requests, is_batch)."""
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
+    check_unicode(body)
     unknown = sorted(set(body) - ALLOWED_FIELDS)
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(unknown)}")
@@ -103,3 +104,45 @@ def _int(body: dict, name: str, default: int, low: int, high: int | None = None)
     if v < low or (high is not None and v > high):
         raise ValueError(f"'{name}' must be in [{low}, {high if high is not None else 'inf'}], got {v}")
     return v
+
+
+def check_unicode(value: Any) -> None:
+    """Raise ValueError naming the first string (or key) that holds a lone surrogate.
+
+    JSON's escapes can spell one (``"\\ud800"``) and json.loads accepts it, but it is not text: UTF-8, and so
+    the tokenizer, the IPC encoder and every JSON response, cannot carry it.
+    """
+    bad = _lone_surrogate_path(value, "")
+    if bad is not None:
+        where = bad.encode("utf-8", "backslashreplace").decode() or "body"
+        raise ValueError(
+            f"'{where}' is not valid Unicode: it contains a lone surrogate (an unpaired \\ud800-\\udfff escape)"
+        )
+
+
+def _lone_surrogate_path(value: Any, where: str) -> str | None:
+    if isinstance(value, str):
+        return where if not _is_utf8(value) else None
+    if isinstance(value, dict):
+        for key, v in value.items():
+            name = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str) and not _is_utf8(key):
+                return name
+            found = _lone_surrogate_path(v, name)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, (str, list, dict)):
+                found = _lone_surrogate_path(v, f"{where}[{i}]")
+                if found is not None:
+                    return found
+    return None
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

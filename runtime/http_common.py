@@ -20,6 +20,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error object, used by every endpoint so clients parse one shape."""
+    # A message may quote the client's input, which can hold lone surrogates that UTF-8 cannot encode.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": status}}
     if status == 503 and headers is None:

@@ -1,8 +1,8 @@
 """`python -m runtime.launch_server` / `radixlm serve`: load the model, start the trio, serve HTTP.
 
 Signals: SIGTERM drains (new requests get 503, running ones finish, then exit 0); a second SIGTERM or
-SIGINT stops at once. If the scheduler or detokenizer dies, the server exits non-zero so a supervisor
-restarts it.
+SIGINT stops at once (running requests get 503, exit code 128 + the signal's number). If the scheduler or
+detokenizer dies, the server exits non-zero so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.launch")
 DRAIN_TIMEOUT_S = 300
+FORCED_STOP_GRACE_S = 3.0  # after a forced stop, how long the failed requests get to send their 503
 
 
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, tm):
         super().__init__(config)
         self.tm = tm
+        self.stopped_by: int | None = None  # the signal that forced an immediate stop
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self.tm.draining:
@@ -32,7 +34,26 @@ class _Server(uvicorn.Server):
             self.tm.draining = True
             asyncio.get_event_loop().create_task(self._drain())
             return
-        super().handle_exit(sig, frame)
+        # Not uvicorn's handle_exit: it only sets should_exit, and its shutdown then waits, without a timeout,
+        # for every open connection (a running request) to finish. It would also re-raise the signal after
+        # serve(), killing the process before TokenizerManager.shutdown() stops the children.
+        if self.stopped_by is not None:  # yet another signal: do not even wait for the error responses
+            self.force_exit = True
+            return
+        name = signal.Signals(sig).name
+        logger.warning("%s: stopping now, failing %d in-flight request(s)", name, self.tm.num_in_flight())
+        self.tm.draining = True
+        self.stopped_by = sig
+        self.should_exit = True
+        # A signal handler interrupts the loop at an arbitrary point: touch its state from a callback.
+        asyncio.get_event_loop().call_soon_threadsafe(self._stop_now)
+
+    def _stop_now(self) -> None:
+        """Answer every running request with a 503 so their connections close and shutdown completes at once;
+        whatever still holds a connection after FORCED_STOP_GRACE_S is cut."""
+        name = signal.Signals(self.stopped_by).name
+        self.tm.fail_in_flight(f"server is shutting down ({name}): request abandoned")
+        asyncio.get_running_loop().call_later(FORCED_STOP_GRACE_S, setattr, self, "force_exit", True)
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
@@ -88,6 +109,8 @@ def run_server(args: ServerArgs) -> int:
     if state["dead"]:
         logger.error("exiting: %s", state["dead"])
         return 1
+    if server_box and server_box[0].stopped_by is not None:
+        return 128 + server_box[0].stopped_by  # the shell's code for "ended by this signal"
     return 0
 
 

@@ -15,19 +15,19 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from runtime.generate_input import SingleRequest
+from runtime.generate_input import SingleRequest, check_unicode
 from runtime.http_common import SSE_DONE, run_unless_disconnected, sse, sse_stream
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
-from runtime.tokenizer_manager import RequestError, TokenizerManager
+from runtime.tokenizer_manager import RequestError, TokenizerManager, gather_or_cancel
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class ResponseFormat(BaseModel):
@@ -37,7 +37,10 @@ class ResponseFormat(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's plus radixlm's extras)."""
+    """Fields shared by completions and chat completions (OpenAI's plus radixlm's extras).
+
+    Flags are StrictBool: lax mode would read "stream": "no" as True.
+    """
 
     model_config = ConfigDict(extra="forbid")
     model: str
@@ -45,7 +48,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1, le=64)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -57,8 +60,8 @@ class _Common(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -73,18 +76,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -103,6 +106,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
+        _check_unicode(body)
         check_model(body.model)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
@@ -135,6 +139,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
+        _check_unicode(body)
         check_model(body.model)
         if body.suffix:
             raise RequestError("'suffix' is not supported", 400)
@@ -155,7 +160,8 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             return await _stream_response(tm, all_reqs[0],
                                           _completion_chunks(rid, args.model_name, all_reqs[0], tm, body, echo_texts[0]))
         results_per_prompt = await run_unless_disconnected(
-            request, asyncio.gather(*(_run_choices(tm, reqs) for reqs in all_reqs)))
+            request, gather_or_cancel(*(_run_choices(tm, reqs) for reqs in all_reqs))
+        )
         choices, flat = [], []
         for p, results in enumerate(results_per_prompt):
             for r in results:
@@ -172,6 +178,13 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
 
 
 # ---- request translation ---------------------------------------------------------------------------------
+def _check_unicode(body: BaseModel) -> None:
+    try:
+        check_unicode(body.model_dump(exclude_unset=True))
+    except ValueError as e:
+        raise RequestError(str(e), 400) from None
+
+
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
     if content is None:
         return ""
@@ -243,7 +256,7 @@ async def _run_choices(tm: TokenizerManager, reqs: list[SingleRequest]) -> list[
     tm.check_admission(len(reqs))
     if len(reqs) > 1:  # prefill the shared prompt once so the n choices hit the radix cache
         await tm.final(tm.prefill_only(reqs[0]))
-    return list(await asyncio.gather(*(tm.final(r) for r in reqs)))
+    return await gather_or_cancel(*(tm.final(r) for r in reqs))
 
 
 def _finish(result: dict[str, Any]) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_N = 64
+# Integers cross process boundaries as MessagePack and end up in int64 tensors: anything wider is refused here.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass
@@ -100,9 +102,10 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
+            for t in self.stop_token_ids
         ):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise ValueError("stop_token_ids must be a list of non-negative 64-bit integers")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("regex must be a string")
         if self.json_schema is not None:
@@ -140,3 +143,5 @@ def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
     if not isinstance(value, types):
         want = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
         raise ValueError(f"{name} must be of type {want}, got {type(value).__name__}")
+    if types is int and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")

@@ -17,8 +17,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.generate_input import parse_generate_body
+from runtime.generate_input import check_unicode, parse_generate_body
 from runtime.http_common import SSE_DONE, error_response, run_unless_disconnected, sse, sse_stream
 from runtime.metrics import Metrics
 from runtime.server_args import ServerArgs
@@ -28,9 +29,12 @@ logger = logging.getLogger("radixlm.server")
 
 
 class GenerateRequest(BaseModel):
-    """Native /generate body (documented for OpenAPI; `parse_generate_body` does the exact validation)."""
+    """Native /generate body (documented for OpenAPI; `parse_generate_body` does the exact validation).
 
-    model_config = ConfigDict(extra="allow")
+    Strict, because lax mode would coerce ("yes" -> True, "5" -> 5) before the exact checks could object.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -60,6 +64,11 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
         return error_response(400, _describe_validation(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        """Routing errors (404, 405) and body decode failures, in the same error object as everything else."""
+        return error_response(e.status_code, _describe_http_error(request, e), headers=e.headers)
 
     app.add_middleware(_Guard, args=args)
 
@@ -135,6 +144,10 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest):
+        try:
+            check_unicode({"rid": body.rid})  # the IPC encoder cannot carry a lone surrogate
+        except ValueError as e:
+            raise RequestError(str(e), 400) from None
         tm.abort(body.rid)
         return {"success": True}
 
@@ -209,6 +222,15 @@ async def _first_or_error(agen):
         return await agen.__anext__()
     except StopAsyncIteration:
         return None
+
+
+def _describe_http_error(request: Request, e: StarletteHTTPException) -> str:
+    message = str(e.detail)
+    if e.status_code in (404, 405):
+        message = f"{message}: {request.method} {request.url.path}"
+    elif e.__cause__ is not None:  # FastAPI's "There was an error parsing the body" hides why
+        message = f"{message}: {e.__cause__}"
+    return message
 
 
 def _describe_validation(e: RequestValidationError) -> str:

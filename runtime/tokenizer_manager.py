@@ -14,7 +14,7 @@ import logging
 import multiprocessing as mp
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,10 +158,7 @@ class TokenizerManager:
     def _on_death(self, reason: str) -> None:
         logger.error("%s: failing %d in-flight request(s)", reason, len(self.states))
         self.dead_reason = reason
-        for st in list(self.states.values()):
-            st.chunks.append(ReqTextOutput(rid=st.rid, text_delta="", new_token_ids=[], error=reason,
-                                           error_status=503, finished_reason={"type": "abort", "message": reason}))
-            st.event.set()
+        self.fail_in_flight(reason)
         for futs in self.pending_control.values():
             for f in futs:
                 if not f.done():
@@ -169,6 +166,23 @@ class TokenizerManager:
             futs.clear()
         if self.on_child_death:
             self.on_child_death(reason)
+
+    def fail_in_flight(self, reason: str, status: int = 503) -> None:
+        """End every in-flight request now: its handler answers `status` with `reason` (a stream gets an error
+        event), instead of waiting for output that will never come."""
+        for st in list(self.states.values()):
+            abandoned = {"type": "abort", "message": reason}
+            st.chunks.append(
+                ReqTextOutput(
+                    rid=st.rid,
+                    text_delta="",
+                    new_token_ids=[],
+                    error=reason,
+                    error_status=status,
+                    finished_reason=abandoned,
+                )
+            )
+            st.event.set()
 
     async def _recv_loop(self) -> None:
         while True:
@@ -221,6 +235,10 @@ class TokenizerManager:
         ids = self.tokenize(req)
         if not ids:
             raise RequestError("the prompt is empty (no tokens)", 400)
+        vocab_size = self.info.get("vocab_size")
+        if req.input_ids is not None and vocab_size and not all(0 <= t < vocab_size for t in ids):
+            # Checked here, not only in the scheduler: an id beyond 64 bits could not even be sent there.
+            raise RequestError(f"input token ids must be in [0, {vocab_size})", 400)
         total = len(ids) + req.params.max_new_tokens
         if total > self.context_length:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
@@ -231,15 +249,29 @@ class TokenizerManager:
         await self.validate_grammar(req.params)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}", 400)
+        msg = TokenizedGenerateReq(
+            rid=req.rid,
+            input_ids=ids,
+            sampling_params=req.params,
+            stream=req.stream,
+            return_logprob=req.return_logprob,
+            logprob_start_len=req.logprob_start_len,
+            top_logprobs_num=req.top_logprobs_num,
+            return_text_in_logprobs=req.return_text_in_logprobs,
+        )
         st = ReqState(req.rid, len(ids), req.return_text_in_logprobs)
+        # Nothing may run between registering the state and entering the try: a state that outlives its
+        # request is a permanent in-flight slot (and blocks the SIGTERM drain).
         self.states[req.rid] = st
-        if self.metrics:
-            self.metrics.on_request_start()
-        ipc.send(self._send_sock, TokenizedGenerateReq(
-            rid=req.rid, input_ids=ids, sampling_params=req.params, stream=req.stream,
-            return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-            top_logprobs_num=req.top_logprobs_num, return_text_in_logprobs=req.return_text_in_logprobs))
+        sent = False
         try:
+            if self.metrics:
+                self.metrics.on_request_start()
+            try:
+                ipc.send(self._send_sock, msg)
+            except (OverflowError, TypeError, ValueError) as e:  # a value the IPC encoder cannot carry
+                raise RequestError(f"the request cannot be encoded: {e}", 400) from None
+            sent = True
             while True:
                 await st.event.wait()
                 st.event.clear()
@@ -253,7 +285,7 @@ class TokenizerManager:
                     yield self._result(st, chunks[-1])
         finally:
             self.states.pop(req.rid, None)
-            if not st.finished and self.dead_reason is None:
+            if sent and not st.finished and self.dead_reason is None:
                 self.abort(req.rid)
             if self.metrics:
                 self.metrics.on_request_end(st)
@@ -310,8 +342,8 @@ class TokenizerManager:
         self.check_admission(len(expanded))
         warm = [self.prefill_only(r) for r in reqs if r.params.n > 1]
         if warm:
-            await asyncio.gather(*(self.final(w) for w in warm))
-        return list(await asyncio.gather(*(self.final(r) for r in expanded)))
+            await gather_or_cancel(*(self.final(w) for w in warm))
+        return await gather_or_cancel(*(self.final(r) for r in expanded))
 
     async def final(self, req: SingleRequest) -> dict[str, Any]:
         last = None
@@ -356,6 +388,21 @@ class TokenizerManager:
     async def server_info(self) -> dict[str, Any]:
         resp = await self._control(GetServerInfoReq(), ServerInfoResp)
         return resp.info
+
+
+async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
+    """asyncio.gather, except that when one fails the others are cancelled (aborting their requests) and
+    awaited: the accepted prompts of a rejected batch must not keep generating for a client that already
+    got its error."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _child_main(target, args, model_dir, endpoints, conn) -> None:

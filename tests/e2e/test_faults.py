@@ -228,13 +228,6 @@ def test_sigterm_drains_running_requests_then_exits_zero():
         srv.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "_Server.handle_exit passes the second SIGTERM to uvicorn, which only sets should_exit: its graceful "
-        "shutdown then waits, without a timeout, for every running request to finish"
-    ),
-)
 def test_second_sigterm_stops_at_once():
     """launch_server's contract: 'a second SIGTERM or SIGINT stops at once', even with requests running."""
     srv = ServerProcess(extra_args=["--max-total-tokens", "8192"]).start()
