@@ -103,38 +103,47 @@ def shared_prefix_dataset(tokenizer: Any, groups: int, per_group: int, system_le
 
 
 # ------------------------------------------------------------------------------------------ clients
-async def _sse_events(resp: Any):
-    async for line in resp.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+async def _stream_chunks(client: Any, url: str, body: dict, out: Outcome):
+    """POST `body`, yield (arrival time, chunk) for each SSE data chunk; HTTP and in-stream errors go to
+    `out.error` and end the stream."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             return
-        yield json.loads(data)
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                out.error = str(chunk["error"])[:200]
+                return
+            yield time.perf_counter(), chunk
+
+
+def _token_arrived(out: Outcome, t0: float, last: float, now: float) -> float:
+    """Record a TTFT (first token) or an inter-token latency; return the new `last` arrival time."""
+    if math.isnan(out.ttft):
+        out.ttft = now - t0
+    else:
+        out.itls.append(now - last)
+    return now
 
 
 async def send_native(client: Any, url: str, req: Request, out: Outcome) -> None:
     body = {"text": req.prompt, "stream": True,
             "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0, "ignore_eos": True}}
     t0 = last = time.perf_counter()
-    async with client.stream("POST", url + "/generate", json=body) as resp:
-        if resp.status_code != 200:
-            out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-            return
-        async for chunk in _sse_events(resp):
-            if "error" in chunk:
-                out.error = str(chunk["error"])[:200]
-                return
-            now = time.perf_counter()
-            meta = chunk.get("meta_info", {})
-            n = int(meta.get("completion_tokens", 0))
-            if n > out.output_tokens:
-                if out.output_tokens == 0:
-                    out.ttft = now - t0
-                else:
-                    out.itls.append(now - last)
-                last, out.output_tokens = now, n
-            out.prompt_len = int(meta.get("prompt_tokens", req.prompt_len))
+    async for now, chunk in _stream_chunks(client, url + "/generate", body, out):
+        meta = chunk.get("meta_info", {})
+        n = int(meta.get("completion_tokens", 0))
+        if n > out.output_tokens:
+            last, out.output_tokens = _token_arrived(out, t0, last, now), n
+        out.prompt_len = int(meta.get("prompt_tokens", req.prompt_len))
+    if out.error:
+        return
     out.e2e, out.ok = time.perf_counter() - t0, out.output_tokens > 0
 
 
@@ -143,25 +152,15 @@ async def send_openai(client: Any, url: str, model: str, req: Request, out: Outc
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = last = time.perf_counter()
     chunks = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-            return
-        async for chunk in _sse_events(resp):
-            if "error" in chunk:
-                out.error = str(chunk["error"])[:200]
-                return
-            now = time.perf_counter()
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                if chunks == 0:
-                    out.ttft = now - t0
-                else:
-                    out.itls.append(now - last)
-                last, chunks = now, chunks + 1
-            usage = chunk.get("usage")
-            if usage:
-                out.output_tokens = int(usage.get("completion_tokens", chunks))
-                out.prompt_len = int(usage.get("prompt_tokens", req.prompt_len))
+    async for now, chunk in _stream_chunks(client, url + "/v1/completions", body, out):
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            last, chunks = _token_arrived(out, t0, last, now), chunks + 1
+        usage = chunk.get("usage")
+        if usage:
+            out.output_tokens = int(usage.get("completion_tokens", chunks))
+            out.prompt_len = int(usage.get("prompt_tokens", req.prompt_len))
+    if out.error:
+        return
     out.output_tokens = out.output_tokens or chunks
     out.e2e, out.ok = time.perf_counter() - t0, out.output_tokens > 0
 
