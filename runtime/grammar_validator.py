@@ -49,15 +49,19 @@ class GrammarValidator:
             return f"the {kind} is too complex (checking it took longer than {self.timeout_s:.0f}s)"
         try:
             return self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the checker died: crashed, or killed by close() from another thread
             self.close()
             return f"the {kind} could not be checked (the checker crashed, probably out of memory)"
 
     def _start(self) -> None:
+        if self._conn is not None:
+            self._conn.close()  # the previous checker's (killed) pipe; closed here, not in close(), so a
+            # thread still polling it after a kill from another thread sees EOF rather than a closed handle
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child,), name="radixlm-grammar-check", daemon=True)
         self._proc.start()
+        child.close()  # only the child holds its end: killing it wakes a waiting poll() with EOF at once
         self._conn = parent
 
     def close(self) -> None:
