@@ -70,6 +70,12 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         """Routing errors (404, 405) and body decode failures, in the same error object as everything else."""
         return error_response(e.status_code, _describe_http_error(request, e), headers=e.headers)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        """A bug on our side: still the error object (Starlette logs the traceback after this answers)."""
+        return error_response(500, f"internal server error while serving {request.url.path}: "
+                                   f"{type(e).__name__}: {e}")
+
     app.add_middleware(_Guard, args=args)
 
     # ---- native API ---------------------------------------------------------------------------------------
