@@ -123,6 +123,15 @@ def test_mmlu_items_share_one_prefix_per_subject():
     assert again == items  # seeded order
 
 
+def test_mmlu_cloze_items_score_answer_texts():
+    item, label = mmlu.cloze_item(["What is 2+2?", "3", " 4 ", "5", "6", "B"])
+    assert item == {"prefix": "", "question": "Question: What is 2+2?\nAnswer:", "choices": [" 3", " 4", " 5", " 6"]}
+    assert label == "4"
+    assert mmlu.score(label, _State(answer=" 4")) == 1.0 and mmlu.score(label, _State(answer=" 5")) == 0.0
+    with pytest.raises(ValueError, match="format"):
+        mmlu.build_items(common.DATA_DIR, ["global_facts"], 1, 0, seed=0, fmt="essay")
+
+
 # ------------------------------------------------------------------------------------------ json_decode
 def test_json_field_accuracy_and_validity():
     rec = json_decode.city_record(random.Random(0))
