@@ -30,7 +30,9 @@ def plan_jump_forward(
     character and is not behind a special token), then fewer, then ``forced`` alone; the last resort is a
     greedy longest-match tokenization of ``forced``. Every candidate is verified byte-exact and free of
     special tokens, so the grammar accepts the result whenever it accepted ``output_ids`` + ``forced``: its
-    automaton walks bytes, whatever the token boundaries.
+    automaton walks bytes, whatever the token boundaries. Re-tokenized ids that equal the old ones are not
+    replaced (``keep`` moves past them): when the output so far is the tokenizer's own tokenization, ``new_ids``
+    is only the forced text's tokens.
     """
     n = len(output_ids)
     if not forced:
@@ -55,7 +57,12 @@ def plan_jump_forward(
             continue
         new_ids = _encode(tokenizer, text)
         if _is_exact(vocab, new_ids, tail):
-            return start, new_ids
+            # tokens the re-tokenization leaves as they were stay (their KV too): when the model's own tokens
+            # are the tokenizer's, only the forced text's tokens are appended
+            same = 0
+            while start + same < n and same < len(new_ids) and output_ids[start + same] == new_ids[same]:
+                same += 1
+            return start + same, new_ids[same:]
     return n, vocab.encode_bytes_greedy(forced_bytes)
 
 

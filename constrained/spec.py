@@ -16,7 +16,13 @@ import re
 import outlines_core
 
 from constrained.errors import GrammarError
-from constrained.json_schema import JSON_OBJECT_DEPTH, json_object_regex, schema_to_regex, strip_anchors
+from constrained.json_schema import (
+    DUMPS_LAYOUT,
+    JSON_OBJECT_DEPTH,
+    json_object_regex,
+    schema_to_regex,
+    strip_anchors,
+)
 from constrained.vocab import END_MARKER, END_MARKER_REGEX
 
 try:  # re's parser, used only to explain rejected patterns; `sre_parse` is its deprecated alias
@@ -25,8 +31,16 @@ except ImportError:  # Python 3.10
     import sre_parse  # type: ignore[no-redef]
 
 GRAMMAR_KINDS = ("regex", "json_schema", "json_object")
-# One optional space: JSON stays compact and the model cannot stall on endless whitespace.
-DEFAULT_WHITESPACE = r"[ ]?"
+# JSON laid out as json.dumps does (`{"a": 1, "b": [1, 2]}`): one line, no optional whitespace, so the model
+# cannot stall on it and every separator and required key is forced -- jump-forward appends `", "key": ` whole.
+# Measured on the default model (bench/json_decode.py, 16 extraction items, jump-forward on / off):
+#   `[ ]?` (optional space anywhere): accuracy 0.93 / 0.83, forward passes 90 / 90, jump-forward x1.04 -- each
+#          forced run stops at a quote (`key"`, then a space-or-colon choice), a token boundary the model never
+#          writes;
+#   ""     (compact): passes 66 / 91, x1.50, but accuracy 0.65 / 0.64 -- without the space after `:` the model
+#          copies the wrong numbers (population and year right 1 and 0 times of 16);
+#   this:  accuracy 0.91 / 0.83, passes 67 / 90, x1.51.
+DEFAULT_WHITESPACE = DUMPS_LAYOUT
 # Size limits, checked before any automaton is built: compile time grows with them (over a 49k vocabulary,
 # 1000 regex alternatives or enum values take ~2-3 s; 20000 alternatives, minutes). Every schema of
 # jsonschemabench that compiles stays far below them (at most 22.5k characters, 463 enum values, 130

@@ -274,11 +274,26 @@ ONE_KEY = json.dumps({"type": "object", "properties": {"name": {"type": "string"
 
 
 def test_jump_forward_string_forces_keys(compiler, tokenizer):
-    grammar = compiler.compile("json_schema", ONE_KEY)
+    grammar = compiler.compile("json_schema", ONE_KEY)  # json.dumps's layout: no optional whitespace
     matcher = grammar.new_matcher()
+    assert matcher.jump_forward_string() == '{"name": "'  # brace, the only key, its value's opening quote
+    matcher.accept_tokens(tokenizer.encode('{"name": "Bob', add_special_tokens=False))
+    assert matcher.jump_forward_string() is None  # more string or its end: a choice
+    matcher.accept_tokens(tokenizer.encode('"', add_special_tokens=False))
+    assert matcher.jump_forward_string() == "}"
+    matcher.accept_tokens(tokenizer.encode("}", add_special_tokens=False))
+    assert matcher.can_finish() and matcher.jump_forward_string() is None  # final: EOS only
+
+
+def test_jump_forward_with_optional_whitespace_stops_at_every_space(compiler, tokenizer):
+    spaced = GrammarCompiler(tokenizer, VOCAB_SIZE, whitespace_pattern="[ ]?", vocab=compiler.vocab)
+    try:
+        matcher = spaced.compile("json_schema", ONE_KEY).new_matcher()
+    finally:
+        spaced.shutdown()
     assert matcher.jump_forward_string() == "{"  # the object's brace, then an optional space: a choice
     matcher.accept_tokens(tokenizer.encode('{"', add_special_tokens=False))
-    assert matcher.jump_forward_string() == 'name"'
+    assert matcher.jump_forward_string() == 'name"'  # stops inside the token `":` the model would write
     matcher.accept_tokens(tokenizer.encode('name": "Bob"}', add_special_tokens=False))
     assert matcher.can_finish() and matcher.jump_forward_string() is None  # final: EOS or whitespace
 
@@ -305,8 +320,29 @@ def test_plan_jump_forward_round_trips(tokenizer):
         keep, new_ids = plan_jump_forward(tokenizer, ids, forced, vocab=vocab)
         assert len(ids) - 3 <= keep <= len(ids)
         assert tokenizer.decode(ids[:keep] + new_ids) == prefix + forced
-        tail = tokenizer.decode(ids[keep:]) + forced
-        assert new_ids == tokenizer.encode(tail, add_special_tokens=False)  # what the tokenizer would produce
+        # what the tokenizer would produce for the re-tokenized tail, less the ids it leaves unchanged
+        starts = range(max(0, len(ids) - 3), keep + 1)
+        retokenized = {
+            s: tokenizer.encode(tokenizer.decode(ids[s:]) + forced, add_special_tokens=False) for s in starts
+        }
+        assert new_ids and any(ids[s:keep] + new_ids == r for s, r in retokenized.items())
+
+
+def test_plan_jump_forward_keeps_tokens_it_would_not_change(tokenizer):
+    vocab = build_vocabulary(tokenizer)
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = enc('{"name":"Bob","')  # the tokenizer's own split
+    keep, new_ids = plan_jump_forward(tokenizer, ids, 'age":', vocab=vocab)
+    assert keep == len(ids)  # nothing replaced: only the forced text's tokens are appended
+    assert ids + new_ids == enc('{"name":"Bob","age":')
+    split = enc('{"name":"Bo') + enc('b"')
+    # `Bo`, `b`, `"` + forced `,"` re-tokenize as `Bob`, `","`: from `Bo` on, the ids change
+    keep, new_ids = plan_jump_forward(tokenizer, split, ',"', vocab=vocab)
+    assert split[:keep] + new_ids == enc('{"name":"Bob","')
+    assert keep < len(split)
 
 
 def test_plan_jump_forward_does_not_cross_special_tokens(tokenizer):

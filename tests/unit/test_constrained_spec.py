@@ -49,8 +49,8 @@ def test_validate_spec_returns_the_compiled_regex():
     assert validate_spec("regex", "^[0-9]+$") == "[0-9]+"  # anchors are implied
     assert validate_spec("regex", r"price: \$") == r"price: \$"  # an escaped $ stays
     regex = validate_spec("json_schema", '{"type": "object", "properties": {"a": {"type": "boolean"}}}')
-    assert re.fullmatch(regex, '{"a":true}') and re.fullmatch(regex, "{}")
-    assert not re.fullmatch(regex, '{"a":1}')
+    assert re.fullmatch(regex, '{"a": true}') and re.fullmatch(regex, "{}")  # json.dumps's layout
+    assert not re.fullmatch(regex, '{"a": 1}') and not re.fullmatch(regex, '{"a":true}')
     assert validate_spec("json_object", "ignored") == validate_spec("json_object", "")
     assert validate_spec("json_schema", {"type": "boolean"}) == validate_spec(
         "json_schema", '{"type": "boolean"}'
@@ -165,7 +165,7 @@ def test_bounded_number_schemas(schema, valid, invalid):
 
 def test_free_form_subschemas_use_compact_json():
     schema = {"type": "object", "properties": {"meta": {}, "tags": {"type": "array"}}, "required": ["meta"]}
-    regex = validate_spec("json_schema", json.dumps(schema))
+    regex = validate_spec("json_schema", json.dumps(schema), whitespace_pattern="")  # no spaces at all
     assert re.fullmatch(regex, '{"meta":{"a":1,"b":"x"},"tags":[1,"k",null]}')
     assert re.fullmatch(regex, '{"meta":3.5}')
     assert not re.fullmatch(regex, '{"meta":{"a":[1]}}')  # below the root, free JSON nests one level
@@ -174,9 +174,66 @@ def test_free_form_subschemas_use_compact_json():
 
 def test_boolean_subschemas():
     schema = {"type": "object", "properties": {"any": True, "never": False, "n": {"type": "integer"}}}
-    regex = validate_spec("json_schema", json.dumps(schema))
+    regex = validate_spec("json_schema", json.dumps(schema), whitespace_pattern="")
     assert re.fullmatch(regex, '{"any":[1,"x"],"n":2}') and re.fullmatch(regex, '{"n":2}')
     assert not re.fullmatch(regex, '{"never":1}')
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer"},
+                "b": {"type": "array", "items": {"type": "integer"}},
+                "c": {"type": "object", "properties": {"d": {"type": "boolean"}, "e": {}}},
+                "f": {"type": "string"},
+            },
+            "required": ["b"],
+        },
+        {"type": "array", "items": {"type": "object", "properties": {"x": {"enum": [1, 2]}}}, "minItems": 1},
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+    ],
+)
+def test_default_layout_is_json_dumps(schema):
+    """One space after every `,` and `:` between JSON tokens, nothing else: json.dumps's default output."""
+    values = {
+        "object": [
+            {"b": []},
+            {"a": 1, "b": [1, 2]},
+            {"b": [3], "c": {"d": True, "e": {"k": 1}}, "f": "x, y: z"},
+        ],
+        "array": [[{}], [{"x": 1}, {"x": 2}]],
+    }[schema["type"]]
+    if "additionalProperties" in schema:
+        values = [{}, {"k": 1}, {"k": 1, "l": -2}]
+    regex = validate_spec("json_schema", schema)
+    compact = validate_spec("json_schema", schema, whitespace_pattern="")
+    for value in values:
+        jsonschema.validate(value, schema)
+        assert re.fullmatch(regex, json.dumps(value)), value
+        assert re.fullmatch(compact, json.dumps(value, separators=(",", ":"))), value
+        if json.dumps(value) != json.dumps(value, separators=(",", ":")):
+            assert not re.fullmatch(regex, json.dumps(value, separators=(",", ":"))), value
+            assert not re.fullmatch(regex, json.dumps(value, indent=1)), value
+    any_object = validate_spec("json_object", "")
+    assert re.fullmatch(any_object, json.dumps({"a": [1, "x", None], "b": {"c": 2.5}}))
+    assert not re.fullmatch(any_object, '{"a":1}')
+
+
+def test_properties_do_not_make_another_type_an_object():
+    array = {"type": "array", "items": {"type": "integer"}, "properties": {}, "additionalProperties": False}
+    regex = validate_spec("json_schema", array)
+    assert re.fullmatch(regex, "[1, 2]") and not re.fullmatch(regex, "{}")
+    nullable = {"type": ["string", "null"], "properties": {"a": {"type": "integer"}}}
+    regex = validate_spec("json_schema", nullable)
+    assert re.fullmatch(regex, '"x"') and re.fullmatch(regex, "null") and not re.fullmatch(regex, '{"a": 1}')
+    for typed in ({"type": "object"}, {"type": ["object", "null"]}, {}):  # an object, or untyped: kept
+        regex = validate_spec(
+            "json_schema", {**typed, "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        )
+        assert re.fullmatch(regex, '{"a": 1}'), typed
 
 
 def test_json_object_regex():

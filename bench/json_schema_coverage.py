@@ -1,0 +1,458 @@
+"""JSONSchemaBench coverage: which real-world schemas compile, how fast, and how often greedy output validates.
+
+For each subset of /work/shared/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample of
+schemas goes through the server's own path:
+
+1. compile: the HTTP-side check (`runtime.grammar_validator.GrammarValidator`: `validate_spec` in a helper
+   process, VALIDATION_TIMEOUT_S) and then the scheduler's compile (`runtime.grammar_manager.GrammarManager`,
+   default JSON layout, COMPILE_TIMEOUT_S, COMPILE_WORKERS in parallel), each schema compiled cold. The scheduler's compile runs in a worker
+   process so a schema past the timeout can be stopped (the server's request fails then; its thread keeps
+   running, which the bench must not copy on a shared machine). `--compile-memory-gb` caps that worker;
+   a schema hitting the cap counts as `crash`, not as compiled.
+2. generate: every schema that compiled is sent through `runtime.Engine` (default model, greedy,
+   `--max-new-tokens`), all at once. An output that ends by the grammar is `valid` or `invalid` under the
+   `jsonschema` package (the schema's own draft; `format` is an annotation, not checked); an output cut by
+   max_new_tokens is `truncated`, neither valid nor invalid. `error`: the request failed; `unchecked`:
+   `jsonschema` cannot use the schema itself.
+
+`--mask-overhead` measures instead what constrained decoding adds to a decode step, in microseconds per decoded
+token (see `bench.json_mask_overhead`).
+
+    python bench/json_schema_coverage.py --quick
+    python bench/json_schema_coverage.py --per-subset 16 --max-new-tokens 64
+    python bench/json_schema_coverage.py --mask-overhead --batch-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
+
+from bench import common
+
+SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
+OUTPUT_KINDS = ("valid", "invalid", "truncated", "error", "unchecked")
+SYSTEM_PROMPT = "You convert text into JSON that follows the given schema."
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+def load_subset(subset: str, data_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Rows `{"id", "schema"}` of one subset, in file order."""
+    return list(common.iter_jsonl((data_dir or common.DATA_DIR) / "jsonschemabench" / f"{subset}.jsonl"))
+
+
+def sample_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` distinct rows drawn with `random.Random(seed)` (all rows, shuffled, when n >= len(rows))."""
+    return random.Random(seed).sample(rows, min(max(n, 0), len(rows)))
+
+
+def schema_text(schema: Any) -> str:
+    """The JSON text sent as `json_schema` (and shown to the model)."""
+    return json.dumps(schema)
+
+
+def classify_output(schema: Any, text: str, finish_reason: dict[str, Any] | None) -> tuple[str, str | None]:
+    """(kind, detail): kind in OUTPUT_KINDS; detail names the failing keyword, or why nothing was checked.
+
+    An output cut by max_new_tokens is `truncated` whatever its text: it says nothing about the grammar.
+    """
+    import jsonschema
+
+    kind = (finish_reason or {}).get("type")
+    if kind == "length":
+        return "truncated", None
+    if kind != "stop":
+        return "error", str((finish_reason or {}).get("message") or kind)
+    try:
+        instance = json.loads(text)
+    except json.JSONDecodeError:
+        return "invalid", "not JSON"
+    try:
+        validator = jsonschema.validators.validator_for(schema)(schema)
+        error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    except Exception as err:  # unresolvable $ref, a pattern Python's re rejects, a malformed schema
+        return "unchecked", f"{type(err).__name__}: {str(err)[:120]}"
+    if error is None:
+        return "valid", None
+    return "invalid", str(error.validator)
+
+
+def shares(counts: dict[str, int], total: int) -> dict[str, float | None]:
+    """`{kind}_share` for every OUTPUT_KINDS entry (None when there is nothing to divide)."""
+    return {f"{k}_share": (counts.get(k, 0) / total if total else None) for k in OUTPUT_KINDS}
+
+
+def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figures of one subset (or all): compile outcome shares and times, output kind shares."""
+    n = len(records)
+    compiled = [r for r in records if r["compile"] == "ok"]
+    compile_ms = [1000 * r["compile_s"] for r in compiled]
+    validate_ms = [1000 * r["validate_s"] for r in records if r.get("validate_s") is not None]
+    outputs = [r for r in records if r.get("output")]
+    counts = Counter(r["output"] for r in outputs)
+    invalid_keywords = Counter(r["output_detail"] for r in outputs if r["output"] == "invalid")
+    return {
+        "schemas": n,
+        "compiled": len(compiled),
+        "compiled_share": len(compiled) / n if n else None,
+        "compile_outcomes": dict(Counter(r["compile"] for r in records)),
+        "compile_ms": {
+            "p50": common.percentile(compile_ms, 50),
+            "p95": common.percentile(compile_ms, 95),
+            "mean": _mean(compile_ms),
+            "max": max(compile_ms, default=None),
+        },
+        "validate_ms": {"p50": common.percentile(validate_ms, 50), "p95": common.percentile(validate_ms, 95)},
+        "outputs": len(outputs),
+        "output_counts": {k: counts.get(k, 0) for k in OUTPUT_KINDS},
+        **shares(counts, len(outputs)),
+        "valid_of_all_schemas": counts.get("valid", 0) / n if n else None,
+        "invalid_keywords": dict(invalid_keywords.most_common()),
+        "completion_tokens_mean": _mean([r["completion_tokens"] for r in outputs]),
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def table_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
+    pct = lambda v: None if v is None else 100 * v  # noqa: E731
+    return {
+        "subset": name,
+        "schemas": s["schemas"],
+        "compiles %": pct(s["compiled_share"]),
+        "timeouts": s["compile_outcomes"].get("timeout", 0),
+        "compile p50 ms": s["compile_ms"]["p50"],
+        "compile p95 ms": s["compile_ms"]["p95"],
+        "outputs": s["outputs"],
+        "valid %": pct(s["valid_share"]),
+        "invalid %": pct(s["invalid_share"]),
+        "truncated %": pct(s["truncated_share"]),
+        "errors": s["output_counts"]["error"] + s["output_counts"]["unchecked"],
+    }
+
+
+# ------------------------------------------------------------------------------------------ compile stage
+def _compile_worker(conn, model_dir: str, memory_gb: float) -> None:
+    """Child process: the scheduler's GrammarManager; answers (outcome, seconds, reason) per schema text."""
+    from runtime.grammar_manager import GrammarManager
+    from runtime.model_loader import load_tokenizer
+    from runtime.sampling_params import SamplingParams
+
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    manager = GrammarManager(load_tokenizer(model_dir), vocab_size)
+    manager.compiler  # noqa: B018 -- builds the vocabulary before the first timed compile
+    if memory_gb > 0:
+        _cap_address_space(memory_gb)
+    conn.send("ready")
+    while (spec := conn.recv()) is not None:
+        manager.compiler.clear()  # every schema compiled cold, as a new schema reaches the server
+        start = time.perf_counter()
+        try:
+            manager.compile_async(SamplingParams(json_schema=spec, temperature=0.0)).result()
+            conn.send(("ok", time.perf_counter() - start, None))
+        except ValueError as err:  # GrammarError: the scheduler answers 400 with this reason
+            conn.send(("error", time.perf_counter() - start, str(err)[:300]))
+
+
+def _cap_address_space(gigabytes: float) -> None:
+    import resource
+
+    with open("/proc/self/status") as f:
+        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    limit = vm_kb * 1024 + int(gigabytes * (1 << 30))
+    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+
+class CompileWorker:
+    """One compile process; killed and restarted when a schema runs past the timeout."""
+
+    def __init__(self, model_dir: str, memory_gb: float):
+        self.model_dir, self.memory_gb = model_dir, memory_gb
+        self._proc = self._conn = None
+
+    def _start(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_compile_worker,
+            args=(child, self.model_dir, self.memory_gb),
+            name="bench-grammar-compile",
+            daemon=True,
+        )
+        self._proc.start()
+        if self._conn.recv() != "ready":
+            raise RuntimeError("compile worker failed to start")
+
+    def compile(self, spec: str, timeout_s: float) -> tuple[str, float, str | None]:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        start = time.perf_counter()
+        self._conn.send(spec)
+        if not self._conn.poll(timeout_s):
+            self.close()
+            return "timeout", time.perf_counter() - start, f"not compiled within {timeout_s:.0f}s"
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self.close()
+            reason = f"compile process died (memory cap {self.memory_gb} GB?)"
+            return "crash", time.perf_counter() - start, reason
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+        self._proc = None
+
+
+def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
+    """(verdict, seconds) per spec from the server's HTTP-side checker: None = accepted, else the 400 reason."""
+    from runtime.grammar_validator import GrammarValidator
+
+    async def run() -> list[tuple[str | None, float]]:
+        validator = GrammarValidator()
+        out = []
+        try:
+            # the first check starts the checker's process: a one-off cost, not a check's
+            await validator.validate("json_schema", '{"type": "null"}')
+            for spec in specs:
+                start = time.perf_counter()
+                verdict = await validator.validate("json_schema", spec)
+                out.append((verdict, time.perf_counter() - start))
+        finally:
+            validator.close()
+        return out
+
+    return asyncio.run(run())
+
+
+def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.Namespace) -> None:
+    """Fill `compile` (ok | rejected | error | timeout | crash), `compile_s`, `validate_s`, `reason`."""
+    from runtime.grammar_manager import COMPILE_TIMEOUT_S
+
+    timeout = args.compile_timeout or COMPILE_TIMEOUT_S
+    verdicts = validate_all([r["spec"] for r in records])
+    todo = []
+    for rec, (verdict, seconds) in zip(records, verdicts):
+        rec["validate_s"] = seconds
+        if verdict is not None:
+            rec.update(compile="rejected", compile_s=None, reason=verdict)
+        else:
+            todo.append(rec)
+    workers = [CompileWorker(model_dir, args.compile_memory_gb) for _ in range(max(1, args.compile_workers))]
+    queue = deque(todo)
+
+    def drain(worker: CompileWorker) -> None:
+        try:
+            while True:
+                try:
+                    rec = queue.popleft()  # atomic: the workers share the queue
+                except IndexError:
+                    return
+                outcome, seconds, reason = worker.compile(rec["spec"], timeout)
+                rec.update(compile=outcome, compile_s=seconds, reason=reason)
+                print(f"  compile {rec['subset']}/{rec['id']}: {outcome} {seconds:.2f}s", flush=True)
+        finally:
+            worker.close()
+
+    with ThreadPoolExecutor(len(workers)) as pool:
+        list(pool.map(drain, workers))
+
+
+# ------------------------------------------------------------------------------------------ generate stage
+def chat_prompt(tokenizer, spec: str) -> str:
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"Write one JSON instance of this JSON Schema:\n{spec}"},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def generate_stage(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Greedy outputs for the compiled schemas, all in flight at once; fills `output`, `output_detail`, ..."""
+    from runtime import Engine
+
+    todo = [r for r in records if r["compile"] == "ok"]
+    if not todo:
+        return {}
+    engine = Engine(model="default", log_level="warning", num_threads=args.threads or None)
+    try:
+        params = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
+        prompts = [chat_prompt(engine.tokenizer, r["spec"]) for r in todo]
+
+        async def run() -> list[Any]:
+            calls = [
+                engine.async_generate(p, {**params, "json_schema": r["spec"]}) for p, r in zip(prompts, todo)
+            ]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        start = time.perf_counter()
+        results = asyncio.run(run())
+        wall = time.perf_counter() - start
+        info = engine.server_info()
+    finally:
+        engine.shutdown()
+    for rec, res in zip(todo, results):
+        if isinstance(res, Exception):
+            rec.update(output="error", output_detail=str(res)[:300], completion_tokens=0, text=None)
+            continue
+        meta = res["meta_info"]
+        kind, detail = classify_output(json.loads(rec["spec"]), res["text"], meta.get("finish_reason"))
+        rec.update(
+            output=kind,
+            output_detail=detail,
+            completion_tokens=meta.get("completion_tokens", 0),
+            text=res["text"][:400],
+        )
+    keys = ("generated_tokens", "decode_steps", "extend_steps", "jump_forward_tokens", "grammar")
+    return {"wall_s": wall, "requests": len(todo), "server": {k: info.get(k) for k in keys}}
+
+
+# ------------------------------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--per-subset",
+        type=int,
+        default=10,
+        help="schemas sampled from each subset (10: 2.5 min on 2 loaded cores, plus up to 2 min if a schema "
+        "hits the compile timeout)",
+    )
+    p.add_argument("--subsets", default=",".join(SUBSETS), help="comma-separated subset names")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="greedy output budget per schema")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=0.0,
+        help="seconds per schema compile (0: the scheduler's COMPILE_TIMEOUT_S)",
+    )
+    p.add_argument("--compile-workers", type=int, default=0, help="parallel compiles (0: the scheduler's)")
+    p.add_argument(
+        "--compile-memory-gb",
+        type=float,
+        default=8.0,
+        help="address-space cap of a compile process above its start size (0: none); the bench's "
+        "own guard for a shared machine, not a server limit",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the model (0: all cores). 1 by default: on a loaded 2-core machine "
+        "2 threads measured 10x slower (OpenMP stalls on descheduled threads)",
+    )
+    p.add_argument(
+        "--mask-overhead", action="store_true", help="measure the per-token grammar mask cost instead"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="--mask-overhead: requests decoding together")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="--mask-overhead: replays per variant (min reported)"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.per_subset, args.max_new_tokens, args.batch_size = 3, 48, 4
+    if not args.compile_workers:
+        from runtime.grammar_manager import COMPILE_WORKERS
+
+        args.compile_workers = COMPILE_WORKERS
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    common.setup_env()
+    env = common.environment()
+    env["load_before"] = common.load_average()
+    if args.mask_overhead:
+        from bench.json_mask_overhead import run_mask_overhead
+
+        return run_mask_overhead(args, env)
+    from constrained import DEFAULT_WHITESPACE
+    from runtime.grammar_manager import COMPILE_TIMEOUT_S
+    from runtime.grammar_validator import VALIDATION_TIMEOUT_S
+    from runtime.model_loader import resolve_model_path
+
+    subsets = common.csv_list(args.subsets)
+    records = [
+        {"subset": s, "id": row["id"], "spec": schema_text(row["schema"])}
+        for s in subsets
+        for row in sample_rows(load_subset(s), args.per_subset, args.seed)
+    ]
+    start = time.perf_counter()
+    print(f"[json_schema_coverage] compiling {len(records)} schemas ...", flush=True)
+    compile_stage(records, resolve_model_path("default"), args)
+    compile_wall = time.perf_counter() - start
+    print(
+        f"[json_schema_coverage] generating for {sum(r['compile'] == 'ok' for r in records)} schemas ...",
+        flush=True,
+    )
+    generation = generate_stage(records, args)
+    summaries = {s: summarize_records([r for r in records if r["subset"] == s]) for s in subsets}
+    summaries["all"] = summarize_records(records)
+    print()
+    common.print_table(
+        [table_row(name, s) for name, s in summaries.items()], title="== json_schema_coverage =="
+    )
+    results = {
+        "subsets": summaries,
+        "generation": generation,
+        "compile_wall_s": compile_wall,
+        "total_wall_s": time.perf_counter() - start,
+        "schemas": [{k: v for k, v in r.items() if k != "spec"} for r in records],
+    }
+    config = {
+        "command": common.command_line(),
+        "subsets": subsets,
+        "per_subset": args.per_subset,
+        "seed": args.seed,
+        "max_new_tokens": args.max_new_tokens,
+        "model": "default",
+        "greedy": True,
+        "whitespace_pattern": DEFAULT_WHITESPACE,
+        "validation_timeout_s": VALIDATION_TIMEOUT_S,
+        "compile_timeout_s": args.compile_timeout or COMPILE_TIMEOUT_S,
+        "compile_workers": args.compile_workers,
+        "compile_memory_gb": args.compile_memory_gb,
+        "threads": args.threads,
+        "format_checked": False,
+    }
+    name = args.name or "json_schema_coverage"
+    groups = list(summaries)
+    series = {
+        label: [summaries[g][key] for g in groups]
+        for label, key in (
+            ("compiles", "compiled_share"),
+            ("valid", "valid_share"),
+            ("invalid", "invalid_share"),
+            ("truncated", "truncated_share"),
+        )
+    }
+    common.bar_chart(
+        common.plot_path(name, args.results_dir),
+        groups,
+        series,
+        "share",
+        f"JSONSchemaBench, {args.per_subset}/subset, greedy, {args.max_new_tokens} new tokens",
+    )
+    common.write_results(name, config, results, env, args.results_dir)
+    return results
+
+
+if __name__ == "__main__":
+    main()

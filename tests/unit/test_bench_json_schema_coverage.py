@@ -1,0 +1,134 @@
+"""Helpers that decide the figures of bench/json_schema_coverage.py (and its --mask-overhead mode): sampling,
+output classification (truncated is never invalid), per-subset summaries. Pure Python: no model is loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a folder of scripts, not installed
+
+from bench import json_mask_overhead as mask  # noqa: E402
+from bench import json_schema_coverage as cov  # noqa: E402
+
+STOP = {"type": "stop", "matched": None}
+LENGTH = {"type": "length", "length": 64}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "tags": {"type": "array", "uniqueItems": True}},
+    "required": ["name"],
+}
+
+
+def test_sample_rows_is_seeded_distinct_and_bounded():
+    rows = [{"id": str(i)} for i in range(50)]
+    a, b = cov.sample_rows(rows, 10, seed=3), cov.sample_rows(rows, 10, seed=3)
+    assert a == b and len({r["id"] for r in a}) == 10
+    assert cov.sample_rows(rows, 10, seed=4) != a
+    assert sorted(r["id"] for r in cov.sample_rows(rows, 500, seed=0)) == sorted(r["id"] for r in rows)
+    assert cov.sample_rows(rows, 0, seed=0) == []
+
+
+def test_load_subset_reads_jsonl(tmp_path):
+    folder = tmp_path / "jsonschemabench"
+    folder.mkdir()
+    (folder / "Tiny.jsonl").write_text(
+        '{"id": "a", "schema": {"type": "integer"}}\n\n{"id": "b", "schema": {}}\n'
+    )
+    rows = cov.load_subset("Tiny", data_dir=tmp_path)
+    assert [r["id"] for r in rows] == ["a", "b"] and rows[0]["schema"] == {"type": "integer"}
+
+
+@pytest.mark.parametrize(
+    "text, finish, want",
+    [
+        ('{"name": "Bo"}', STOP, ("valid", None)),
+        ('{"tags": []}', STOP, ("invalid", "required")),
+        ('{"name": "Bo", "tags": [1, 1]}', STOP, ("invalid", "uniqueItems")),
+        ('{"name": "Bo"', STOP, ("invalid", "not JSON")),
+        ('{"name": "Bo"', LENGTH, ("truncated", None)),  # cut by max_new_tokens: not counted as invalid
+        ('{"tags": []}', LENGTH, ("truncated", None)),
+        (
+            "",
+            {"type": "abort", "message": "grammar allows no further token"},
+            ("error", "grammar allows no further token"),
+        ),
+        ("", None, ("error", "None")),
+    ],
+)
+def test_classify_output(text, finish, want):
+    assert cov.classify_output(PERSON, text, finish) == want
+
+
+def test_classify_output_uses_the_schema_draft_and_reports_unusable_schemas():
+    draft4 = {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "type": "integer",
+        "maximum": 5,
+        "exclusiveMaximum": True,
+    }  # a boolean exclusive: draft 4 only
+    assert cov.classify_output(draft4, "5", STOP) == ("invalid", "maximum")
+    assert cov.classify_output(draft4, "4", STOP) == ("valid", None)
+    kind, detail = cov.classify_output({"$ref": "#/definitions/missing"}, "1", STOP)
+    assert kind == "unchecked" and detail
+
+
+def _rec(subset, compile_outcome, compile_s=None, output=None, detail=None, tokens=0):
+    rec = {
+        "subset": subset,
+        "id": "x",
+        "compile": compile_outcome,
+        "compile_s": compile_s,
+        "validate_s": 0.001,
+    }
+    if output:
+        rec.update(output=output, output_detail=detail, completion_tokens=tokens)
+    return rec
+
+
+def test_summarize_records_shares_and_percentiles():
+    records = [
+        _rec("s", "ok", 0.1, "valid", tokens=10),
+        _rec("s", "ok", 0.2, "valid", tokens=20),
+        _rec("s", "ok", 0.3, "invalid", "uniqueItems", tokens=30),
+        _rec("s", "ok", 0.4, "truncated", tokens=64),
+        _rec("s", "rejected"),
+        _rec("s", "timeout", 120.0),
+    ]
+    s = cov.summarize_records(records)
+    assert s["schemas"] == 6 and s["compiled"] == 4 and s["compiled_share"] == pytest.approx(4 / 6)
+    assert s["compile_outcomes"] == {"ok": 4, "rejected": 1, "timeout": 1}
+    # compile times are over compiled schemas only: the timeout's 120 s is not a compile time
+    assert s["compile_ms"]["p50"] == pytest.approx(250.0) and s["compile_ms"]["max"] == pytest.approx(400.0)
+    assert s["compile_ms"]["p95"] == pytest.approx(385.0)
+    assert s["outputs"] == 4
+    assert s["valid_share"] == 0.5 and s["invalid_share"] == 0.25 and s["truncated_share"] == 0.25
+    assert s["error_share"] == 0.0 and s["valid_of_all_schemas"] == pytest.approx(2 / 6)
+    assert s["invalid_keywords"] == {"uniqueItems": 1}
+    assert s["completion_tokens_mean"] == 31.0
+    row = cov.table_row("s", s)
+    assert row["compiles %"] == pytest.approx(400 / 6) and row["truncated %"] == 25.0 and row["timeouts"] == 1
+
+
+def test_summarize_records_without_outputs_or_compiles():
+    s = cov.summarize_records([_rec("s", "rejected"), _rec("s", "error")])
+    assert s["compiled_share"] == 0.0 and s["outputs"] == 0 and s["valid_share"] is None
+    assert math.isnan(s["compile_ms"]["p50"]) and s["completion_tokens_mean"] is None
+    json.dumps(cov.table_row("s", s))  # a result file can hold it
+    assert cov.summarize_records([])["compiled_share"] is None
+
+
+def test_mask_overhead_per_token_uses_full_batch_steps():
+    steps = [(4, 0.4), (4, 0.8), (4, 0.6), (2, 0.1)]  # (batch size, seconds)
+    got = mask.per_token_us(steps, 4)
+    assert (
+        got["steps"] == 3
+        and got["p50"] == pytest.approx(150_000.0)
+        and got["mean"] == pytest.approx(150_000.0)
+    )
+    # no full step: scaled to the batch size so the figure stays per token
+    assert mask.per_token_us([(2, 0.1)], 4)["p50"] == pytest.approx(50_000.0)
