@@ -60,7 +60,8 @@ HEADLINES = [
     Headline("gsm8k", "gsm8k", "accuracy", "radixlm", "hf", None),
     Headline("tree_of_thought", "tree_of_thought", "programs/s", "radixlm", "hf", None),
 ]
-BENCHES = ["decode_throughput", "mmlu", "gsm8k", "multi_turn_chat", "tree_of_thought", "json_decode", "serving"]
+BENCHES = ["decode_throughput", "mmlu", "gsm8k", "multi_turn_chat", "tree_of_thought", "json_decode",
+           "json_schema_coverage", "serving"]
 
 
 def headline_row(h: Headline, doc: dict | None) -> dict[str, Any]:

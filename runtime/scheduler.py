@@ -211,12 +211,16 @@ class Scheduler:
                 req.cached_tokens = req.match_len
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
                 self.stats["cached_tokens"] += req.match_len
-        self.chunked = None
+        previous_chunk, self.chunked = self.chunked, None
         for req, _ in admitted:
             if req in self.reextend:
                 self.reextend.remove(req)
             if req.kv_len < req.seq_len:
                 self.chunked = req  # at most one: the adder stops after cutting a chunk
+        if previous_chunk is not None and all(previous_chunk is not r for r, _ in admitted):
+            # Not admitted this step (no room, or its slots could not be allocated): it keeps its KV and rows
+            # and must stay queued, or it would hang its client and leak its slots.
+            self.reextend.insert(0, previous_chunk)
         return admitted
 
     def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:

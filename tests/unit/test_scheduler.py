@@ -104,6 +104,25 @@ def test_small_pool_forces_retraction_and_outputs_survive(tiny_model_dir, defaul
     assert_all_free(sched)
 
 
+def test_chunked_request_refused_slots_stays_queued(tiny_model_dir, default_tokenizer, reference):
+    """A partly prefilled (chunked) request whose next chunk gets no slots must wait, not vanish: it holds
+    KV, so losing it would leak slots and hang its client (seen with --disable-radix-cache under load)."""
+    sched = make_scheduler(tiny_model_dir, default_tokenizer, disable_radix_cache=True, chunked_prefill_size=16)
+    real_alloc, refused = sched.cm.alloc_slots, []
+
+    def alloc_refusing_second_chunks(n):
+        if sched.chunked is not None and sched.chunked.kv_len > 0 and len(refused) < 3:
+            refused.append(n)
+            return None
+        return real_alloc(n)
+
+    sched.cm.alloc_slots = alloc_refusing_second_chunks
+    got = run(sched, prompts(4))
+    assert refused, "the test never refused a chunk"
+    assert got["outs"] == {rid: reference[rid] for rid in got["outs"]}  # prompts(4) == prompts(32)[:4]
+    assert_all_free(sched)
+
+
 def test_abort_waiting_and_running(tiny_model_dir, default_tokenizer):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=2)
     for i, p in enumerate(prompts(6)):
