@@ -63,8 +63,6 @@ def validate_spec(kind: str, spec: str | dict, whitespace_pattern: str = DEFAULT
         spec = json.dumps(spec)  # an already-parsed schema
     if kind != "json_object" and not isinstance(spec, str):
         raise GrammarError(f"{kind} spec must be a string, got {type(spec).__name__}")
-    if kind != "json_object":
-        check_size_limits(kind, spec)
     return _validate_cached(kind, spec if kind != "json_object" else "", whitespace_pattern)
 
 
@@ -117,6 +115,7 @@ def check_size_limits(kind: str, spec: str) -> None:
 def _validate_cached(kind: str, spec: str, whitespace_pattern: str) -> str:
     if kind == "json_object":
         return json_object_regex(whitespace_pattern, JSON_OBJECT_DEPTH)
+    check_size_limits(kind, spec)  # inside the cache: a spec seen before is not parsed and walked again
     if kind == "regex":
         regex = strip_anchors(spec)
         check_regex(regex, what="regex")
