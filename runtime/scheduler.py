@@ -59,8 +59,7 @@ class Scheduler:
 
         self.grammar_wait: list[Req] = []  # grammar compiling
         self.waiting: list[Req] = []  # no KV yet (new or retracted)
-        self.chunked: Req | None = None  # mid chunked prefill
-        self.reextend: list[Req] = []  # hold KV but need more than one token computed (jump-forward)
+        self.reextend: list[Req] = []  # hold KV but need more than one token computed (chunked prefill, jump-forward)
         self.running: list[Req] = []  # decoding: kv_len == seq_len - 1
         self.touched: dict[str, Req] = {}  # requests with output to send this step
         self.stats: dict[str, float] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0,
@@ -120,9 +119,6 @@ class Scheduler:
             for req in [r for r in queue if rid in ("", r.rid)]:
                 queue.remove(req)
                 self._finish_aborted(req)
-        if self.chunked is not None and rid in ("", self.chunked.rid):
-            req, self.chunked = self.chunked, None
-            self._finish_aborted(req)
 
     def _finish_aborted(self, req: Req) -> None:
         req.finish({"type": "abort", "message": "request aborted"})
@@ -137,11 +133,11 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
         # `touched`: outputs still to send (a request rejected or aborted while nothing else runs).
-        return bool(self.grammar_wait or self.waiting or self.chunked or self.reextend or self.running or self.touched)
+        return bool(self.grammar_wait or self.waiting or self.reextend or self.running or self.touched)
 
     def can_run(self) -> bool:
         """Work that needs a forward pass (not just grammars compiling in the background)."""
-        return bool(self.waiting or self.chunked or self.reextend or self.running)
+        return bool(self.waiting or self.reextend or self.running)
 
     def step(self) -> list[ReqOutput]:
         """Run at most one forward pass; return the outputs to send."""
@@ -170,16 +166,16 @@ class Scheduler:
             self.waiting.append(req)
 
     def _schedule_extend(self) -> list[tuple[Req, int]]:
-        if not (self.waiting or self.reextend or self.chunked):
+        if not (self.waiting or self.reextend):
             return []
         a = self.args
-        if not (self.reextend or self.chunked) and len(self.running) >= a.max_running_requests:
+        if not self.reextend and len(self.running) >= a.max_running_requests:
             return []
         adder = PrefillAdder(self.cm, self.running, max_prefill_tokens=a.max_prefill_tokens,
                              chunk_size=a.chunked_prefill_size, new_token_ratio=a.new_token_ratio,
                              max_running=a.max_running_requests)
         # Requests that already hold KV go first: they pin memory until they finish.
-        held = ([self.chunked] if self.chunked else []) + self.reextend
+        held = list(self.reextend)  # a request mid chunked prefill is first (see the end of this method)
         for req in held:
             if adder.add(req, req.seq_len - req.kv_len, chunkable=not req.wants_input_logprobs) is not AddResult.CONTINUE:
                 break
@@ -211,16 +207,13 @@ class Scheduler:
                 req.cached_tokens = req.match_len
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
                 self.stats["cached_tokens"] += req.match_len
-        previous_chunk, self.chunked = self.chunked, None
         for req, _ in admitted:
             if req in self.reextend:
                 self.reextend.remove(req)
             if req.kv_len < req.seq_len:
-                self.chunked = req  # at most one: the adder stops after cutting a chunk
-        if previous_chunk is not None and all(previous_chunk is not r for r, _ in admitted):
-            # Not admitted this step (no room, or its slots could not be allocated): it keeps its KV and rows
-            # and must stay queued, or it would hang its client and leak its slots.
-            self.reextend.insert(0, previous_chunk)
+                # Cut by chunked prefill (at most one: the adder stops after cutting). It holds KV, so it goes
+                # first next step; a request that is not admitted simply stays in `reextend`.
+                self.reextend.insert(0, req)
         return admitted
 
     def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:
@@ -432,7 +425,7 @@ class Scheduler:
 
     # ---- introspection -------------------------------------------------------------------------------------
     def live_requests(self) -> list[Req]:
-        return [*self.waiting, *self.reextend, *self.running, *([self.chunked] if self.chunked else [])]
+        return [*self.waiting, *self.reextend, *self.running]
 
     def check_accounting(self) -> None:
         self.cm.check_accounting(self.live_requests())
@@ -441,7 +434,7 @@ class Scheduler:
         cache, alloc = self.cm.cache, self.cm.allocator
         prompt = self.stats["prompt_tokens"]
         return {
-            "num_running_reqs": len(self.running) + len(self.reextend) + (1 if self.chunked else 0),
+            "num_running_reqs": len(self.running) + len(self.reextend),
             "num_queued_reqs": len(self.waiting) + len(self.grammar_wait),
             "max_total_tokens": alloc.size,
             "free_slots": alloc.available(),

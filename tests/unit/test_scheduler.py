@@ -111,7 +111,8 @@ def test_chunked_request_refused_slots_stays_queued(tiny_model_dir, default_toke
     real_alloc, refused = sched.cm.alloc_slots, []
 
     def alloc_refusing_second_chunks(n):
-        if sched.chunked is not None and sched.chunked.kv_len > 0 and len(refused) < 3:
+        mid_prefill = any(0 < r.kv_len < len(r.prompt_ids) for r in sched.reextend)
+        if mid_prefill and len(refused) < 3:
             refused.append(n)
             return None
         return real_alloc(n)
