@@ -84,7 +84,7 @@ def roofline(costs: dict[str, float], gflops: float, gbs: float, bs: int, contex
 # ------------------------------------------------------------------------------------------ radixlm
 def radixlm_decode(runner: Any, bs: int, prompt_len: int, steps: int, gen: torch.Generator) -> dict[str, float]:
     """Prefill `bs` random prompts in one extend batch, then `steps` greedy decode steps; free everything."""
-    from runtime.forward_batch import ForwardBatch
+    from runtime.model_executor.forward_batch import ForwardBatch
 
     vocab = runner.vocab_size
     rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
@@ -159,8 +159,8 @@ def best_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ load times
 def load_times(dtype: str, cold: bool) -> dict[str, float | None]:
     from bench.hf_model import load_hf_model
-    from runtime.model_loader import resolve_model_path
-    from runtime.model_runner import ModelRunner
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.models.model_loader import resolve_model_path
 
     out: dict[str, float | None] = {"cold_convert_s": None, "cold_total_s": None}
     if cold:
@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     env = common.environment()
     env["load_before"] = common.load_average()
 
-    from runtime.model_loader import resolve_model_path
-    from runtime.model_runner import DTYPES, ModelRunner
+    from runtime.model_executor.model_runner import DTYPES, ModelRunner
+    from runtime.models.model_loader import resolve_model_path
 
     model_dir = resolve_model_path("default")
     results: dict[str, Any] = {"machine": {}, "load_times": {}, "by_dtype": {}}

@@ -2,7 +2,7 @@
 
 Nothing here reuses a prefix: every batch is left-padded to its longest prompt and computed from scratch, as a
 program using `model.generate` directly would. Greedy generation and scoring use the same tokenizer as radixlm
-(`runtime.model_loader.load_tokenizer`, `tokenizer.encode(text)`), so both sides see identical token ids.
+(`runtime.models.model_loader.load_tokenizer`, `tokenizer.encode(text)`), so both sides see identical token ids.
 
 Per-row behaviour inside one static batch (different `max_new_tokens`, stop strings, `ignore_eos`, grammars)
 is enforced by a stopping criterion and logits processors; a finished row keeps occupying its batch slot
@@ -43,7 +43,7 @@ def load_hf_model(model_dir: str, dtype: str = "float32", device: str = "cpu") -
     """(model, tokenizer, load seconds): `AutoModelForCausalLM.from_pretrained` on radixlm's HF folder."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from runtime.model_loader import load_tokenizer
+    from runtime.models.model_loader import load_tokenizer
 
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)

@@ -3,8 +3,8 @@
 For each subset of /work/shared/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample of
 schemas goes through the server's own path:
 
-1. compile: the HTTP-side check (`runtime.grammar_validator.GrammarValidator`: `validate_spec` in a helper
-   process, VALIDATION_TIMEOUT_S) and then the scheduler's compile (`runtime.grammar_manager.GrammarManager`,
+1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in a helper
+   process, VALIDATION_TIMEOUT_S) and then the scheduler's compile (`runtime.managers.grammar_manager.GrammarManager`,
    default JSON layout, COMPILE_TIMEOUT_S, COMPILE_WORKERS in parallel), each schema compiled cold. The scheduler's compile runs in a worker
    process so a schema past the timeout can be stopped (the server's request fails then; its thread keeps
    running, which the bench must not copy on a shared machine). `--compile-memory-gb` caps that worker;
@@ -147,8 +147,8 @@ def table_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ compile stage
 def _compile_worker(conn, model_dir: str, memory_gb: float) -> None:
     """Child process: the scheduler's GrammarManager; answers (outcome, seconds, reason) per schema text."""
-    from runtime.grammar_manager import GrammarManager
-    from runtime.model_loader import load_tokenizer
+    from runtime.managers.grammar_manager import GrammarManager
+    from runtime.models.model_loader import load_tokenizer
     from runtime.sampling_params import SamplingParams
 
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
@@ -222,7 +222,7 @@ class CompileWorker:
 
 def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
     """(verdict, seconds) per spec from the server's HTTP-side checker: None = accepted, else the 400 reason."""
-    from runtime.grammar_validator import GrammarValidator
+    from runtime.managers.grammar_validator import GrammarValidator
 
     async def run() -> list[tuple[str | None, float]]:
         validator = GrammarValidator()
@@ -243,7 +243,7 @@ def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
 
 def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.Namespace) -> None:
     """Fill `compile` (ok | rejected | error | timeout | crash), `compile_s`, `validate_s`, `reason`."""
-    from runtime.grammar_manager import COMPILE_TIMEOUT_S
+    from runtime.managers.grammar_manager import COMPILE_TIMEOUT_S
 
     timeout = args.compile_timeout or COMPILE_TIMEOUT_S
     verdicts = validate_all([r["spec"] for r in records])
@@ -368,7 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.per_subset, args.max_new_tokens, args.batch_size = 3, 48, 4
     if not args.compile_workers:
-        from runtime.grammar_manager import COMPILE_WORKERS
+        from runtime.managers.grammar_manager import COMPILE_WORKERS
 
         args.compile_workers = COMPILE_WORKERS
     return args
@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return run_mask_overhead(args, env)
     from constrained import DEFAULT_WHITESPACE
-    from runtime.grammar_manager import COMPILE_TIMEOUT_S
-    from runtime.grammar_validator import VALIDATION_TIMEOUT_S
-    from runtime.model_loader import resolve_model_path
+    from runtime.managers.grammar_manager import COMPILE_TIMEOUT_S
+    from runtime.managers.grammar_validator import VALIDATION_TIMEOUT_S
+    from runtime.models.model_loader import resolve_model_path
 
     subsets = common.csv_list(args.subsets)
     records = [

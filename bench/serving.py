@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.gsp_num_groups, args.gsp_prompts_per_group = 2, 4
         args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len = 256, 16, 8
     common.setup_env()
-    from runtime.model_loader import load_tokenizer, resolve_model_path
+    from runtime.models.model_loader import load_tokenizer, resolve_model_path
 
     env = common.environment()
     env["load_before"] = common.load_average()

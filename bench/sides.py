@@ -25,7 +25,7 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
     "radixlm-nojf": {"disable_jump_forward": True},
 }
 HF = "hf"
-# Server counters whose change over a run is reported (see runtime.scheduler.Scheduler.server_info).
+# Server counters whose change over a run is reported (see runtime.managers.scheduler.Scheduler.server_info).
 COUNTERS = ("prompt_tokens", "cached_tokens", "generated_tokens", "jump_forward_tokens", "extend_steps",
             "decode_steps", "retractions", "requests_finished")
 
@@ -112,7 +112,7 @@ class OpenSide:
 
 
 def open_side(name: str, args: argparse.Namespace, model: str = "default") -> OpenSide:
-    from runtime.model_loader import resolve_model_path
+    from runtime.models.model_loader import resolve_model_path
 
     t0 = time.perf_counter()
     if name == HF:

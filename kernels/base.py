@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.forward_batch import ForwardBatch
-from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from runtime.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from kernels.base import AttentionBackend, AttentionLayer
-from runtime.forward_batch import ForwardBatch
-from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from runtime.model_executor.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
 _TENSOR_CORE_MIN_GROUP = 4  # GQA groups this large decode faster with the prefill (tensor-core) kernels
@@ -168,7 +168,7 @@ class FlashInferBackend(AttentionBackend):
                 raise RuntimeError("flashinfer: planning inside CUDA-graph capture; plan before capturing")
             self._plan(layer.num_heads, layer.scaling)
 
-    # ---- CUDA-graph hooks (runtime/cuda_graph_runner.py) -------------------------------------------------
+    # ---- CUDA-graph hooks (runtime/model_executor/cuda_graph_runner.py) -------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         max_indices = max_bs * self.req_to_token_pool.max_context_len  # shared prefixes repeat slots
         self._g_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.base import AttentionBackend, AttentionLayer
-from runtime.forward_batch import ForwardBatch
+from runtime.model_executor.forward_batch import ForwardBatch
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -3,7 +3,7 @@
 Runs on CUDA, and on CPU tensors under `TRITON_INTERPRET=1` (slow; for tests). The kernels read KV slots
 straight from `req_to_token`, so the per-batch metadata is tiny: for extend three [bs] index tensors, for
 decode only the launch grid size. Decode reads nothing on the host during a layer's forward, which makes
-it CUDA-graph capturable (see `init_forward_metadata_capture` and `runtime/cuda_graph_runner.py`).
+it CUDA-graph capturable (see `init_forward_metadata_capture` and `runtime/model_executor/cuda_graph_runner.py`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import torch
 
 from kernels.base import AttentionBackend, AttentionLayer
-from runtime.forward_batch import ForwardBatch
-from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from runtime.model_executor.forward_batch import ForwardBatch
 
 
 def _interpreting() -> bool:
@@ -114,7 +114,7 @@ class TritonBackend(AttentionBackend):
         self._extend_meta = (meta[0], meta[1], meta[2])
         self._max_extend_len = max(ext) if ext else 0
 
-    # CUDA-graph hooks (see runtime/cuda_graph_runner.py). Decode reads seq_lens and req_pool_indices on the
+    # CUDA-graph hooks (see runtime/model_executor/cuda_graph_runner.py). Decode reads seq_lens and req_pool_indices on the
     # device only, so a graph stays valid for any contents of those buffers as long as the grid covers the
     # longest possible split count.
     def init_cuda_graph_state(self, max_bs: int) -> None:

@@ -12,16 +12,16 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from runtime.generate_input import parse_generate_body
+from runtime.entrypoints.generate_input import parse_generate_body
+from runtime.managers.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
-from runtime.tokenizer_manager import TokenizerManager
 
 _END = object()
 
 
 class Engine:
     def __init__(self, model: str = "default", **server_args: Any):
-        from runtime.model_loader import resolve_model_path
+        from runtime.models.model_loader import resolve_model_path
 
         self.args = ServerArgs(model=model, **server_args).resolve()
         self.model_dir = resolve_model_path(self.args.model)

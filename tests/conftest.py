@@ -12,14 +12,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
-    from runtime.model_loader import resolve_model_path
+    from runtime.models.model_loader import resolve_model_path
 
     return resolve_model_path("default")
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_dir):
-    from runtime.model_loader import load_tokenizer
+    from runtime.models.model_loader import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.base import AttentionBackend, AttentionLayer
-from runtime.forward_batch import ForwardBatch
-from runtime.model_config import ModelConfig
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.models.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -70,7 +70,7 @@ def test_async_generate_and_errors(engine):
     assert out["meta_info"]["completion_tokens"] == 3
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate("x", {"max_new_tokens": -5})
-    from runtime.tokenizer_manager import RequestError
+    from runtime.managers.tokenizer_manager import RequestError
 
     with pytest.raises(RequestError, match="context length"):
         engine.generate("x", {"max_new_tokens": 10_000_000 // 10})

@@ -35,7 +35,7 @@ def hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from runtime.model_loader import load_tokenizer, resolve_model_path
+    from runtime.models.model_loader import load_tokenizer, resolve_model_path
 
     path = resolve_model_path("default")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()

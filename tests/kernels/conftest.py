@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kernels.base import AttentionLayer
-from runtime.forward_batch import ForwardBatch
-from runtime.memory_pool import KVPool, ReqToTokenPool
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from runtime.model_executor.forward_batch import ForwardBatch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

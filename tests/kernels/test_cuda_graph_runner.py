@@ -7,8 +7,8 @@ from torch import nn
 from kernels.base import AttentionLayer
 from kernels.torch_native import TorchNativeBackend
 from kernels.triton_backend import TritonBackend
-from runtime.cuda_graph_runner import CudaGraphRunner, padded_batch_size, supports_cuda_graph
-from runtime.forward_batch import ForwardBatch
+from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, padded_batch_size, supports_cuda_graph
+from runtime.model_executor.forward_batch import ForwardBatch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
 

@@ -9,7 +9,7 @@ import torch
 from kernels import create_backend
 from kernels.flashinfer_backend import FlashInferBackend, build_paged_kv_csr, import_flashinfer
 from kernels.triton_backend import triton_runs_here
-from runtime.forward_batch import ForwardBatch
+from runtime.model_executor.forward_batch import ForwardBatch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
 

@@ -7,8 +7,8 @@ from kernels import create_backend
 from kernels.base import AttentionLayer
 from kernels.torch_native import TorchNativeBackend
 from kernels.triton_backend import TritonBackend, triton_runs_here
-from runtime.forward_batch import ForwardBatch
-from runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from runtime.model_executor.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="triton cannot run here")
 

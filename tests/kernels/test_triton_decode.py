@@ -9,7 +9,7 @@ import torch
 
 from kernels.triton_backend import TritonBackend, triton_runs_here
 from kernels.triton_ops import decode_grid_splits
-from runtime.forward_batch import ForwardBatch
+from runtime.model_executor.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="triton cannot run here")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.managers.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
 
 QUESTIONS = [

@@ -1,4 +1,4 @@
-"""Model resolution and GGUF conversion (runtime/model_loader.py).
+"""Model resolution and GGUF conversion (runtime/models/model_loader.py).
 
 The default model (98 MB GGUF) is converted once per test module into a temp cache; tiny synthetic GGUFs,
 written from random-weight HF models the way llama.cpp's converter writes them, cover the other paths.

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from runtime.forward_batch import ForwardBatch
-from runtime.model_runner import ModelRunner
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.model_runner import ModelRunner
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.radix_cache import NoPrefixCache, RadixCache, TreeNode, _common_prefix_len
+from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache, TreeNode, _common_prefix_len
 
 
 def t(*xs: int) -> torch.Tensor:

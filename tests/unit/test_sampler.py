@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from runtime.sampler import (
+from runtime.model_executor.sampler import (
     Sampler,
     SamplingBatchInfo,
     apply_penalties,

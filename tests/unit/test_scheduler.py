@@ -7,9 +7,9 @@ import random
 
 import pytest
 
+from runtime.managers.scheduler import Scheduler
 from runtime.messages import AbortReq, TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
 
 

@@ -10,9 +10,9 @@ import re
 import jsonschema
 import pytest
 
+from runtime.managers.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Scheduler
 from runtime.server_args import ServerArgs
 
 REGEXES = {

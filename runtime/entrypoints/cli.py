@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=["serve"], help="serve: start the HTTP server (see radixlm serve -h)")
     if not argv or argv[0] not in ("serve",):
         parser.parse_args(argv[:1])
-    from runtime.launch_server import parse_args, run_server
+    from runtime.entrypoints.launch_server import parse_args, run_server
 
     sys.exit(run_server(parse_args(argv[1:])))
 

@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from runtime import ipc
-from runtime.generate_input import SingleRequest
-from runtime.grammar_validator import GrammarValidator
+from runtime.entrypoints.generate_input import SingleRequest
+from runtime.managers.grammar_validator import GrammarValidator
 from runtime.messages import (
     AbortReq,
     BatchStrOut,
@@ -71,7 +71,7 @@ class ReqState:
 
 class TokenizerManager:
     def __init__(self, args: ServerArgs, model_dir: str, on_child_death: Callable[[str], None] | None = None):
-        from runtime.model_loader import load_tokenizer
+        from runtime.models.model_loader import load_tokenizer
 
         self.args = args
         self.model_dir = model_dir
@@ -82,7 +82,7 @@ class TokenizerManager:
         self.pending_control: dict[type, list[asyncio.Future]] = {FlushCacheResp: [], ServerInfoResp: []}
         self.dead_reason: str | None = None
         self.draining = False
-        self.metrics = None  # set by the HTTP server (runtime.metrics.Metrics)
+        self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
         self.grammar_validator = GrammarValidator()
         self.procs: dict[str, mp.Process] = {}
@@ -94,8 +94,8 @@ class TokenizerManager:
 
     # ---- processes -------------------------------------------------------------------------------------
     def _launch_children(self) -> dict[str, Any]:
-        from runtime.detokenizer import run_detokenizer_process
-        from runtime.scheduler_process import run_scheduler_process
+        from runtime.managers.detokenizer import run_detokenizer_process
+        from runtime.managers.scheduler_process import run_scheduler_process
 
         ctx = mp.get_context("spawn")
         info: dict[str, Any] = {}

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.memory_pool import ReqToTokenPool, SlotAllocator
-from runtime.radix_cache import BasePrefixCache
-from runtime.req import Req
+from runtime.managers.req import Req
+from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
+from runtime.mem_cache.radix_cache import BasePrefixCache
 
 
 class CacheManager:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from runtime.mem_cache.radix_cache import TreeNode
 from runtime.messages import TokenizedGenerateReq
-from runtime.radix_cache import TreeNode
 from runtime.sampling_params import SamplingParams
 
 

@@ -19,11 +19,11 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.generate_input import check_unicode, parse_generate_body
-from runtime.http_common import SSE_DONE, error_response, run_unless_disconnected, sse, sse_stream
-from runtime.metrics import Metrics
+from runtime.entrypoints.generate_input import check_unicode, parse_generate_body
+from runtime.entrypoints.http_common import SSE_DONE, error_response, run_unless_disconnected, sse, sse_stream
+from runtime.entrypoints.metrics import Metrics
+from runtime.managers.tokenizer_manager import RequestError, TokenizerManager
 from runtime.server_args import ServerArgs
-from runtime.tokenizer_manager import RequestError, TokenizerManager
 
 logger = logging.getLogger("radixlm.server")
 
@@ -165,7 +165,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
             info = None
         return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
 
-    from runtime.openai_api import register_openai_routes
+    from runtime.entrypoints.openai_api import register_openai_routes
 
     register_openai_routes(app, tm, args)
     return app

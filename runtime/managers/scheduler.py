@@ -2,7 +2,7 @@
 
 `step()` is the lifecycle of DESIGN.md: admit (policy + token budget) -> build an extend or a decode batch
 -> forward -> sample -> grammar / jump-forward -> finish checks -> outputs; finished requests' KV goes to the
-radix cache. The class knows nothing about sockets (`runtime.scheduler_process` drives it over ZMQ), so
+radix cache. The class knows nothing about sockets (`runtime.managers.scheduler_process` drives it over ZMQ), so
 tests run it in-process.
 """
 
@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 
-from runtime.cache_manager import CacheManager
-from runtime.forward_batch import ForwardBatch
-from runtime.grammar_manager import GrammarManager
+from runtime.managers.cache_manager import CacheManager
+from runtime.managers.grammar_manager import GrammarManager
+from runtime.managers.req import Req, ReqStatus
+from runtime.managers.schedule_policy import AddResult, PrefillAdder, order_waiting
+from runtime.managers.stop_checker import StopChecker
+from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
     AbortReq,
     FlushCacheReq,
@@ -28,20 +31,17 @@ from runtime.messages import (
     ServerInfoResp,
     TokenizedGenerateReq,
 )
-from runtime.model_runner import ModelRunner
-from runtime.radix_cache import NoPrefixCache, RadixCache
-from runtime.req import Req, ReqStatus
-from runtime.sampler import Sampler, SamplingBatchInfo, make_generator
-from runtime.schedule_policy import AddResult, PrefillAdder, order_waiting
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.model_runner import ModelRunner
+from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
 from runtime.server_args import ServerArgs
-from runtime.stop_checker import StopChecker
 
 logger = logging.getLogger("radixlm.scheduler")
 
 
 class Scheduler:
     def __init__(self, args: ServerArgs, model_dir: str, runner: ModelRunner | None = None, tokenizer=None):
-        from runtime.model_loader import load_tokenizer
+        from runtime.models.model_loader import load_tokenizer
 
         self.args = args = args.resolve()  # idempotent; tests may pass unresolved args
         self.runner = runner or ModelRunner(

@@ -8,10 +8,10 @@ import time
 import torch
 
 from kernels import create_backend, resolve_backend_name
-from runtime.forward_batch import ForwardBatch
-from runtime.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
-from runtime.model_config import ModelConfig
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaForCausalLM
+from runtime.models.model_config import ModelConfig
 
 logger = logging.getLogger("radixlm.model_runner")
 
@@ -34,7 +34,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
     ):
-        from runtime.model_loader import iter_weights, load_hf_config
+        from runtime.models.model_loader import iter_weights, load_hf_config
 
         t0 = time.perf_counter()
         self.device = torch.device(device)
@@ -60,7 +60,7 @@ class ModelRunner:
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
         self.graph_runner = None
         if self.device.type == "cuda" and not disable_cuda_graph:
-            from runtime.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
+            from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
 
             if supports_cuda_graph(self.backend):
                 sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_running_requests]

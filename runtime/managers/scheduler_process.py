@@ -27,7 +27,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
 
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        from runtime.scheduler import Scheduler
+        from runtime.managers.scheduler import Scheduler
 
         scheduler = Scheduler(args, model_dir)
         ctx = zmq.Context()

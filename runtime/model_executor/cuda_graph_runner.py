@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 GRAPH_HOOKS = ("init_cuda_graph_state", "init_forward_metadata_capture", "init_forward_metadata_replay")
 

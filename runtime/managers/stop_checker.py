@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.req import Req
+from runtime.managers.req import Req
 
 
 class StopChecker:

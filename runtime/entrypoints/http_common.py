@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from runtime.tokenizer_manager import RequestError
+from runtime.managers.tokenizer_manager import RequestError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",

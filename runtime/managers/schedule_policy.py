@@ -6,8 +6,8 @@ import enum
 import random
 from collections import defaultdict
 
-from runtime.cache_manager import CacheManager
-from runtime.req import Req
+from runtime.managers.cache_manager import CacheManager
+from runtime.managers.req import Req
 
 # Matching every waiting request against the tree costs O(total prompt tokens); past this queue length
 # `lpm` falls back to arrival order, as prefix locality matters less than keeping the scheduler cheap.

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 import torch
 
-from runtime.req import Req
+from runtime.managers.req import Req
 from runtime.sampling_params import SamplingParams
 
 # A request whose grammar is not compiled by then fails with 400 instead of waiting forever (outlines-core can

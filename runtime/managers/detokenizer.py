@@ -119,7 +119,7 @@ def run_detokenizer_process(args: ServerArgs, model_dir: str, endpoints: ipc.Ipc
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s [detokenizer] %(levelname)s %(name)s: %(message)s", force=True)
     try:
-        from runtime.model_loader import load_tokenizer
+        from runtime.models.model_loader import load_tokenizer
 
         detok = IncrementalDetokenizer(load_tokenizer(model_dir))
         ctx = zmq.Context()
