@@ -53,21 +53,29 @@ def usable_cores() -> int:
 
 def load_average() -> dict[str, float | bool]:
     one, five, fifteen = os.getloadavg()
-    return {"load_1m": round(one, 2), "load_5m": round(five, 2), "load_15m": round(fifteen, 2),
-            "quiet": one < QUIET_LOAD}
+    return {
+        "load_1m": round(one, 2),
+        "load_5m": round(five, 2),
+        "load_15m": round(fifteen, 2),
+        "quiet": one < QUIET_LOAD,
+    }
 
 
 def git_commit() -> dict[str, Any]:
     """HEAD and whether tracked files differ from it (read-only git calls)."""
+
     def run(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *cmd], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"commit": run("rev-parse", "HEAD") or None,
-            "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        "commit": run("rev-parse", "HEAD") or None,
+        "dirty": bool(run("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def environment() -> dict[str, Any]:
@@ -160,8 +168,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
-                 title: str | None = None) -> str:
+def format_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str | None = None
+) -> str:
     """A fixed-width text table; `columns` defaults to the keys of all rows in first-seen order."""
     if columns is None:
         columns = list(dict.fromkeys(k for row in rows for k in row))
@@ -181,14 +190,20 @@ def _numeric(text: str) -> bool:
     return bool(text) and (text[0].isdigit() or text[0] in "-+.") and text != "-"
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
-                title: str | None = None) -> None:
+def print_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str | None = None
+) -> None:
     print(format_table(rows, columns, title), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ result files
-def write_results(name: str, config: dict[str, Any], results: dict[str, Any],
-                  env: dict[str, Any] | None = None, results_dir: Path | str | None = None) -> Path:
+def write_results(
+    name: str,
+    config: dict[str, Any],
+    results: dict[str, Any],
+    env: dict[str, Any] | None = None,
+    results_dir: Path | str | None = None,
+) -> Path:
     """Write `<results_dir>/<name>.json` (config, environment, results) and return its path."""
     out_dir = Path(results_dir) if results_dir else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -224,8 +239,13 @@ def _pyplot():
     return plt
 
 
-def bar_chart(path: Path | str, groups: Sequence[str], series: dict[str, Sequence[float | None]],
-              ylabel: str, title: str) -> Path:
+def bar_chart(
+    path: Path | str,
+    groups: Sequence[str],
+    series: dict[str, Sequence[float | None]],
+    ylabel: str,
+    title: str,
+) -> Path:
     """Grouped bars: one group per entry of `groups`, one bar per series (None draws nothing)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(groups) * max(1, len(series)) * 0.6 + 2), 3.6))
@@ -244,8 +264,15 @@ def bar_chart(path: Path | str, groups: Sequence[str], series: dict[str, Sequenc
     return _save(fig, path)
 
 
-def line_chart(path: Path | str, series: dict[str, tuple[Sequence[float], Sequence[float]]], xlabel: str,
-               ylabel: str, title: str, logx: bool = False, hlines: dict[str, float] | None = None) -> Path:
+def line_chart(
+    path: Path | str,
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    hlines: dict[str, float] | None = None,
+) -> Path:
     """One line per series `{label: (xs, ys)}`; optional dashed horizontal reference lines."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -280,8 +307,9 @@ def plot_path(name: str, results_dir: Path | str | None = None) -> Path:
 # ------------------------------------------------------------------------------------------ CLI
 def base_parser(description: str) -> argparse.ArgumentParser:
     """Options every benchmark has: --quick, --results-dir, --name."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="small sizes: checks that everything runs")
     p.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the JSON and PNG go")
     p.add_argument("--name", default=None, help="result file stem (default: the script's name)")

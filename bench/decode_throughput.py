@@ -82,7 +82,9 @@ def roofline(costs: dict[str, float], gflops: float, gbs: float, bs: int, contex
 
 
 # ------------------------------------------------------------------------------------------ radixlm
-def radixlm_decode(runner: Any, bs: int, prompt_len: int, steps: int, gen: torch.Generator) -> dict[str, float]:
+def radixlm_decode(
+    runner: Any, bs: int, prompt_len: int, steps: int, gen: torch.Generator
+) -> dict[str, float]:
     """Prefill `bs` random prompts in one extend batch, then `steps` greedy decode steps; free everything."""
     from runtime.model_executor.forward_batch import ForwardBatch
 
@@ -92,7 +94,7 @@ def radixlm_decode(runner: Any, bs: int, prompt_len: int, steps: int, gen: torch
     slots = runner.allocator.alloc(bs * prompt_len)
     held = [slots]
     for i, row in enumerate(rows):
-        runner.req_to_token_pool.write(row, 0, slots[i * prompt_len:(i + 1) * prompt_len])
+        runner.req_to_token_pool.write(row, 0, slots[i * prompt_len : (i + 1) * prompt_len])
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -105,7 +107,7 @@ def radixlm_decode(runner: Any, bs: int, prompt_len: int, steps: int, gen: torch
                 step_slots = runner.allocator.alloc(bs)
                 held.append(step_slots)
                 for i, row in enumerate(rows):
-                    runner.req_to_token_pool.write(row, lens[i], step_slots[i:i + 1])
+                    runner.req_to_token_pool.write(row, lens[i], step_slots[i : i + 1])
                     lens[i] += 1
                 logits = runner.forward(ForwardBatch.build_decode(nxt, lens, rows, step_slots))
                 nxt = logits.argmax(-1).tolist()
@@ -115,17 +117,26 @@ def radixlm_decode(runner: Any, bs: int, prompt_len: int, steps: int, gen: torch
             runner.allocator.free(s)
         for row in rows:
             runner.req_to_token_pool.free(row)
-    return {"prefill_s": prefill, "prefill_tok_s": bs * prompt_len / prefill, "decode_s": decode,
-            "decode_tok_s": bs * steps / decode, "step_ms": 1000 * decode / steps}
+    return {
+        "prefill_s": prefill,
+        "prefill_tok_s": bs * prompt_len / prefill,
+        "decode_s": decode,
+        "decode_tok_s": bs * steps / decode,
+        "step_ms": 1000 * decode / steps,
+    }
 
 
-def engine_decode(engine: Any, bs: int, prompt_len: int, steps: int, gen: torch.Generator) -> dict[str, float]:
+def engine_decode(
+    engine: Any, bs: int, prompt_len: int, steps: int, gen: torch.Generator
+) -> dict[str, float]:
     """The whole runtime: bs requests with ignore_eos; decode rate from the difference of N and 1 tokens."""
+
     def timed(n: int) -> float:
         ids = torch.randint(0, 49000, (bs, prompt_len), generator=gen).tolist()
         t0 = time.perf_counter()
-        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0,
-                                                        "ignore_eos": True})
+        engine.generate(
+            input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        )
         return time.perf_counter() - t0
 
     t1, tn = timed(1), timed(steps)
@@ -141,13 +152,19 @@ def hf_decode(model: Any, bs: int, prompt_len: int, steps: int, gen: torch.Gener
     def timed(n: int) -> float:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+            )
         return time.perf_counter() - t0
 
     t1, tn = timed(1), timed(steps)
-    return {"t1_s": t1, "tN_s": tn, "prefill_tok_s": bs * prompt_len / t1,
-            "decode_tok_s": bs * (steps - 1) / (tn - t1) if tn > t1 else None,
-            "step_ms": 1000 * (tn - t1) / (steps - 1)}
+    return {
+        "t1_s": t1,
+        "tN_s": tn,
+        "prefill_tok_s": bs * prompt_len / t1,
+        "decode_tok_s": bs * (steps - 1) / (tn - t1) if tn > t1 else None,
+        "step_ms": 1000 * (tn - t1) / (steps - 1),
+    }
 
 
 def best_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -222,8 +239,14 @@ def main(argv: list[str] | None = None) -> dict:
         per_bs: dict[str, Any] = {}
         max_bs = max(batch_sizes)
         need = max_bs * (args.prompt_len + args.decode_steps) + 64
-        runner = ModelRunner(model_dir, dtype=dtype, device=args.device, max_total_tokens=need,
-                             max_running_requests=max_bs, attention_backend=args.attention_backend)
+        runner = ModelRunner(
+            model_dir,
+            dtype=dtype,
+            device=args.device,
+            max_total_tokens=need,
+            max_running_requests=max_bs,
+            attention_backend=args.attention_backend,
+        )
         context = args.prompt_len + args.decode_steps // 2
         costs = model_costs(runner.config, context, tdt)
         results.setdefault("model_costs", {})[dtype] = costs
@@ -236,9 +259,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.engine:
             from runtime import Engine
 
-            engine = Engine(dtype=dtype, max_total_tokens=need, max_running_requests=max_bs,
-                            disable_radix_cache=True, attention_backend=args.attention_backend,
-                            log_level="warning", num_threads=torch.get_num_threads())
+            engine = Engine(
+                dtype=dtype,
+                max_total_tokens=need,
+                max_running_requests=max_bs,
+                disable_radix_cache=True,
+                attention_backend=args.attention_backend,
+                log_level="warning",
+                num_threads=torch.get_num_threads(),
+            )
         gen = torch.Generator().manual_seed(args.seed)
         # Warm-up (first-call allocations, thread pools) on both sides, not timed.
         radixlm_decode(runner, 2, 16, 2, gen)
@@ -253,25 +282,37 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeats):
                 if "radixlm" in sides:
                     runs.setdefault("radixlm", []).append(
-                        radixlm_decode(runner, bs, args.prompt_len, args.decode_steps, gen))
+                        radixlm_decode(runner, bs, args.prompt_len, args.decode_steps, gen)
+                    )
                 if hf_model is not None:
-                    runs.setdefault("hf", []).append(hf_decode(hf_model, bs, args.prompt_len, args.decode_steps, gen))
+                    runs.setdefault("hf", []).append(
+                        hf_decode(hf_model, bs, args.prompt_len, args.decode_steps, gen)
+                    )
                 if engine is not None:
                     runs.setdefault("radixlm_engine", []).append(
-                        engine_decode(engine, bs, args.prompt_len, args.decode_steps, gen))
+                        engine_decode(engine, bs, args.prompt_len, args.decode_steps, gen)
+                    )
             for side, samples in runs.items():
                 entry[side] = best_run(samples)
             r = entry.get("radixlm", {}).get("decode_tok_s")
             h = entry.get("hf", {}).get("decode_tok_s")
             entry["speedup_vs_hf"] = common.ratio(r, h)
             per_bs[str(bs)] = entry
-            rows.append({"dtype": dtype, "bs": bs, "radixlm tok/s": r,
-                         "engine tok/s": entry.get("radixlm_engine", {}).get("decode_tok_s"),
-                         "hf tok/s": h, "x hf": entry["speedup_vs_hf"],
-                         "radixlm prefill tok/s": entry.get("radixlm", {}).get("prefill_tok_s"),
-                         "hf prefill tok/s": entry.get("hf", {}).get("prefill_tok_s"),
-                         "limit tok/s": limit, "radixlm % limit": 100 * r / limit if r else None,
-                         "load": common.load_average()["load_1m"]})
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "bs": bs,
+                    "radixlm tok/s": r,
+                    "engine tok/s": entry.get("radixlm_engine", {}).get("decode_tok_s"),
+                    "hf tok/s": h,
+                    "x hf": entry["speedup_vs_hf"],
+                    "radixlm prefill tok/s": entry.get("radixlm", {}).get("prefill_tok_s"),
+                    "hf prefill tok/s": entry.get("hf", {}).get("prefill_tok_s"),
+                    "limit tok/s": limit,
+                    "radixlm % limit": 100 * r / limit if r else None,
+                    "load": common.load_average()["load_1m"],
+                }
+            )
             print(common.format_table(rows[-1:]), flush=True)
         results["by_dtype"][dtype] = {"batch_sizes": per_bs, "backend": runner.backend_name}
         if engine is not None:
@@ -282,17 +323,33 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.name or "decode_throughput"
     print()
     common.print_table(rows, title="== decode throughput (tokens/s) ==")
-    machine_rows = [{"dtype": d, "matmul GFLOP/s": m["matmul_gflops"], "read GB/s": m["read_gbs"],
-                     "MFLOP/token": results["model_costs"][d]["flops_per_token"] / 1e6,
-                     **{k: v for k, v in results["load_times"][d].items()}} for d, m in results["machine"].items()]
+    machine_rows = [
+        {
+            "dtype": d,
+            "matmul GFLOP/s": m["matmul_gflops"],
+            "read GB/s": m["read_gbs"],
+            "MFLOP/token": results["model_costs"][d]["flops_per_token"] / 1e6,
+            **{k: v for k, v in results["load_times"][d].items()},
+        }
+        for d, m in results["machine"].items()
+    ]
     common.print_table(machine_rows, title="== machine and model ==")
     if results["dtype_comparison"]:
         print("dtype:", results["dtype_comparison"]["verdict"])
     _plot(name, results, args.results_dir)
-    config = {"command": common.command_line(), "batch_sizes": batch_sizes, "prompt_len": args.prompt_len,
-              "decode_steps": args.decode_steps, "dtypes": dtypes, "device": args.device,
-              "attention_backend": args.attention_backend, "sides": sides, "engine": args.engine,
-              "repeats": args.repeats, "threads": torch.get_num_threads()}
+    config = {
+        "command": common.command_line(),
+        "batch_sizes": batch_sizes,
+        "prompt_len": args.prompt_len,
+        "decode_steps": args.decode_steps,
+        "dtypes": dtypes,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
+        "sides": sides,
+        "engine": args.engine,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads(),
+    }
     common.write_results(name, config, results, env, args.results_dir)
     return results
 
@@ -308,9 +365,13 @@ def _dtype_verdict(results: dict[str, Any], batch_sizes: list[int]) -> dict[str,
         ratios[str(bs)] = common.ratio(b, f)
     valid = [r for r in ratios.values() if r is not None]
     faster = "bfloat16" if valid and sum(valid) / len(valid) > 1 else "float32"
-    return {"bf16_over_fp32_by_bs": ratios, "faster": faster,
-            "verdict": f"{faster} is faster on this CPU (radixlm decode, bf16/fp32 by batch size: "
-                       + ", ".join(f"bs {k}: {v:.2f}" for k, v in ratios.items() if v is not None) + ")"}
+    return {
+        "bf16_over_fp32_by_bs": ratios,
+        "faster": faster,
+        "verdict": f"{faster} is faster on this CPU (radixlm decode, bf16/fp32 by batch size: "
+        + ", ".join(f"bs {k}: {v:.2f}" for k, v in ratios.items() if v is not None)
+        + ")",
+    }
 
 
 def _plot(name: str, results: dict[str, Any], results_dir: str) -> None:
@@ -322,8 +383,14 @@ def _plot(name: str, results: dict[str, Any], results_dir: str) -> None:
             if any(y is not None for y in ys):
                 series[f"{side} {dtype}"] = (bss, [y if y is not None else float("nan") for y in ys])
         series[f"limit {dtype}"] = (bss, [d["batch_sizes"][str(b)]["roofline_tok_s"] for b in bss])
-    common.line_chart(common.plot_path(name, results_dir), series, "batch size", "decode tokens / s",
-                      "decode throughput (CPU)", logx=True)
+    common.line_chart(
+        common.plot_path(name, results_dir),
+        series,
+        "batch size",
+        "decode tokens / s",
+        "decode throughput (CPU)",
+        logx=True,
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def clean_solution(answer: str) -> str:
 
 
 def few_shot_prefix(train: list[dict], k: int) -> str:
-    return "".join(f"Question: {ex['question']}\nAnswer: {clean_solution(ex['answer'])}\n\n" for ex in train[:k])
+    return "".join(
+        f"Question: {ex['question']}\nAnswer: {clean_solution(ex['answer'])}\n\n" for ex in train[:k]
+    )
 
 
 def make_program(max_tokens: int):
@@ -88,10 +90,22 @@ def main(argv: list[str] | None = None) -> dict:
     items = [{"prefix": prefix, "question": ex["question"]} for ex in test]
     labels = [reference_answer(ex["answer"]) for ex in test]
     warm = [{"prefix": few_shot_prefix(train[10:], 1), "question": ex["question"]} for ex in train[100:102]]
-    wl = Workload("gsm8k", make_program(args.max_tokens), items, labels=labels, score=score,
-                  prediction=lambda s: s["answer"], warmup_items=warm,
-                  config={"num_questions": len(items), "num_shots": args.num_shots, "max_tokens": args.max_tokens,
-                          "stop": STOP, "dtype": args.dtype})
+    wl = Workload(
+        "gsm8k",
+        make_program(args.max_tokens),
+        items,
+        labels=labels,
+        score=score,
+        prediction=lambda s: s["answer"],
+        warmup_items=warm,
+        config={
+            "num_questions": len(items),
+            "num_shots": args.num_shots,
+            "max_tokens": args.max_tokens,
+            "stop": STOP,
+            "dtype": args.dtype,
+        },
+    )
     return compare(wl, args)
 
 

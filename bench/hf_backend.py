@@ -26,7 +26,13 @@ from lang.backends.base import Backend, GenResult, Prompt, SelectResult, pick
 from lang.chat_template import ChatTemplate
 from lang.errors import BackendError
 
-_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "skip_special_tokens": True, "no_stop_trim": False}
+_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "skip_special_tokens": True,
+    "no_stop_trim": False,
+}
 
 
 @dataclass
@@ -40,11 +46,22 @@ class _Job:
 
 
 class HFBackend(Backend):
-    def __init__(self, model_dir: str, dtype: str = "float32", device: str = "cpu", max_batch_size: int = 32,
-                 max_batch_tokens: int = 8192, batch_wait_s: float = 0.05):
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_batch_size: int = 32,
+        max_batch_tokens: int = 8192,
+        batch_wait_s: float = 0.05,
+    ):
         self.model, self.tokenizer, self.load_seconds = load_hf_model(model_dir, dtype, device)
         self.model_dir, self.dtype = model_dir, dtype
-        self.max_batch_size, self.max_batch_tokens, self.batch_wait_s = max_batch_size, max_batch_tokens, batch_wait_s
+        self.max_batch_size, self.max_batch_tokens, self.batch_wait_s = (
+            max_batch_size,
+            max_batch_tokens,
+            batch_wait_s,
+        )
         self._template = ChatTemplate.from_model_info(_model_info(self.tokenizer))
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
@@ -66,9 +83,13 @@ class HFBackend(Backend):
         t0 = time.perf_counter()
         req, key = self._gen_request(prompt.text, sampling)
         self._submit(_Job("gen", key, 1, len(req.input_ids) + req.max_new_tokens, req, Future()))
-        meta = {"prompt_tokens": len(req.input_ids), "completion_tokens": req.completion_tokens,
-                "cached_tokens": 0, "finish_reason": req.finish_reason,
-                "e2e_latency": time.perf_counter() - t0}
+        meta = {
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": req.completion_tokens,
+            "cached_tokens": 0,
+            "finish_reason": req.finish_reason,
+            "e2e_latency": time.perf_counter() - t0,
+        }
         return GenResult(req.text, meta)
 
     def select(self, prompt: Prompt, choices: list[str]) -> SelectResult:
@@ -80,8 +101,12 @@ class HFBackend(Backend):
         job = _Job("score", ("score",), len(seqs), max(len(s) for s in seqs), (seqs, counts), Future())
         logprobs = self._submit(job)
         normalized = [sum(lp) / n if n > 0 else -math.inf for lp, n in zip(logprobs, counts)]
-        meta = {"normalized_logprobs": normalized, "prompt_tokens": n_prompt, "choice_tokens": counts,
-                "cached_tokens": 0}
+        meta = {
+            "normalized_logprobs": normalized,
+            "prompt_tokens": n_prompt,
+            "choice_tokens": counts,
+            "cached_tokens": 0,
+        }
         return SelectResult(pick(normalized), normalized, meta)
 
     def close(self) -> None:
@@ -111,8 +136,11 @@ class HFBackend(Backend):
             grammar=grammar,
         )
         temperature = float(sampling.get("temperature", _DEFAULTS["temperature"]))
-        key = ("gen", 0.0) if temperature == 0 else (
-            "gen", temperature, float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1)))
+        key = (
+            ("gen", 0.0)
+            if temperature == 0
+            else ("gen", temperature, float(sampling.get("top_p", 1.0)), int(sampling.get("top_k", -1)))
+        )
         return req, key
 
     def _compile(self, kind: str, spec: Any) -> Any:
@@ -161,8 +189,9 @@ class HFBackend(Backend):
             if job.key != head.key:
                 continue
             w = max(width, job.tokens)
-            if rows + job.rows > self.max_batch_size or (head.kind == "score" and
-                                                          (rows + job.rows) * w > self.max_batch_tokens):
+            if rows + job.rows > self.max_batch_size or (
+                head.kind == "score" and (rows + job.rows) * w > self.max_batch_tokens
+            ):
                 break
             batch.append(job)
             rows, width = rows + job.rows, w
@@ -194,7 +223,7 @@ class HFBackend(Backend):
         flat = score_batch(self.model, seqs, counts, self.tokenizer.pad_token_id)
         out, at = [], 0
         for job in batch:
-            out.append(flat[at: at + job.rows])
+            out.append(flat[at : at + job.rows])
             at += job.rows
         return out
 
@@ -207,7 +236,9 @@ class HFBackend(Backend):
 def _model_info(tokenizer: Any) -> dict[str, Any]:
     """What `EngineBackend` derives from the same tokenizer, so both sides render identical role blocks."""
     info: dict[str, Any] = {"chat_template": getattr(tokenizer, "chat_template", None)}
-    info.update({k: str(v) for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)})
+    info.update(
+        {k: str(v) for k, v in getattr(tokenizer, "special_tokens_map", {}).items() if isinstance(v, str)}
+    )
     return info
 
 

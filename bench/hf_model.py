@@ -19,8 +19,21 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Sampling keys the baseline implements; a request setting anything else to a non-default value is refused.
-SUPPORTED_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids",
-                            "ignore_eos", "regex", "json_schema", "skip_special_tokens", "no_stop_trim"})
+SUPPORTED_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "regex",
+        "json_schema",
+        "skip_special_tokens",
+        "no_stop_trim",
+    }
+)
 
 
 @dataclass
@@ -52,8 +65,9 @@ def load_hf_model(model_dir: str, dtype: str = "float32", device: str = "cpu") -
     # A clean generation config: greedy unless a request asks otherwise, no folder-provided sampling defaults.
     eos = model.config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad,
-                                               bos_token_id=model.config.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos, pad_token_id=pad, bos_token_id=model.config.bos_token_id
+    )
     return model, tok, time.perf_counter() - t0
 
 
@@ -64,8 +78,8 @@ def left_pad(seqs: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[t
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -87,8 +101,13 @@ def score_batch(model: Any, seqs: list[list[int]], num_scored: list[int], pad_id
     device = next(model.parameters()).device
     ids, mask = left_pad(seqs, pad_id, device)
     keep = max(num_scored) + 1
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask),
-                logits_to_keep=keep, use_cache=False)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions_from_mask(mask),
+        logits_to_keep=keep,
+        use_cache=False,
+    )
     logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # [bs, keep, vocab]; kept position j is L-keep+j
     results = []
     for row, (seq, n) in enumerate(zip(seqs, num_scored)):
@@ -126,12 +145,12 @@ class _RowStops:
                 done[i] = True
                 continue
             last = int(input_ids[i, -1])
-            _sync_grammar(req, input_ids[i, self.width:])
+            _sync_grammar(req, input_ids[i, self.width :])
             if not req.ignore_eos and last == self.tok.eos_token_id:
                 self._finish(i, n_gen, {"type": "stop", "matched": last})
             elif last in req.stop_token_ids:
                 self._finish(i, n_gen, {"type": "stop", "matched": last})
-            elif req.stop and self._stop_string(i, input_ids[i, self.width:]):
+            elif req.stop and self._stop_string(i, input_ids[i, self.width :]):
                 pass
             elif req.grammar is not None and req.grammar.is_terminated():
                 self._finish(i, n_gen, {"type": "stop", "matched": "grammar"})
@@ -142,7 +161,7 @@ class _RowStops:
 
     def _stop_string(self, i: int, gen: torch.Tensor) -> bool:
         req = self.reqs[i]
-        tail = self.tok.decode(gen[-self.tail[i]:].tolist(), skip_special_tokens=req.skip_special_tokens)
+        tail = self.tok.decode(gen[-self.tail[i] :].tolist(), skip_special_tokens=req.skip_special_tokens)
         for s in req.stop:
             if s in tail:
                 self._finish(i, len(gen), {"type": "stop", "matched": s})
@@ -157,7 +176,7 @@ def _sync_grammar(req: GenRequest, gen: torch.Tensor) -> None:
     """Feed the grammar the tokens generated since it last looked (at most one per step)."""
     m = req.grammar
     if m is not None and len(gen) > len(m.accepted_ids):
-        m.accept_tokens(gen[len(m.accepted_ids):].tolist())
+        m.accept_tokens(gen[len(m.accepted_ids) :].tolist())
 
 
 class _RowLogits:
@@ -175,7 +194,7 @@ class _RowLogits:
             m = req.grammar
             if m is None:
                 continue
-            _sync_grammar(req, input_ids[i, self.width:])
+            _sync_grammar(req, input_ids[i, self.width :])
             mask = torch.zeros(scores.shape[1], dtype=torch.bool)
             m.fill_vocab_mask(mask)
             scores[i].masked_fill_(~mask.to(scores.device), float("-inf"))
@@ -183,7 +202,9 @@ class _RowLogits:
 
 
 @torch.inference_mode()
-def generate_batch(model: Any, tok: Any, reqs: list[GenRequest], sampling: dict[str, Any] | None = None) -> None:
+def generate_batch(
+    model: Any, tok: Any, reqs: list[GenRequest], sampling: dict[str, Any] | None = None
+) -> None:
     """Run one padded static batch through `model.generate`; fills each request's output fields.
 
     `sampling` (shared by the batch): `temperature` (0 = greedy), `top_p`, `top_k`.
@@ -201,10 +222,20 @@ def generate_batch(model: Any, tok: Any, reqs: list[GenRequest], sampling: dict[
     temperature = float(sampling.get("temperature") or 0.0)
     kw: dict[str, Any] = {"do_sample": False}
     if temperature > 0:
-        kw = {"do_sample": True, "temperature": temperature, "top_p": float(sampling.get("top_p", 1.0)),
-              "top_k": int(sampling.get("top_k", -1)) if int(sampling.get("top_k", -1)) > 0 else 0}
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(r.max_new_tokens for r in reqs),
-                         logits_processor=procs, stopping_criteria=StoppingCriteriaList([stops]), **kw)
+        kw = {
+            "do_sample": True,
+            "temperature": temperature,
+            "top_p": float(sampling.get("top_p", 1.0)),
+            "top_k": int(sampling.get("top_k", -1)) if int(sampling.get("top_k", -1)) > 0 else 0,
+        }
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max(r.max_new_tokens for r in reqs),
+        logits_processor=procs,
+        stopping_criteria=StoppingCriteriaList([stops]),
+        **kw,
+    )
     for i, req in enumerate(reqs):
         gen = out[i, width:].tolist()
         end = stops.finished_at[i] if stops.finished_at[i] is not None else len(gen)

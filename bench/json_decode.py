@@ -39,8 +39,15 @@ CITY_SCHEMA: dict[str, Any] = {
         "current_mayor_name": {"type": "string", "maxLength": 40},
         "main_industry_sector": {"type": "string", "maxLength": 40},
     },
-    "required": ["city_name", "country_name", "population_count", "year_founded", "is_national_capital",
-                 "current_mayor_name", "main_industry_sector"],
+    "required": [
+        "city_name",
+        "country_name",
+        "population_count",
+        "year_founded",
+        "is_national_capital",
+        "current_mayor_name",
+        "main_industry_sector",
+    ],
     "additionalProperties": False,
 }
 _SYLLABLES = "va lor mi den tas ka rin bel o sun tor ae lis gra mon fel ur ia".split()
@@ -66,11 +73,16 @@ def city_record(rng: random.Random) -> dict[str, Any]:
 
 
 def describe(rec: dict[str, Any]) -> str:
-    capital = "It is the capital of the country." if rec["is_national_capital"] else \
-        "It is not the capital of the country."
-    return (f"{rec['city_name']} is a city in {rec['country_name']}. It was founded in {rec['year_founded']} and "
-            f"today has {rec['population_count']} inhabitants. {capital} The current mayor is "
-            f"{rec['current_mayor_name']}, and the main industry is {rec['main_industry_sector']}.")
+    capital = (
+        "It is the capital of the country."
+        if rec["is_national_capital"]
+        else "It is not the capital of the country."
+    )
+    return (
+        f"{rec['city_name']} is a city in {rec['country_name']}. It was founded in {rec['year_founded']} and "
+        f"today has {rec['population_count']} inhabitants. {capital} The current mayor is "
+        f"{rec['current_mayor_name']}, and the main industry is {rec['main_industry_sector']}."
+    )
 
 
 def field_accuracy(truth: dict[str, Any], text: str) -> float:
@@ -164,10 +176,22 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         p.error(f"unknown dataset {args.dataset!r}")
     warm_items, _ = extraction_items(1, args.seed + 1)
-    wl = Workload("json_decode", make_program(args.max_tokens), items, labels=labels, score=score,
-                  prediction=lambda s: s["json"], warmup_items=warm_items,
-                  config={"dataset": args.dataset, "num_items": len(items), "rejected_schemas": rejected,
-                          "max_tokens": args.max_tokens, "dtype": args.dtype})
+    wl = Workload(
+        "json_decode",
+        make_program(args.max_tokens),
+        items,
+        labels=labels,
+        score=score,
+        prediction=lambda s: s["json"],
+        warmup_items=warm_items,
+        config={
+            "dataset": args.dataset,
+            "num_items": len(items),
+            "rejected_schemas": rejected,
+            "max_tokens": args.max_tokens,
+            "dtype": args.dtype,
+        },
+    )
     baseline = "radixlm-nojf" if "radixlm-nojf" in args.sides else None
     return compare(wl, args, baseline=baseline, extra=_jump_forward_stats)
 
@@ -186,8 +210,11 @@ def _jump_forward_stats(per_side: dict[str, dict], states: dict[str, list]) -> d
     for name, fig in per_side.items():
         c = fig.get("server_counters")
         if c:
-            out[name] = {"jump_forward_tokens": c.get("jump_forward_tokens"), "decode_steps": c.get("decode_steps"),
-                         "generated_tokens": c.get("generated_tokens")}
+            out[name] = {
+                "jump_forward_tokens": c.get("jump_forward_tokens"),
+                "decode_steps": c.get("decode_steps"),
+                "generated_tokens": c.get("generated_tokens"),
+            }
     return {"jump_forward": out}
 
 

@@ -49,19 +49,24 @@ def format_question(row: list[str], with_answer: bool) -> str:
 
 
 def few_shot_prefix(subject: str, dev_rows: list[list[str]], k: int) -> str:
-    head = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    head = (
+        f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+    )
     return head + "".join(format_question(r, True) for r in dev_rows[:k])
 
 
 def cloze_item(row: list[str]) -> tuple[dict, str]:
     """Zero-shot cloze: the choices are the four answer texts; the label is the correct one."""
     choices = [" " + row[1 + i].strip() for i in range(4)]
-    return ({"prefix": "", "question": f"Question: {row[0].strip()}\nAnswer:", "choices": choices},
-            choices[LETTERS.index(row[5].strip())].strip())
+    return (
+        {"prefix": "", "question": f"Question: {row[0].strip()}\nAnswer:", "choices": choices},
+        choices[LETTERS.index(row[5].strip())].strip(),
+    )
 
 
-def build_items(data_dir: Path, subjects: list[str], num_questions: int | None, k: int,
-                seed: int, fmt: str = "letter") -> tuple[list[dict], list[str]]:
+def build_items(
+    data_dir: Path, subjects: list[str], num_questions: int | None, k: int, seed: int, fmt: str = "letter"
+) -> tuple[list[dict], list[str]]:
     """(program kwargs, labels): the first `num_questions` test rows of each subject (all if None),
     interleaved across subjects in a seeded order so that no side sees them grouped. Labels are answer
     letters (`letter`) or answer texts (`cloze`)."""
@@ -106,24 +111,47 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--subjects", default="all", help=f"comma-separated or 'all' ({', '.join(SUBJECTS)})")
     p.add_argument("--num-questions", type=int, default=20, help="test questions per subject (0: all)")
     p.add_argument("--num-shots", type=int, default=5, help="letter format only (cloze is zero-shot)")
-    p.add_argument("--format", choices=("letter", "cloze"), default="letter",
-                   help="letter: k-shot, choices ' A'..' D'; cloze: zero-shot, choices are the answer texts")
+    p.add_argument(
+        "--format",
+        choices=("letter", "cloze"),
+        default="letter",
+        help="letter: k-shot, choices ' A'..' D'; cloze: zero-shot, choices are the answer texts",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.subjects, args.num_questions = "global_facts,machine_learning", 6
     subjects = list(SUBJECTS) if args.subjects == "all" else common.csv_list(args.subjects)
-    items, labels = build_items(common.DATA_DIR, subjects, args.num_questions or None, args.num_shots, args.seed,
-                                args.format)
+    items, labels = build_items(
+        common.DATA_DIR, subjects, args.num_questions or None, args.num_shots, args.seed, args.format
+    )
     # Warm-up on a different subject's prefix style: two dev questions of the first subject, cache flushed after.
     dev = read_rows(common.DATA_DIR / "mmlu" / "dev" / f"{subjects[0]}_dev.csv")
-    warm = [{"prefix": few_shot_prefix(subjects[0], dev, 2), "question": format_question(r, False),
-             "choices": list(CHOICES)} for r in dev[3:5]]
-    wl = Workload("mmlu", make_program(), items, labels=labels, score=score, prediction=lambda s: s["answer"],
-                  warmup_items=warm,
-                  config={"subjects": subjects, "num_questions": args.num_questions, "format": args.format,
-                          "num_shots": 0 if args.format == "cloze" else args.num_shots, "seed": args.seed,
-                          "choices": list(CHOICES) if args.format == "letter" else "answer texts",
-                          "dtype": args.dtype})
+    warm = [
+        {
+            "prefix": few_shot_prefix(subjects[0], dev, 2),
+            "question": format_question(r, False),
+            "choices": list(CHOICES),
+        }
+        for r in dev[3:5]
+    ]
+    wl = Workload(
+        "mmlu",
+        make_program(),
+        items,
+        labels=labels,
+        score=score,
+        prediction=lambda s: s["answer"],
+        warmup_items=warm,
+        config={
+            "subjects": subjects,
+            "num_questions": args.num_questions,
+            "format": args.format,
+            "num_shots": 0 if args.format == "cloze" else args.num_shots,
+            "seed": args.seed,
+            "choices": list(CHOICES) if args.format == "letter" else "answer texts",
+            "dtype": args.dtype,
+        },
+    )
     if args.format == "cloze" and args.name is None:
         args.name = "mmlu_cloze"
     return compare(wl, args)

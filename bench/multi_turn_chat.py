@@ -27,9 +27,11 @@ from bench import common
 from bench.workload import Workload, add_workload_args, compare
 
 NUM_TURNS = 4
-_WORDS = ("the river model cache token prefix server batch memory kernel request answer question "
-          "light garden market music window forest planet number story simple quiet rapid golden "
-          "paper stone winter summer morning evening travel letter engine signal bridge").split()
+_WORDS = (
+    "the river model cache token prefix server batch memory kernel request answer question "
+    "light garden market music window forest planet number story simple quiet rapid golden "
+    "paper stone winter summer morning evening travel letter engine signal bridge"
+).split()
 
 
 def synthetic_message(rng: random.Random, approx_tokens: int) -> str:
@@ -69,8 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--short-tokens", type=int, default=8, help="output tokens per turn, short setting")
     p.add_argument("--long-tokens", type=int, default=128, help="output tokens per turn, long setting")
     p.add_argument("--settings", default="short,long", help="which output settings to run")
-    p.add_argument("--system-tokens", type=int, default=0,
-                   help="approximate tokens of a system prompt shared by every conversation (0: one sentence)")
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=0,
+        help="approximate tokens of a system prompt shared by every conversation (0: one sentence)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.num_convs, args.turn_tokens, args.short_tokens, args.long_tokens = 4, 128, 4, 16
@@ -80,15 +86,26 @@ def main(argv: list[str] | None = None) -> dict:
     out = {}
     for setting in common.csv_list(args.settings):
         tokens = {"short": args.short_tokens, "long": args.long_tokens}[setting]
-        wl = Workload(f"multi_turn_chat_{setting}", make_program(tokens, system_prompt(args.system_tokens, args.seed)),
-                      convs, warmup_items=warm,
-                      prediction=lambda s: tuple(s[f"reply{i}"] for i in range(NUM_TURNS)),
-                      config={"setting": setting, "num_convs": len(convs), "turns": NUM_TURNS,
-                              "turn_tokens": args.turn_tokens, "output_tokens_per_turn": tokens,
-                              "system_tokens": args.system_tokens,
-                              "dtype": args.dtype})
+        wl = Workload(
+            f"multi_turn_chat_{setting}",
+            make_program(tokens, system_prompt(args.system_tokens, args.seed)),
+            convs,
+            warmup_items=warm,
+            prediction=lambda s: tuple(s[f"reply{i}"] for i in range(NUM_TURNS)),
+            config={
+                "setting": setting,
+                "num_convs": len(convs),
+                "turns": NUM_TURNS,
+                "turn_tokens": args.turn_tokens,
+                "output_tokens_per_turn": tokens,
+                "system_tokens": args.system_tokens,
+                "dtype": args.dtype,
+            },
+        )
         args.name = f"{base_name}_{setting}"
-        out[setting] = compare(wl, args, baseline="radixlm-noradix" if "radixlm-noradix" in args.sides else None)
+        out[setting] = compare(
+            wl, args, baseline="radixlm-noradix" if "radixlm-noradix" in args.sides else None
+        )
     return out
 
 

@@ -46,27 +46,59 @@ def _decode(doc: dict, side: str) -> float | None:
 
 
 HEADLINES = [
-    Headline("decode_throughput", "decode_throughput", "decode tok/s, bs 32 (or largest)", "radixlm", "hf", 1.5),
+    Headline(
+        "decode_throughput", "decode_throughput", "decode tok/s, bs 32 (or largest)", "radixlm", "hf", 1.5
+    ),
     Headline("mmlu", "mmlu", "programs/s", "radixlm", "hf", 5.0),
     Headline("mmlu", "mmlu", "accuracy", "radixlm", "hf", None),
-    Headline("multi_turn_chat", "multi_turn_chat_short", "programs/s, short outputs", "radixlm",
-             "radixlm-noradix", 3.0),
-    Headline("multi_turn_chat", "multi_turn_chat_long", "programs/s, long outputs", "radixlm",
-             "radixlm-noradix", 3.0),
-    Headline("multi_turn_chat", "multi_turn_chat_short", "programs/s vs HF, short outputs", "radixlm", "hf", None),
+    Headline(
+        "multi_turn_chat",
+        "multi_turn_chat_short",
+        "programs/s, short outputs",
+        "radixlm",
+        "radixlm-noradix",
+        3.0,
+    ),
+    Headline(
+        "multi_turn_chat",
+        "multi_turn_chat_long",
+        "programs/s, long outputs",
+        "radixlm",
+        "radixlm-noradix",
+        3.0,
+    ),
+    Headline(
+        "multi_turn_chat", "multi_turn_chat_short", "programs/s vs HF, short outputs", "radixlm", "hf", None
+    ),
     Headline("json_decode", "json_decode", "programs/s, jump-forward on/off", "radixlm", "radixlm-nojf", 1.5),
     Headline("json_decode", "json_decode", "programs/s vs HF", "radixlm", "hf", None),
     Headline("gsm8k", "gsm8k", "programs/s", "radixlm", "hf", None),
     Headline("gsm8k", "gsm8k", "accuracy", "radixlm", "hf", None),
     Headline("tree_of_thought", "tree_of_thought", "programs/s", "radixlm", "hf", None),
 ]
-BENCHES = ["decode_throughput", "mmlu", "gsm8k", "multi_turn_chat", "tree_of_thought", "json_decode",
-           "json_schema_coverage", "serving"]
+BENCHES = [
+    "decode_throughput",
+    "mmlu",
+    "gsm8k",
+    "multi_turn_chat",
+    "tree_of_thought",
+    "json_decode",
+    "json_schema_coverage",
+    "serving",
+]
 
 
 def headline_row(h: Headline, doc: dict | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"benchmark": h.result_file, "metric": h.metric, "ours": None, "reference": None,
-                           "side": f"{h.ours} / {h.reference}", "ratio": None, "target": h.target, "met": None}
+    row: dict[str, Any] = {
+        "benchmark": h.result_file,
+        "metric": h.metric,
+        "ours": None,
+        "reference": None,
+        "side": f"{h.ours} / {h.reference}",
+        "ratio": None,
+        "target": h.target,
+        "met": None,
+    }
     if doc is None:
         return row
     try:
@@ -122,20 +154,32 @@ def main(argv: list[str] | None = None) -> dict:
     serving = _load(results_dir / "serving.json")
     if serving:
         for r in serving["results"]["runs"]:
-            rows.append({"benchmark": "serving", "metric": f"out tok/s ({r['label']})",
-                         "ours": r["output_token_throughput"], "side": "radixlm"})
+            rows.append(
+                {
+                    "benchmark": "serving",
+                    "metric": f"out tok/s ({r['label']})",
+                    "ours": r["output_token_throughput"],
+                    "side": "radixlm",
+                }
+            )
     print()
-    common.print_table(rows, ["benchmark", "metric", "side", "ours", "reference", "ratio", "target", "met"],
-                       title="== radixlm benchmarks: headline figures ==")
+    common.print_table(
+        rows,
+        ["benchmark", "metric", "side", "ours", "reference", "ratio", "target", "met"],
+        title="== radixlm benchmarks: headline figures ==",
+    )
     for r in runs:
         if r["returncode"] != 0:
             print(f"FAILED: {r['bench']} (exit {r['returncode']}): {r['command']}")
     plotted = [r for r in rows if r.get("ratio") is not None]
     if plotted:
-        common.bar_chart(common.plot_path(args.name or "run_all", results_dir),
-                         [f"{r['benchmark']}\n{r['side']}" for r in plotted],
-                         {"ratio": [r["ratio"] for r in plotted], "target": [r["target"] for r in plotted]},
-                         "speedup", "radixlm speedups vs targets")
+        common.bar_chart(
+            common.plot_path(args.name or "run_all", results_dir),
+            [f"{r['benchmark']}\n{r['side']}" for r in plotted],
+            {"ratio": [r["ratio"] for r in plotted], "target": [r["target"] for r in plotted]},
+            "speedup",
+            "radixlm speedups vs targets",
+        )
     config = {"command": common.command_line(), "quick": args.quick, "only": args.only}
     common.write_results(args.name or "run_all", config, {"runs": runs, "headlines": rows}, env, results_dir)
     failed = [r for r in runs if r["returncode"] != 0]

@@ -59,7 +59,9 @@ class Outcome:
 
     @property
     def tpot(self) -> float | None:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.ok and self.output_tokens > 1 else None
+        return (
+            (self.e2e - self.ttft) / (self.output_tokens - 1) if self.ok and self.output_tokens > 1 else None
+        )
 
 
 # ------------------------------------------------------------------------------------------ datasets
@@ -75,8 +77,9 @@ def random_text(tokenizer: Any, rng: random.Random, n: int) -> str:
     return tokenizer.decode(ids)
 
 
-def random_dataset(tokenizer: Any, num: int, input_len: int, output_len: int, range_ratio: float,
-                   seed: int) -> list[Request]:
+def random_dataset(
+    tokenizer: Any, num: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[Request]:
     rng = random.Random(seed)
     out = []
     for _ in range(num):
@@ -87,8 +90,15 @@ def random_dataset(tokenizer: Any, num: int, input_len: int, output_len: int, ra
     return out
 
 
-def shared_prefix_dataset(tokenizer: Any, groups: int, per_group: int, system_len: int, question_len: int,
-                          output_len: int, seed: int) -> list[Request]:
+def shared_prefix_dataset(
+    tokenizer: Any,
+    groups: int,
+    per_group: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[Request]:
     """`groups` system prompts of `system_len` tokens, each followed by `per_group` distinct questions;
     the requests of all groups are interleaved (seeded shuffle)."""
     rng = random.Random(seed)
@@ -133,8 +143,11 @@ def _token_arrived(out: Outcome, t0: float, last: float, now: float) -> float:
 
 
 async def send_native(client: Any, url: str, req: Request, out: Outcome) -> None:
-    body = {"text": req.prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": req.prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0, "ignore_eos": True},
+    }
     t0 = last = time.perf_counter()
     async for now, chunk in _stream_chunks(client, url + "/generate", body, out):
         meta = chunk.get("meta_info", {})
@@ -148,8 +161,15 @@ async def send_native(client: Any, url: str, req: Request, out: Outcome) -> None
 
 
 async def send_openai(client: Any, url: str, model: str, req: Request, out: Outcome) -> None:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     t0 = last = time.perf_counter()
     chunks = 0
     async for now, chunk in _stream_chunks(client, url + "/v1/completions", body, out):
@@ -183,6 +203,7 @@ async def run_load(reqs: list[Request], args: Any, model: str | None) -> tuple[l
     bar = tqdm(total=len(reqs), desc="requests", disable=args.no_progress)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.max_duration), limits=limits) as client:
+
         async def one(req: Request, out: Outcome) -> None:
             async with sem:
                 try:
@@ -246,11 +267,21 @@ class LaunchedServer:
     """`python -m runtime.launch_server` in its own process group; `stop()` ends that group (only it)."""
 
     def __init__(self, port: int, extra: list[str], log_path: Path, timeout: float = 600.0):
-        cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(port), "--log-level", "warning", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "runtime.launch_server",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         self.cmd, self.url = cmd, f"http://127.0.0.1:{port}"
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=common.REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=common.REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -318,7 +349,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--url", default="http://127.0.0.1:30000")
     p.add_argument("--dataset", choices=("random", "generated-shared-prefix"), default="random")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: burst")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: burst"
+    )
     p.add_argument("--concurrency", type=int, default=0, help="max requests in flight (0: unlimited)")
     p.add_argument("--max-duration", type=float, default=900.0, help="hard bound of one load run, seconds")
     p.add_argument("--random-input-len", type=int, default=256)
@@ -331,8 +364,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gsp-output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch-server", action="store_true", help="start (and stop) radixlm servers here")
-    p.add_argument("--server-args", action="append", default=None,
-                   help="extra args of one launched server; repeat to compare several in one invocation")
+    p.add_argument(
+        "--server-args",
+        action="append",
+        default=None,
+        help="extra args of one launched server; repeat to compare several in one invocation",
+    )
     p.add_argument("--port", type=int, default=30123, help="port of launched servers")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -348,12 +385,24 @@ def main(argv: list[str] | None = None) -> dict:
     env["load_before"] = common.load_average()
     tok = load_tokenizer(resolve_model_path("default"))
     if args.dataset == "random":
-        reqs = random_dataset(tok, args.num_prompts, args.random_input_len, args.random_output_len,
-                              args.random_range_ratio, args.seed)
+        reqs = random_dataset(
+            tok,
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+        )
     else:
-        reqs = shared_prefix_dataset(tok, args.gsp_num_groups, args.gsp_prompts_per_group,
-                                     args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len,
-                                     args.seed)[: args.num_prompts]
+        reqs = shared_prefix_dataset(
+            tok,
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            args.seed,
+        )[: args.num_prompts]
     runs = []
     variants = (args.server_args or [""]) if args.launch_server else [None]
     for extra in variants:
@@ -361,8 +410,9 @@ def main(argv: list[str] | None = None) -> dict:
         server = None
         if extra is not None:
             print(f"[serving] launching server ({label}) ...", flush=True)
-            server = LaunchedServer(args.port, shlex.split(extra),
-                                    Path(args.results_dir) / f"serving_server_{len(runs)}.log")
+            server = LaunchedServer(
+                args.port, shlex.split(extra), Path(args.results_dir) / f"serving_server_{len(runs)}.log"
+            )
             args.url = server.url
         try:
             runs.append(run_one(args, reqs, label))
@@ -370,18 +420,37 @@ def main(argv: list[str] | None = None) -> dict:
             if server is not None:
                 server.stop()
     name = args.name or "serving"
-    rows = [{"server": r["label"], "ok": r["completed"], "failed": r["failed"], "req/s": r["request_throughput"],
-             "in tok/s": r["input_token_throughput"], "out tok/s": r["output_token_throughput"],
-             "TTFT p50 ms": r["ttft_ms"]["p50"], "TTFT p99 ms": r["ttft_ms"]["p99"],
-             "TPOT mean ms": r["tpot_ms"]["mean"], "ITL p50 ms": r["itl_ms"]["p50"],
-             "e2e p50 ms": r["e2e_latency_ms"]["p50"], "e2e p99 ms": r["e2e_latency_ms"]["p99"],
-             "cache hit": r.get("cache_hit_rate")} for r in runs]
+    rows = [
+        {
+            "server": r["label"],
+            "ok": r["completed"],
+            "failed": r["failed"],
+            "req/s": r["request_throughput"],
+            "in tok/s": r["input_token_throughput"],
+            "out tok/s": r["output_token_throughput"],
+            "TTFT p50 ms": r["ttft_ms"]["p50"],
+            "TTFT p99 ms": r["ttft_ms"]["p99"],
+            "TPOT mean ms": r["tpot_ms"]["mean"],
+            "ITL p50 ms": r["itl_ms"]["p50"],
+            "e2e p50 ms": r["e2e_latency_ms"]["p50"],
+            "e2e p99 ms": r["e2e_latency_ms"]["p99"],
+            "cache hit": r.get("cache_hit_rate"),
+        }
+        for r in runs
+    ]
     print()
-    common.print_table(rows, title=f"== serving: {args.dataset}, rate {args.request_rate}, "
-                                   f"concurrency {args.concurrency or 'unlimited'} ==")
-    common.bar_chart(common.plot_path(name, args.results_dir), [r["label"] for r in runs],
-                     {"output tok/s": [r["output_token_throughput"] for r in runs]},
-                     "output tokens / s", f"serving: {args.dataset}")
+    common.print_table(
+        rows,
+        title=f"== serving: {args.dataset}, rate {args.request_rate}, "
+        f"concurrency {args.concurrency or 'unlimited'} ==",
+    )
+    common.bar_chart(
+        common.plot_path(name, args.results_dir),
+        [r["label"] for r in runs],
+        {"output tok/s": [r["output_token_throughput"] for r in runs]},
+        "output tokens / s",
+        f"serving: {args.dataset}",
+    )
     config = {k: v for k, v in vars(args).items()}
     config["command"] = common.command_line()
     config["request_rate"] = str(args.request_rate)

@@ -26,8 +26,16 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
 }
 HF = "hf"
 # Server counters whose change over a run is reported (see runtime.managers.scheduler.Scheduler.server_info).
-COUNTERS = ("prompt_tokens", "cached_tokens", "generated_tokens", "jump_forward_tokens", "extend_steps",
-            "decode_steps", "retractions", "requests_finished")
+COUNTERS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "generated_tokens",
+    "jump_forward_tokens",
+    "extend_steps",
+    "decode_steps",
+    "retractions",
+    "requests_finished",
+)
 
 
 def side_names(spec: str) -> list[str]:
@@ -42,27 +50,44 @@ def side_names(spec: str) -> list[str]:
 
 def add_side_args(p: argparse.ArgumentParser, default_sides: str) -> None:
     g = p.add_argument_group("sides")
-    g.add_argument("--sides", default=default_sides,
-                   help=f"comma-separated, run in this order: {', '.join([*RADIXLM_VARIANTS, HF])}")
+    g.add_argument(
+        "--sides",
+        default=default_sides,
+        help=f"comma-separated, run in this order: {', '.join([*RADIXLM_VARIANTS, HF])}",
+    )
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both sides")
-    g.add_argument("--max-total-tokens", type=int, default=30000, help="radixlm KV pool size (fp32: 46 KB a token)")
+    g.add_argument(
+        "--max-total-tokens", type=int, default=30000, help="radixlm KV pool size (fp32: 46 KB a token)"
+    )
     g.add_argument("--max-running-requests", type=int, default=64, help="radixlm decode batch limit")
     g.add_argument("--attention-backend", default="auto", help="radixlm attention backend")
     g.add_argument("--disable-radix-cache", action="store_true", help="applies to every radixlm side")
     g.add_argument("--schedule-policy", default="lpm", help="radixlm queue policy (every radixlm side)")
-    g.add_argument("--threads", type=int, default=0,
-                   help="torch threads on every side (0: all cores). On a loaded machine 1 can be much faster: "
-                        "OpenMP regions stall while a sibling thread is descheduled")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads on every side (0: all cores). On a loaded machine 1 can be much faster: "
+        "OpenMP regions stall while a sibling thread is descheduled",
+    )
     g.add_argument("--url", default=None, help="use this running radixlm server for the `radixlm` side")
     g.add_argument("--hf-max-batch-size", type=int, default=32, help="rows of one HF static batch")
-    g.add_argument("--hf-max-batch-tokens", type=int, default=8192, help="padded tokens of one HF scoring batch")
+    g.add_argument(
+        "--hf-max-batch-tokens", type=int, default=8192, help="padded tokens of one HF scoring batch"
+    )
 
 
 def engine_args(args: argparse.Namespace, side: str) -> dict[str, Any]:
-    base = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens,
-            "max_running_requests": args.max_running_requests, "attention_backend": args.attention_backend,
-            "disable_radix_cache": args.disable_radix_cache, "schedule_policy": args.schedule_policy,
-            "log_level": "warning", "num_threads": args.threads or None}
+    base = {
+        "dtype": args.dtype,
+        "max_total_tokens": args.max_total_tokens,
+        "max_running_requests": args.max_running_requests,
+        "attention_backend": args.attention_backend,
+        "disable_radix_cache": args.disable_radix_cache,
+        "schedule_policy": args.schedule_policy,
+        "log_level": "warning",
+        "num_threads": args.threads or None,
+    }
     return {**base, **RADIXLM_VARIANTS[side]}
 
 
@@ -122,11 +147,19 @@ def open_side(name: str, args: argparse.Namespace, model: str = "default") -> Op
         from bench.hf_backend import HFBackend
 
         torch.set_num_threads(args.threads or usable_cores())
-        backend = HFBackend(resolve_model_path(model), dtype=args.dtype, max_batch_size=args.hf_max_batch_size,
-                            max_batch_tokens=args.hf_max_batch_tokens)
-        cfg = {"dtype": args.dtype, "max_batch_size": args.hf_max_batch_size,
-               "max_batch_tokens": args.hf_max_batch_tokens, "batch_wait_s": backend.batch_wait_s,
-               "torch_threads": torch.get_num_threads()}
+        backend = HFBackend(
+            resolve_model_path(model),
+            dtype=args.dtype,
+            max_batch_size=args.hf_max_batch_size,
+            max_batch_tokens=args.hf_max_batch_tokens,
+        )
+        cfg = {
+            "dtype": args.dtype,
+            "max_batch_size": args.hf_max_batch_size,
+            "max_batch_tokens": args.hf_max_batch_tokens,
+            "batch_wait_s": backend.batch_wait_s,
+            "torch_threads": torch.get_num_threads(),
+        }
         return OpenSide(name, backend, time.perf_counter() - t0, cfg)
     if args.url:
         if name != "radixlm":

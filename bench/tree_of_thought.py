@@ -69,11 +69,22 @@ def main(argv: list[str] | None = None) -> dict:
     test = list(common.iter_jsonl(common.DATA_DIR / "gsm8k" / "test.jsonl"))[: args.num_questions]
     items = [{"question": ex["question"]} for ex in test]
     warm = [{"question": "What is 2 + 3?"}]
-    wl = Workload("tree_of_thought", make_program(args.branches, args.max_tokens), items, warmup_items=warm,
-                  prediction=lambda s: s.ret_value,
-                  config={"num_questions": len(items), "branches": args.branches, "depth": 2,
-                          "max_tokens": args.max_tokens, "gens_per_program": args.branches + args.branches**2,
-                          "selects_per_program": args.branches**2, "dtype": args.dtype})
+    wl = Workload(
+        "tree_of_thought",
+        make_program(args.branches, args.max_tokens),
+        items,
+        warmup_items=warm,
+        prediction=lambda s: s.ret_value,
+        config={
+            "num_questions": len(items),
+            "branches": args.branches,
+            "depth": 2,
+            "max_tokens": args.max_tokens,
+            "gens_per_program": args.branches + args.branches**2,
+            "selects_per_program": args.branches**2,
+            "dtype": args.dtype,
+        },
+    )
     return compare(wl, args)
 
 

@@ -41,9 +41,14 @@ def add_workload_args(p: argparse.ArgumentParser, default_sides: str, num_thread
     p.add_argument("--repeats", type=int, default=1, help="measured runs per side; the fastest is reported")
 
 
-def run_programs(program: Any, items: list[dict[str, Any]], backend: Any, num_threads: int,
-                 run_kwargs: dict[str, Any] | None = None, progress: str | None = None
-                 ) -> tuple[list[Any], list[float], float]:
+def run_programs(
+    program: Any,
+    items: list[dict[str, Any]],
+    backend: Any,
+    num_threads: int,
+    run_kwargs: dict[str, Any] | None = None,
+    progress: str | None = None,
+) -> tuple[list[Any], list[float], float]:
     """(states or exceptions in item order, per-program latency seconds, wall seconds)."""
     from tqdm.auto import tqdm
 
@@ -60,8 +65,10 @@ def run_programs(program: Any, items: list[dict[str, Any]], backend: Any, num_th
             latencies[i] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool, \
-            tqdm(total=len(items), desc=progress, disable=progress is None, leave=False) as bar:
+    with (
+        ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool,
+        tqdm(total=len(items), desc=progress, disable=progress is None, leave=False) as bar,
+    ):
         futures = [pool.submit(one, i) for i in range(len(items))]
         states = []
         for fut in futures:
@@ -78,8 +85,9 @@ def measure_side(side: OpenSide, wl: Workload, num_threads: int) -> tuple[dict[s
     side.flush()
     backend.reset()
     before, load_before = side.counters(), common.load_average()
-    states, lat, wall = run_programs(wl.program, wl.items, backend, num_threads, wl.run_kwargs,
-                                     progress=f"{wl.name}[{side.name}]")
+    states, lat, wall = run_programs(
+        wl.program, wl.items, backend, num_threads, wl.run_kwargs, progress=f"{wl.name}[{side.name}]"
+    )
     after = side.counters()
     errors = [s for s in states if isinstance(s, Exception)]
     n = len(wl.items)
@@ -110,13 +118,18 @@ def measure_side(side: OpenSide, wl: Workload, num_threads: int) -> tuple[dict[s
     else:
         delta = {k: after[k] - before[k] for k in after}
         fig["server_counters"] = delta
-        fig["cache_hit_rate"] = delta["cached_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else 0.0
+        fig["cache_hit_rate"] = (
+            delta["cached_tokens"] / delta["prompt_tokens"] if delta["prompt_tokens"] else 0.0
+        )
     return fig, states
 
 
-def compare(wl: Workload, args: argparse.Namespace, baseline: str | None = None,
-            extra: Callable[[dict[str, dict[str, Any]], dict[str, list[Any]]], dict[str, Any]] | None = None
-            ) -> dict[str, Any]:
+def compare(
+    wl: Workload,
+    args: argparse.Namespace,
+    baseline: str | None = None,
+    extra: Callable[[dict[str, dict[str, Any]], dict[str, list[Any]]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Run `wl` on every side of `args.sides`; print the table; write results JSON and plot; return results.
 
     `baseline`: the side speedups are relative to (default: `hf` when present, else the last side).
@@ -148,8 +161,15 @@ def compare(wl: Workload, args: argparse.Namespace, baseline: str | None = None,
     if extra is not None:
         results.update(extra(per_side, states))
     name = args.name or wl.name
-    config = {"command": common.command_line(), "workload": wl.name, "items": len(wl.items),
-              "num_threads": args.num_threads, "sides": names, "repeats": args.repeats, **wl.config}
+    config = {
+        "command": common.command_line(),
+        "workload": wl.name,
+        "items": len(wl.items),
+        "num_threads": args.num_threads,
+        "sides": names,
+        "repeats": args.repeats,
+        **wl.config,
+    }
     print_summary(wl.name, per_side, baseline, results.get("agreement"))
     plot(name, per_side, baseline, args.results_dir)
     common.write_results(name, config, results, env, args.results_dir)
@@ -163,8 +183,11 @@ def agreement(wl: Workload, names: list[str], states: dict[str, list[Any]]) -> d
     for other in names[1:]:
         same = 0
         for a, b in zip(states[ref], states[other]):
-            if not isinstance(a, Exception) and not isinstance(b, Exception) and \
-                    wl.prediction(a) == wl.prediction(b):
+            if (
+                not isinstance(a, Exception)
+                and not isinstance(b, Exception)
+                and wl.prediction(a) == wl.prediction(b)
+            ):
                 same += 1
         out[other] = same / len(wl.items) if wl.items else None
     return out
@@ -173,32 +196,44 @@ def agreement(wl: Workload, names: list[str], states: dict[str, list[Any]]) -> d
 def summary_rows(per_side: dict[str, dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     rows = []
     for name, f in per_side.items():
-        rows.append({
-            "side": name,
-            "accuracy": f.get("accuracy"),
-            "programs/s": f["programs_per_s"],
-            f"x {baseline}": f.get("speedup_vs_" + baseline),
-            "gen tok/s": f["gen_tokens_per_s"],
-            "lat p50 s": f["latency_s"]["p50"],
-            "lat p99 s": f["latency_s"]["p99"],
-            "cache hit": f["cache_hit_rate"],
-            "errors": f["errors"],
-            "load": f["load_before"]["load_1m"],
-        })
+        rows.append(
+            {
+                "side": name,
+                "accuracy": f.get("accuracy"),
+                "programs/s": f["programs_per_s"],
+                f"x {baseline}": f.get("speedup_vs_" + baseline),
+                "gen tok/s": f["gen_tokens_per_s"],
+                "lat p50 s": f["latency_s"]["p50"],
+                "lat p99 s": f["latency_s"]["p99"],
+                "cache hit": f["cache_hit_rate"],
+                "errors": f["errors"],
+                "load": f["load_before"]["load_1m"],
+            }
+        )
     return rows
 
 
-def print_summary(title: str, per_side: dict[str, dict[str, Any]], baseline: str,
-                  agree: dict[str, Any] | None) -> None:
+def print_summary(
+    title: str, per_side: dict[str, dict[str, Any]], baseline: str, agree: dict[str, Any] | None
+) -> None:
     print()
     common.print_table(summary_rows(per_side, baseline), title=f"== {title} ==")
     if agree:
-        print("answer agreement with " + agree["reference"] + ": " +
-              ", ".join(f"{k} {v:.3f}" for k, v in agree.items() if k != "reference"))
+        print(
+            "answer agreement with "
+            + agree["reference"]
+            + ": "
+            + ", ".join(f"{k} {v:.3f}" for k, v in agree.items() if k != "reference")
+        )
 
 
 def plot(name: str, per_side: dict[str, dict[str, Any]], baseline: str, results_dir: str) -> None:
     sides = list(per_side)
     series = {"programs/s": [per_side[s]["programs_per_s"] for s in sides]}
-    common.bar_chart(common.plot_path(name, results_dir), sides, series, "programs / s",
-                     f"{name}: throughput by side (baseline {baseline})")
+    common.bar_chart(
+        common.plot_path(name, results_dir),
+        sides,
+        series,
+        "programs / s",
+        f"{name}: throughput by side (baseline {baseline})",
+    )

@@ -41,8 +41,16 @@ def resolve_backend_name(name: str, device: str) -> str:
     if name not in avail:
         raise ValueError(
             f"attention backend {name!r} is not available on this machine (available: {', '.join(avail)})"
-            + ("; flashinfer needs an NVIDIA GPU and `pip install radixlm[gpu]`" if name == "flashinfer" else "")
-            + ("; triton needs `pip install triton` and a GPU or TRITON_INTERPRET=1" if name == "triton" else "")
+            + (
+                "; flashinfer needs an NVIDIA GPU and `pip install radixlm[gpu]`"
+                if name == "flashinfer"
+                else ""
+            )
+            + (
+                "; triton needs `pip install triton` and a GPU or TRITON_INTERPRET=1"
+                if name == "triton"
+                else ""
+            )
         )
     return name
 

@@ -30,25 +30,31 @@ class TorchNativeBackend(AttentionBackend):
             self._all_same_len = min(batch.seq_lens_cpu) == max_len
         else:
             self._extend_slots = [
-                table[row, :seq] for row, seq in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, strict=True)
+                table[row, :seq]
+                for row, seq in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, strict=True)
             ]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         out = torch.empty_like(q)
         start = 0
-        for slots, prefix, ext in zip(self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu,
-                                       strict=True):
+        for slots, prefix, ext in zip(
+            self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+        ):
             qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
             ki = k_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, seq, D]
             vi = v_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             if prefix == 0:
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True
+                )
             else:
                 # query j (absolute position prefix + j) sees keys 0..prefix + j
                 q_pos = torch.arange(prefix, prefix + ext, device=q.device)[:, None]
                 mask = torch.arange(prefix + ext, device=q.device)[None, :] <= q_pos
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
+                )
             out[start : start + ext] = o.squeeze(0).transpose(0, 1)
             start += ext
         return out

@@ -26,7 +26,9 @@ class Engine:
         self.args = ServerArgs(model=model, **server_args).resolve()
         self.model_dir = resolve_model_path(self.args.model)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="radixlm-engine-loop", daemon=True
+        )
         self._thread.start()
         self._closed = False
         try:
@@ -56,14 +58,30 @@ class Engine:
             body["text"] = prompt
         return body
 
-    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
-                 input_ids: list | None = None, return_logprob: bool = False, logprob_start_len: int | None = None,
-                 top_logprobs_num: int | None = None, return_text_in_logprobs: bool = False, stream: bool = False,
-                 rid: str | list | None = None):
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list | None = None,
+        input_ids: list | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list | None = None,
+    ):
         """Native response dict (a list for list input); with stream=True an iterator of cumulative dicts."""
-        body = self._body(prompt, sampling_params, input_ids, return_logprob=return_logprob,
-                          logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-                          return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid)
+        body = self._body(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+            stream=stream,
+            rid=rid,
+        )
         reqs, is_batch = parse_generate_body(body)
         if stream:
             return self._stream(reqs[0])
@@ -101,10 +119,18 @@ class Engine:
     def get_model_info(self) -> dict[str, Any]:
         """The same fields as GET /get_model_info."""
         tok = self.tm.tokenizer
-        return {"model_path": self.args.model, "model_dir": self.model_dir, "served_model_name": self.args.model_name,
-                "tokenizer_path": self.model_dir, "is_generation": True, "chat_template": tok.chat_template,
-                "bos_token": tok.bos_token, "eos_token": tok.eos_token, "context_length": self.tm.context_length,
-                "vocab_size": self.tm.info.get("vocab_size")}
+        return {
+            "model_path": self.args.model,
+            "model_dir": self.model_dir,
+            "served_model_name": self.args.model_name,
+            "tokenizer_path": self.model_dir,
+            "is_generation": True,
+            "chat_template": tok.chat_template,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "context_length": self.tm.context_length,
+            "vocab_size": self.tm.info.get("vocab_size"),
+        }
 
     def flush_cache(self) -> bool:
         return self._run(self.tm.flush_cache()).success

@@ -99,8 +99,14 @@ class BatchStrOut(Message):
 
 
 AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged structs
-    TokenizedGenerateReq, AbortReq, FlushCacheReq, GetServerInfoReq, FlushCacheResp, ServerInfoResp,
-    BatchTokenIDOut, BatchStrOut,
+    TokenizedGenerateReq,
+    AbortReq,
+    FlushCacheReq,
+    GetServerInfoReq,
+    FlushCacheResp,
+    ServerInfoResp,
+    BatchTokenIDOut,
+    BatchStrOut,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -68,13 +68,21 @@ class SamplingParams:
         _check_type("min_new_tokens", self.min_new_tokens, int)
         _check_type("top_k", self.top_k, int)
         _check_type("n", self.n, int)
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        ):
             _check_type(name, getattr(self, name), (int, float))
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             _check_type(name, getattr(self, name), bool)
         if not 0 <= self.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
-            raise ValueError(f"max_new_tokens must be in [0, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}")
+            raise ValueError(
+                f"max_new_tokens must be in [0, {MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}"
+            )
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"

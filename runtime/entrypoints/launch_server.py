@@ -30,7 +30,9 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGTERM and not self.tm.draining:
-            logger.info("SIGTERM: draining %d in-flight request(s); new requests get 503", self.tm.num_in_flight())
+            logger.info(
+                "SIGTERM: draining %d in-flight request(s); new requests get 503", self.tm.num_in_flight()
+            )
             self.tm.draining = True
             asyncio.get_event_loop().create_task(self._drain())
             return
@@ -79,7 +81,9 @@ def run_server(args: ServerArgs) -> int:
     from runtime.models.model_loader import resolve_model_path
 
     args = args.resolve()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(name)s: %(message)s"
+    )
     model_dir = resolve_model_path(args.model)
     state = {"dead": None}
     server_box: list[_Server] = []
@@ -92,15 +96,28 @@ def run_server(args: ServerArgs) -> int:
     tm = TokenizerManager(args, model_dir, on_child_death=on_child_death)
     try:
         app = create_app(tm, args)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_keep_alive=5, access_log=args.log_level == "debug")
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=5,
+            access_log=args.log_level == "debug",
+        )
         server = _Server(config, tm)
         server_box.append(server)
 
         async def serve():
             tm.start()
-            logger.info("serving %s on http://%s:%d (context %d, KV pool %d tokens, backend %s)", args.model_name,
-                        args.host, args.port, tm.context_length, tm.info["max_total_tokens"], tm.info["attention_backend"])
+            logger.info(
+                "serving %s on http://%s:%d (context %d, KV pool %d tokens, backend %s)",
+                args.model_name,
+                args.host,
+                args.port,
+                tm.context_length,
+                tm.info["max_total_tokens"],
+                tm.info["attention_backend"],
+            )
             await server.serve()
 
         asyncio.run(serve())

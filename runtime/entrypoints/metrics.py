@@ -14,16 +14,26 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("radixlm_requests_total", "Finished requests by outcome", ["outcome"], registry=r)
+        self.requests = Counter(
+            "radixlm_requests_total", "Finished requests by outcome", ["outcome"], registry=r
+        )
         self.prompt_tokens = Counter("radixlm_prompt_tokens_total", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("radixlm_generation_tokens_total", "Tokens generated", registry=r)
-        self.cached_tokens = Counter("radixlm_cached_tokens_total", "Prompt tokens served from the radix cache",
-                                     registry=r)
-        self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("radixlm_requests_in_flight", "Requests between arrival and response", registry=r)
+        self.cached_tokens = Counter(
+            "radixlm_cached_tokens_total", "Prompt tokens served from the radix cache", registry=r
+        )
+        self.ttft = Histogram(
+            "radixlm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "radixlm_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "radixlm_requests_in_flight", "Requests between arrival and response", registry=r
+        )
         self.running = Gauge("radixlm_num_running_reqs", "Requests holding KV in the scheduler", registry=r)
         self.queued = Gauge("radixlm_num_queued_reqs", "Requests waiting in the scheduler", registry=r)
         self.token_usage = Gauge("radixlm_token_usage", "Share of the KV pool in use", registry=r)

@@ -97,12 +97,24 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
 
     def check_model(name: str) -> None:
         if name not in names:
-            raise RequestError(f"the model '{name}' does not exist; this server serves '{args.model_name}'", 404)
+            raise RequestError(
+                f"the model '{name}' does not exist; this server serves '{args.model_name}'", 404
+            )
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": args.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "radixlm", "max_model_len": tm.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": args.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "radixlm",
+                    "max_model_len": tm.context_length,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
@@ -111,9 +123,13 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
         if body.tools:
-            raise RequestError("tool calling is not supported; describe tools in the system prompt instead", 400)
-        msgs = [{"role": m.role if m.role != "developer" else "system", "content": _content_text(m.content)}
-                for m in body.messages]
+            raise RequestError(
+                "tool calling is not supported; describe tools in the system prompt instead", 400
+            )
+        msgs = [
+            {"role": m.role if m.role != "developer" else "system", "content": _content_text(m.content)}
+            for m in body.messages
+        ]
         try:
             prompt = tm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # template errors are the request's fault (e.g. role order)
@@ -129,13 +145,23 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         results = await run_unless_disconnected(request, _run_choices(tm, reqs))
         choices = []
         for i, r in enumerate(results):
-            choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
-                      "finish_reason": _finish(r), "logprobs": None}
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": r["text"]},
+                "finish_reason": _finish(r),
+                "logprobs": None,
+            }
             if body.logprobs:
                 choice["logprobs"] = {"content": _chat_logprobs(tm, r["meta_info"])}
             choices.append(choice)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": args.model_name,
-                "choices": choices, "usage": _usage(results)}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": args.model_name,
+            "choices": choices,
+            "usage": _usage(results),
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -152,29 +178,47 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         rid = "cmpl-" + uuid.uuid4().hex
         all_reqs, echo_texts = [], []
         for ids in prompts:
-            params = _sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, len(ids),
-                                      tm.context_length, _grammar(body))
+            params = _sampling_params(
+                body,
+                body.max_tokens if body.max_tokens is not None else 16,
+                len(ids),
+                tm.context_length,
+                _grammar(body),
+            )
             all_reqs.append(_requests(ids, params, top is not None, top or 0, body.stream))
             echo_texts.append(tm.tokenizer.decode(ids) if body.echo else "")
         if body.stream:
-            return await _stream_response(tm, all_reqs[0],
-                                          _completion_chunks(rid, args.model_name, all_reqs[0], tm, body, echo_texts[0]))
+            return await _stream_response(
+                tm,
+                all_reqs[0],
+                _completion_chunks(rid, args.model_name, all_reqs[0], tm, body, echo_texts[0]),
+            )
         results_per_prompt = await run_unless_disconnected(
             request, gather_or_cancel(*(_run_choices(tm, reqs) for reqs in all_reqs))
         )
         choices, flat = [], []
         for p, results in enumerate(results_per_prompt):
             for r in results:
-                choice = {"index": len(choices), "text": echo_texts[p] + r["text"], "finish_reason": _finish(r),
-                          "logprobs": _completion_logprobs(tm, r["meta_info"]) if top is not None else None}
+                choice = {
+                    "index": len(choices),
+                    "text": echo_texts[p] + r["text"],
+                    "finish_reason": _finish(r),
+                    "logprobs": _completion_logprobs(tm, r["meta_info"]) if top is not None else None,
+                }
                 choices.append(choice)
                 flat.append(r)
         usage = _usage(flat)
         if len(results_per_prompt) > 1:  # several prompts: each prompt counts once
             usage["prompt_tokens"] = sum(rs[0]["meta_info"]["prompt_tokens"] for rs in results_per_prompt)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": args.model_name,
-                "choices": choices, "usage": usage}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": args.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
 
 
 # ---- request translation ---------------------------------------------------------------------------------
@@ -217,26 +261,51 @@ def _grammar(body: _Common) -> dict[str, Any]:
     return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
 
 
-def _sampling_params(body: _Common, max_tokens: int | None, prompt_len: int, context: int,
-                     grammar: dict[str, Any]) -> SamplingParams:
+def _sampling_params(
+    body: _Common, max_tokens: int | None, prompt_len: int, context: int, grammar: dict[str, Any]
+) -> SamplingParams:
     if prompt_len >= context:
-        raise RequestError(f"the prompt ({prompt_len} tokens) does not fit the context length ({context})", 400)
+        raise RequestError(
+            f"the prompt ({prompt_len} tokens) does not fit the context length ({context})", 400
+        )
     if max_tokens is None:
         max_tokens = context - prompt_len
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-            repetition_penalty=body.repetition_penalty, min_new_tokens=min(body.min_tokens, max_tokens),
-            stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens, seed=body.seed, n=body.n, **grammar)
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_new_tokens=min(body.min_tokens, max_tokens),
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            seed=body.seed,
+            n=body.n,
+            **grammar,
+        )
     except ValueError as e:
         raise RequestError(str(e), 400) from None
 
 
-def _requests(ids: list[int], params: SamplingParams, logprobs: bool, top: int, stream: bool) -> list[SingleRequest]:
-    base = SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream,
-                         return_logprob=logprobs, top_logprobs_num=top, return_text_in_logprobs=logprobs)
+def _requests(
+    ids: list[int], params: SamplingParams, logprobs: bool, top: int, stream: bool
+) -> list[SingleRequest]:
+    base = SingleRequest(
+        rid=uuid.uuid4().hex,
+        text=None,
+        input_ids=ids,
+        params=params,
+        stream=stream,
+        return_logprob=logprobs,
+        top_logprobs_num=top,
+        return_text_in_logprobs=logprobs,
+    )
     return TokenizerManager.expand_n([base])
 
 
@@ -267,8 +336,12 @@ def _usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = results[0]["meta_info"]["prompt_tokens"] if results else 0
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     cached = max((r["meta_info"]["cached_tokens"] for r in results), default=0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _token_bytes(text: str | None) -> list[int] | None:
@@ -281,9 +354,16 @@ def _chat_logprobs(tm: TokenizerManager, meta: dict[str, Any], start: int = 0) -
     out = []
     for (lp, tid, text), top in list(zip(entries, tops))[start:]:
         text = text if text is not None else tm.tokenizer.decode([tid])
-        out.append({"token": text, "logprob": lp, "bytes": _token_bytes(text),
-                    "top_logprobs": [{"token": t, "logprob": tlp, "bytes": _token_bytes(t)}
-                                     for tlp, _tid, t in (top or [])]})
+        out.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": _token_bytes(text),
+                "top_logprobs": [
+                    {"token": t, "logprob": tlp, "bytes": _token_bytes(t)} for tlp, _tid, t in (top or [])
+                ],
+            }
+        )
     return out
 
 
@@ -295,12 +375,18 @@ def _completion_logprobs(tm: TokenizerManager, meta: dict[str, Any], start: int 
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in entries],
-            "top_logprobs": [{t: tlp for tlp, _tid, t in (top or [])} for top in tops], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _, _ in entries],
+        "top_logprobs": [{t: tlp for tlp, _tid, t in (top or [])} for top in tops],
+        "text_offset": offsets,
+    }
 
 
 # ---- streaming -------------------------------------------------------------------------------------------
-async def _merge(tm: TokenizerManager, reqs: list[SingleRequest]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def _merge(
+    tm: TokenizerManager, reqs: list[SingleRequest]
+) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """Interleave the cumulative outputs of several streams as (choice index, output)."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -359,7 +445,13 @@ async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> Asy
     finals: dict[int, dict[str, Any]] = {}
 
     def chunk(choices, usage=None):
-        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        c = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
         if body.stream_options and body.stream_options.include_usage:
             c["usage"] = usage
         return sse(c)
@@ -367,10 +459,19 @@ async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> Asy
     started = False
     async for i, out in _merge(tm, reqs):
         if not started:
-            yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for k in range(len(reqs))])
+            yield chunk(
+                [
+                    {
+                        "index": k,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for k in range(len(reqs))
+                ]
+            )
             started = True
-        delta = out["text"][sent_text[i]:]
+        delta = out["text"][sent_text[i] :]
         sent_text[i] = len(out["text"])
         finish = out["meta_info"]["finish_reason"]
         lp = None
@@ -378,8 +479,16 @@ async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> Asy
             lp = {"content": _chat_logprobs(tm, out["meta_info"], sent_lp[i])}
             sent_lp[i] = len(out["meta_info"].get("output_token_logprobs") or [])
         if delta or finish:
-            yield chunk([{"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                          "finish_reason": _finish(out) if finish else None}])
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"content": delta} if delta else {},
+                        "logprobs": lp,
+                        "finish_reason": _finish(out) if finish else None,
+                    }
+                ]
+            )
         if finish:
             finals[i] = out
     if body.stream_options and body.stream_options.include_usage:
@@ -387,7 +496,9 @@ async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> Asy
     yield SSE_DONE
 
 
-async def _completion_chunks(rid, model, reqs, tm, body: CompletionRequest, echo: str) -> AsyncIterator[bytes]:
+async def _completion_chunks(
+    rid, model, reqs, tm, body: CompletionRequest, echo: str
+) -> AsyncIterator[bytes]:
     created = int(time.time())
     sent_text = [0] * len(reqs)
     sent_lp = [0] * len(reqs)
@@ -401,7 +512,7 @@ async def _completion_chunks(rid, model, reqs, tm, body: CompletionRequest, echo
         return sse(c)
 
     async for i, out in _merge(tm, reqs):
-        delta = out["text"][sent_text[i]:]
+        delta = out["text"][sent_text[i] :]
         sent_text[i] = len(out["text"])
         if not echoed[i]:
             delta, echoed[i] = echo + delta, True
@@ -411,7 +522,16 @@ async def _completion_chunks(rid, model, reqs, tm, body: CompletionRequest, echo
             lp = _completion_logprobs(tm, out["meta_info"], sent_lp[i])
             sent_lp[i] = len(out["meta_info"].get("output_token_logprobs") or [])
         if delta or finish:
-            yield chunk([{"index": i, "text": delta, "logprobs": lp, "finish_reason": _finish(out) if finish else None}])
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "text": delta,
+                        "logprobs": lp,
+                        "finish_reason": _finish(out) if finish else None,
+                    }
+                ]
+            )
         if finish:
             finals[i] = out
     if body.stream_options and body.stream_options.include_usage:

@@ -73,8 +73,9 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         """A bug on our side: still the error object (Starlette logs the traceback after this answers)."""
-        return error_response(500, f"internal server error while serving {request.url.path}: "
-                                   f"{type(e).__name__}: {e}")
+        return error_response(
+            500, f"internal server error while serving {request.url.path}: {type(e).__name__}: {e}"
+        )
 
     app.add_middleware(_Guard, args=args)
 
@@ -88,7 +89,9 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         if reqs[0].stream:
             req = reqs[0]
             if req.params.n > 1:
-                raise RequestError("streaming with n > 1 is not supported on /generate; use /v1 endpoints", 400)
+                raise RequestError(
+                    "streaming with n > 1 is not supported on /generate; use /v1 endpoints", 400
+                )
             tm.check_admission()
             # Validate before the 200 status goes out, so bad input is still a 4xx.
             agen = tm.generate(req)
@@ -120,17 +123,27 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     async def health_generate():
         if not tm.healthy:
             return error_response(503, f"unhealthy: {tm.dead_reason}")
-        reqs, _ = parse_generate_body({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+        reqs, _ = parse_generate_body(
+            {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        )
         await asyncio.wait_for(tm.generate_all(reqs), timeout=60)
         return PlainTextResponse("ok")
 
     @app.get("/get_model_info")
     async def model_info():
         tok = tm.tokenizer
-        return {"model_path": args.model, "model_dir": tm.model_dir, "served_model_name": args.model_name,
-                "tokenizer_path": tm.model_dir, "is_generation": True, "chat_template": tok.chat_template,
-                "bos_token": tok.bos_token, "eos_token": tok.eos_token, "context_length": tm.context_length,
-                "vocab_size": tm.info.get("vocab_size")}
+        return {
+            "model_path": args.model,
+            "model_dir": tm.model_dir,
+            "served_model_name": args.model_name,
+            "tokenizer_path": tm.model_dir,
+            "is_generation": True,
+            "chat_template": tok.chat_template,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "context_length": tm.context_length,
+            "vocab_size": tm.info.get("vocab_size"),
+        }
 
     @app.get("/get_server_info")
     async def server_info():
@@ -138,8 +151,13 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         server_args = dataclasses.asdict(args)
         if server_args.get("api_key"):
             server_args["api_key"] = "***"
-        return {**server_args, **info, "requests_in_flight": tm.num_in_flight(), "model_dir": tm.model_dir,
-                "load_seconds": tm.info.get("load_seconds")}
+        return {
+            **server_args,
+            **info,
+            "requests_in_flight": tm.num_in_flight(),
+            "model_dir": tm.model_dir,
+            "load_seconds": tm.info.get("load_seconds"),
+        }
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -188,8 +206,10 @@ class _Guard:
                 resp = error_response(401, "missing or invalid API key (use 'Authorization: Bearer KEY')")
                 return await resp(scope, receive, send)
         if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
-            scope["headers"] = [*((k, v) for k, v in scope["headers"] if k != b"content-type"),
-                                (b"content-type", b"application/json")]
+            scope["headers"] = [
+                *((k, v) for k, v in scope["headers"] if k != b"content-type"),
+                (b"content-type", b"application/json"),
+            ]
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -248,4 +268,3 @@ def _describe_validation(e: RequestValidationError) -> str:
         else:
             parts.append(f"{loc or 'body'}: {err.get('msg')}")
     return "; ".join(parts) or "invalid request"
-

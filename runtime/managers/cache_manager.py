@@ -112,7 +112,11 @@ class CacheManager:
     # ---- invariants -------------------------------------------------------------------------------------
     def check_accounting(self, live: list[Req]) -> None:
         """Raise AssertionError if any slot is lost or held twice."""
-        own = [self.req_pool.read(r.req_pool_idx, r.kv_len, r.cached_len) for r in live if r.req_pool_idx is not None]
+        own = [
+            self.req_pool.read(r.req_pool_idx, r.kv_len, r.cached_len)
+            for r in live
+            if r.req_pool_idx is not None
+        ]
         parts = [self.allocator.free_slots(), self.cache.all_slots(), *own]
         held = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         size = self.allocator.size

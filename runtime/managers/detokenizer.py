@@ -41,8 +41,11 @@ class IncrementalDetokenizer:
         self.states: dict[str, DecodeState] = {}
 
     def _decode(self, st: DecodeState, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=st.skip_special_tokens,
-                                     spaces_between_special_tokens=st.spaces_between_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=st.skip_special_tokens,
+            spaces_between_special_tokens=st.spaces_between_special_tokens,
+        )
 
     def process(self, out: ReqOutput) -> ReqTextOutput:
         st = self.states.get(out.rid)
@@ -50,7 +53,9 @@ class IncrementalDetokenizer:
             st = self.states[out.rid] = DecodeState(
                 skip_special_tokens=out.skip_special_tokens,
                 spaces_between_special_tokens=out.spaces_between_special_tokens,
-                stop=list(out.stop_strings or []), no_stop_trim=out.no_stop_trim)
+                stop=list(out.stop_strings or []),
+                no_stop_trim=out.no_stop_trim,
+            )
         new_ids = out.new_token_ids
         if _ends_on_stop_token(out) and not st.no_stop_trim:
             new_ids = new_ids[:-1]  # like a stop string, the matched stop token is not part of the text
@@ -84,18 +89,30 @@ class IncrementalDetokenizer:
         if finished:
             del self.states[out.rid]
         return ReqTextOutput(
-            rid=out.rid, text_delta=delta, new_token_ids=out.new_token_ids, replaced_tokens=out.replaced_tokens,
-            finished_reason=out.finished_reason, prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-            input_token_logprobs=out.input_token_logprobs, output_token_logprobs=out.output_token_logprobs,
-            error=out.error, error_status=out.error_status)
+            rid=out.rid,
+            text_delta=delta,
+            new_token_ids=out.new_token_ids,
+            replaced_tokens=out.replaced_tokens,
+            finished_reason=out.finished_reason,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            input_token_logprobs=out.input_token_logprobs,
+            output_token_logprobs=out.output_token_logprobs,
+            error=out.error,
+            error_status=out.error_status,
+        )
 
 
 def _ends_on_stop_token(out: ReqOutput) -> bool:
     reason = out.finished_reason
     matched = reason.get("matched") if isinstance(reason, dict) else None
-    return (isinstance(matched, int) and not isinstance(matched, bool) and bool(out.new_token_ids)
-            and out.new_token_ids[-1] == matched)
+    return (
+        isinstance(matched, int)
+        and not isinstance(matched, bool)
+        and bool(out.new_token_ids)
+        and out.new_token_ids[-1] == matched
+    )
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:
@@ -114,10 +131,15 @@ def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
     return best
 
 
-def run_detokenizer_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEndpoints, ready_conn) -> None:
+def run_detokenizer_process(
+    args: ServerArgs, model_dir: str, endpoints: ipc.IpcEndpoints, ready_conn
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s [detokenizer] %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s [detokenizer] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
     try:
         from runtime.models.model_loader import load_tokenizer
 
@@ -127,7 +149,9 @@ def run_detokenizer_process(args: ServerArgs, model_dir: str, endpoints: ipc.Ipc
         send_sock = ipc.socket(ctx, zmq.PUSH, endpoints.tokenizer, bind=False)
         ready_conn.send({"status": "ready"})
     except Exception as e:
-        ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        ready_conn.send(
+            {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        )
         return
     while True:
         msg = decode(recv_sock.recv())

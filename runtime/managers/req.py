@@ -64,9 +64,15 @@ class Req:
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq) -> Req:
-        return cls(rid=msg.rid, prompt_ids=list(msg.input_ids), params=msg.sampling_params, stream=msg.stream,
-                   return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-                   top_logprobs_num=msg.top_logprobs_num)
+        return cls(
+            rid=msg.rid,
+            prompt_ids=list(msg.input_ids),
+            params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+        )
 
     @property
     def all_ids(self) -> list[int]:
@@ -86,8 +92,12 @@ class Req:
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and self.logprob_start_len >= 0 and self.pending_input_logprobs is None \
+        return (
+            self.return_logprob
+            and self.logprob_start_len >= 0
+            and self.pending_input_logprobs is None
             and not self.output_ids
+        )
 
     def prefix_limit(self) -> int:
         """Longest prefix we may take from the cache: positions whose logits we must compute are excluded,

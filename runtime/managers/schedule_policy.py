@@ -14,7 +14,9 @@ from runtime.managers.req import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting(policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None = None) -> list[Req]:
+def order_waiting(
+    policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None = None
+) -> list[Req]:
     """Return `waiting` in the order to try admission; fills each request's match_* fields."""
     if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
         policy = "fcfs"
@@ -69,8 +71,16 @@ class PrefillAdder:
     - Chunking: a prompt longer than the remaining chunk budget is cut; its rest runs in later batches.
     """
 
-    def __init__(self, cm: CacheManager, running: list[Req], *, max_prefill_tokens: int, chunk_size: int,
-                 new_token_ratio: float, max_running: int):
+    def __init__(
+        self,
+        cm: CacheManager,
+        running: list[Req],
+        *,
+        max_prefill_tokens: int,
+        chunk_size: int,
+        new_token_ratio: float,
+        max_running: int,
+    ):
         self.ratio = new_token_ratio
         reserved = sum(self._reserve(r) for r in running)
         self.rem_total = cm.available() - reserved

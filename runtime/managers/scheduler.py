@@ -45,26 +45,44 @@ class Scheduler:
 
         self.args = args = args.resolve()  # idempotent; tests may pass unresolved args
         self.runner = runner or ModelRunner(
-            model_dir, dtype=args.dtype, device=args.device, max_total_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests, context_length=args.context_length,
-            attention_backend=args.attention_backend, disable_cuda_graph=args.disable_cuda_graph)
+            model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            attention_backend=args.attention_backend,
+            disable_cuda_graph=args.disable_cuda_graph,
+        )
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
         self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator)
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
-        self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, jump_forward=not args.disable_jump_forward)
+        self.grammars = GrammarManager(
+            self.tokenizer, self.runner.vocab_size, jump_forward=not args.disable_jump_forward
+        )
         self.rng = random.Random(args.random_seed)
         torch.manual_seed(args.random_seed)
 
         self.grammar_wait: list[Req] = []  # grammar compiling
         self.waiting: list[Req] = []  # no KV yet (new or retracted)
-        self.reextend: list[Req] = []  # hold KV but need more than one token computed (chunked prefill, jump-forward)
+        self.reextend: list[
+            Req
+        ] = []  # hold KV but need more than one token computed (chunked prefill, jump-forward)
         self.running: list[Req] = []  # decoding: kv_len == seq_len - 1
         self.touched: dict[str, Req] = {}  # requests with output to send this step
-        self.stats: dict[str, float] = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0,
-                                            extend_steps=0, decode_steps=0, retractions=0, jump_forward_tokens=0,
-                                            requests_finished=0, requests_aborted=0)
+        self.stats: dict[str, float] = dict(
+            prompt_tokens=0,
+            cached_tokens=0,
+            generated_tokens=0,
+            extend_steps=0,
+            decode_steps=0,
+            retractions=0,
+            jump_forward_tokens=0,
+            requests_finished=0,
+            requests_aborted=0,
+        )
         self._last_log = time.monotonic()
         self._gen_tokens_at_log = 0
 
@@ -104,8 +122,10 @@ class Scheduler:
         if n == 0:
             return "the prompt is empty"
         if n + req.params.max_new_tokens > limit:
-            return (f"prompt ({n} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the context "
-                    f"length ({limit})")
+            return (
+                f"prompt ({n} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the context "
+                f"length ({limit})"
+            )
         if n + req.params.max_new_tokens > self.runner.max_total_tokens:
             return f"request needs {n + req.params.max_new_tokens} KV slots; the pool has {self.runner.max_total_tokens}"
         if max(req.prompt_ids) >= self.runner.vocab_size or min(req.prompt_ids) < 0:
@@ -171,13 +191,21 @@ class Scheduler:
         a = self.args
         if not self.reextend and len(self.running) >= a.max_running_requests:
             return []
-        adder = PrefillAdder(self.cm, self.running, max_prefill_tokens=a.max_prefill_tokens,
-                             chunk_size=a.chunked_prefill_size, new_token_ratio=a.new_token_ratio,
-                             max_running=a.max_running_requests)
+        adder = PrefillAdder(
+            self.cm,
+            self.running,
+            max_prefill_tokens=a.max_prefill_tokens,
+            chunk_size=a.chunked_prefill_size,
+            new_token_ratio=a.new_token_ratio,
+            max_running=a.max_running_requests,
+        )
         # Requests that already hold KV go first: they pin memory until they finish.
         held = list(self.reextend)  # a request mid chunked prefill is first (see the end of this method)
         for req in held:
-            if adder.add(req, req.seq_len - req.kv_len, chunkable=not req.wants_input_logprobs) is not AddResult.CONTINUE:
+            if (
+                adder.add(req, req.seq_len - req.kv_len, chunkable=not req.wants_input_logprobs)
+                is not AddResult.CONTINUE
+            ):
                 break
         started: list[Req] = []
         if len(adder.admitted) == len(held):
@@ -230,9 +258,12 @@ class Scheduler:
             else:
                 sel.append(offset + take - 1)
             offset += take
-        slots = torch.cat([self.cm.req_pool.read(r.req_pool_idx, r.kv_len, r.kv_len - t) for r, t in admitted])
-        batch = ForwardBatch.build_extend(tokens, prefix_lens, rows, slots, logits_indices=sel,
-                                          device=self.runner.device)
+        slots = torch.cat(
+            [self.cm.req_pool.read(r.req_pool_idx, r.kv_len, r.kv_len - t) for r, t in admitted]
+        )
+        batch = ForwardBatch.build_extend(
+            tokens, prefix_lens, rows, slots, logits_indices=sel, device=self.runner.device
+        )
         logits = self.runner.forward(batch)
         self.stats["extend_steps"] += 1
 
@@ -272,8 +303,13 @@ class Scheduler:
         reqs = list(self.running)
         for i, req in enumerate(reqs):
             self.cm.append_slots(req, slots[i : i + 1])
-        batch = ForwardBatch.build_decode([r.all_ids[-1] for r in reqs], [r.kv_len for r in reqs],
-                                          [r.req_pool_idx for r in reqs], slots, device=self.runner.device)
+        batch = ForwardBatch.build_decode(
+            [r.all_ids[-1] for r in reqs],
+            [r.kv_len for r in reqs],
+            [r.req_pool_idx for r in reqs],
+            slots,
+            device=self.runner.device,
+        )
         logits = self.runner.forward(batch)
         self.stats["decode_steps"] += 1
         self.running = []
@@ -303,7 +339,9 @@ class Scheduler:
         victim.retractions += 1
         self.stats["retractions"] += 1
         self.waiting.append(victim)
-        logger.info("KV pool exhausted: retracted %s after %d output tokens", victim.rid, len(victim.output_ids))
+        logger.info(
+            "KV pool exhausted: retracted %s after %d output tokens", victim.rid, len(victim.output_ids)
+        )
 
     # ---- sampling and per-token bookkeeping ----------------------------------------------------------------
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
@@ -311,10 +349,16 @@ class Scheduler:
         mask = self.grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
         banned = [self.stop.banned_ids(r) for r in reqs]
         tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = self.sampler(logits, info, [r.output_ids for r in reqs], [r.prompt_ids for r in reqs],
-                           vocab_mask=mask, banned_token_ids=banned if any(banned) else None,
-                           top_logprobs_nums=tops if any(tops) else None,
-                           generators=[r.generator for r in reqs])
+        out = self.sampler(
+            logits,
+            info,
+            [r.output_ids for r in reqs],
+            [r.prompt_ids for r in reqs],
+            vocab_mask=mask,
+            banned_token_ids=banned if any(banned) else None,
+            top_logprobs_nums=tops if any(tops) else None,
+            generators=[r.generator for r in reqs],
+        )
         next_ids = out.next_token_ids.tolist()
         logprobs = out.logprobs.tolist()
         for i, req in enumerate(reqs):
@@ -323,7 +367,9 @@ class Scheduler:
             self.stats["generated_tokens"] += 1
             if req.return_logprob:
                 top = out.top_logprobs[i] if out.top_logprobs is not None and tops[i] else None
-                req.pending_output_logprobs.append([logprobs[i], tok, [[lp, t] for lp, t in top] if top else None])
+                req.pending_output_logprobs.append(
+                    [logprobs[i], tok, [[lp, t] for lp, t in top] if top else None]
+                )
             if req.grammar is not None:
                 if out.no_allowed_token is not None and bool(out.no_allowed_token[i]):
                     req.finish({"type": "abort", "message": "grammar allows no further token"})
@@ -399,10 +445,15 @@ class Scheduler:
                 if not req.stream or n_new < self.args.stream_interval and req.first_chunk_sent:
                     continue
             out = ReqOutput(
-                rid=req.rid, new_token_ids=req.output_ids[req.sent_output_len :],
-                replaced_tokens=req.replaced_since_send, finished_reason=req.finished_reason,
-                prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens, error=req.error, error_status=req.error_status,
+                rid=req.rid,
+                new_token_ids=req.output_ids[req.sent_output_len :],
+                replaced_tokens=req.replaced_since_send,
+                finished_reason=req.finished_reason,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens,
+                error=req.error,
+                error_status=req.error_status,
             )
             if not req.first_chunk_sent:
                 p = req.params
@@ -461,6 +512,11 @@ class Scheduler:
         if not self.has_work() and tput == 0:
             return
         info = self.server_info()
-        logger.info("running %d, queued %d, token usage %.2f, cache hit rate %.1f%%, gen throughput %.1f tok/s",
-                    info["num_running_reqs"], info["num_queued_reqs"], info["token_usage"],
-                    100 * info["cache_hit_rate"], tput)
+        logger.info(
+            "running %d, queued %d, token usage %.2f, cache hit rate %.1f%%, gen throughput %.1f tok/s",
+            info["num_running_reqs"],
+            info["num_queued_reqs"],
+            info["token_usage"],
+            100 * info["cache_hit_rate"],
+            tput,
+        )

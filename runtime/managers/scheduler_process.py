@@ -35,11 +35,20 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         detok_sock = ipc.socket(ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
         reply_sock = ipc.socket(ctx, zmq.PUSH, endpoints.tokenizer, bind=False)
         r = scheduler.runner
-        ready_conn.send({"status": "ready", "max_total_tokens": r.max_total_tokens,
-                         "context_length": r.context_length, "vocab_size": r.vocab_size,
-                         "attention_backend": r.backend_name, "load_seconds": r.load_seconds})
+        ready_conn.send(
+            {
+                "status": "ready",
+                "max_total_tokens": r.max_total_tokens,
+                "context_length": r.context_length,
+                "vocab_size": r.vocab_size,
+                "attention_backend": r.backend_name,
+                "load_seconds": r.load_seconds,
+            }
+        )
     except Exception as e:  # report startup failures to the parent instead of dying silently
-        ready_conn.send({"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        ready_conn.send(
+            {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        )
         return
     poller = zmq.Poller()
     poller.register(recv_sock, zmq.POLLIN)
@@ -77,10 +86,15 @@ def _error_reply(msg):
     if isinstance(msg, FlushCacheReq):
         return FlushCacheResp(success=False, message="internal error while flushing; see the scheduler log")
     if isinstance(msg, GetServerInfoReq):
-        return ServerInfoResp(info={"error": "internal error while collecting server info; see the scheduler log"})
+        return ServerInfoResp(
+            info={"error": "internal error while collecting server info; see the scheduler log"}
+        )
     return None
 
 
 def _setup_logging(args: ServerArgs, role: str) -> None:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s [{role}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )

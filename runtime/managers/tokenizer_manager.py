@@ -102,8 +102,12 @@ class TokenizerManager:
         conns = {}
         for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
             parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child_main, name=f"radixlm-{name}",
-                               args=(target, self.args, self.model_dir, self.endpoints, child_conn), daemon=True)
+            proc = ctx.Process(
+                target=_child_main,
+                name=f"radixlm-{name}",
+                args=(target, self.args, self.model_dir, self.endpoints, child_conn),
+                daemon=True,
+            )
             proc.start()
             self.procs[name], conns[name] = proc, parent_conn
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -111,14 +115,18 @@ class TokenizerManager:
             while not conn.poll(0.2):
                 if not self.procs[name].is_alive():
                     self.shutdown()
-                    raise RuntimeError(f"{name} process exited during startup (exit code {self.procs[name].exitcode})")
+                    raise RuntimeError(
+                        f"{name} process exited during startup (exit code {self.procs[name].exitcode})"
+                    )
                 if time.monotonic() > deadline:
                     self.shutdown()
                     raise RuntimeError(f"{name} process did not become ready within {STARTUP_TIMEOUT_S}s")
             msg = conn.recv()
             if msg["status"] != "ready":
                 self.shutdown()
-                raise RuntimeError(f"{name} process failed to start: {msg['message']}\n{msg.get('traceback', '')}")
+                raise RuntimeError(
+                    f"{name} process failed to start: {msg['message']}\n{msg.get('traceback', '')}"
+                )
             info.update({k: v for k, v in msg.items() if k != "status"})
         return info
 
@@ -211,7 +219,9 @@ class TokenizerManager:
             raise RequestError("server is shutting down", 503)
         limit = self.args.max_running_requests + self.args.max_queued_requests
         if len(self.states) + n > limit:
-            raise RequestError(f"server overloaded: {len(self.states)} requests in flight (limit {limit})", 503)
+            raise RequestError(
+                f"server overloaded: {len(self.states)} requests in flight (limit {limit})", 503
+            )
 
     def tokenize(self, req: SingleRequest) -> list[int]:
         if req.input_ids is not None:
@@ -221,7 +231,9 @@ class TokenizerManager:
     async def validate_grammar(self, params: SamplingParams) -> None:
         if not params.has_grammar:
             return
-        kind, spec = ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
+        kind, spec = (
+            ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
+        )
         problem = await self.grammar_validator.validate(kind, spec)
         if problem:
             raise RequestError(f"invalid {kind}: {problem}", 400)
@@ -241,11 +253,15 @@ class TokenizerManager:
             raise RequestError(f"input token ids must be in [0, {vocab_size})", 400)
         total = len(ids) + req.params.max_new_tokens
         if total > self.context_length:
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
-                               f"exceeds the context length ({self.context_length})", 400)
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
+                f"exceeds the context length ({self.context_length})",
+                400,
+            )
         if req.logprob_start_len >= len(ids):
-            raise RequestError(f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length "
-                               f"({len(ids)})", 400)
+            raise RequestError(
+                f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({len(ids)})", 400
+            )
         await self.validate_grammar(req.params)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}", 400)
@@ -315,7 +331,10 @@ class TokenizerManager:
             text = self.tokenizer.decode([tid]) if st.return_text_in_logprobs else None
             top_fmt = None
             if top:
-                top_fmt = [[tlp, t, self.tokenizer.decode([t]) if st.return_text_in_logprobs else None] for tlp, t in top]
+                top_fmt = [
+                    [tlp, t, self.tokenizer.decode([t]) if st.return_text_in_logprobs else None]
+                    for tlp, t in top
+                ]
             out.append((lp, tid, text, top_fmt))
         return out
 
@@ -367,7 +386,9 @@ class TokenizerManager:
 
     @staticmethod
     def prefill_only(r: SingleRequest) -> SingleRequest:
-        p = dataclasses.replace(r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None)
+        p = dataclasses.replace(
+            r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None
+        )
         return dataclasses.replace(r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False)
 
     def abort(self, rid: str) -> None:

@@ -53,9 +53,13 @@ class ModelRunner:
         if max_total_tokens is None:
             max_total_tokens = self._auto_total_tokens()
         # +1 row so a full pool of running requests plus one being admitted never runs dry of rows.
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests + 1, self.context_length + 8, self.device)
+        self.req_to_token_pool = ReqToTokenPool(
+            max_running_requests + 1, self.context_length + 8, self.device
+        )
         self.allocator = SlotAllocator(max_total_tokens, self.device)
-        self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.kv_pool = KVPool(
+            max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
         self.backend_name = resolve_backend_name(attention_backend, self.device.type)
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
         self.graph_runner = None
@@ -64,12 +68,22 @@ class ModelRunner:
 
             if supports_cuda_graph(self.backend):
                 sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b <= max_running_requests]
-                self.graph_runner = CudaGraphRunner(lambda b: self.model(b, self.backend), sizes,
-                                                    attn_backend=self.backend, device=self.device)
+                self.graph_runner = CudaGraphRunner(
+                    lambda b: self.model(b, self.backend),
+                    sizes,
+                    attn_backend=self.backend,
+                    device=self.device,
+                )
         logger.info(
             "model loaded in %.2fs: %s, %d layers, dtype=%s, device=%s, backend=%s, KV pool %d tokens (%.0f MiB)",
-            self.load_seconds, cfg.architecture, cfg.num_layers, dtype, device, self.backend_name,
-            max_total_tokens, max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
+            self.load_seconds,
+            cfg.architecture,
+            cfg.num_layers,
+            dtype,
+            device,
+            self.backend_name,
+            max_total_tokens,
+            max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
         )
 
     @property

@@ -162,7 +162,9 @@ class SamplingBatchInfo:
 class SamplerOutput:
     next_token_ids: torch.Tensor  # [bs] int64
     logprobs: torch.Tensor  # [bs] float32, log_softmax of the RAW logits at next_token_ids
-    top_logprobs: list[list[tuple[float, int]]] | None  # per row, (logprob, token_id) best first; None if not asked
+    top_logprobs: (
+        list[list[tuple[float, int]]] | None
+    )  # per row, (logprob, token_id) best first; None if not asked
     no_allowed_token: torch.Tensor | None = None  # [bs] bool: bans+mask left nothing; None if none were given
 
 
@@ -255,7 +257,8 @@ def _flat_keys(rows: Sequence[int], id_lists: Sequence[Sequence[int]], vocab: in
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"token id out of range [0, {vocab})")
     row_of = torch.repeat_interleave(
-        torch.tensor(list(rows), dtype=torch.int64), torch.tensor([len(x) for x in id_lists], dtype=torch.int64)
+        torch.tensor(list(rows), dtype=torch.int64),
+        torch.tensor([len(x) for x in id_lists], dtype=torch.int64),
     )
     return (row_of * vocab + ids).to(device)
 
@@ -329,7 +332,9 @@ class Sampler:
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2 or tuple(logits.shape) != (info.batch_size, info.vocab_size):
-            raise ValueError(f"logits must be {(info.batch_size, info.vocab_size)}, got {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be {(info.batch_size, info.vocab_size)}, got {tuple(logits.shape)}"
+            )
         logits = logits.float().contiguous()  # no copy when already so; never modified below
 
         x = logits
@@ -370,8 +375,9 @@ class Sampler:
             sub = probs if len(rows) == bs else probs.index_select(0, idx)
             if truncated:
                 first_k = vocab if x.is_cuda else CPU_FIRST_CANDIDATES
-                ids = sample_truncated(sub, info.top_ks[idx], info.top_ps[idx], info.min_ps[idx],
-                                       uniforms[idx], first_k)
+                ids = sample_truncated(
+                    sub, info.top_ks[idx], info.top_ps[idx], info.min_ps[idx], uniforms[idx], first_k
+                )
             else:
                 if info.need_min_p:
                     sub = torch.where(min_p_keep(sub, info.min_ps[idx]), sub, 0.0)

@@ -58,7 +58,9 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.meta = AttentionLayer(layer_id, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+        self.meta = AttentionLayer(
+            layer_id, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
+        )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
@@ -112,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
@@ -130,8 +134,13 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up on the fly; raise on missing or unknown names."""
         params = dict(self.named_parameters())
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -155,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected weight {name!r}")
             if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                )
             param.data.copy_(tensor)
             loaded.add(name)
         missing = []
@@ -167,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
             elif pname not in loaded:
                 missing.append(pname)
         if missing:
-            raise ValueError(f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(
+                f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
 
     def _shard_sizes(self, target: str) -> list[int]:
         c = self.cfg

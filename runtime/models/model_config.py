@@ -84,7 +84,9 @@ def _rope_frequencies(cfg: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     params = getattr(cfg, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

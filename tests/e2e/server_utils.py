@@ -101,8 +101,14 @@ class ServerStartupError(RuntimeError):
 class ServerProcess:
     """A radixlm server subprocess. `extra_args` are appended to the CLI; `env` overrides the environment."""
 
-    def __init__(self, model: str = "default", extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 log_level: str = "warning", startup_timeout: float = STARTUP_TIMEOUT_S):
+    def __init__(
+        self,
+        model: str = "default",
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_level: str = "warning",
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+    ):
         self.model = model
         self.extra_args = list(extra_args)
         self.env = {**os.environ, **DEFAULT_ENV, **(env or {})}
@@ -120,8 +126,20 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "runtime.launch_server", "--model", self.model, "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", self.log_level, *self.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "runtime.launch_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            self.log_level,
+            *self.extra_args,
+        ]
 
     def log(self) -> str:
         """Everything the server wrote to stdout and stderr so far."""
@@ -137,8 +155,15 @@ class ServerProcess:
         for attempt in range(3):  # a free port can be taken between our probe and the server's bind
             self.port = free_port()
             log_start = len(self.log())
-            self.proc = subprocess.Popen(self.command(), cwd=ROOT, env=self.env, stdout=self._log_file,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(),
+                cwd=ROOT,
+                env=self.env,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 self._wait_healthy()
                 break
@@ -161,14 +186,18 @@ class ServerProcess:
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
-                raise ServerStartupError(f"server exited with code {code} during startup; log tail:\n{self.log_tail()}")
+                raise ServerStartupError(
+                    f"server exited with code {code} during startup; log tail:\n{self.log_tail()}"
+                )
             try:
                 if requests.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             except requests.RequestException:
                 pass
             time.sleep(0.5)
-        raise ServerStartupError(f"server not healthy after {self.startup_timeout:.0f}s; log tail:\n{self.log_tail()}")
+        raise ServerStartupError(
+            f"server not healthy after {self.startup_timeout:.0f}s; log tail:\n{self.log_tail()}"
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -201,8 +230,10 @@ class ServerProcess:
                     pass
         self._close_log()
         if check_children and survivors:
-            raise AssertionError(f"child process(es) {survivors} of server pid {self.proc.pid} survived it; "
-                                 f"log tail:\n{self.log_tail()}")
+            raise AssertionError(
+                f"child process(es) {survivors} of server pid {self.proc.pid} survived it; "
+                f"log tail:\n{self.log_tail()}"
+            )
         return self.returncode
 
     def _close_log(self) -> None:
@@ -255,8 +286,10 @@ def wait_idle(url: str, timeout: float = 30.0, headers: dict | None = None) -> d
         if busy == (0, 0, 0):
             return info
         if time.monotonic() > deadline:
-            raise AssertionError(f"server still busy after {timeout:.0f}s: running {busy[0]}, queued {busy[1]}, "
-                                 f"in flight {busy[2]}")
+            raise AssertionError(
+                f"server still busy after {timeout:.0f}s: running {busy[0]}, queued {busy[1]}, "
+                f"in flight {busy[2]}"
+            )
         time.sleep(0.25)
 
 
@@ -281,5 +314,6 @@ def assert_no_kv_leak(info: dict) -> None:
     total = info["max_total_tokens"]
     assert info["free_slots"] + info["cache_tokens"] == total, (
         f"KV leak: free {info['free_slots']} + cache {info['cache_tokens']} != pool {total} "
-        f"(request-held {info.get('request_held_tokens')})")
+        f"(request-held {info.get('request_held_tokens')})"
+    )
     assert info.get("request_held_tokens", 0) == 0, info

@@ -18,7 +18,9 @@ import pytest
 import requests
 from server_utils import HTTP_TIMEOUT_S, assert_no_kv_leak, kick, server_info, wait_idle
 
-pytestmark = pytest.mark.timeout(600)  # includes the session server's startup (up to 300 s) for the first test
+pytestmark = pytest.mark.timeout(
+    600
+)  # includes the session server's startup (up to 300 s) for the first test
 
 PROMPT = "The capital of France is"
 MAX_NEW = 6
@@ -34,8 +36,10 @@ def generate(url: str, body: dict, status: int = 200) -> dict | list:
 @pytest.fixture(scope="module")
 def reference(server_url) -> dict:
     """The greedy completion of PROMPT, computed once and compared against by several tests."""
-    out = generate(server_url, {"text": PROMPT, "sampling_params": GREEDY, "return_logprob": True,
-                                "logprob_start_len": 0})
+    out = generate(
+        server_url,
+        {"text": PROMPT, "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0},
+    )
     assert out["text"] and out["meta_info"]["completion_tokens"] == len(out["output_ids"]) > 0
     return out
 
@@ -74,8 +78,10 @@ def test_greedy_is_deterministic_and_uses_cache(server_url, reference):
 
 def test_batch_list_input(server_url, reference):
     second = "One, two, three,"
-    out = generate(server_url, {"text": [PROMPT, second],
-                                "sampling_params": [GREEDY, {"max_new_tokens": 3, "temperature": 0}]})
+    out = generate(
+        server_url,
+        {"text": [PROMPT, second], "sampling_params": [GREEDY, {"max_new_tokens": 3, "temperature": 0}]},
+    )
     assert isinstance(out, list) and len(out) == 2
     # Greedy output does not depend on batch composition.
     assert out[0]["text"] == reference["text"] and out[0]["output_ids"] == reference["output_ids"]
@@ -83,7 +89,9 @@ def test_batch_list_input(server_url, reference):
     assert out[1]["text"].strip()
     assert out[0]["meta_info"]["id"] != out[1]["meta_info"]["id"]
     # A one-element list is still a batch: the answer is a list.
-    single = generate(server_url, {"text": [second], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    single = generate(
+        server_url, {"text": [second], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    )
     assert isinstance(single, list) and single[0]["text"] == out[1]["text"]
 
 
@@ -119,9 +127,17 @@ def _check_top(top: list, k: int, chosen: int | None = None) -> None:
 
 def test_logprobs_full_prompt(server_url, reference):
     ids = prompt_ids(reference)
-    out = generate(server_url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-                                "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
-                                "return_text_in_logprobs": True})
+    out = generate(
+        server_url,
+        {
+            "text": PROMPT,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 3,
+            "return_text_in_logprobs": True,
+        },
+    )
     meta = out["meta_info"]
     inp, inp_top = meta["input_token_logprobs"], meta["input_top_logprobs"]
     assert len(inp) == len(inp_top) == len(ids)
@@ -151,8 +167,15 @@ def test_logprobs_full_prompt(server_url, reference):
 def test_logprobs_start_len_and_no_text(server_url, reference):
     ids = prompt_ids(reference)
     start = 2
-    out = generate(server_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-                                "return_logprob": True, "logprob_start_len": start})
+    out = generate(
+        server_url,
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": start,
+        },
+    )
     meta = out["meta_info"]
     inp = meta["input_token_logprobs"]
     assert [e[1] for e in inp] == ids[start:]
@@ -164,8 +187,14 @@ def test_logprobs_start_len_and_no_text(server_url, reference):
     assert len(meta["output_token_logprobs"]) == 2
     assert meta["output_top_logprobs"] == [None, None]  # top_logprobs_num defaults to 0
     # The default start (-1) asks for output logprobs only.
-    out = generate(server_url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                                "return_logprob": True})
+    out = generate(
+        server_url,
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+        },
+    )
     assert out["meta_info"]["input_token_logprobs"] == []
     assert len(out["meta_info"]["output_token_logprobs"]) == 1
 
@@ -177,23 +206,31 @@ def test_stop_string_is_trimmed(server_url, reference):
     assert out["text"] == full[: full.index(".")]
     assert not out["text"].endswith(".")
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "."}
-    kept = generate(server_url, {"text": PROMPT, "sampling_params": {**GREEDY, "stop": ".", "no_stop_trim": True}})
+    kept = generate(
+        server_url, {"text": PROMPT, "sampling_params": {**GREEDY, "stop": ".", "no_stop_trim": True}}
+    )
     assert kept["text"] == full[: full.index(".") + 1]
     assert kept["meta_info"]["finish_reason"]["matched"] == "."
 
 
 def test_stream_sse(server_url, reference):
-    with requests.post(server_url + "/generate", json={"text": PROMPT, "sampling_params": GREEDY, "stream": True},
-                       stream=True, timeout=HTTP_TIMEOUT_S) as r:
+    with requests.post(
+        server_url + "/generate",
+        json={"text": PROMPT, "sampling_params": GREEDY, "stream": True},
+        stream=True,
+        timeout=HTTP_TIMEOUT_S,
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines(decode_unicode=True) if line]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
-    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     assert len(chunks) >= 2
     texts = [c["text"] for c in chunks]
-    for prev, cur in zip(texts[:-1], texts[1:], strict=True):  # cumulative: every chunk extends the previous one
+    for prev, cur in zip(
+        texts[:-1], texts[1:], strict=True
+    ):  # cumulative: every chunk extends the previous one
         assert cur.startswith(prev)
     ntoks = [c["meta_info"]["completion_tokens"] for c in chunks]
     assert ntoks == sorted(ntoks) and ntoks[-1] == len(reference["output_ids"])
@@ -205,7 +242,10 @@ def test_stream_sse(server_url, reference):
 
 
 def test_n_samples_with_seed(server_url):
-    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "n": 2, "seed": 1234}}
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "n": 2, "seed": 1234},
+    }
     first = generate(server_url, body)
     assert isinstance(first, list) and len(first) == 2
     for out in first:
@@ -218,8 +258,13 @@ def test_n_samples_with_seed(server_url):
 
 
 def test_regex_request_and_grammar_stats(server_url):
-    out = generate(server_url, {"text": "My favourite number is",
-                                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "regex": "[0-9]{3}"}})
+    out = generate(
+        server_url,
+        {
+            "text": "My favourite number is",
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "regex": "[0-9]{3}"},
+        },
+    )
     assert re.fullmatch("[0-9]{3}", out["text"]), out["text"]
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
     # The scheduler reports grammar compile statistics (and survives doing so).
@@ -286,8 +331,11 @@ def test_abort_request(server_url):
     aborted_before = wait_idle(server_url)["requests_aborted"]
 
     def run():
-        body = {"text": "Tell me a long story.", "rid": rid,
-                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}
+        body = {
+            "text": "Tell me a long story.",
+            "rid": rid,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0},
+        }
         r = requests.post(server_url + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
         result["status"], result["body"] = r.status_code, r.json()
 
@@ -303,9 +351,15 @@ def test_abort_request(server_url):
     if t.is_alive():  # diagnose, and do not leave the request hanging for the following tests
         kick(server_url)
         t.join(timeout=60)
-        pytest.fail("the aborted request did not return within 30 s" + (
-            " -- it returned only when another request made the scheduler step: outputs of requests that "
-            "finish while the scheduler is otherwise idle are not flushed" if not t.is_alive() else ""))
+        pytest.fail(
+            "the aborted request did not return within 30 s"
+            + (
+                " -- it returned only when another request made the scheduler step: outputs of requests that "
+                "finish while the scheduler is otherwise idle are not flushed"
+                if not t.is_alive()
+                else ""
+            )
+        )
     assert result["status"] == 200, result
     meta = result["body"]["meta_info"]
     assert meta["id"] == rid and meta["finish_reason"]["type"] == "abort"
@@ -334,9 +388,14 @@ def test_metrics_count_requests(server_url, reference):
     finished = _metric(before, "radixlm_requests_total", '{outcome="finished"}')
     gen_tokens = _metric(before, "radixlm_generation_tokens_total")
     e2e_count = _metric(before, "radixlm_e2e_request_latency_seconds_count")
-    out = generate(server_url, {"text": "Count: 1, 2,", "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    out = generate(
+        server_url, {"text": "Count: 1, 2,", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    )
     after = scrape()
     assert _metric(after, "radixlm_requests_total", '{outcome="finished"}') == finished + 1
-    assert _metric(after, "radixlm_generation_tokens_total") == gen_tokens + out["meta_info"]["completion_tokens"]
+    assert (
+        _metric(after, "radixlm_generation_tokens_total")
+        == gen_tokens + out["meta_info"]["completion_tokens"]
+    )
     assert _metric(after, "radixlm_e2e_request_latency_seconds_count") == e2e_count + 1
     assert _metric(after, "radixlm_num_running_reqs") == 0

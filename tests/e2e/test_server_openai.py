@@ -28,14 +28,18 @@ def client(server_url) -> openai.OpenAI:
 
 
 def native(url: str, text: str, **params) -> dict:
-    r = requests.post(url + "/generate", json={"text": text, "sampling_params": params}, timeout=HTTP_TIMEOUT_S)
+    r = requests.post(
+        url + "/generate", json={"text": text, "sampling_params": params}, timeout=HTTP_TIMEOUT_S
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 @pytest.fixture(scope="module")
 def chat_reference(client):
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert resp.choices[0].message.content
     return resp
 
@@ -68,8 +72,12 @@ def test_chat_matches_native_generate(server_url, chat_reference):
     # Render the server's chat template ourselves and ask the native API: same prompt, same tokens.
     info = requests.get(server_url + "/get_model_info", timeout=HTTP_TIMEOUT_S).json()
     template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(info["chat_template"])
-    prompt = template.render(messages=MESSAGES, add_generation_prompt=True, bos_token=info["bos_token"],
-                             eos_token=info["eos_token"])
+    prompt = template.render(
+        messages=MESSAGES,
+        add_generation_prompt=True,
+        bos_token=info["bos_token"],
+        eos_token=info["eos_token"],
+    )
     assert prompt.endswith("<|im_start|>assistant\n")
     out = native(server_url, prompt, max_new_tokens=MAX_TOKENS, temperature=0)
     assert out["meta_info"]["prompt_tokens"] == usage.prompt_tokens
@@ -84,12 +92,21 @@ def test_completion_matches_native_generate(server_url, completion_reference):
     assert resp.choices[0].text == out["text"]
     assert resp.usage.prompt_tokens == out["meta_info"]["prompt_tokens"] == 5
     assert resp.usage.completion_tokens == out["meta_info"]["completion_tokens"]
-    assert resp.choices[0].finish_reason == {"length": "length", "stop": "stop"}[out["meta_info"]["finish_reason"]["type"]]
+    assert (
+        resp.choices[0].finish_reason
+        == {"length": "length", "stop": "stop"}[out["meta_info"]["finish_reason"]["type"]]
+    )
 
 
 def test_chat_stream_with_usage(client, chat_reference):
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
@@ -108,22 +125,31 @@ def test_chat_stream_with_usage(client, chat_reference):
 
 
 def test_completion_stream(client, completion_reference):
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     assert "".join(c.choices[0].text for c in chunks[:-1]) == completion_reference.choices[0].text
     assert chunks[-1].usage.completion_tokens == completion_reference.usage.completion_tokens
     # Without stream_options no chunk carries usage.
-    plain = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, stream=True))
+    plain = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, stream=True)
+    )
     assert plain and all(c.usage is None for c in plain)
     assert completion_reference.choices[0].text.startswith("".join(c.choices[0].text for c in plain))
 
 
 def test_n_and_seed_are_reproducible(client):
     def ask():
-        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=1.0,
-                                              n=2, seed=7)
+        return client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, temperature=1.0, n=2, seed=7
+        )
 
     first = ask()
     assert [c.index for c in first.choices] == [0, 1]
@@ -143,17 +169,21 @@ def test_seed_reproducible_on_completions(client):
 def test_stop(client, completion_reference):
     full = completion_reference.choices[0].text
     assert "." in full, full
-    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=["."])
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=["."]
+    )
     assert resp.choices[0].text == full[: full.index(".")]
     assert resp.choices[0].finish_reason == "stop"
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                          stop="capital")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stop="capital"
+    )
     assert "capital" not in chat.choices[0].message.content
 
 
 def test_chat_logprobs(client, chat_reference):
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     choice = resp.choices[0]
     content = choice.logprobs.content
     assert len(content) == resp.usage.completion_tokens
@@ -196,6 +226,7 @@ def test_extra_body_top_k_and_min_p(client, completion_reference):
     greedy = completion_reference.choices[0].text
     # top_k=1 and min_p=1 each leave only the most likely token: temperature 1 then samples greedily.
     for extra in ({"top_k": 1}, {"min_p": 1.0}):
-        resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0,
-                                         seed=3, extra_body=extra)
+        resp = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, extra_body=extra
+        )
         assert resp.choices[0].text == greedy, extra

@@ -37,8 +37,10 @@ def test_ratio_is_none_when_undefined():
 
 
 def test_format_table_aligns_columns_and_formats_numbers():
-    text = common.format_table([{"side": "radixlm", "x": 12345.6, "acc": 0.25, "ok": True},
-                                {"side": "hf", "x": 1.5, "acc": None}], title="T")
+    text = common.format_table(
+        [{"side": "radixlm", "x": 12345.6, "acc": 0.25, "ok": True}, {"side": "hf", "x": 1.5, "acc": None}],
+        title="T",
+    )
     lines = text.splitlines()
     assert lines[0] == "T"
     assert lines[1].split() == ["side", "x", "acc", "ok"]
@@ -48,8 +50,9 @@ def test_format_table_aligns_columns_and_formats_numbers():
 
 
 def test_write_results_records_config_environment_and_load(tmp_path):
-    path = common.write_results("unit", {"command": "x"}, {"value": 1.5}, env={"cpu_model": "test"},
-                                results_dir=tmp_path)
+    path = common.write_results(
+        "unit", {"command": "x"}, {"value": 1.5}, env={"cpu_model": "test"}, results_dir=tmp_path
+    )
     doc = json.loads(path.read_text())
     assert path == tmp_path / "unit.json"
     assert doc["config"] == {"command": "x"} and doc["results"] == {"value": 1.5}
@@ -59,8 +62,15 @@ def test_write_results_records_config_environment_and_load(tmp_path):
 
 def test_charts_write_png(tmp_path):
     bar = common.bar_chart(tmp_path / "b.png", ["a", "b"], {"s1": [1.0, None], "s2": [2.0, 3.0]}, "y", "t")
-    line = common.line_chart(tmp_path / "l.png", {"s": ([1, 8, 32], [1.0, 5.0, 9.0])}, "x", "y", "t", logx=True,
-                             hlines={"limit": 10.0})
+    line = common.line_chart(
+        tmp_path / "l.png",
+        {"s": ([1, 8, 32], [1.0, 5.0, 9.0])},
+        "x",
+        "y",
+        "t",
+        logx=True,
+        hlines={"limit": 10.0},
+    )
     for p in (bar, line):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -72,12 +82,15 @@ def test_environment_names_cpu_cores_and_git():
 
 
 # ------------------------------------------------------------------------------------------ gsm8k
-@pytest.mark.parametrize("text, want", [
-    ("so the answer is 1,234.50.", 1234.5),
-    ("She has 3 apples and 18 pears. The answer is 18", 18.0),
-    ("The answer is -7.", -7.0),
-    ("no digits here", None),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("so the answer is 1,234.50.", 1234.5),
+        ("She has 3 apples and 18 pears. The answer is 18", 18.0),
+        ("The answer is -7.", -7.0),
+        ("no digits here", None),
+    ],
+)
 def test_gsm8k_parse_number_takes_the_last_number(text, want):
     assert gsm8k.parse_number(text) == want
 
@@ -107,7 +120,9 @@ def test_mmlu_prompt_format_and_scoring():
     assert mmlu.format_question(row, False) == "What is 2+2?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:"
     assert mmlu.format_question(row, True).endswith("Answer: B\n\n")
     prefix = mmlu.few_shot_prefix("high_school_physics", [row] * 3, 2)
-    assert prefix.startswith("The following are multiple choice questions (with answers) about high school physics.")
+    assert prefix.startswith(
+        "The following are multiple choice questions (with answers) about high school physics."
+    )
     assert prefix.count("Answer: B") == 2
     assert mmlu.score("B", _State(answer=" B")) == 1.0 and mmlu.score("B", _State(answer=" C")) == 0.0
 
@@ -125,7 +140,11 @@ def test_mmlu_items_share_one_prefix_per_subject():
 
 def test_mmlu_cloze_items_score_answer_texts():
     item, label = mmlu.cloze_item(["What is 2+2?", "3", " 4 ", "5", "6", "B"])
-    assert item == {"prefix": "", "question": "Question: What is 2+2?\nAnswer:", "choices": [" 3", " 4", " 5", " 6"]}
+    assert item == {
+        "prefix": "",
+        "question": "Question: What is 2+2?\nAnswer:",
+        "choices": [" 3", " 4", " 5", " 6"],
+    }
     assert label == "4"
     assert mmlu.score(label, _State(answer=" 4")) == 1.0 and mmlu.score(label, _State(answer=" 5")) == 0.0
     with pytest.raises(ValueError, match="format"):
@@ -194,8 +213,9 @@ class _FakeTokenizer:
 
 
 def test_shared_prefix_dataset_groups_share_system_prompts():
-    reqs = serving.shared_prefix_dataset(_FakeTokenizer(), groups=3, per_group=4, system_len=50,
-                                         question_len=5, output_len=7, seed=0)
+    reqs = serving.shared_prefix_dataset(
+        _FakeTokenizer(), groups=3, per_group=4, system_len=50, question_len=5, output_len=7, seed=0
+    )
     assert len(reqs) == 12 and all(r.output_len == 7 for r in reqs)
     systems = {r.prompt.split("\n\nQuestion: ")[0] for r in reqs}
     assert len(systems) == 3
@@ -206,8 +226,14 @@ def test_shared_prefix_dataset_groups_share_system_prompts():
 
 # ------------------------------------------------------------------------------------------ run_all
 def test_headline_ratio_and_target():
-    doc = {"results": {"sides": {"radixlm": {"programs_per_s": 6.0, "accuracy": 0.3},
-                                 "hf": {"programs_per_s": 1.0, "accuracy": 0.3}}}}
+    doc = {
+        "results": {
+            "sides": {
+                "radixlm": {"programs_per_s": 6.0, "accuracy": 0.3},
+                "hf": {"programs_per_s": 1.0, "accuracy": 0.3},
+            }
+        }
+    }
     prog = next(h for h in HEADLINES if h.bench == "mmlu" and h.metric == "programs/s")
     acc = next(h for h in HEADLINES if h.bench == "mmlu" and h.metric == "accuracy")
     row = headline_row(prog, doc)
@@ -215,8 +241,17 @@ def test_headline_ratio_and_target():
     assert headline_row(acc, doc)["met"] is True  # identical accuracy
     assert headline_row(prog, None)["ratio"] is None
     dec = next(h for h in HEADLINES if h.bench == "decode_throughput")
-    ddoc = {"results": {"by_dtype": {"float32": {"batch_sizes": {
-        "1": {"radixlm": {"decode_tok_s": 5.0}, "hf": {"decode_tok_s": 5.0}},
-        "8": {"radixlm": {"decode_tok_s": 30.0}, "hf": {"decode_tok_s": 25.0}}}}}}}
+    ddoc = {
+        "results": {
+            "by_dtype": {
+                "float32": {
+                    "batch_sizes": {
+                        "1": {"radixlm": {"decode_tok_s": 5.0}, "hf": {"decode_tok_s": 5.0}},
+                        "8": {"radixlm": {"decode_tok_s": 30.0}, "hf": {"decode_tok_s": 25.0}},
+                    }
+                }
+            }
+        }
+    }
     r = headline_row(dec, ddoc)  # no batch 32 measured: the largest one is reported
     assert r["ratio"] == pytest.approx(1.2) and r["met"] is False

@@ -24,9 +24,18 @@ def tiny_full_vocab_dir(tmp_path_factory, default_tokenizer) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(default_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      eos_token_id=default_tokenizer.eos_token_id, bos_token_id=1, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=len(default_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        eos_token_id=default_tokenizer.eos_token_id,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharp distributions: greedy choices far from ties
         for p in model.parameters():
@@ -73,7 +82,7 @@ def _greedy_alone(model, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
         out.append(int(_full_logprobs(model, out)[-1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 def test_padded_batch_generation_equals_each_row_alone_with_per_row_limits(loaded):
@@ -117,7 +126,9 @@ def test_select_scores_like_the_native_backend_and_batches_concurrent_calls(tiny
         for c in choices:
             ids = tok.encode(prompt.text + c)
             full = _full_logprobs(model, ids)
-            want.append(sum(float(full[i - 1, ids[i]]) for i in range(n_prompt, len(ids))) / (len(ids) - n_prompt))
+            want.append(
+                sum(float(full[i - 1, ids[i]]) for i in range(n_prompt, len(ids))) / (len(ids) - n_prompt)
+            )
         assert res.normalized_logprobs == pytest.approx(want, abs=1e-4)
         assert res.index == max(range(len(want)), key=want.__getitem__)
 
@@ -125,8 +136,9 @@ def test_select_scores_like_the_native_backend_and_batches_concurrent_calls(tiny
         results = [None] * 6
 
         def call(i: int) -> None:
-            results[i] = backend.generate(Prompt(f"Item {i}:"), {"max_new_tokens": 3, "temperature": 0,
-                                                                  "ignore_eos": True})
+            results[i] = backend.generate(
+                Prompt(f"Item {i}:"), {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+            )
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
         for t in threads:
@@ -136,7 +148,9 @@ def test_select_scores_like_the_native_backend_and_batches_concurrent_calls(tiny
         assert all(r.meta_info["completion_tokens"] == 3 for r in results)
         assert backend.stats["batch_rows"] - before["batch_rows"] == 6
         assert backend.stats["batches"] - before["batches"] < 6  # concurrent calls shared static batches
-        alone = backend.generate(Prompt("Item 4:"), {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+        alone = backend.generate(
+            Prompt("Item 4:"), {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+        )
         assert alone.text == results[4].text  # batching does not change greedy output
     finally:
         backend.close()

@@ -21,19 +21,30 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def prompts(default_tokenizer):
-    return [default_tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                  add_generation_prompt=True) for q in QUESTIONS]
+    return [
+        default_tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in QUESTIONS
+    ]
 
 
 def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenizer, prompts):
     from transformers import AutoModelForCausalLM
 
-    args = ServerArgs(model=default_model_dir, max_total_tokens=4096, log_interval=0, attention_backend="torch_native")
+    args = ServerArgs(
+        model=default_model_dir, max_total_tokens=4096, log_interval=0, attention_backend="torch_native"
+    )
     sched = Scheduler(args, default_model_dir, tokenizer=default_tokenizer)
     ids = [default_tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     for i, toks in enumerate(ids):  # one batch: mixed prompt lengths decode together
-        sched.handle(TokenizedGenerateReq(rid=str(i), input_ids=toks, sampling_params=SamplingParams(
-            max_new_tokens=32, min_new_tokens=32, temperature=0.0)))  # EOS banned, as HF min_new_tokens
+        sched.handle(
+            TokenizedGenerateReq(
+                rid=str(i),
+                input_ids=toks,
+                sampling_params=SamplingParams(max_new_tokens=32, min_new_tokens=32, temperature=0.0),
+            )
+        )  # EOS banned, as HF min_new_tokens
     outs: dict[str, list[int]] = {}
     while sched.has_work():
         for o in sched.step():
@@ -43,7 +54,14 @@ def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenize
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     for i, toks in enumerate(ids):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([toks]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              pad_token_id=default_tokenizer.eos_token_id)[0, len(toks):].tolist()
-        assert outs[str(i)] == ref, f"prompt {i}: {default_tokenizer.decode(outs[str(i)])!r} != {default_tokenizer.decode(ref)!r}"
+            ref = hf.generate(
+                torch.tensor([toks]),
+                max_new_tokens=32,
+                min_new_tokens=32,
+                do_sample=False,
+                pad_token_id=default_tokenizer.eos_token_id,
+            )[0, len(toks) :].tolist()
+        assert outs[str(i)] == ref, (
+            f"prompt {i}: {default_tokenizer.decode(outs[str(i)])!r} != {default_tokenizer.decode(ref)!r}"
+        )
     assert "Paris" in default_tokenizer.decode(outs["0"])

@@ -15,7 +15,9 @@ def _stream(detok: IncrementalDetokenizer, ids: list[int], finished_reason: dict
     for i, tok in enumerate(ids):
         last = i == len(ids) - 1
         first = {k: v for k, v in settings.items()} if i == 0 else {}
-        out = ReqOutput(rid="r", new_token_ids=[tok], finished_reason=finished_reason if last else None, **first)
+        out = ReqOutput(
+            rid="r", new_token_ids=[tok], finished_reason=finished_reason if last else None, **first
+        )
         deltas.append(detok.process(out).text_delta)
     assert "r" not in detok.states, "a finished request's state must be dropped"
     return deltas
@@ -36,7 +38,9 @@ def test_deltas_add_up_to_the_decoded_text(tok):
 
 def test_stop_string_is_trimmed_and_never_streamed(tok):
     ids = tok.encode("one two three STOP four", add_special_tokens=False)
-    deltas = _stream(IncrementalDetokenizer(tok), ids, {"type": "stop", "matched": "STOP"}, stop_strings=["STOP"])
+    deltas = _stream(
+        IncrementalDetokenizer(tok), ids, {"type": "stop", "matched": "STOP"}, stop_strings=["STOP"]
+    )
     assert "".join(deltas) == "one two three "
     assert not any("ST" in d for d in deltas)
 
@@ -51,13 +55,22 @@ def test_no_stop_trim_keeps_the_stop_token_and_string(tok):
     ids = tok.encode("alpha beta gamma", add_special_tokens=False)
     kept = _stream(IncrementalDetokenizer(tok), ids, {"type": "stop", "matched": ids[-1]}, no_stop_trim=True)
     assert "".join(kept) == tok.decode(ids)
-    kept = _stream(IncrementalDetokenizer(tok), ids, {"type": "stop", "matched": " gamma"},
-                   stop_strings=[" gamma"], no_stop_trim=True)
+    kept = _stream(
+        IncrementalDetokenizer(tok),
+        ids,
+        {"type": "stop", "matched": " gamma"},
+        stop_strings=[" gamma"],
+        no_stop_trim=True,
+    )
     assert "".join(kept) == tok.decode(ids)
 
 
 def test_eos_text_is_trimmed_even_when_special_tokens_are_shown(tok):
     ids = tok.encode("done", add_special_tokens=False) + [tok.eos_token_id]
-    deltas = _stream(IncrementalDetokenizer(tok), ids, {"type": "stop", "matched": tok.eos_token_id},
-                     skip_special_tokens=False)
+    deltas = _stream(
+        IncrementalDetokenizer(tok),
+        ids,
+        {"type": "stop", "matched": tok.eos_token_id},
+        skip_special_tokens=False,
+    )
     assert "".join(deltas) == "done"

@@ -13,16 +13,34 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 
 ARCHS = {
-    "llama3-rope-scaled": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-rope-scaled": lambda: LlamaConfig(
+        **COMMON,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "smollm2-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
-    "llama-mha-head128": lambda: LlamaConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 2,
-                                              "num_key_value_heads": 2}, head_dim=128),
+    "llama-mha-head128": lambda: LlamaConfig(
+        **{**COMMON, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2}, head_dim=128
+    ),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
     "qwen2-qkv-bias": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3-qk-norm": lambda: Qwen3Config(**COMMON, head_dim=32),
@@ -40,8 +58,14 @@ def models(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    runner = ModelRunner(str(path), dtype="float32", device="cpu", max_total_tokens=2048, max_running_requests=8,
-                         attention_backend="torch_native")
+    runner = ModelRunner(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        max_running_requests=8,
+        attention_backend="torch_native",
+    )
     return hf, runner
 
 
@@ -72,8 +96,9 @@ class Harness:
             self.lens[k] += n
             off += n
         idx = list(range(off)) if all_logits else None
-        batch = ForwardBatch.build_extend([new_tokens[k] for k in keys], prefix, [self.rows[k] for k in keys],
-                                          slots, logits_indices=idx)
+        batch = ForwardBatch.build_extend(
+            [new_tokens[k] for k in keys], prefix, [self.rows[k] for k in keys], slots, logits_indices=idx
+        )
         return self.r.forward(batch)
 
     def decode(self, tokens: dict[int, int]) -> torch.Tensor:
@@ -82,8 +107,9 @@ class Harness:
         for i, k in enumerate(keys):
             self.r.req_to_token_pool.write(self.rows[k], self.lens[k], slots[i : i + 1])
             self.lens[k] += 1
-        batch = ForwardBatch.build_decode([tokens[k] for k in keys], [self.lens[k] for k in keys],
-                                          [self.rows[k] for k in keys], slots)
+        batch = ForwardBatch.build_decode(
+            [tokens[k] for k in keys], [self.lens[k] for k in keys], [self.rows[k] for k in keys], slots
+        )
         return self.r.forward(batch)
 
 
@@ -97,10 +123,10 @@ def test_extend_over_cached_prefixes_and_mixed_decode(models):
     h.extend({k: seqs[k][:p] for k, p in prefix_len.items() if p})
     # Step 2: one extend batch where every request adds its remaining prompt after its own cached prefix;
     # compare the logits of every new token with a full HF forward.
-    logits = h.extend({k: seqs[k][prefix_len[k]:] for k in seqs}, all_logits=True)
+    logits = h.extend({k: seqs[k][prefix_len[k] :] for k in seqs}, all_logits=True)
     off = 0
     for k in seqs:
-        ref = hf_logits(hf, seqs[k])[prefix_len[k]:]
+        ref = hf_logits(hf, seqs[k])[prefix_len[k] :]
         torch.testing.assert_close(logits[off : off + len(ref)], ref, atol=2e-4, rtol=1e-4)
         off += len(ref)
     # Step 3: several decode steps of the mixed-length batch, feeding the greedy token.

@@ -75,8 +75,9 @@ def kept_ids(kept_row: torch.Tensor) -> list[int]:
 
 def truncate(probs: list[float], top_k=V, top_p=1.0, min_p=0.0):
     """truncate_sorted on one row of descending probs; returns (kept positions, exact)."""
-    kept, exact = truncate_sorted(torch.tensor([probs]), torch.tensor([top_k]), torch.tensor([top_p]),
-                                  torch.tensor([min_p]))
+    kept, exact = truncate_sorted(
+        torch.tensor([probs]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])
+    )
     return kept_ids(kept[0]), bool(exact[0])
 
 
@@ -85,7 +86,9 @@ def test_truncate_sorted_top_k_exact():
     assert truncate(probs, top_k=2) == ([0, 1], True)
     assert truncate(probs, top_k=1) == ([0], True)
     assert truncate(probs, top_k=V) == ([0, 1, 2, 3, 4], True)  # disabled; candidates hold all the mass
-    kept, _ = truncate_sorted(torch.tensor([probs]), torch.tensor([3]), torch.tensor([1.0]), torch.tensor([0.0]))
+    kept, _ = truncate_sorted(
+        torch.tensor([probs]), torch.tensor([3]), torch.tensor([1.0]), torch.tensor([0.0])
+    )
     assert kept[0].tolist() == pytest.approx([0.3, 0.25, 0.2, 0.0, 0.0])  # unnormalised, zeros elsewhere
 
 
@@ -130,8 +133,10 @@ def test_sample_truncated_escalation_matches_whole_vocabulary():
     # 4 candidates (raised to 500 for the top-k rows) -> 32 -> 256 -> 2048 -> 3000 for top-p-only rows
     assert torch.equal(sample_truncated(probs, top_ks, top_ps, min_ps, uniforms, first_k=4), full)
     no_top_k = torch.full((n,), vocab)
-    assert torch.equal(sample_truncated(probs, no_top_k, top_ps, min_ps, uniforms, first_k=4),
-                       sample_truncated(probs, no_top_k, top_ps, min_ps, uniforms, first_k=vocab))
+    assert torch.equal(
+        sample_truncated(probs, no_top_k, top_ps, min_ps, uniforms, first_k=4),
+        sample_truncated(probs, no_top_k, top_ps, min_ps, uniforms, first_k=vocab),
+    )
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     kept, exact = truncate_sorted(sorted_probs, top_ks, top_ps, min_ps)
     assert exact.all()
@@ -244,10 +249,14 @@ def test_all_penalties_together_repetition_first():
 
 
 def test_penalties_change_greedy_choice_but_not_logprobs():
-    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 8.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    logits = torch.tensor(
+        [[0.0, 3.0, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0, 8.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    )
     before = logits.clone()
-    params = [SamplingParams(temperature=0.0, presence_penalty=0.5),
-              SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0)]
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0),
+    ]
     out = sample(logits, params, output_ids=[[1], [1]], prompt_ids=[[5], []])
     assert out.next_token_ids.tolist() == [2, 1]  # row 1: 8 -> 4 -> 3 still wins
     assert torch.equal(logits, before)  # the caller's logits are never modified
@@ -277,7 +286,9 @@ def test_bans_and_vocab_mask_respected():
     n = 4000
     mask = torch.zeros(n, V, dtype=torch.bool)
     mask[:, [0, 2, 5, 7]] = True
-    out = sample(torch.zeros(1, V), SamplingParams(), n_rows=n, vocab_mask=mask, banned_token_ids=[[7, 0]] * n)
+    out = sample(
+        torch.zeros(1, V), SamplingParams(), n_rows=n, vocab_mask=mask, banned_token_ids=[[7, 0]] * n
+    )
     assert set(out.next_token_ids.tolist()) == {2, 5}
 
 
@@ -297,12 +308,15 @@ def test_nothing_allowed_falls_back_and_flags_without_nan():
     mask[1, 0] = True
     mask[0, 3] = True
     for temperature in (0.0, 1.0):
-        out = sample(logits, [SamplingParams(temperature=temperature)] * 2, vocab_mask=mask,
-                     banned_token_ids=[[3], []])
+        out = sample(
+            logits, [SamplingParams(temperature=temperature)] * 2, vocab_mask=mask, banned_token_ids=[[3], []]
+        )
         assert out.no_allowed_token.tolist() == [True, False]
         assert out.next_token_ids[1].item() == 0
         assert 0 <= out.next_token_ids[0].item() < V and torch.isfinite(out.logprobs).all()
-    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 2, vocab_mask=mask, banned_token_ids=[[3], []])
+    greedy = sample(
+        logits, [SamplingParams(temperature=0.0)] * 2, vocab_mask=mask, banned_token_ids=[[3], []]
+    )
     assert greedy.next_token_ids[0].item() == 2  # the unconstrained argmax
 
 
@@ -319,8 +333,12 @@ def test_logprobs_are_raw_log_softmax_at_chosen_token():
     logits = torch.randn(4, V, generator=g) * 3
     mask = torch.ones(4, V, dtype=torch.bool)
     mask[:, :4] = False
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.3, top_k=2),
-              SamplingParams(frequency_penalty=1.0, top_p=0.5), SamplingParams(temperature=1.7, min_p=0.1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.3, top_k=2),
+        SamplingParams(frequency_penalty=1.0, top_p=0.5),
+        SamplingParams(temperature=1.7, min_p=0.1),
+    ]
     out = sample(logits, params, vocab_mask=mask, output_ids=[[4], [5], [6, 6], [7]])
     ref = torch.log_softmax(logits, -1).gather(1, out.next_token_ids.unsqueeze(1)).squeeze(1)
     assert out.logprobs.dtype == torch.float32
@@ -376,8 +394,13 @@ def test_seeded_request_independent_of_batch_composition_and_position():
     alone = [step[0] for step in run_steps(target, [seeded], 8)]
 
     batch = torch.cat([others[:2], target, others[2:]])
-    params = [SamplingParams(), SamplingParams(temperature=0.0), seeded, SamplingParams(seed=1, min_p=0.1),
-              SamplingParams(top_p=0.5)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        seeded,
+        SamplingParams(seed=1, min_p=0.1),
+        SamplingParams(top_p=0.5),
+    ]
     batched = [step[2] for step in run_steps(batch, params, 8)]
     assert batched == alone
     assert len(set(alone)) > 1
@@ -404,8 +427,12 @@ def test_seeded_row_without_generator_is_an_error():
 
 def test_mixed_greedy_and_sampled_rows():
     logits = torch.tensor([[0.0, 1.0, 0.5, 0.2, 0.1, 0.0, 0.0, 0.3]] * 4)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(top_k=1), SamplingParams(temperature=5.0, seed=3)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(top_k=1),
+        SamplingParams(temperature=5.0, seed=3),
+    ]
     steps = run_steps(logits, params, 40)
     assert all(s[0] == 1 and s[2] == 1 for s in steps)
     assert len({s[1] for s in steps}) > 2 and len({s[3] for s in steps}) > 2

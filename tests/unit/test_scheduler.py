@@ -14,8 +14,14 @@ from runtime.server_args import ServerArgs
 
 
 def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:
-    args = ServerArgs(model=model_dir, dtype="float32", device="cpu", log_interval=0,
-                      attention_backend="torch_native", **{"max_total_tokens": 8192, **kw})
+    args = ServerArgs(
+        model=model_dir,
+        dtype="float32",
+        device="cpu",
+        log_interval=0,
+        attention_backend="torch_native",
+        **{"max_total_tokens": 8192, **kw},
+    )
     return Scheduler(args, model_dir, tokenizer=tokenizer)
 
 
@@ -24,26 +30,36 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(3, 512) for _ in range(40)]
     shots = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
-    return [system + shots[i % 3] + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 25))] for i in range(n)]
+    return [
+        system + shots[i % 3] + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 25))] for i in range(n)
+    ]
 
 
 def run(sched: Scheduler, reqs: list[list[int]], max_new: int = 12, arrive_every: int = 0, **params) -> dict:
     """Submit requests (all at once, or one every `arrive_every` steps) and step until done."""
     outs: dict[str, list[int]] = {}
     finish: dict[str, dict] = {}
-    pending = [TokenizedGenerateReq(rid=f"r{i}", input_ids=p, sampling_params=SamplingParams(
-        max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **params)) for i, p in enumerate(reqs)]
+    pending = [
+        TokenizedGenerateReq(
+            rid=f"r{i}",
+            input_ids=p,
+            sampling_params=SamplingParams(
+                max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **params
+            ),
+        )
+        for i, p in enumerate(reqs)
+    ]
     steps = 0
     while pending or sched.has_work():
         if pending and (arrive_every == 0 or steps % arrive_every == 0):
             batch = pending if arrive_every == 0 else pending[:1]
             for m in batch:
                 sched.handle(m)
-            pending = pending[len(batch):]
+            pending = pending[len(batch) :]
         for o in sched.step():
             toks = outs.setdefault(o.rid, [])
             if o.replaced_tokens:
-                del toks[len(toks) - o.replaced_tokens:]
+                del toks[len(toks) - o.replaced_tokens :]
             toks.extend(o.new_token_ids)
             if o.finished_reason:
                 finish[o.rid] = o.finished_reason
@@ -57,8 +73,13 @@ def run(sched: Scheduler, reqs: list[list[int]], max_new: int = 12, arrive_every
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, default_tokenizer):
     """Each prompt alone, no cache, no chunking: the ground truth for every configuration below."""
-    sched = make_scheduler(tiny_model_dir, default_tokenizer, disable_radix_cache=True, chunked_prefill_size=0,
-                           max_running_requests=1)
+    sched = make_scheduler(
+        tiny_model_dir,
+        default_tokenizer,
+        disable_radix_cache=True,
+        chunked_prefill_size=0,
+        max_running_requests=1,
+    )
     return run(sched, prompts(32))["outs"]
 
 
@@ -73,10 +94,16 @@ def assert_all_free(sched: Scheduler) -> None:
 @pytest.mark.parametrize("radix", [True, False])
 @pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("max_running", [1, 4, 32])
-def test_greedy_outputs_independent_of_cache_chunking_and_batching(tiny_model_dir, default_tokenizer, reference,
-                                                                  radix, chunk, max_running):
-    sched = make_scheduler(tiny_model_dir, default_tokenizer, disable_radix_cache=not radix,
-                           chunked_prefill_size=chunk, max_running_requests=max_running)
+def test_greedy_outputs_independent_of_cache_chunking_and_batching(
+    tiny_model_dir, default_tokenizer, reference, radix, chunk, max_running
+):
+    sched = make_scheduler(
+        tiny_model_dir,
+        default_tokenizer,
+        disable_radix_cache=not radix,
+        chunked_prefill_size=chunk,
+        max_running_requests=max_running,
+    )
     res = run(sched, prompts(32), arrive_every=3 if max_running == 4 else 0)
     assert res["outs"] == reference
     assert all(f["type"] == "length" for f in res["finish"].values())
@@ -96,8 +123,9 @@ def test_policies_keep_outputs(tiny_model_dir, default_tokenizer, reference, pol
 
 def test_small_pool_forces_retraction_and_outputs_survive(tiny_model_dir, default_tokenizer, reference):
     # 32 requests of ~60-100 tokens each in a 400-slot pool: decode must run out and retract.
-    sched = make_scheduler(tiny_model_dir, default_tokenizer, max_total_tokens=400, max_running_requests=32,
-                           new_token_ratio=0.0)
+    sched = make_scheduler(
+        tiny_model_dir, default_tokenizer, max_total_tokens=400, max_running_requests=32, new_token_ratio=0.0
+    )
     res = run(sched, prompts(32))
     assert res["stats"]["retractions"] > 0
     assert res["outs"] == reference
@@ -107,7 +135,9 @@ def test_small_pool_forces_retraction_and_outputs_survive(tiny_model_dir, defaul
 def test_chunked_request_refused_slots_stays_queued(tiny_model_dir, default_tokenizer, reference):
     """A partly prefilled (chunked) request whose next chunk gets no slots must wait, not vanish: it holds
     KV, so losing it would leak slots and hang its client (seen with --disable-radix-cache under load)."""
-    sched = make_scheduler(tiny_model_dir, default_tokenizer, disable_radix_cache=True, chunked_prefill_size=16)
+    sched = make_scheduler(
+        tiny_model_dir, default_tokenizer, disable_radix_cache=True, chunked_prefill_size=16
+    )
     real_alloc, refused = sched.cm.alloc_slots, []
 
     def alloc_refusing_second_chunks(n):
@@ -127,8 +157,13 @@ def test_chunked_request_refused_slots_stays_queued(tiny_model_dir, default_toke
 def test_abort_waiting_and_running(tiny_model_dir, default_tokenizer):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=2)
     for i, p in enumerate(prompts(6)):
-        sched.handle(TokenizedGenerateReq(rid=f"a{i}", input_ids=p, sampling_params=SamplingParams(
-            max_new_tokens=50, temperature=0.0, ignore_eos=True)))
+        sched.handle(
+            TokenizedGenerateReq(
+                rid=f"a{i}",
+                input_ids=p,
+                sampling_params=SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True),
+            )
+        )
     sched.step()
     sched.step()
     running = {r.rid for r in sched.running}
@@ -150,13 +185,26 @@ def test_abort_waiting_and_running(tiny_model_dir, default_tokenizer):
 def test_finish_reasons_and_validation(tiny_model_dir, default_tokenizer):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, context_length=128)
     p = prompts(1)[0]
-    sched.handle(TokenizedGenerateReq(rid="long", input_ids=p, sampling_params=SamplingParams(max_new_tokens=500)))
-    sched.handle(TokenizedGenerateReq(rid="badtok", input_ids=[1, 99999], sampling_params=SamplingParams(max_new_tokens=4)))
-    sched.handle(TokenizedGenerateReq(rid="prefill", input_ids=p, sampling_params=SamplingParams(max_new_tokens=0)))
+    sched.handle(
+        TokenizedGenerateReq(rid="long", input_ids=p, sampling_params=SamplingParams(max_new_tokens=500))
+    )
+    sched.handle(
+        TokenizedGenerateReq(
+            rid="badtok", input_ids=[1, 99999], sampling_params=SamplingParams(max_new_tokens=4)
+        )
+    )
+    sched.handle(
+        TokenizedGenerateReq(rid="prefill", input_ids=p, sampling_params=SamplingParams(max_new_tokens=0))
+    )
     ref = run(make_scheduler(tiny_model_dir, default_tokenizer), [p], max_new=8)["outs"]["r0"]
     stop_tok = ref[3]
-    sched.handle(TokenizedGenerateReq(rid="stoptok", input_ids=p, sampling_params=SamplingParams(
-        max_new_tokens=8, temperature=0.0, stop_token_ids=[stop_tok])))
+    sched.handle(
+        TokenizedGenerateReq(
+            rid="stoptok",
+            input_ids=p,
+            sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[stop_tok]),
+        )
+    )
     outs = {}
     while sched.has_work() or not outs:
         for o in sched.step():
