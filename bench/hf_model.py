@@ -2,7 +2,8 @@
 
 Nothing here reuses a prefix: every batch is left-padded to its longest prompt and computed from scratch, as a
 program using `model.generate` directly would. Greedy generation and scoring use the same tokenizer as radixlm
-(`runtime.models.model_loader.load_tokenizer`, `tokenizer.encode(text)`), so both sides see identical token ids.
+(`runtime.models.model_loader.load_tokenizer`, `tokenizer.encode(text)`), so both sides see identical token
+ids.
 
 Per-row behaviour inside one static batch (different `max_new_tokens`, stop strings, `ignore_eos`, grammars)
 is enforced by a stopping criterion and logits processors; a finished row keeps occupying its batch slot
@@ -84,7 +85,9 @@ def left_pad(seqs: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[t
 
 
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that start at 0 on each row's first real token (what HF generate does for left padding)."""
+    """Position ids that start at 0 on each row's first real token (what HF generate does for left
+    padding).
+    """
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 

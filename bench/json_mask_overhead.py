@@ -1,14 +1,15 @@
 """What a JSON-Schema grammar adds to a decode step, in microseconds per decoded token (the `--mask-overhead`
 mode of bench/json_schema_coverage.py).
 
-An in-process `runtime.managers.scheduler.Scheduler` (default model, jump-forward off) decodes `--batch-size` requests
-twice with the same prompts: unconstrained (ignore_eos, every step a full batch) and with one JSONSchemaBench
-schema each. Each decode step (`Scheduler.step`: forward + sampling + grammar bookkeeping) is timed.
-The grammar's own work is then replayed on the constrained run's output tokens with the scheduler's code:
-`GrammarManager.vocab_mask` (mask fill, [bs, vocab] bool), `runtime.model_executor.sampler.apply_bans_and_mask` (masked
-logits) and `GrammarMatcher.accept_token` (cursor advance). "cold" replays start from a fresh per-state memo
-(first request of a new schema: every state visited computes its mask), "warm" replays reuse it (a schema
-seen before, the steady state of a cache hit). Each replay runs `--repeats` times; the fastest is reported.
+An in-process `runtime.managers.scheduler.Scheduler` (default model, jump-forward off) decodes `--batch-size`
+requests twice with the same prompts: unconstrained (ignore_eos, every step a full batch) and with one
+JSONSchemaBench schema each. Each decode step (`Scheduler.step`: forward + sampling + grammar bookkeeping) is
+timed. The grammar's own work is then replayed on the constrained run's output tokens with the scheduler's
+code: `GrammarManager.vocab_mask` (mask fill, [bs, vocab] bool),
+`runtime.model_executor.sampler.apply_bans_and_mask` (masked logits) and `GrammarMatcher.accept_token` (cursor
+advance). "cold" replays start from a fresh per-state memo (first request of a new schema: every state visited
+computes its mask), "warm" replays reuse it (a schema seen before, the steady state of a cache hit). Each
+replay runs `--repeats` times; the fastest is reported.
 """
 
 from __future__ import annotations

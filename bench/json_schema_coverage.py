@@ -1,11 +1,13 @@
-"""JSONSchemaBench coverage: which real-world schemas compile, how fast, and how often greedy output validates.
+"""JSONSchemaBench coverage: which real-world schemas compile, how fast, and how often greedy output
+validates.
 
-For each subset of /work/shared/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample of
-schemas goes through the server's own path:
+For each subset of /work/shared/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample
+of schemas goes through the server's own path:
 
-1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in a helper
-   process, VALIDATION_TIMEOUT_S) and then the scheduler's compile (`runtime.managers.grammar_manager.GrammarManager`,
-   default JSON layout, COMPILE_TIMEOUT_S, COMPILE_WORKERS in parallel), each schema compiled cold. The scheduler's compile runs in a worker
+1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in a
+   helper process, VALIDATION_TIMEOUT_S) and then the scheduler's compile
+   (`runtime.managers.grammar_manager.GrammarManager`, default JSON layout, COMPILE_TIMEOUT_S, COMPILE_WORKERS
+   in parallel), each schema compiled cold. The scheduler's compile runs in a worker
    process so a schema past the timeout can be stopped (the server's request fails then; its thread keeps
    running, which the bench must not copy on a shared machine). `--compile-memory-gb` caps that worker;
    a schema hitting the cap counts as `crash`, not as compiled.
@@ -15,8 +17,8 @@ schemas goes through the server's own path:
    max_new_tokens is `truncated`, neither valid nor invalid. `error`: the request failed; `unchecked`:
    `jsonschema` cannot use the schema itself.
 
-`--mask-overhead` measures instead what constrained decoding adds to a decode step, in microseconds per decoded
-token (see `bench.json_mask_overhead`).
+`--mask-overhead` measures instead what constrained decoding adds to a decode step, in microseconds per
+decoded token (see `bench.json_mask_overhead`).
 
     python bench/json_schema_coverage.py --quick
     python bench/json_schema_coverage.py --per-subset 16 --max-new-tokens 64
@@ -221,7 +223,9 @@ class CompileWorker:
 
 
 def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
-    """(verdict, seconds) per spec from the server's HTTP-side checker: None = accepted, else the 400 reason."""
+    """(verdict, seconds) per spec from the server's HTTP-side checker: None = accepted, else the 400
+    reason.
+    """
     from runtime.managers.grammar_validator import GrammarValidator
 
     async def run() -> list[tuple[str | None, float]]:

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     items, labels = build_items(
         common.DATA_DIR, subjects, args.num_questions or None, args.num_shots, args.seed, args.format
     )
-    # Warm-up on a different subject's prefix style: two dev questions of the first subject, cache flushed after.
+    # Warm-up on a different subject's prefix style: two dev questions of the first subject, cache flushed
+    # after.
     dev = read_rows(common.DATA_DIR / "mmlu" / "dev" / f"{subjects[0]}_dev.csv")
     warm = [
         {

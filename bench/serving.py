@@ -66,7 +66,9 @@ class Outcome:
 
 # ------------------------------------------------------------------------------------------ datasets
 def random_text(tokenizer: Any, rng: random.Random, n: int) -> str:
-    """Text of about `n` tokens: random ids from the ordinary (non-special) part of the vocabulary, decoded."""
+    """Text of about `n` tokens: random ids from the ordinary (non-special) part of the vocabulary,
+    decoded.
+    """
     special = set(tokenizer.all_special_ids)
     lo, hi = 256, min(len(tokenizer), 40000)
     ids = []

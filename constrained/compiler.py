@@ -49,7 +49,9 @@ class GrammarCompiler:
         return self.compile_async(kind, spec).result()
 
     def compile_async(self, kind: str, spec: str | dict) -> Future[CompiledGrammar]:
-        """A future of the compiled grammar; already done on a cache hit. Concurrent calls share one compile."""
+        """A future of the compiled grammar; already done on a cache hit.
+        Concurrent calls share one compile.
+        """
         if kind == "json_schema" and isinstance(spec, (dict, bool)):
             spec = json.dumps(spec)
         key = (kind, spec if kind != "json_object" else "")

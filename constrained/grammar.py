@@ -39,7 +39,9 @@ _MARKER_LEN = 4  # bytes of the end marker: at most 3 states lie strictly inside
 
 
 def build_index(regex: str, vocab: TokenVocabulary) -> outlines_core.Index:
-    """The outlines-core Index of ``regex`` followed by the end marker. Raises ValueError from outlines-core."""
+    """The outlines-core Index of ``regex`` followed by the end marker.
+    Raises ValueError from outlines-core.
+    """
     return outlines_core.Index(f"(?:{regex}){END_MARKER_REGEX}", vocab.outlines)
 
 
@@ -113,7 +115,9 @@ class CompiledGrammar:
         return np.flatnonzero(bits)
 
     def packed_mask(self, state: int) -> np.ndarray:
-        """Allowed ids of ``state`` as bits, little-endian within each byte: [ceil(num_mask_ids / 8)] uint8."""
+        """Allowed ids of ``state`` as bits, little-endian within each byte:
+        [ceil(num_mask_ids / 8)] uint8.
+        """
         packed = self._masks.get(state)
         if packed is None:
             packed, count = self._compute_mask(state)
@@ -340,7 +344,9 @@ class GrammarMatcher:
 
 
 def fill_vocab_masks(matchers: Sequence[GrammarMatcher | None], mask: torch.Tensor) -> None:
-    """Fill a [batch, vocab_size] bool mask: grammar rows get their allowed ids, None rows allow everything."""
+    """Fill a [batch, vocab_size] bool mask: grammar rows get their allowed ids, None rows allow
+    everything.
+    """
     for row, matcher in enumerate(matchers):
         if matcher is None:
             mask[row].fill_(True)

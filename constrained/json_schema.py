@@ -11,8 +11,8 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   our compact JSON regexes (``json_value_regex``), nested at most JSON_OBJECT_DEPTH levels at the root and
   one level below it: outlines-core's own (depth 3, ~1,600-3,300 DFA states) take 30-60 s to compile over a
   49k vocabulary, since compile time is ~linear in states x vocabulary;
-* after conversion, ``\\d`` and ``\\w`` become ASCII classes: JSON Schema patterns are ECMA-262, where they are
-  ASCII, and the Unicode versions multiply the automaton size (seconds of compile time for ``\\w{8}``).
+* after conversion, ``\\d`` and ``\\w`` become ASCII classes: JSON Schema patterns are ECMA-262, where they
+  are ASCII, and the Unicode versions multiply the automaton size (seconds of compile time for ``\\w{8}``).
 
 Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, ``minProperties``, ...) stay
 ignored: output may violate them. Keywords it cannot express (``not``, bad ``$ref``) raise GrammarError.
@@ -67,11 +67,11 @@ _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _PLACEHOLDER = "__radixlm_fragment_{}__"
 JSON_OBJECT_DEPTH = 2  # nesting depth of free JSON; compile time grows ~5x per level (1.1 s, 5 s, 54 s)
 
-# A `whitespace_pattern` value that is not a regex: json.dumps's default layout, `{"a": 1, "b": [1, 2]}` -- one
-# space after every `,` and `:` between JSON tokens, none elsewhere, nothing optional. Every separator is forced,
-# as with "" (compact), but the model reads and writes the layout it was trained on (compact JSON made the
-# default model copy the wrong numbers: bench/json_decode.py extraction accuracy 0.65, vs 0.91 with this; see
-# constrained.spec.DEFAULT_WHITESPACE).
+# A `whitespace_pattern` value that is not a regex: json.dumps's default layout, `{"a": 1, "b": [1, 2]}` --
+# one space after every `,` and `:` between JSON tokens, none elsewhere, nothing optional. Every separator is
+# forced, as with "" (compact), but the model reads and writes the layout it was trained on (compact JSON made
+# the default model copy the wrong numbers: bench/json_decode.py extraction accuracy 0.65, vs 0.91 with this;
+# see constrained.spec.DEFAULT_WHITESPACE).
 DUMPS_LAYOUT = "json.dumps"
 # Stands in for whitespace while outlines-core builds the regex, marking where it goes: matches only "".
 _WS_MARK = "(?:[\\x00]{0})"
@@ -172,7 +172,9 @@ class _Rewriter:
         return {"const": _PLACEHOLDER.format(len(self.fragments) - 1)}
 
     def rewrite(self, node: Any, free_depth: int | None) -> Any:
-        """Rewrite one subschema; ``free_depth`` (None: keep as is) is the nesting allowed if it is free-form."""
+        """Rewrite one subschema; ``free_depth`` (None: keep as is) is the nesting allowed if it is
+        free-form.
+        """
         if not isinstance(node, dict):
             return node
         free = _free_form_kind(node) if free_depth is not None else None

@@ -31,8 +31,8 @@ def plan_jump_forward(
     greedy longest-match tokenization of ``forced``. Every candidate is verified byte-exact and free of
     special tokens, so the grammar accepts the result whenever it accepted ``output_ids`` + ``forced``: its
     automaton walks bytes, whatever the token boundaries. Re-tokenized ids that equal the old ones are not
-    replaced (``keep`` moves past them): when the output so far is the tokenizer's own tokenization, ``new_ids``
-    is only the forced text's tokens.
+    replaced (``keep`` moves past them): when the output so far is the tokenizer's own tokenization,
+    ``new_ids`` is only the forced text's tokens.
     """
     n = len(output_ids)
     if not forced:

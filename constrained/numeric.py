@@ -39,7 +39,9 @@ def _same_length_range(lo: str, hi: str) -> str:
 
 
 def natural_range_regex(lo: int, hi: int | None) -> str:
-    """Canonical decimal spellings of the naturals in [lo, hi] (hi=None: unbounded). Requires 0 <= lo <= hi."""
+    """Canonical decimal spellings of the naturals in [lo, hi] (hi=None: unbounded).
+    Requires 0 <= lo <= hi.
+    """
     if lo < 0 or (hi is not None and hi < lo):
         raise ValueError(f"bad natural range [{lo}, {hi}]")
     lo_len = len(str(lo))

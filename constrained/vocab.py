@@ -80,7 +80,8 @@ class TokenVocabulary:
     def encode_bytes_greedy(self, data: bytes) -> list[int]:
         """Longest-match tokenization of ``data``; exact bytes for every input when all 256 bytes have tokens.
 
-        Not what the tokenizer would produce; jump-forward uses it only if re-tokenization does not round-trip.
+        Not what the tokenizer would produce; jump-forward uses it only if re-tokenization does not
+        round-trip.
         """
         index = self.bytes_to_id
         longest = max(map(len, index))

@@ -1,5 +1,5 @@
-"""Use a radixlm server through the official `openai` client: chat, streaming, completions, JSON Schema output,
-and reading how many prompt tokens came from the prefix cache.
+"""Use a radixlm server through the official `openai` client: chat, streaming, completions, JSON Schema
+output, and reading how many prompt tokens came from the prefix cache.
 
     python examples/client_openai.py --url http://127.0.0.1:30000
 """

@@ -18,8 +18,10 @@ FACTS = {
 }
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
-PROMPT = """Solve the question with tools. Tools: calculator[arithmetic expression], lookup[topic], finish[answer].
-
+PROMPT = (
+    "Solve the question with tools. "
+    "Tools: calculator[arithmetic expression], lookup[topic], finish[answer].\n"
+    """
 Question: What is 12 times 7, plus 5?
 Thought: I should compute 12 * 7 + 5.
 Action: calculator[12 * 7 + 5]
@@ -28,6 +30,7 @@ Thought: I know the answer.
 Action: finish[89]
 
 """
+)
 
 
 def calculator(expression: str) -> str:

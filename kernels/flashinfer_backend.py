@@ -168,7 +168,7 @@ class FlashInferBackend(AttentionBackend):
                 raise RuntimeError("flashinfer: planning inside CUDA-graph capture; plan before capturing")
             self._plan(layer.num_heads, layer.scaling)
 
-    # ---- CUDA-graph hooks (runtime/model_executor/cuda_graph_runner.py) -------------------------------------------------
+    # ---- CUDA-graph hooks (runtime/model_executor/cuda_graph_runner.py) -----------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         max_indices = max_bs * self.req_to_token_pool.max_context_len  # shared prefixes repeat slots
         self._g_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device)

@@ -3,7 +3,8 @@
 Runs on CUDA, and on CPU tensors under `TRITON_INTERPRET=1` (slow; for tests). The kernels read KV slots
 straight from `req_to_token`, so the per-batch metadata is tiny: for extend three [bs] index tensors, for
 decode only the launch grid size. Decode reads nothing on the host during a layer's forward, which makes
-it CUDA-graph capturable (see `init_forward_metadata_capture` and `runtime/model_executor/cuda_graph_runner.py`).
+it CUDA-graph capturable (see `init_forward_metadata_capture` and
+`runtime/model_executor/cuda_graph_runner.py`).
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ class TritonBackend(AttentionBackend):
         self._extend_meta = (meta[0], meta[1], meta[2])
         self._max_extend_len = max(ext) if ext else 0
 
-    # CUDA-graph hooks (see runtime/model_executor/cuda_graph_runner.py). Decode reads seq_lens and req_pool_indices on the
-    # device only, so a graph stays valid for any contents of those buffers as long as the grid covers the
-    # longest possible split count.
+    # CUDA-graph hooks (see runtime/model_executor/cuda_graph_runner.py). Decode reads seq_lens and
+    # req_pool_indices on the device only, so a graph stays valid for any contents of those buffers as long as
+    # the grid covers the longest possible split count.
     def init_cuda_graph_state(self, max_bs: int) -> None:
         pass
 

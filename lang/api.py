@@ -33,7 +33,9 @@ def gen_string(name: str | None = None, *, max_tokens: int | None = 64, **sampli
 
 
 def select(name: str | None = None, choices: list[str] | tuple[str, ...] = ()) -> Select:
-    """Append the choice the model finds most likely after the prompt (mean logprob over the choice's tokens)."""
+    """Append the choice the model finds most likely after the prompt (mean logprob over the choice's
+    tokens).
+    """
     if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError("select needs a non-empty list of non-empty strings as choices")
     return Select(name, tuple(choices))

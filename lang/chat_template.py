@@ -30,7 +30,9 @@ _SENTINEL = "\x00radixlm-content\x00"
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (used by some templates to mark assistant text): render the body."""
+    """`{% generation %}...{% endgeneration %}` (used by some templates to mark assistant text):
+    render the body.
+    """
 
     tags = {"generation"}
 
@@ -105,8 +107,10 @@ class ChatTemplate:
         at = full.find(_SENTINEL, len(before))
         if not full.startswith(before) or at < 0:
             raise ProgramError(
-                f"the model's chat template does not render a {role!r} message after {len(history)} message(s) "
-                "as an appendable block (it rewrites earlier text or drops the content); use plain text instead"
+                f"the model's chat template does not render a {role!r} message "
+                f"after {len(history)} message(s) "
+                "as an appendable block (it rewrites earlier text or drops the content); "
+                "use plain text instead"
             )
         return full[len(before) : at], full[at + len(_SENTINEL) :]
 

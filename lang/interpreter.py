@@ -50,7 +50,9 @@ class EventLog:
             self.cond.notify_all()
 
     def iter(self, var: str | None) -> Iterator[str]:
-        """Yield the deltas of `var` (every piece if None) as they arrive; raise the program's error at the end."""
+        """Yield the deltas of `var` (every piece if None) as they arrive;
+        raise the program's error at the end.
+        """
         i = 0
         while True:
             with self.cond:

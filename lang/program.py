@@ -53,7 +53,9 @@ class Program:
         return self.func(s, *args, **kwargs)
 
     def _split(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(program arguments, default sampling kwargs): a sampling name that is not a parameter is a default."""
+        """(program arguments, default sampling kwargs):
+        a sampling name that is not a parameter is a default.
+        """
         args, sampling = {}, {}
         for k, v in kwargs.items():
             (sampling if sampling_kw.is_sampling_key(k) and k not in self._arg_names else args)[k] = v

@@ -29,8 +29,8 @@ class ProgramState:
         return self
 
     def fork(self, n: int) -> ForkGroup:
-        """n independent states that continue from this one. The shared prefix is prefilled once first, so each
-        fork's first request hits the server's prefix cache."""
+        """n independent states that continue from this one. The shared prefix is prefilled once first, so
+        each fork's first request hits the server's prefix cache."""
         if n < 1:
             raise ValueError(f"fork needs n >= 1, got {n}")
         self._ex.backend.cache_prefix(self._ex.prompt())
@@ -66,7 +66,9 @@ class ProgramState:
         return self[name]
 
     def get_meta_info(self, name: str) -> dict[str, Any]:
-        """The backend's meta info for a gen/select variable (token counts, cached_tokens, finish_reason, ...)."""
+        """The backend's meta info for a gen/select variable (token counts, cached_tokens,
+        finish_reason, ...).
+        """
         self[name]  # waits / raises like reading the variable
         return self._ex.meta[name]
 

@@ -17,7 +17,8 @@ from typing import Any
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_STOP_STRINGS = 64
 MAX_N = 64
-# Integers cross process boundaries as MessagePack and end up in int64 tensors: anything wider is refused here.
+# Integers cross process boundaries as MessagePack and end up in int64 tensors: anything wider is refused
+# here.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -85,7 +86,8 @@ class SamplingParams:
             )
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
+                f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                f"got {self.min_new_tokens}"
             )
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")

@@ -4,8 +4,9 @@ Grid [bs, num_heads, cdiv(max_new_tokens, BLOCK_M)]: one program owns BLOCK_M ne
 and one query head, and runs one online softmax over the request's KV positions 0 .. (its last new token):
 the cached prefix, which every new token sees, then the new tokens under a causal mask. (One loop with a
 mask by absolute position rather than two loops: the mask is free next to the loads, and the Triton
-interpreter used in tests pays per nested call.) K/V are read from the pool through `req_to_token`, so the new tokens' K/V must already be written there (the backend's
-`forward` does that first) and `req_to_token[row, :seq_len]` must cover prefix + new tokens.
+interpreter used in tests pays per nested call.) K/V are read from the pool through `req_to_token`, so the
+new tokens' K/V must already be written there (the backend's `forward` does that first) and
+`req_to_token[row, :seq_len]` must cover prefix + new tokens.
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ class EngineBackend(NativeBackend):
             raise _as_backend_error(e) from e
 
     def model_info(self) -> dict[str, Any]:
-        """`engine.get_model_info()` (same dict as GET /get_model_info), else built from `engine.tokenizer`."""
+        """`engine.get_model_info()` (same dict as GET /get_model_info),
+        else built from `engine.tokenizer`.
+        """
         getter = getattr(self.engine, "get_model_info", None)
         if callable(getter):
             return getter()

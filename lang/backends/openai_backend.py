@@ -107,7 +107,8 @@ class OpenAI(Backend):
             head, *outs = self._echo([prompt.text] + [prompt.text + c for c in choices])
         except BackendError as e:
             raise BackendError(
-                "select with the OpenAI backend needs prompt logprobs (completions with echo=True, logprobs=0, "
+                "select with the OpenAI backend needs prompt logprobs "
+                "(completions with echo=True, logprobs=0, "
                 f"max_tokens=0), which this endpoint refused: {e.message}",
                 e.status,
             ) from e
@@ -127,7 +128,9 @@ class OpenAI(Backend):
         return SelectResult(pick(normalized), normalized, meta)
 
     def _echo(self, texts: list[str]) -> list[list[tuple[str, float | None]]]:
-        """Per text, (token, logprob) of each of its tokens (the first logprob is None), via completions echo."""
+        """Per text, (token, logprob) of each of its tokens (the first logprob is None),
+        via completions echo.
+        """
         with self._errors():
             resp = self.client.completions.create(
                 model=self.model, prompt=texts, max_tokens=0, echo=True, logprobs=0, temperature=0

@@ -1,4 +1,6 @@
-"""`RuntimeEndpoint`: run programs against a radixlm (or SGLang-compatible) server over its native HTTP API."""
+"""`RuntimeEndpoint`: run programs against a radixlm (or SGLang-compatible) server over its native HTTP
+API.
+"""
 
 from __future__ import annotations
 

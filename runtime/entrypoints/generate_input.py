@@ -136,7 +136,8 @@ def check_unicode(value: Any) -> None:
     if bad is not None:
         where = bad.encode("utf-8", "backslashreplace").decode() or "body"
         raise ValueError(
-            f"'{where}' is not valid Unicode: it contains a lone surrogate (an unpaired \\ud800-\\udfff escape)"
+            f"'{where}' is not valid Unicode: it contains a lone surrogate "
+            "(an unpaired \\ud800-\\udfff escape)"
         )
 
 

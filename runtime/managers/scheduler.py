@@ -2,8 +2,8 @@
 
 `step()` is the lifecycle of DESIGN.md: admit (policy + token budget) -> build an extend or a decode batch
 -> forward -> sample -> grammar / jump-forward -> finish checks -> outputs; finished requests' KV goes to the
-radix cache. The class knows nothing about sockets (`runtime.managers.scheduler_process` drives it over ZMQ), so
-tests run it in-process.
+radix cache. The class knows nothing about sockets (`runtime.managers.scheduler_process` drives it over ZMQ),
+so tests run it in-process.
 """
 
 from __future__ import annotations
@@ -127,7 +127,10 @@ class Scheduler:
                 f"length ({limit})"
             )
         if n + req.params.max_new_tokens > self.runner.max_total_tokens:
-            return f"request needs {n + req.params.max_new_tokens} KV slots; the pool has {self.runner.max_total_tokens}"
+            return (
+                f"request needs {n + req.params.max_new_tokens} KV slots; "
+                f"the pool has {self.runner.max_total_tokens}"
+            )
         if max(req.prompt_ids) >= self.runner.vocab_size or min(req.prompt_ids) < 0:
             return f"input token ids must be in [0, {self.runner.vocab_size})"
         if req.logprob_start_len >= n:
@@ -331,7 +334,9 @@ class Scheduler:
             self.reextend.append(req)
 
     def _retract_one(self) -> None:
-        """Decode ran out of KV: give the least-progressed request's memory back; it re-queues, output kept."""
+        """Decode ran out of KV: give the least-progressed request's memory back;
+        it re-queues, output kept.
+        """
         victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
         self.running.remove(victim)
         self.cm.release(victim, cache_tokens=True)

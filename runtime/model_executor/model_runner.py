@@ -75,7 +75,8 @@ class ModelRunner:
                     device=self.device,
                 )
         logger.info(
-            "model loaded in %.2fs: %s, %d layers, dtype=%s, device=%s, backend=%s, KV pool %d tokens (%.0f MiB)",
+            "model loaded in %.2fs: %s, %d layers, dtype=%s, device=%s, backend=%s, "
+            "KV pool %d tokens (%.0f MiB)",
             self.load_seconds,
             cfg.architecture,
             cfg.num_layers,

@@ -37,10 +37,10 @@ the same draw). Unseeded rows use torch's global RNG. Greedy rows draw nothing.
 **Cost.** What to skip is decided from the Python ``SamplingParams`` (no device sync). An all-greedy batch
 without penalties or masks is one log_softmax plus one max. Rows with top-k / top-p are sampled in a
 "candidate space": the ``k`` most likely tokens, sorted, where the filters and the draw are cheap. On CPU a
-full vocabulary sort costs 5-13 ms per row (49k vocab, measured), so ``k`` starts at ``max(CPU_FIRST_CANDIDATES,
-largest top_k)`` and grows only for rows whose top-p set does not fit; on CUDA it is the whole vocabulary
-(one sort, no sync). Penalties and bans touch only the listed token ids, but rebuild them from the id lists
-each step (cost ~ total tokens of the penalised rows).
+full vocabulary sort costs 5-13 ms per row (49k vocab, measured), so ``k`` starts at
+``max(CPU_FIRST_CANDIDATES, largest top_k)`` and grows only for rows whose top-p set does not fit; on CUDA it
+is the whole vocabulary (one sort, no sync). Penalties and bans touch only the listed token ids, but rebuild
+them from the id lists each step (cost ~ total tokens of the penalised rows).
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ CPU_FIRST_CANDIDATES = 256  # top-p sets of real LM distributions usually fit; b
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The per-request generator for `seed` (None when unseeded). Create once per request, keep across steps."""
+    """The per-request generator for `seed` (None when unseeded).
+    Create once per request, keep across steps.
+    """
     if seed is None:
         return None
     gen = torch.Generator(device=device)
@@ -389,7 +391,9 @@ class Sampler:
     def _uniforms(
         info: SamplingBatchInfo, device: torch.device, generators: Sequence[torch.Generator | None] | None
     ) -> torch.Tensor:
-        """[bs] in (0, 1]: global RNG for unseeded rows, one draw from its own generator per seeded sampled row."""
+        """[bs] in (0, 1]: global RNG for unseeded rows, one draw from its own generator per seeded
+        sampled row.
+        """
         uniforms = 1.0 - torch.rand(info.batch_size, device=device)
         if not info.seeded_rows:
             return uniforms

@@ -72,8 +72,8 @@ _LLAMA3_ROPE_CANDIDATES = [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0,
 def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
     """Return a local Hugging Face-format folder for `model` ("default", a .gguf file, or an HF folder).
 
-    GGUF sources are converted into `<cache root>/<name>-<hash of (abs path, size, mtime)>` on first use, where
-    the cache root is `cache_dir`, else $RADIXLM_CACHE_DIR, else ~/.cache/radixlm/models.
+    GGUF sources are converted into `<cache root>/<name>-<hash of (abs path, size, mtime)>` on first use,
+    where the cache root is `cache_dir`, else $RADIXLM_CACHE_DIR, else ~/.cache/radixlm/models.
     """
     if model == "default":
         return _resolve_gguf(default_gguf_path(), cache_dir)
@@ -256,7 +256,8 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": False,
-        "torch_dtype": "float32",  # the classic key; transformers 5 reads "dtype" (and warns on torch_dtype alone)
+        # the classic key; transformers 5 reads "dtype" (and warns on torch_dtype alone)
+        "torch_dtype": "float32",
         "dtype": "float32",
     }
     for key in ("bos", "eos", "padding"):
@@ -288,8 +289,9 @@ def _rope_scaling(meta: dict[str, Any], arch: str, tensors: dict[str, Any], head
 def llama3_rope_divisors(
     base: float, head_dim: int, factor: float, low: float, high: float, original_ctx: int
 ) -> np.ndarray:
-    """Per-frequency divisors of Llama 3.x RoPE scaling (what llama.cpp stores as rope_freqs), [head_dim // 2]:
-    long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly."""
+    """Per-frequency divisors of Llama 3.x RoPE scaling (what llama.cpp stores as rope_freqs),
+    [head_dim // 2]: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+    smoothly."""
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     smooth = np.clip((original_ctx / wavelen - low) / (high - low), 0.0, 1.0)
@@ -317,7 +319,9 @@ def _infer_llama3_rope(tensor: Any, base: float, head_dim: int) -> dict:
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF Llama parameter name for a GGUF tensor name; None for tensors that are not parameters (rope_freqs)."""
+    """HF Llama parameter name for a GGUF tensor name; None for tensors that are not parameters
+    (rope_freqs).
+    """
     if gguf_name == "rope_freqs.weight":
         return None
     m = _BLOCK_RE.match(gguf_name)
@@ -357,7 +361,9 @@ def _dequantize(tensor: Any, config: dict[str, Any]) -> np.ndarray:
 
 
 def _write_weights(tensors: dict[str, Any], config: dict[str, Any], out: Path) -> None:
-    """Dequantize shard by shard (peak memory ~ one shard) into model.safetensors or numbered shards + index."""
+    """Dequantize shard by shard (peak memory ~ one shard) into model.safetensors or numbered shards +
+    index.
+    """
     from safetensors.torch import save_file
 
     plan = [(name, hf) for name, t in tensors.items() if (hf := hf_tensor_name(name)) is not None]

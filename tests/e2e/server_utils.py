@@ -300,7 +300,9 @@ def kick(url: str, headers: dict | None = None) -> None:
 
 
 def unstick(url: str, headers: dict | None = None) -> None:
-    """Best-effort cleanup after a failed test left requests behind: abort everything (rid ""), flush outputs."""
+    """Best-effort cleanup after a failed test left requests behind:
+    abort everything (rid ""), flush outputs.
+    """
     try:
         requests.post(url + "/abort_request", json={"rid": ""}, headers=headers, timeout=HTTP_TIMEOUT_S)
         kick(url, headers)
@@ -310,7 +312,9 @@ def unstick(url: str, headers: dict | None = None) -> None:
 
 
 def assert_no_kv_leak(info: dict) -> None:
-    """The accounting invariant of DESIGN.md, on an idle snapshot: every KV slot is free or held by the cache."""
+    """The accounting invariant of DESIGN.md, on an idle snapshot:
+    every KV slot is free or held by the cache.
+    """
     total = info["max_total_tokens"]
     assert info["free_slots"] + info["cache_tokens"] == total, (
         f"KV leak: free {info['free_slots']} + cache {info['cache_tokens']} != pool {total} "

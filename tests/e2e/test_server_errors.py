@@ -355,7 +355,7 @@ def test_request_larger_than_kv_pool(guarded_server):
     assert_serving(url, headers=AUTH)
 
 
-# ---- clients that go away -----------------------------------------------------------------------------------
+# ---- clients that go away ---------------------------------------------------------------------------------
 LONG_GEN = {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}
 STREAMS = {
     "native": ("/generate", {"text": "Tell me a story.", "sampling_params": LONG_GEN, "stream": True}),

@@ -1,6 +1,7 @@
-"""The HF baseline computes what radixlm computes: padded batches give the unpadded results, per-row limits and
-stop strings hold inside one static batch, `select` scores like the native backend, and concurrent DSL calls
-are merged into shared batches. A tiny random Llama with the default tokenizer's full vocabulary keeps it fast.
+"""The HF baseline computes what radixlm computes: padded batches give the unpadded results, per-row limits
+and stop strings hold inside one static batch, `select` scores like the native backend, and concurrent DSL
+calls are merged into shared batches. A tiny random Llama with the default tokenizer's full vocabulary keeps
+it fast.
 """
 
 from __future__ import annotations

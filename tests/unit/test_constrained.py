@@ -30,7 +30,9 @@ VOCAB_SIZE = 49152
 
 @pytest.fixture(scope="module")
 def tokenizer(request):
-    """SmolLM2's tokenizer; the GGUF parse (~10 s) is done once and kept as tokenizer.json in pytest's cache."""
+    """SmolLM2's tokenizer; the GGUF parse (~10 s) is done once and kept as tokenizer.json in pytest's
+    cache.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 

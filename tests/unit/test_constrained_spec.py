@@ -246,7 +246,9 @@ def test_json_object_regex():
 
 
 def test_served_semantics_agree_with_python_re():
-    """The served automaton (regex + end marker) accepts what re.fullmatch accepts, alternation order aside."""
+    """The served automaton (regex + end marker) accepts what re.fullmatch accepts,
+    alternation order aside.
+    """
     cases = [
         ("ab|abc", ["ab", "abc", "abcd", "a"]),
         (r"[0-9]+(\.[0-9]+)?", ["12", "12.5", "12.", ".5"]),

@@ -1,5 +1,6 @@
-"""The DSL without a model: IR building, sampling kwargs, chat-template rendering, and the interpreter driven by
-a toy native backend (one token per character, deterministic logprobs), in-process and over a fake HTTP server.
+"""The DSL without a model: IR building, sampling kwargs, chat-template rendering, and the interpreter driven
+by a toy native backend (one token per character, deterministic logprobs), in-process and over a fake HTTP
+server.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ from lang.ir import ExprList, Gen, RoleBegin, RoleEnd, Select, Text
 
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 ALTERNATING = (  # Mistral-style: raises on a wrong order, marks assistant text with {% generation %}
     "{{ bos_token }}{% for message in messages %}"

@@ -37,7 +37,9 @@ def _byte_level_chars() -> list[str]:
 
 
 def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf's Q/K row order: per head, halves [x.., y..] become pairs [x0, y0, ...]."""
+    """llama.cpp convert_hf_to_gguf's Q/K row order:
+    per head, halves [x.., y..] become pairs [x0, y0, ...].
+    """
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -60,7 +62,9 @@ _TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 def write_tiny_gguf(
     path: Path, *, tied: bool = False, arch: str = "llama", extra: dict[str, np.ndarray] | None = None
 ) -> LlamaForCausalLM:
-    """Write a random tiny Llama as an F32 GGUF laid out like llama.cpp's converter does; return the HF model."""
+    """Write a random tiny Llama as an F32 GGUF laid out like llama.cpp's converter does;
+    return the HF model.
+    """
     cfg = LlamaConfig(
         vocab_size=len(_TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0, rms_norm_eps=1e-6,
@@ -119,7 +123,7 @@ def assert_same_weights(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tens
             torch.testing.assert_close(t, ref[name].float(), rtol=0, atol=1e-6, msg=name)
 
 
-# ------------------------------------------------------------------------------------------------ default model
+# --------------------------------------------------------------------------------------------- default model
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("model_cache")
@@ -186,7 +190,8 @@ def test_default_model_answers_sensibly(
 def test_default_config(converted: str) -> None:
     raw = json.loads((Path(converted) / "config.json").read_text())
     expected = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536,
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
         "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "vocab_size": 49152, "max_position_embeddings": 8192,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
@@ -245,7 +250,7 @@ def test_hf_folder_is_returned_as_is(converted: str) -> None:
     assert ml.resolve_model_path(converted) == converted
 
 
-# ------------------------------------------------------------------------------------------------ Q/K permutation
+# ------------------------------------------------------------------------------------------- Q/K permutation
 def _rope_llamacpp(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     """llama.cpp's LLAMA rope (normal mode): rotates adjacent components (2i, 2i+1). x: [seq, heads, dim]."""
     d = x.shape[-1]
@@ -265,8 +270,8 @@ def _rope_hf(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
 
 
 def test_unpermute_makes_hf_rope_equal_llamacpp_rope() -> None:
-    """With GGUF rows, llama.cpp's rope gives some attention scores; HF's rope must give the same scores on the
-    un-permuted rows -- and different ones without un-permuting (so the check can fail)."""
+    """With GGUF rows, llama.cpp's rope gives some attention scores; HF's rope must give the same scores on
+    the un-permuted rows -- and different ones without un-permuting (so the check can fail)."""
     torch.manual_seed(0)
     heads, kv_heads, d, hidden, seq, base = 4, 2, 16, 32, 7, 10000.0
     wq, wk = np.random.default_rng(0).standard_normal((2, heads * d, hidden))
@@ -286,7 +291,7 @@ def test_unpermute_makes_hf_rope_equal_llamacpp_rope() -> None:
     np.testing.assert_array_equal(ml.unpermute_rope_rows(llamacpp_permute(wq, heads), heads), wq)
 
 
-# ------------------------------------------------------------------------------------------------ synthetic GGUFs
+# ------------------------------------------------------------------------------------------- synthetic GGUFs
 @pytest.mark.parametrize("tied", [False, True])
 def test_tiny_gguf_round_trips_to_original_weights(tmp_path: Path, tied: bool) -> None:
     model = write_tiny_gguf(tmp_path / "tiny.gguf", tied=tied)
@@ -344,7 +349,7 @@ def test_unsupported_gguf_is_a_clear_error(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
 
 
-# ------------------------------------------------------------------------------------------------ cache & errors
+# -------------------------------------------------------------------------------------------- cache & errors
 def test_cache_folder_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF" + b"\0" * 60)

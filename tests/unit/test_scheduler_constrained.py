@@ -149,9 +149,9 @@ def test_json_schema_outputs_validate(schedulers, default_tokenizer, jump_forwar
 
 def test_jump_forward_saves_forward_passes(schedulers, default_tokenizer):
     """Jump-forward must cut model passes and keep outputs valid. Its greedy text can differ from plain masked
-    decoding: jump-forward appends the forced text as the tokenizer splits it (`{"`, `":`, ` "`), while the model
-    may sample other splits (`{` then `"`) or merge a forced space with what follows (` -` of ` -7`), and then
-    sees different context tokens."""
+    decoding: jump-forward appends the forced text as the tokenizer splits it (`{"`, `":`, ` "`), while the
+    model may sample other splits (`{` then `"`) or merge a forced space with what follows (` -` of ` -7`),
+    and then sees different context tokens."""
     results = {}
     for jf, sched in schedulers.items():
         steps_total = 0
@@ -179,10 +179,10 @@ def test_jump_forward_saves_forward_passes(schedulers, default_tokenizer):
 
 # The default layout (json.dumps's, DEFAULT_WHITESPACE) has no optional whitespace: separators and required
 # keys are forced. Where the prompt shows that layout and the model splits the forced text as the tokenizer
-# does, masked greedy decoding samples exactly the tokens jump-forward appends: the same tokens, hence the same
-# text, in fewer forward passes. (Not so where the model would merge a forced space with what follows: after a
-# forced `": ` it would write ` -7` as ` -`, `7`; nor where it splits `{"` as `{`, `"`: then only the text may
-# agree.)
+# does, masked greedy decoding samples exactly the tokens jump-forward appends: the same tokens, hence the
+# same text, in fewer forward passes. (Not so where the model would merge a forced space with what follows:
+# after a forced `": ` it would write ` -7` as ` -`, `7`; nor where it splits `{"` as `{`, `"`: then only the
+# text may agree.)
 ONE_LINE = "Reply with one line of JSON, for example "
 SAME_TEXT_CASES = {
     "date": (
