@@ -3,17 +3,55 @@
 Per batch the model runner calls `init_forward_metadata(batch)` once (plan); per layer the model calls
 `forward(q, k, v, layer, batch)` (run), which stores the new tokens' K/V in the paged pool at
 `batch.out_cache_loc` and attends over the request's whole KV (`req_to_token[row, :seq_len]`).
+
+Kernels import nothing of `runtime` at run time: what a backend reads of the runtime's batch, KV pool and
+request table is spelled out below as protocols, which runtime's `ForwardBatch`, `KVPool` and
+`ReqToTokenPool` satisfy structurally. So `runtime` depends on `kernels`, never the reverse.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from runtime.model_executor.forward_batch import ForwardBatch
+
+class AttentionBatch(Protocol):
+    """The part of a forward pass a backend reads (runtime.model_executor.forward_batch.ForwardBatch)."""
+
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int64, KV length after this pass (prefix + new tokens)
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slots written for the new tokens
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]  # extend only: cached tokens per request
+    extend_seq_lens_cpu: list[int]  # extend only: new tokens per request
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def is_decode(self) -> bool: ...
+
+
+class PagedKV(Protocol):
+    """Per-layer K/V storage indexed by slot (runtime.mem_cache.memory_pool.KVPool)."""
+
+    k: list[torch.Tensor]  # per layer: [num_slots, num_kv_heads, head_dim]
+    v: list[torch.Tensor]
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+class ReqToTokenTable(Protocol):
+    """Request row -> KV slot of each of its tokens (runtime.mem_cache.memory_pool.ReqToTokenPool)."""
+
+    req_to_token: torch.Tensor  # [rows, max_context_len] int64 slot ids
+    max_context_len: int
 
 
 @dataclass(frozen=True)
@@ -28,16 +66,16 @@ class AttentionLayer:
 class AttentionBackend(ABC):
     name: str = "base"
 
-    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool):
+    def __init__(self, kv_pool: PagedKV, req_to_token_pool: ReqToTokenTable):
         self.kv_pool = kv_pool
         self.req_to_token_pool = req_to_token_pool
 
     @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, batch: AttentionBatch) -> None:
         """Prepare per-batch state (index tables, masks) shared by every layer of this forward."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
 
@@ -49,9 +87,9 @@ class AttentionBackend(ABC):
         return self.forward_extend(q, layer, batch)
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         """Causal attention of each request's new tokens over its cached prefix plus the new tokens."""
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         """One query token per request over its whole KV."""

@@ -18,9 +18,7 @@ from typing import Any
 
 import torch
 
-from kernels.base import AttentionBackend, AttentionLayer
-from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from runtime.model_executor.forward_batch import ForwardBatch
+from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer, PagedKV, ReqToTokenTable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
 _TENSOR_CORE_MIN_GROUP = 4  # GQA groups this large decode faster with the prefill (tensor-core) kernels
@@ -66,8 +64,8 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(
         self,
-        kv_pool: KVPool,
-        req_to_token_pool: ReqToTokenPool,
+        kv_pool: PagedKV,
+        req_to_token_pool: ReqToTokenTable,
         *,
         num_heads: int | None = None,
         scaling: float | None = None,
@@ -99,13 +97,13 @@ class FlashInferBackend(AttentionBackend):
         self._last_page_len = torch.ones(0, dtype=torch.int32)
 
     # ---- planning -----------------------------------------------------------------------------------------
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, batch: AttentionBatch) -> None:
         self._set_batch(batch)
         if batch.is_decode:
             self._decode = self._eager_decode  # None until the geometry is known; _plan creates it
         self._plan_if_geometry_known()
 
-    def _set_batch(self, batch: ForwardBatch) -> None:
+    def _set_batch(self, batch: AttentionBatch) -> None:
         table = self.req_to_token_pool.req_to_token
         indptr, indices = build_paged_kv_csr(
             table, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu
@@ -175,7 +173,7 @@ class FlashInferBackend(AttentionBackend):
         self._g_indices = torch.zeros(max_indices, dtype=torch.int32, device=self.device)
         self._g_last_page_len = torch.ones(max_bs, dtype=torch.int32, device=self.device)
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_capture(self, batch: AttentionBatch) -> None:
         if self._num_heads is None or self._scaling is None:
             raise RuntimeError("flashinfer: the attention geometry is unknown; run an eager forward first")
         bs = batch.batch_size
@@ -188,7 +186,7 @@ class FlashInferBackend(AttentionBackend):
         )
         self.init_forward_metadata_replay(batch)
 
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_replay(self, batch: AttentionBatch) -> None:
         """Re-plan the graph wrapper of this padded batch size; plan writes into the captured buffers."""
         self._set_batch(batch)
         self._decode = self._graph_decode[batch.batch_size]
@@ -199,12 +197,12 @@ class FlashInferBackend(AttentionBackend):
         # NHD paged layout [num_pages, page_size, Hkv, D]: the pool [size + 1, Hkv, D] with page_size 1
         return self.kv_pool.k[layer_id].unsqueeze(1), self.kv_pool.v[layer_id].unsqueeze(1)
 
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         self._ensure_planned(layer)
         out = self._prefill.run(q.to(self.dtype).contiguous(), self._paged_kv(layer.layer_id))
         return out.to(q.dtype)
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         self._ensure_planned(layer)
         out = self._decode.run(q.to(self.dtype).contiguous(), self._paged_kv(layer.layer_id))
         return out.to(q.dtype)

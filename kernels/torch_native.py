@@ -10,14 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.base import AttentionBackend, AttentionLayer
-from runtime.model_executor.forward_batch import ForwardBatch
+from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer
 
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, batch: AttentionBatch) -> None:
         table = self.req_to_token_pool.req_to_token
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
@@ -34,7 +33,7 @@ class TorchNativeBackend(AttentionBackend):
                 for row, seq in zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, strict=True)
             ]
 
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         out = torch.empty_like(q)
         start = 0
@@ -59,7 +58,7 @@ class TorchNativeBackend(AttentionBackend):
             start += ext
         return out
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         shape = (*self._decode_shape, layer.num_kv_heads, layer.head_dim)
         k = self.kv_pool.k[layer.layer_id].index_select(0, self._decode_slots).view(shape).to(q.dtype)
         v = self.kv_pool.v[layer.layer_id].index_select(0, self._decode_slots).view(shape).to(q.dtype)

@@ -14,9 +14,7 @@ import os
 
 import torch
 
-from kernels.base import AttentionBackend, AttentionLayer
-from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from runtime.model_executor.forward_batch import ForwardBatch
+from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer, PagedKV, ReqToTokenTable
 
 
 def _interpreting() -> bool:
@@ -46,8 +44,8 @@ class TritonBackend(AttentionBackend):
 
     def __init__(
         self,
-        kv_pool: KVPool,
-        req_to_token_pool: ReqToTokenPool,
+        kv_pool: PagedKV,
+        req_to_token_pool: ReqToTokenTable,
         *,
         max_kv_splits: int = 16,
         min_split_len: int = 128,
@@ -97,7 +95,7 @@ class TritonBackend(AttentionBackend):
         self._max_extend_len = 0
 
     # ---- per-batch metadata -------------------------------------------------------------------------------
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata(self, batch: AttentionBatch) -> None:
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu) if batch.seq_lens_cpu else 1
             self._decode_grid_splits = self._ops.decode_grid_splits(
@@ -121,14 +119,14 @@ class TritonBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         pass
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_capture(self, batch: AttentionBatch) -> None:
         self._decode_grid_splits = self.max_kv_splits
 
-    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_replay(self, batch: AttentionBatch) -> None:
         self._decode_grid_splits = self.max_kv_splits
 
     # ---- per-layer attention ------------------------------------------------------------------------------
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         if self._extend_meta is None:
             raise RuntimeError("init_forward_metadata(batch) must be called before forward_extend")
         prefix_lens, extend_lens, qo_start = self._extend_meta
@@ -147,7 +145,7 @@ class TritonBackend(AttentionBackend):
             block_n=self.extend_block_n,
         )
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         return self._ops.decode_attention(
             q,
             self.kv_pool.k[layer.layer_id],

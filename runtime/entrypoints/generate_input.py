@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
+from runtime.managers.generate_request import SingleRequest
 from runtime.sampling_params import SamplingParams
 
 MAX_BATCH = 1024
@@ -25,19 +25,6 @@ ALLOWED_FIELDS = {
     "rid",
     "model",
 }
-
-
-@dataclass
-class SingleRequest:
-    rid: str
-    text: str | None
-    input_ids: list[int] | None
-    params: SamplingParams
-    stream: bool = False
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    return_text_in_logprobs: bool = False
 
 
 def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from runtime.managers.tokenizer_manager import RequestError
+from runtime.errors import RequestError
 
 ERROR_TYPES = {
     400: "invalid_request_error",

@@ -17,9 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from runtime.entrypoints.generate_input import SingleRequest, check_unicode
+from runtime.entrypoints.generate_input import check_unicode
 from runtime.entrypoints.http_common import SSE_DONE, run_unless_disconnected, sse, sse_stream
-from runtime.managers.tokenizer_manager import RequestError, TokenizerManager, gather_or_cancel
+from runtime.errors import RequestError
+from runtime.managers.generate_request import SingleRequest
+from runtime.managers.tokenizer_manager import TokenizerManager, gather_or_cancel
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 

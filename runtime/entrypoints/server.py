@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.entrypoints.generate_input import check_unicode, parse_generate_body
 from runtime.entrypoints.http_common import SSE_DONE, error_response, run_unless_disconnected, sse, sse_stream
 from runtime.entrypoints.metrics import Metrics
-from runtime.managers.tokenizer_manager import RequestError, TokenizerManager
+from runtime.errors import RequestError
+from runtime.managers.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.server")

@@ -8,10 +8,10 @@ cached, so a spec is checked once.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import multiprocessing as mp
-import signal
 from collections import OrderedDict
+
+from runtime.managers.child_process import init_child
 
 VALIDATION_TIMEOUT_S = 15.0
 CACHE_SIZE = 512
@@ -72,10 +72,7 @@ class GrammarValidator:
 
 
 def _serve(conn) -> None:
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
-    except OSError:
-        pass
+    init_child("grammar")  # never outlive the server; `radixlm::grammar` in ps
     from constrained import GrammarError, validate_spec
 
     while True:

@@ -1,18 +1,15 @@
 """TokenizerManager: the front of the process trio, living in the caller's process on an asyncio loop.
 
-It launches the scheduler and detokenizer processes, tokenizes and validates requests, sends them over ZMQ,
-and wakes each request's waiter when its text arrives. A watchdog notices a dead child and fails every
-in-flight request at once with a clear error instead of letting it hang.
+It has the Supervisor launch the scheduler and detokenizer processes, tokenizes and validates requests, sends
+them over ZMQ, and wakes each request's waiter when its text arrives. When the Supervisor reports a dead
+child, every in-flight request fails at once with a clear error instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import logging
-import multiprocessing as mp
-import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,8 +19,10 @@ import zmq
 import zmq.asyncio
 
 from runtime import ipc
-from runtime.entrypoints.generate_input import SingleRequest
+from runtime.errors import RequestError
+from runtime.managers.generate_request import SingleRequest
 from runtime.managers.grammar_validator import GrammarValidator
+from runtime.managers.supervisor import Supervisor
 from runtime.messages import (
     AbortReq,
     BatchStrOut,
@@ -39,16 +38,6 @@ from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.tokenizer_manager")
-STARTUP_TIMEOUT_S = 600
-
-
-class RequestError(Exception):
-    """A request failed; `status` is the HTTP status the front end should answer with."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.message = message
-        self.status = status
 
 
 @dataclass
@@ -85,64 +74,31 @@ class TokenizerManager:
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
         self.grammar_validator = GrammarValidator()
-        self.procs: dict[str, mp.Process] = {}
-        self.info = self._launch_children()
+        self.supervisor = Supervisor(args, model_dir, self.endpoints)
+        try:
+            self.info = self.supervisor.start()
+        except RuntimeError:
+            self.shutdown()
+            raise
         self.context_length: int = self.info["context_length"]
         self._ctx = zmq.asyncio.Context()
         self._send_sock = ipc.socket(self._ctx, zmq.PUSH, self.endpoints.scheduler, bind=False)
         self._recv_sock = ipc.socket(self._ctx, zmq.PULL, self.endpoints.tokenizer, bind=True)
 
-    # ---- processes -------------------------------------------------------------------------------------
-    def _launch_children(self) -> dict[str, Any]:
-        from runtime.managers.detokenizer import run_detokenizer_process
-        from runtime.managers.scheduler_process import run_scheduler_process
-
-        ctx = mp.get_context("spawn")
-        info: dict[str, Any] = {}
-        conns = {}
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child_main,
-                name=f"radixlm-{name}",
-                args=(target, self.args, self.model_dir, self.endpoints, child_conn),
-                daemon=True,
-            )
-            proc.start()
-            self.procs[name], conns[name] = proc, parent_conn
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for name, conn in conns.items():
-            while not conn.poll(0.2):
-                if not self.procs[name].is_alive():
-                    self.shutdown()
-                    raise RuntimeError(
-                        f"{name} process exited during startup (exit code {self.procs[name].exitcode})"
-                    )
-                if time.monotonic() > deadline:
-                    self.shutdown()
-                    raise RuntimeError(f"{name} process did not become ready within {STARTUP_TIMEOUT_S}s")
-            msg = conn.recv()
-            if msg["status"] != "ready":
-                self.shutdown()
-                raise RuntimeError(
-                    f"{name} process failed to start: {msg['message']}\n{msg.get('traceback', '')}"
-                )
-            info.update({k: v for k, v in msg.items() if k != "status"})
-        return info
-
+    # ---- processes ---------------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the receive loop and the watchdog on the running event loop."""
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._watchdog())]
+        self._tasks = [
+            loop.create_task(self._recv_loop()),
+            loop.create_task(self.supervisor.watch(self._on_death)),
+        ]
 
     def shutdown(self) -> None:
         if hasattr(self, "grammar_validator"):
             self.grammar_validator.close()
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.procs.values():
-            proc.join(timeout=5)
+        if hasattr(self, "supervisor"):
+            self.supervisor.stop()
         for t in self._tasks:
             t.cancel()
         if hasattr(self, "_ctx"):
@@ -154,14 +110,6 @@ class TokenizerManager:
     @property
     def healthy(self) -> bool:
         return self.dead_reason is None
-
-    async def _watchdog(self) -> None:
-        while self.dead_reason is None:
-            await asyncio.sleep(0.5)
-            for name, proc in self.procs.items():
-                if not proc.is_alive():
-                    self._on_death(f"{name} process died (exit code {proc.exitcode})")
-                    break
 
     def _on_death(self, reason: str) -> None:
         logger.error("%s: failing %d in-flight request(s)", reason, len(self.states))
@@ -424,13 +372,3 @@ async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-
-
-def _child_main(target, args, model_dir, endpoints, conn) -> None:
-    """Child entry: die with the parent (no orphans even after kill -9 of the server), then run."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    target(args, model_dir, endpoints, conn)

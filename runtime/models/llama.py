@@ -8,14 +8,17 @@ then cast, rotate-half rope with fp32 angles.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.base import AttentionBackend, AttentionLayer
-from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.model_config import ModelConfig
+
+if TYPE_CHECKING:  # a type only: models sit below model_executor and never import it at run time
+    from runtime.model_executor.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from runtime import Engine
 def engine():
     eng = Engine(max_total_tokens=16384, log_level="warning", max_running_requests=32)
     yield eng
-    pids = [p.pid for p in eng.tm.procs.values()]
+    pids = [p.pid for p in eng.tm.supervisor.procs.values()]
     eng.shutdown()
     for pid in pids:  # no orphan: the children are gone (reaped) after shutdown
         assert not os.path.exists(f"/proc/{pid}") or _is_zombie_free(pid), f"child {pid} survived shutdown"
@@ -70,7 +70,7 @@ def test_async_generate_and_errors(engine):
     assert out["meta_info"]["completion_tokens"] == 3
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate("x", {"max_new_tokens": -5})
-    from runtime.managers.tokenizer_manager import RequestError
+    from runtime.errors import RequestError
 
     with pytest.raises(RequestError, match="context length"):
         engine.generate("x", {"max_new_tokens": 10_000_000 // 10})

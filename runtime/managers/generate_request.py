@@ -1,0 +1,24 @@
+"""`SingleRequest`: one prompt with its sampling parameters, the TokenizerManager's unit of work.
+
+Every front end (native /generate, the OpenAI routes, the offline Engine) parses its own input into these;
+it lives beside the manager that consumes it so that managers never import from entrypoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SingleRequest:
+    rid: str
+    text: str | None  # exactly one of text / input_ids is set
+    input_ids: list[int] | None
+    params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
