@@ -48,19 +48,22 @@ class Supervisor:
 
         ctx = mp.get_context("spawn")
         conns = {}
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_child_main,
-                name=f"radixlm-{name}",
-                args=(name, target, self.args, self.model_dir, self.endpoints, child_conn),
-                daemon=True,
-            )
-            proc.start()
-            self.procs[name], conns[name] = proc, parent_conn
         try:
+            for name, target in (
+                ("scheduler", run_scheduler_process),
+                ("detokenizer", run_detokenizer_process),
+            ):
+                parent_conn, child_conn = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_child_main,
+                    name=f"radixlm-{name}",
+                    args=(name, target, self.args, self.model_dir, self.endpoints, child_conn),
+                    daemon=True,
+                )
+                proc.start()
+                self.procs[name], conns[name] = proc, parent_conn
             return self._await_ready(conns)
-        except RuntimeError:
+        except BaseException:  # a failed start (or Ctrl-C while waiting) leaves no child behind
             self.stop()
             raise
 

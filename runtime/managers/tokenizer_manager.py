@@ -76,8 +76,8 @@ class TokenizerManager:
         self.grammar_validator = GrammarValidator()
         self.supervisor = Supervisor(args, model_dir, self.endpoints)
         try:
-            self.info = self.supervisor.start()
-        except RuntimeError:
+            self.info = self.supervisor.start()  # children already stopped if this raises
+        except BaseException:
             self.shutdown()
             raise
         self.context_length: int = self.info["context_length"]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
+from pathlib import Path
 
 import pytest
+from server_utils import descendants
 
 from runtime import Engine
 
@@ -74,3 +77,20 @@ def test_async_generate_and_errors(engine):
 
     with pytest.raises(RequestError, match="context length"):
         engine.generate("x", {"max_new_tokens": 10_000_000 // 10})
+
+
+def _cmdline(pid: int) -> str:
+    """argv as `ps` shows it (setproctitle rewrites argv in place; the tail may be NUL padding)."""
+    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def test_children_are_named_in_ps(engine):
+    # A regex request starts the grammar checker child (it is spawned on first use).
+    out = engine.generate("Pick a digit:", {"max_new_tokens": 3, "temperature": 0, "regex": "[0-9]"})
+    assert re.fullmatch("[0-9]", out["text"]), out["text"]
+    procs = engine.tm.supervisor.procs
+    assert _cmdline(procs["scheduler"].pid) == "radixlm::scheduler"
+    assert _cmdline(procs["detokenizer"].pid) == "radixlm::detokenizer"
+    titles = {_cmdline(pid) for pid in descendants(os.getpid())}
+    assert {"radixlm::scheduler", "radixlm::detokenizer", "radixlm::grammar"} <= titles, titles
