@@ -1,12 +1,17 @@
-"""Pieces shared by the native and OpenAI-compatible HTTP routes: errors, SSE, disconnect handling."""
+"""Pieces shared by the native and OpenAI-compatible HTTP routes: JSON encoding, errors, SSE, disconnects.
+
+Responses and SSE chunks are encoded with orjson. Measured on a 100-token x 20-top-logprob /generate response
+(bench/json_serialize.py, 2 heavily loaded CPU cores): 34 ms through FastAPI's default path (jsonable_encoder,
+then json.dumps), 5.8 ms for json.dumps alone, 0.09 ms with orjson.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -25,6 +30,20 @@ ERROR_TYPES = {
 }
 
 
+def dumps(data: Any) -> bytes:
+    """Compact UTF-8 JSON (non-ASCII text as is, not \\u-escaped, as before). NaN and +-inf, which JSON
+    cannot spell, become null; non-string dict keys become strings, as json.dumps does."""
+    return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+
+
+class FastJSONResponse(JSONResponse):
+    """A JSONResponse rendered by orjson. Handlers return one directly (not a dict) so that FastAPI skips
+    `jsonable_encoder`, which costs more than the encoding itself on logprob-heavy responses."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
+
+
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -41,11 +60,12 @@ def error_response(
     }
     if status == 503 and headers is None:
         headers = {"Retry-After": "1"}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return FastJSONResponse(body, status_code=status, headers=headers)
 
 
 def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    """One server-sent event carrying `data` as JSON."""
+    return b"data: " + dumps(data) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -18,7 +18,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from runtime.entrypoints.generate_input import check_unicode
-from runtime.entrypoints.http_common import SSE_DONE, run_unless_disconnected, sse, sse_stream
+from runtime.entrypoints.http_common import (
+    SSE_DONE,
+    FastJSONResponse,
+    run_unless_disconnected,
+    sse,
+    sse_stream,
+)
 from runtime.errors import RequestError
 from runtime.managers.generate_request import SingleRequest
 from runtime.managers.tokenizer_manager import TokenizerManager, gather_or_cancel
@@ -156,14 +162,16 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             if body.logprobs:
                 choice["logprobs"] = {"content": _chat_logprobs(tm, r["meta_info"])}
             choices.append(choice)
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": args.model_name,
-            "choices": choices,
-            "usage": _usage(results),
-        }
+        return FastJSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": args.model_name,
+                "choices": choices,
+                "usage": _usage(results),
+            }
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -213,14 +221,16 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         if len(results_per_prompt) > 1:  # several prompts: each prompt counts once
             usage["prompt_tokens"] = sum(rs[0]["meta_info"]["prompt_tokens"] for rs in results_per_prompt)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": args.model_name,
-            "choices": choices,
-            "usage": usage,
-        }
+        return FastJSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": args.model_name,
+                "choices": choices,
+                "usage": usage,
+            }
+        )
 
 
 # ---- request translation ---------------------------------------------------------------------------------

@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.entrypoints.generate_input import check_unicode, parse_generate_body
-from runtime.entrypoints.http_common import SSE_DONE, error_response, run_unless_disconnected, sse, sse_stream
+from runtime.entrypoints.http_common import (
+    SSE_DONE,
+    FastJSONResponse,
+    error_response,
+    run_unless_disconnected,
+    sse,
+    sse_stream,
+)
 from runtime.entrypoints.metrics import Metrics
 from runtime.errors import RequestError
 from runtime.managers.tokenizer_manager import TokenizerManager
@@ -52,7 +59,8 @@ class AbortRequest(BaseModel):
 
 
 def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
-    app = FastAPI(title="radixlm", version="0.1.0")
+    # orjson for every JSON answer; routes with large bodies return a FastJSONResponse themselves
+    app = FastAPI(title="radixlm", version="0.1.0", default_response_class=FastJSONResponse)
     app.state.tm = tm
     app.state.args = args
     metrics = Metrics()
@@ -110,7 +118,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
 
             return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
         results = await run_unless_disconnected(request, tm.generate_all(reqs))
-        return results if is_batch or len(results) > 1 else results[0]
+        return FastJSONResponse(results if is_batch or len(results) > 1 else results[0])
 
     @app.get("/health")
     async def health():
