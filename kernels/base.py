@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 
+@runtime_checkable
 class AttentionBatch(Protocol):
     """The part of a forward pass a backend reads (runtime.model_executor.forward_batch.ForwardBatch)."""
 
@@ -35,6 +36,7 @@ class AttentionBatch(Protocol):
     def is_decode(self) -> bool: ...
 
 
+@runtime_checkable
 class PagedKV(Protocol):
     """Per-layer K/V storage indexed by slot (runtime.mem_cache.memory_pool.KVPool)."""
 
@@ -47,6 +49,7 @@ class PagedKV(Protocol):
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
+@runtime_checkable
 class ReqToTokenTable(Protocol):
     """Request row -> KV slot of each of its tokens (runtime.mem_cache.memory_pool.ReqToTokenPool)."""
 

@@ -235,3 +235,18 @@ def test_checker_skips_only_the_type_checking_branch():
 def test_unplaced_top_level_runtime_module_is_an_error():
     with pytest.raises(KeyError, match="add 'brand_new' to LAYER_OF"):
         _check("runtime/brand_new.py", "import os")
+
+
+def test_runtime_types_satisfy_the_kernel_protocols():
+    """kernels/base.py spells out what backends read of runtime's objects; these must keep providing it."""
+    import torch
+
+    from kernels.base import AttentionBatch, PagedKV, ReqToTokenTable
+    from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+    batch = ForwardBatch.build_decode([5], [3], [0], torch.tensor([7]))
+    assert isinstance(batch, AttentionBatch) and batch.is_decode and batch.batch_size == 1
+    assert isinstance(KVPool(8, 1, 2, 4, torch.float32), PagedKV)
+    assert isinstance(ReqToTokenPool(2, 16), ReqToTokenTable)
+    assert not isinstance(object(), AttentionBatch)
