@@ -10,8 +10,9 @@ tokens x 20 top logprobs (token texts include non-ASCII), are serialized by
 and one SSE chunk (the same native dict) by the old `sse()` (json.dumps) vs the new one (orjson).
 Every path's output is parsed back and compared with the input, so a faster but wrong encoder fails here.
 
-With `--url`, also times `--requests` real /generate calls (100 tokens, ignore_eos, top_logprobs_num 20,
-text in logprobs) end to end against a running server: run it once against a server of each version.
+With `--url`, also times `--requests` real /generate calls with as many logprob entries (text included) end to
+end against a running server (`--e2e prompt`: a 100-token prompt scored, one prefill; `--e2e decode`: 100
+generated tokens): run it once against a server of each version.
 """
 
 from __future__ import annotations
@@ -141,17 +142,30 @@ def micro(repeats: int, number: int, num_tokens: int, top_n: int) -> list[dict[s
     return rows
 
 
-def end_to_end(url: str, requests_n: int, num_tokens: int, top_n: int) -> dict[str, Any]:
+def end_to_end(url: str, kind: str, requests_n: int, num_tokens: int, top_n: int) -> dict[str, Any]:
+    """Time real /generate calls whose response holds `num_tokens` x `top_n` logprob entries.
+
+    kind "decode": `num_tokens` generated tokens (the model's decode time dominates on a CPU);
+    kind "prompt": a `num_tokens`-token prompt scored from position 0 plus one new token (one prefill, so
+    the response handling is a visible share of the latency).
+    """
     import requests
 
-    body = {
-        "text": "Write a long story about a lighthouse keeper.",
-        "sampling_params": {"max_new_tokens": num_tokens, "temperature": 0, "ignore_eos": True},
+    body: dict[str, Any] = {
         "return_logprob": True,
         "top_logprobs_num": top_n,
         "return_text_in_logprobs": True,
     }
-    requests.post(f"{url}/generate", json=body, timeout=300).raise_for_status()  # warm-up (prefix cached)
+    if kind == "decode":
+        body["text"] = "Write a long story about a lighthouse keeper."
+        body["sampling_params"] = {"max_new_tokens": num_tokens, "temperature": 0, "ignore_eos": True}
+        key, want = "output_top_logprobs", num_tokens
+    else:
+        body["input_ids"] = [1000 + 7 * i for i in range(num_tokens)]
+        body["sampling_params"] = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+        body["logprob_start_len"] = 0
+        key, want = "input_top_logprobs", num_tokens
+    requests.post(f"{url}/generate", json=body, timeout=300).raise_for_status()  # warm-up
     seconds, sizes = [], []
     for _ in range(requests_n):
         t0 = time.perf_counter()
@@ -159,10 +173,11 @@ def end_to_end(url: str, requests_n: int, num_tokens: int, top_n: int) -> dict[s
         seconds.append(time.perf_counter() - t0)
         r.raise_for_status()
         out = r.json()
-        assert len(out["meta_info"]["output_top_logprobs"]) == num_tokens
+        assert len(out["meta_info"][key]) == want, len(out["meta_info"][key])
         sizes.append(len(r.content))
     return {
         "url": url,
+        "kind": kind,
         "requests": requests_n,
         "median_s": statistics.median(seconds),
         "min_s": min(seconds),
@@ -178,7 +193,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="timing rounds (the fastest is reported)")
     p.add_argument("--number", type=int, default=10, help="calls per round")
     p.add_argument("--url", default=None, help="also time real /generate requests against this server")
-    p.add_argument("--requests", type=int, default=3, help="end-to-end requests with --url")
+    p.add_argument("--requests", type=int, default=5, help="end-to-end requests with --url")
+    p.add_argument("--e2e", choices=["prompt", "decode"], default="prompt", help="see end_to_end()")
     p.add_argument("--no-micro", action="store_true", help="only the end-to-end requests (needs --url)")
     args = p.parse_args()
     if args.quick:
@@ -197,14 +213,15 @@ def main() -> None:
         )
     results: dict[str, Any] = {"micro": rows}
     if args.url:
-        e2e = end_to_end(args.url, args.requests, args.tokens, args.top_logprobs)
+        e2e = end_to_end(args.url, args.e2e, args.requests, args.tokens, args.top_logprobs)
         print(
-            f"end to end: {e2e['requests']} requests, median {e2e['median_s'] * 1e3:.1f} ms, "
+            f"end to end ({args.e2e}): {e2e['requests']} requests, median {e2e['median_s'] * 1e3:.1f} ms, "
             f"min {e2e['min_s'] * 1e3:.1f} ms, {e2e['response_bytes']} bytes",
             flush=True,
         )
         results["end_to_end"] = e2e
-    config = {k: getattr(args, k) for k in ("tokens", "top_logprobs", "repeats", "number", "url", "requests")}
+    keys = ("tokens", "top_logprobs", "repeats", "number", "url", "e2e", "requests")
+    config = {k: getattr(args, k) for k in keys}
     config["command"] = common.command_line()
     common.write_results(name, config, results, env=env, results_dir=args.results_dir)
     if not rows:
