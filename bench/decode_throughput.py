@@ -10,23 +10,18 @@ The run also measures this machine's fp32 (and bf16) matmul GFLOP/s and memory r
 FLOPs and weight bytes per token, so each figure can be read as a share of the compute or bandwidth limit;
 and the cold (GGUF conversion) and warm model load times.
 
-    python bench/decode_throughput.py --quick
-    python bench/decode_throughput.py --batch-sizes 1,8,32,64 --dtype float32,bfloat16 --engine
+    python -m bench.decode_throughput --quick
+    python -m bench.decode_throughput --batch-sizes 1,8,32,64 --dtype float32,bfloat16 --engine
 """
 
 from __future__ import annotations
 
 import gc
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
+from bench.harness import common
 
 common.setup_env()
 
@@ -175,7 +170,7 @@ def best_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ load times
 def load_times(dtype: str, cold: bool) -> dict[str, float | None]:
-    from bench.hf_model import load_hf_model
+    from bench.harness.hf_model import load_hf_model
     from runtime.model_executor.model_runner import ModelRunner
     from runtime.models.model_loader import resolve_model_path
 
@@ -252,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
         results.setdefault("model_costs", {})[dtype] = costs
         hf_model = None
         if "hf" in sides:
-            from bench.hf_model import load_hf_model
+            from bench.harness.hf_model import load_hf_model
 
             hf_model, _, _ = load_hf_model(model_dir, dtype, args.device)
         engine = None

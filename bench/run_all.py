@@ -1,8 +1,8 @@
 """Run every benchmark (each in its own process, one after another) and print one table of headline figures
-against the targets. `make bench` runs `python bench/run_all.py --quick`.
+against the targets. `make bench` runs `python -m bench.run_all --quick`.
 
-    python bench/run_all.py --quick
-    python bench/run_all.py --only mmlu,multi_turn_chat --timeout 3600
+    python -m bench.run_all --quick
+    python -m bench.run_all --only mmlu,multi_turn_chat --timeout 3600
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
+from bench.harness import common
 
 
 @dataclass(frozen=True)
@@ -120,8 +117,14 @@ def headline_row(h: Headline, doc: dict | None) -> dict[str, Any]:
 
 
 def run_bench(name: str, quick: bool, results_dir: Path, timeout: float, extra: list[str]) -> dict[str, Any]:
-    script = common.REPO_ROOT / "bench" / f"{name}.py"
-    cmd = [sys.executable, str(script), "--results-dir", str(results_dir), *(["--quick"] if quick else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        f"bench.{name}",
+        "--results-dir",
+        str(results_dir),
+        *(["--quick"] if quick else []),
+    ]
     if name == "serving":
         cmd += ["--launch-server", "--no-progress"]
     cmd += extra

@@ -12,9 +12,9 @@ Datasets: `random` (random token text, input/output lengths uniform in [len * (1
 With `--launch-server` it starts `python -m runtime.launch_server` itself, once per `--server-args` entry
 (e.g. "" and "--disable-radix-cache" to compare in one invocation), and stops each server afterwards.
 
-    python bench/serving.py --quick --launch-server
-    python bench/serving.py --url http://127.0.0.1:30000 --backend openai --dataset random --request-rate 4
-    python bench/serving.py --launch-server --dataset generated-shared-prefix --server-args "" \
+    python -m bench.serving --quick --launch-server
+    python -m bench.serving --url http://127.0.0.1:30000 --backend openai --dataset random --request-rate 4
+    python -m bench.serving --launch-server --dataset generated-shared-prefix --server-args "" \
         --server-args "--disable-radix-cache" --request-rate inf --num-prompts 64
 """
 
@@ -34,10 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
+from bench.harness import common
 
 
 @dataclass

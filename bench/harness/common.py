@@ -16,13 +16,12 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # bench/harness/common.py -> the repository
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
-DATA_DIR = Path(os.environ.get("RADIXLM_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 QUIET_LOAD = 1.5  # 1-minute load average below which the machine counts as quiet
 
 
@@ -319,10 +318,3 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 def csv_list(text: str, cast: type = str) -> list[Any]:
     """'1,8,32' -> [1, 8, 32] (with cast=int); blanks dropped."""
     return [cast(x.strip()) for x in text.split(",") if x.strip()]
-
-
-def iter_jsonl(path: Path | str) -> Iterable[dict[str, Any]]:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
