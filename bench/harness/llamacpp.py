@@ -8,6 +8,7 @@ point first calls `import_llama_cpp()`, which fails with a message saying how to
   `llama_decode`, then every step decodes one `llama_batch` holding the next token of each sequence.
   Sampling is a numpy argmax over the logits rows llama.cpp returns (greedy, like the other sides).
 - `server_command` (serving) is llama-cpp-python's OpenAI-compatible server, `python -m llama_cpp.server`.
+  It serves one request at a time (a lock around the model), so concurrent streams queue.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class BatchDecoder:
         n_ctx = max_seqs * max_tokens_per_seq
         cp.n_ctx, cp.n_batch, cp.n_seq_max = n_ctx, n_ctx, max_seqs
         cp.n_threads = cp.n_threads_batch = threads
-        if hasattr(cp, "kv_unified"):
-            cp.kv_unified = True  # one KV buffer shared by all sequences, as radixlm's pool is
+        # kv_unified stays off (llama.cpp's default): each sequence attends over its own KV buffer, which
+        # llama.cpp recommends for sequences that share no prefix, as here.
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -175,4 +176,7 @@ def server_command(gguf: str, port: int, threads: int, n_ctx: int) -> list[str]:
         str(threads),
         "--n_ctx",
         str(n_ctx),
+        # The server runs one request at a time; by default a queued request cuts the running stream short.
+        "--interrupt_requests",
+        "False",
     ]
