@@ -14,6 +14,7 @@ point first calls `import_llama_cpp()`, which fails with a message saying how to
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,8 @@ class BatchDecoder:
 
     def __init__(self, gguf: str, max_seqs: int, max_tokens_per_seq: int, threads: int):
         lc = import_llama_cpp()
+        # llama-cpp-python prints every llama.cpp log line (loader, graph) unless its logger is set higher.
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         self.lc, self.threads = lc, threads
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(gguf.encode(), lc.llama_model_default_params())
