@@ -226,7 +226,10 @@ def _json_default(obj: Any) -> Any:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
+    """The command as typed: `python -m bench.<name> ...` (not the module's absolute file path)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    entry = ["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]
+    return " ".join([Path(sys.executable).name, *entry, *sys.argv[1:]])
 
 
 def _pyplot():

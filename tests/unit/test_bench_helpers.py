@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +59,17 @@ def test_write_results_records_config_environment_and_load(tmp_path):
     assert doc["config"] == {"command": "x"} and doc["results"] == {"value": 1.5}
     assert doc["environment"]["cpu_model"] == "test"
     assert set(doc["environment"]["load_after"]) == {"load_1m", "load_5m", "load_15m", "quiet"}
+
+
+def test_result_files_record_the_python_m_command(tmp_path):
+    """Benchmarks run as `python -m bench.<name>`; the recorded command says so (no absolute file path)."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "bench.run_all", "--summary-only", "--results-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    subprocess.run(cmd, cwd=repo, env=env, check=True, timeout=300, capture_output=True)
+    doc = json.loads((tmp_path / "run_all.json").read_text())
+    want = f"{Path(sys.executable).name} -m bench.run_all --summary-only --results-dir {tmp_path}"
+    assert doc["config"]["command"] == want
 
 
 def test_charts_write_png(tmp_path):
