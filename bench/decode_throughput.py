@@ -1,4 +1,5 @@
-"""Decode throughput by batch size: radixlm's ModelRunner (paged KV) vs HF `generate` (padded static batch).
+"""Decode throughput by batch size: radixlm's ModelRunner (paged KV) vs HF `generate` (padded static batch) vs
+llama.cpp (the same GGUF file).
 
 For every dtype and batch size, each side prefills `bs` random prompts of `--prompt-len` tokens, then decodes
 greedily:
@@ -6,31 +7,34 @@ greedily:
     timed); with `--engine` also the whole `runtime.Engine` (scheduler, IPC, detokenizer; radix cache off).
   * hf: `model.generate` with exactly 1 and exactly N new tokens; decode rate = bs (N - 1) / (t(N) - t(1)),
     so prefill and generate's set-up cancel out.
+  * llamacpp: llama-cpp-python (the `bench` extra) on the GGUF file `--model default` is converted from, with
+    the same thread count: one context for all sequences, one `llama_decode` of bs prompts, then
+    `--decode-steps` `llama_decode` calls of bs tokens (see `bench.harness.llamacpp.BatchDecoder`). llama.cpp
+    runs the file's own quantized weights (Q4_1 for the default model); radixlm and HF run them dequantized.
 The run also measures this machine's fp32 (and bf16) matmul GFLOP/s and memory read bandwidth and the model's
 FLOPs and weight bytes per token, so each figure can be read as a share of the compute or bandwidth limit;
 and the cold (GGUF conversion) and warm model load times.
 
-    python bench/decode_throughput.py --quick
-    python bench/decode_throughput.py --batch-sizes 1,8,32,64 --dtype float32,bfloat16 --engine
+    python -m bench.decode_throughput --quick
+    python -m bench.decode_throughput --batch-sizes 1,8,32,64 --dtype float32,bfloat16 --engine
+    python -m bench.decode_throughput --sides radixlm,llamacpp --batch-sizes 1,8,32 --dtype float32
 """
 
 from __future__ import annotations
 
 import gc
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
+from bench.harness import common
+from bench.harness.llamacpp import LLAMACPP, BatchDecoder, gguf_file, import_llama_cpp
 
 common.setup_env()
 
 import torch  # noqa: E402
+
+SIDES = ("radixlm", "hf", LLAMACPP)
 
 
 # ------------------------------------------------------------------------------------------ machine limits
@@ -175,7 +179,7 @@ def best_run(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ load times
 def load_times(dtype: str, cold: bool) -> dict[str, float | None]:
-    from bench.hf_model import load_hf_model
+    from bench.harness.hf_model import load_hf_model
     from runtime.model_executor.model_runner import ModelRunner
     from runtime.models.model_loader import resolve_model_path
 
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--sides", default="radixlm,hf", help="radixlm, hf")
+    p.add_argument("--sides", default="radixlm,hf,llamacpp", help=f"comma-separated: {', '.join(SIDES)}")
     p.add_argument("--engine", action="store_true", help="also measure the whole runtime.Engine")
     p.add_argument("--no-cold-load", action="store_true", help="skip the cold (GGUF conversion) load")
     p.add_argument("--threads", type=int, default=0, help="torch threads, both sides (0: all cores)")
@@ -222,6 +226,11 @@ def main(argv: list[str] | None = None) -> dict:
     batch_sizes = common.csv_list(args.batch_sizes, int)
     dtypes = common.csv_list(args.dtype)
     sides = common.csv_list(args.sides)
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown or not sides:
+        p.error(f"unknown side(s) {unknown} in --sides {args.sides!r} (known: {', '.join(SIDES)})")
+    if LLAMACPP in sides:
+        import_llama_cpp()  # fail now, with the install hint, rather than after the other sides ran
     env = common.environment()
     env["load_before"] = common.load_average()
 
@@ -250,9 +259,17 @@ def main(argv: list[str] | None = None) -> dict:
         context = args.prompt_len + args.decode_steps // 2
         costs = model_costs(runner.config, context, tdt)
         results.setdefault("model_costs", {})[dtype] = costs
+        llama = None
+        if LLAMACPP in sides:
+            llama = BatchDecoder(
+                gguf_file("default"),
+                max_bs,
+                args.prompt_len + args.decode_steps + 16,
+                torch.get_num_threads(),
+            )
         hf_model = None
         if "hf" in sides:
-            from bench.hf_model import load_hf_model
+            from bench.harness.hf_model import load_hf_model
 
             hf_model, _, _ = load_hf_model(model_dir, dtype, args.device)
         engine = None
@@ -273,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
         radixlm_decode(runner, 2, 16, 2, gen)
         if hf_model is not None:
             hf_decode(hf_model, 2, 16, 3, gen)
+        if llama is not None:
+            llama.decode(2, 16, 2, gen)
         for bs in batch_sizes:
             limit = roofline(costs, machine["matmul_gflops"], machine["read_gbs"], bs, context)
             entry: dict[str, Any] = {"roofline_tok_s": limit}
@@ -288,6 +307,10 @@ def main(argv: list[str] | None = None) -> dict:
                     runs.setdefault("hf", []).append(
                         hf_decode(hf_model, bs, args.prompt_len, args.decode_steps, gen)
                     )
+                if llama is not None:
+                    runs.setdefault(LLAMACPP, []).append(
+                        llama.decode(bs, args.prompt_len, args.decode_steps, gen)
+                    )
                 if engine is not None:
                     runs.setdefault("radixlm_engine", []).append(
                         engine_decode(engine, bs, args.prompt_len, args.decode_steps, gen)
@@ -296,7 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
                 entry[side] = best_run(samples)
             r = entry.get("radixlm", {}).get("decode_tok_s")
             h = entry.get("hf", {}).get("decode_tok_s")
+            lc = entry.get(LLAMACPP, {}).get("decode_tok_s")
             entry["speedup_vs_hf"] = common.ratio(r, h)
+            entry["speedup_vs_llamacpp"] = common.ratio(r, lc)
             per_bs[str(bs)] = entry
             rows.append(
                 {
@@ -306,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "engine tok/s": entry.get("radixlm_engine", {}).get("decode_tok_s"),
                     "hf tok/s": h,
                     "x hf": entry["speedup_vs_hf"],
+                    "llamacpp tok/s": lc,
+                    "x llamacpp": entry["speedup_vs_llamacpp"],
                     "radixlm prefill tok/s": entry.get("radixlm", {}).get("prefill_tok_s"),
                     "hf prefill tok/s": entry.get("hf", {}).get("prefill_tok_s"),
                     "limit tok/s": limit,
@@ -317,7 +344,9 @@ def main(argv: list[str] | None = None) -> dict:
         results["by_dtype"][dtype] = {"batch_sizes": per_bs, "backend": runner.backend_name}
         if engine is not None:
             engine.shutdown()
-        del runner, hf_model
+        if llama is not None:
+            llama.close()
+        del runner, hf_model, llama
         gc.collect()
     results["dtype_comparison"] = _dtype_verdict(results, batch_sizes)
     name = args.name or "decode_throughput"
@@ -346,6 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": args.device,
         "attention_backend": args.attention_backend,
         "sides": sides,
+        "llamacpp_gguf": gguf_file("default") if LLAMACPP in sides else None,
         "engine": args.engine,
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
@@ -378,10 +408,12 @@ def _plot(name: str, results: dict[str, Any], results_dir: str) -> None:
     series = {}
     for dtype, d in results["by_dtype"].items():
         bss = [int(b) for b in d["batch_sizes"]]
-        for side in ("radixlm", "hf", "radixlm_engine"):
+        for side in ("radixlm", "hf", "radixlm_engine", LLAMACPP):
             ys = [d["batch_sizes"][str(b)].get(side, {}).get("decode_tok_s") for b in bss]
-            if any(y is not None for y in ys):
-                series[f"{side} {dtype}"] = (bss, [y if y is not None else float("nan") for y in ys])
+            # llama.cpp runs the GGUF's own weights whatever --dtype says: one line, from the first dtype.
+            label = "llamacpp (GGUF weights)" if side == LLAMACPP else f"{side} {dtype}"
+            if any(y is not None for y in ys) and label not in series:
+                series[label] = (bss, [y if y is not None else float("nan") for y in ys])
         series[f"limit {dtype}"] = (bss, [d["batch_sizes"][str(b)]["roofline_tok_s"] for b in bss])
     common.line_chart(
         common.plot_path(name, results_dir),

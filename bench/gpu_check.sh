@@ -101,7 +101,7 @@ step "pytest -m 'not gpu' tests/kernels" 50 "$OUT/pytest_kernels.log" "${PYTEST[
 # ---- decode throughput ----------------------------------------------------------------------------------
 if [ -f bench/decode_throughput.py ]; then
     step "bench/decode_throughput.py" 90 "$OUT/decode_throughput.log" \
-        "$PY" bench/decode_throughput.py --device cuda --attention-backend flashinfer --batch-sizes 1,8,32 --quick
+        "$PY" -m bench.decode_throughput --device cuda --attention-backend flashinfer --batch-sizes 1,8,32 --quick
     [ -f bench/results/decode_throughput.json ] && cp bench/results/decode_throughput.json "$OUT/"
 else
     log "bench/decode_throughput.py not present: skipped"

@@ -4,21 +4,17 @@ The k worked examples (from the train head, calculator annotations `<<...>>` rem
 question, so radixlm prefills them once; the HF baseline recomputes them in every padded batch. The answer is
 the last number in the generated text, compared with the number after `####` in the reference.
 
-    python bench/gsm8k.py --quick
-    python bench/gsm8k.py --num-questions 64 --num-shots 5
+    python -m bench.gsm8k --quick
+    python -m bench.gsm8k --num-questions 64 --num-shots 5
 """
 
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
-from bench.workload import Workload, add_workload_args, compare
+from bench.harness import common
+from bench.harness.datasets import gsm8k_rows
+from bench.harness.workload import Workload, add_workload_args, compare
 
 STOP = ["Question:", "\n\n"]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -83,9 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.num_questions, args.max_tokens = 8, 48
-    data = common.DATA_DIR / "gsm8k"
-    train = list(common.iter_jsonl(data / "train_head200.jsonl"))
-    test = list(common.iter_jsonl(data / "test.jsonl"))[: args.num_questions]
+    train = gsm8k_rows("train_head200")
+    test = gsm8k_rows("test")[: args.num_questions]
     prefix = few_shot_prefix(train, args.num_shots)
     items = [{"prefix": prefix, "question": ex["question"]} for ex in test]
     labels = [reference_answer(ex["answer"]) for ex in test]

@@ -5,28 +5,24 @@ Datasets:
     punctuation the grammar forces -- the text jump-forward appends without running the model. Accuracy is
     the share of fields equal to the ground truth.
   * `jsonschemabench:<subset>` (Github_trivial, Github_easy, Glaiveai2K): real-world schemas from
-    /work/shared/data; the model writes any instance. Accuracy is the share of outputs valid under the schema.
+    bench/data; the model writes any instance. Accuracy is the share of outputs valid under the schema.
 Schemas radixlm's grammar compiler rejects are skipped and counted. The HF side applies the same compiled
 grammar (radixlm's `constrained` package) as a logits processor, without jump-forward.
 
-    python bench/json_decode.py --quick
-    python bench/json_decode.py --num-items 32 --max-tokens 160
-    python bench/json_decode.py --dataset jsonschemabench:Github_easy --num-items 32
+    python -m bench.json_decode --quick
+    python -m bench.json_decode --num-items 32 --max-tokens 160
+    python -m bench.json_decode --dataset jsonschemabench:Github_easy --num-items 32
 """
 
 from __future__ import annotations
 
 import json
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
-from bench.workload import Workload, add_workload_args, compare
+from bench.harness import common
+from bench.harness.datasets import load_subset
+from bench.harness.workload import Workload, add_workload_args, compare
 
 CITY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -140,7 +136,7 @@ def benchmark_items(subset: str, num: int, seed: int) -> tuple[list[dict], list[
     """(items, schemas as labels, rejected count): the first schemas of the subset that compile-check."""
     from constrained import GrammarError, validate_spec
 
-    rows = list(common.iter_jsonl(common.DATA_DIR / "jsonschemabench" / f"{subset}.jsonl"))
+    rows = load_subset(subset)
     random.Random(seed).shuffle(rows)
     items, labels, rejected = [], [], 0
     for row in rows:

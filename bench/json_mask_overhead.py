@@ -19,8 +19,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from bench import common
-from bench.json_schema_coverage import chat_prompt, load_subset, sample_rows, schema_text
+from bench.harness import common
+from bench.harness.datasets import chat_prompt, load_subset, sample_rows, schema_text
 
 MASK_SUBSET = "Glaiveai2K"  # function-call schemas: all compile in well under a second
 

@@ -1,7 +1,7 @@
 """JSONSchemaBench coverage: which real-world schemas compile, how fast, and how often greedy output
 validates.
 
-For each subset of /work/shared/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample
+For each subset of bench/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample
 of schemas goes through the server's own path:
 
 1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in a
@@ -20,9 +20,9 @@ of schemas goes through the server's own path:
 `--mask-overhead` measures instead what constrained decoding adds to a decode step, in microseconds per
 decoded token (see `bench.json_mask_overhead`).
 
-    python bench/json_schema_coverage.py --quick
-    python bench/json_schema_coverage.py --per-subset 16 --max-new-tokens 64
-    python bench/json_schema_coverage.py --mask-overhead --batch-size 8
+    python -m bench.json_schema_coverage --quick
+    python -m bench.json_schema_coverage --per-subset 16 --max-new-tokens 64
+    python -m bench.json_schema_coverage --mask-overhead --batch-size 8
 """
 
 from __future__ import annotations
@@ -30,40 +30,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
+from bench.harness import common
+from bench.harness.datasets import JSONSCHEMABENCH_SUBSETS as SUBSETS
+from bench.harness.datasets import chat_prompt, load_subset, sample_rows, schema_text
 
-from bench import common
-
-SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
 OUTPUT_KINDS = ("valid", "invalid", "truncated", "error", "unchecked")
-SYSTEM_PROMPT = "You convert text into JSON that follows the given schema."
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-def load_subset(subset: str, data_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Rows `{"id", "schema"}` of one subset, in file order."""
-    return list(common.iter_jsonl((data_dir or common.DATA_DIR) / "jsonschemabench" / f"{subset}.jsonl"))
-
-
-def sample_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
-    """`n` distinct rows drawn with `random.Random(seed)` (all rows, shuffled, when n >= len(rows))."""
-    return random.Random(seed).sample(rows, min(max(n, 0), len(rows)))
-
-
-def schema_text(schema: Any) -> str:
-    """The JSON text sent as `json_schema` (and shown to the model)."""
-    return json.dumps(schema)
-
-
 def classify_output(schema: Any, text: str, finish_reason: dict[str, Any] | None) -> tuple[str, str | None]:
     """(kind, detail): kind in OUTPUT_KINDS; detail names the failing keyword, or why nothing was checked.
 
@@ -279,14 +259,6 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
 
 
 # ------------------------------------------------------------------------------------------ generate stage
-def chat_prompt(tokenizer, spec: str) -> str:
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": f"Write one JSON instance of this JSON Schema:\n{spec}"},
-    ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 def generate_stage(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Greedy outputs for the compiled schemas, all in flight at once; fills `output`, `output_detail`, ..."""
     from runtime import Engine

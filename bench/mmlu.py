@@ -10,37 +10,23 @@ the prompt (same tokenizer, same float32 weights): accuracy is identical, item b
 than the ability to name a letter (which a 135M model barely has). Scoring is still the mean token logprob;
 lighteval normalises by characters, which can flip close calls.
 
-    python bench/mmlu.py --quick
-    python bench/mmlu.py --subjects all --num-questions 20 --num-shots 5
-    python bench/mmlu.py --format cloze --num-questions 0 --sides radixlm
+    python -m bench.mmlu --quick
+    python -m bench.mmlu --subjects all --num-questions 20 --num-shots 5
+    python -m bench.mmlu --format cloze --num-questions 0 --sides radixlm
 """
 
 from __future__ import annotations
 
-import csv
 import random
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
+from bench.harness import common
+from bench.harness.datasets import MMLU_LETTERS as LETTERS
+from bench.harness.datasets import MMLU_SUBJECTS as SUBJECTS
+from bench.harness.datasets import mmlu_rows
+from bench.harness.workload import Workload, add_workload_args, compare
 
-from bench import common
-from bench.workload import Workload, add_workload_args, compare
-
-SUBJECTS = ("clinical_knowledge", "global_facts", "high_school_physics", "machine_learning", "nutrition")
 CHOICES = (" A", " B", " C", " D")
-LETTERS = "ABCD"
-
-
-def read_rows(path: Path) -> list[list[str]]:
-    """hendrycks/test CSV rows: question, A, B, C, D, answer letter (no header)."""
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = [r for r in csv.reader(f) if r]
-    for r in rows:
-        if len(r) != 6 or r[5].strip() not in LETTERS:
-            raise ValueError(f"{path}: malformed MMLU row {r[:1]!r}")
-    return rows
 
 
 def format_question(row: list[str], with_answer: bool) -> str:
@@ -65,17 +51,22 @@ def cloze_item(row: list[str]) -> tuple[dict, str]:
 
 
 def build_items(
-    data_dir: Path, subjects: list[str], num_questions: int | None, k: int, seed: int, fmt: str = "letter"
+    data_dir: Path | None,
+    subjects: list[str],
+    num_questions: int | None,
+    k: int,
+    seed: int,
+    fmt: str = "letter",
 ) -> tuple[list[dict], list[str]]:
     """(program kwargs, labels): the first `num_questions` test rows of each subject (all if None),
     interleaved across subjects in a seeded order so that no side sees them grouped. Labels are answer
-    letters (`letter`) or answer texts (`cloze`)."""
+    letters (`letter`) or answer texts (`cloze`). `data_dir` None: bench/data."""
     if fmt not in ("letter", "cloze"):
         raise ValueError(f"unknown MMLU format {fmt!r} (letter or cloze)")
     items, labels = [], []
     for subject in subjects:
-        dev = read_rows(data_dir / "mmlu" / "dev" / f"{subject}_dev.csv")
-        test = read_rows(data_dir / "mmlu" / "test" / f"{subject}_test.csv")
+        dev = mmlu_rows(subject, "dev", data_dir)
+        test = mmlu_rows(subject, "test", data_dir)
         prefix = few_shot_prefix(subject, dev, k)
         for row in test[:num_questions]:
             if fmt == "cloze":
@@ -122,11 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.subjects, args.num_questions = "global_facts,machine_learning", 6
     subjects = list(SUBJECTS) if args.subjects == "all" else common.csv_list(args.subjects)
     items, labels = build_items(
-        common.DATA_DIR, subjects, args.num_questions or None, args.num_shots, args.seed, args.format
+        None, subjects, args.num_questions or None, args.num_shots, args.seed, args.format
     )
     # Warm-up on a different subject's prefix style: two dev questions of the first subject, cache flushed
     # after.
-    dev = read_rows(common.DATA_DIR / "mmlu" / "dev" / f"{subjects[0]}_dev.csv")
+    dev = mmlu_rows(subjects[0], "dev")
     warm = [
         {
             "prefix": few_shot_prefix(subjects[0], dev, 2),

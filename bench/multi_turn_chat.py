@@ -10,21 +10,16 @@ Bound: with T equal turns of m prompt tokens and no shared system prompt, the ca
 sides; a system prompt shared by all conversations (`--system-tokens`) raises the bound, as in a deployed chat
 service.
 
-    python bench/multi_turn_chat.py --quick
-    python bench/multi_turn_chat.py --num-convs 16 --turn-tokens 256 --short-tokens 8 --long-tokens 128
+    python -m bench.multi_turn_chat --quick
+    python -m bench.multi_turn_chat --num-convs 16 --turn-tokens 256 --short-tokens 8 --long-tokens 128
 """
 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
-from bench.workload import Workload, add_workload_args, compare
+from bench.harness import common
+from bench.harness.workload import Workload, add_workload_args, compare
 
 NUM_TURNS = 4
 _WORDS = (

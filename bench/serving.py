@@ -11,11 +11,16 @@ Datasets: `random` (random token text, input/output lengths uniform in [len * (1
 
 With `--launch-server` it starts `python -m runtime.launch_server` itself, once per `--server-args` entry
 (e.g. "" and "--disable-radix-cache" to compare in one invocation), and stops each server afterwards.
+`--sides radixlm,llamacpp` adds llama.cpp's OpenAI server (`python -m llama_cpp.server`, the `bench` extra)
+on the GGUF file of `--model default`, with the same thread count (`--threads`), queried through
+`/v1/completions`; EOS is banned through `logit_bias` there, as `ignore_eos` does for radixlm. Every server
+runs alone: the previous one is stopped before the next starts.
 
-    python bench/serving.py --quick --launch-server
-    python bench/serving.py --url http://127.0.0.1:30000 --backend openai --dataset random --request-rate 4
-    python bench/serving.py --launch-server --dataset generated-shared-prefix --server-args "" \
+    python -m bench.serving --quick --launch-server
+    python -m bench.serving --url http://127.0.0.1:30000 --backend openai --dataset random --request-rate 4
+    python -m bench.serving --launch-server --dataset generated-shared-prefix --server-args "" \
         --server-args "--disable-radix-cache" --request-rate inf --num-prompts 64
+    python -m bench.serving --launch-server --sides radixlm,llamacpp --concurrency 32 --num-prompts 32
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
+from bench.harness import common
+from bench.harness.llamacpp import LLAMACPP, gguf_file, server_command
 
-from bench import common
+SIDES = ("radixlm", LLAMACPP)
 
 
 @dataclass
@@ -162,7 +167,10 @@ async def send_native(client: Any, url: str, req: Request, out: Outcome) -> None
     out.e2e, out.ok = time.perf_counter() - t0, out.output_tokens > 0
 
 
-async def send_openai(client: Any, url: str, model: str, req: Request, out: Outcome) -> None:
+async def send_openai(
+    client: Any, url: str, model: str, req: Request, out: Outcome, extra: dict | None = None
+) -> None:
+    """`extra` overrides body fields (llama.cpp: `logit_bias` against EOS instead of `ignore_eos`)."""
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -171,6 +179,7 @@ async def send_openai(client: Any, url: str, model: str, req: Request, out: Outc
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
+        **(extra or {}),
     }
     t0 = last = time.perf_counter()
     chunks = 0
@@ -196,7 +205,9 @@ def arrival_gaps(n: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(n)]
 
 
-async def run_load(reqs: list[Request], args: Any, model: str | None) -> tuple[list[Outcome], float]:
+async def run_load(
+    reqs: list[Request], args: Any, model: str | None, backend: str, extra: dict | None = None
+) -> tuple[list[Outcome], float]:
     import httpx
     from tqdm.auto import tqdm
 
@@ -209,10 +220,10 @@ async def run_load(reqs: list[Request], args: Any, model: str | None) -> tuple[l
         async def one(req: Request, out: Outcome) -> None:
             async with sem:
                 try:
-                    if args.backend == "native":
+                    if backend == "native":
                         await send_native(client, args.url, req, out)
                     else:
-                        await send_openai(client, args.url, model or "default", req, out)
+                        await send_openai(client, args.url, model or "default", req, out, extra)
                 except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
                     out.error = f"{type(e).__name__}: {e}"[:200]
                 finally:
@@ -265,21 +276,34 @@ def metrics(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ server
-class LaunchedServer:
-    """`python -m runtime.launch_server` in its own process group; `stop()` ends that group (only it)."""
+def radixlm_command(port: int, extra: list[str], threads: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "runtime.launch_server",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--num-threads",
+        str(threads),
+        *extra,
+    ]
 
-    def __init__(self, port: int, extra: list[str], log_path: Path, timeout: float = 600.0):
-        cmd = [
-            sys.executable,
-            "-m",
-            "runtime.launch_server",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-        self.cmd, self.url = cmd, f"http://127.0.0.1:{port}"
+
+class LaunchedServer:
+    """A server command in its own process group, healthy once `health_path` answers 200; `stop()` ends that
+    group (only it)."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        port: int,
+        log_path: Path,
+        health_path: str = "/health",
+        timeout: float = 600.0,
+    ):
+        self.cmd, self.url, self.health_path = cmd, f"http://127.0.0.1:{port}", health_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=common.REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
@@ -294,7 +318,7 @@ class LaunchedServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self._log.name}")
             try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                if requests.get(self.url + self.health_path, timeout=5).status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -332,13 +356,16 @@ def _openai_model(url: str) -> str | None:
         return None
 
 
-def run_one(args: Any, reqs: list[Request], label: str) -> dict[str, Any]:
+def run_one(
+    args: Any, reqs: list[Request], label: str, backend: str, extra: dict | None = None
+) -> dict[str, Any]:
     before = _server_info(args.url)
-    model = _openai_model(args.url) if args.backend == "openai" else None
-    outcomes, wall = asyncio.run(run_load(reqs, args, model))
+    model = _openai_model(args.url) if backend == "openai" else None
+    outcomes, wall = asyncio.run(run_load(reqs, args, model, backend, extra))
     after = _server_info(args.url)
     fig = metrics(outcomes, wall)
     fig["label"] = label
+    fig["backend"] = backend
     if before and after and "prompt_tokens" in after:
         dp = after["prompt_tokens"] - before.get("prompt_tokens", 0)
         fig["cache_hit_rate"] = (after["cached_tokens"] - before.get("cached_tokens", 0)) / dp if dp else 0.0
@@ -373,8 +400,22 @@ def main(argv: list[str] | None = None) -> dict:
         help="extra args of one launched server; repeat to compare several in one invocation",
     )
     p.add_argument("--port", type=int, default=30123, help="port of launched servers")
+    p.add_argument(
+        "--sides",
+        default="radixlm",
+        help=f"launched servers, in this order: {', '.join(SIDES)} (radixlm once per --server-args)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="threads of every launched server (0: all cores)")
+    p.add_argument("--llamacpp-n-ctx", type=int, default=4096, help="llama.cpp server context (tokens)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    sides = common.csv_list(args.sides)
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown or not sides:
+        p.error(f"unknown side(s) {unknown} in --sides {args.sides!r} (known: {', '.join(SIDES)})")
+    if sides != ["radixlm"] and not args.launch_server:
+        p.error("--sides applies to launched servers: add --launch-server (with --url, pick --backend)")
+    threads = args.threads or common.usable_cores()
     if args.quick:
         args.num_prompts = 8
         args.random_input_len, args.random_output_len = 64, 8
@@ -406,18 +447,15 @@ def main(argv: list[str] | None = None) -> dict:
             args.seed,
         )[: args.num_prompts]
     runs = []
-    variants = (args.server_args or [""]) if args.launch_server else [None]
-    for extra in variants:
-        label = "external" if extra is None else (extra or "default")
+    for label, cmd, health, backend, body in _servers(args, sides, threads, tok):
         server = None
-        if extra is not None:
+        if cmd is not None:
             print(f"[serving] launching server ({label}) ...", flush=True)
-            server = LaunchedServer(
-                args.port, shlex.split(extra), Path(args.results_dir) / f"serving_server_{len(runs)}.log"
-            )
+            log = Path(args.results_dir) / f"serving_server_{len(runs)}.log"
+            server = LaunchedServer(cmd, args.port, log, health)
             args.url = server.url
         try:
-            runs.append(run_one(args, reqs, label))
+            runs.append(run_one(args, reqs, label, backend, body))
         finally:
             if server is not None:
                 server.stop()
@@ -454,10 +492,31 @@ def main(argv: list[str] | None = None) -> dict:
         f"serving: {args.dataset}",
     )
     config = {k: v for k, v in vars(args).items()}
+    config["threads"] = threads
+    config["llamacpp_gguf"] = gguf_file("default") if LLAMACPP in sides else None
     config["command"] = common.command_line()
     config["request_rate"] = str(args.request_rate)
     common.write_results(name, config, {"runs": runs}, env, args.results_dir)
     return {"runs": runs}
+
+
+def _servers(args: Any, sides: list[str], threads: int, tok: Any) -> list[tuple]:
+    """(label, command or None for --url, health path, backend, extra OpenAI body) of each run, in order."""
+    if not args.launch_server:
+        return [("external", None, None, args.backend, None)]
+    out: list[tuple] = []
+    for side in sides:
+        if side == "radixlm":
+            for extra in args.server_args or [""]:
+                cmd = radixlm_command(args.port, shlex.split(extra), threads)
+                out.append((extra or "radixlm", cmd, "/health", args.backend, None))
+        else:
+            cmd = server_command(gguf_file("default"), args.port, threads, args.llamacpp_n_ctx)
+            # llama-cpp-python has no ignore_eos: a large negative bias on every special token (EOS, end of
+            # turn) gives the same fixed output lengths as radixlm's ignore_eos.
+            body = {"logit_bias": {str(i): -100.0 for i in tok.all_special_ids}}
+            out.append((LLAMACPP, cmd, "/v1/models", "openai", body))
+    return out
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ mid-request, and /abort_request of running requests. A sampler records the RSS o
 and /get_server_info over time. At the end the server must be idle with every KV slot free or cached, and a
 flush must free them all.
 
-    python bench/soak.py --minutes 10               # starts its own server on a free port
-    python bench/soak.py --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
+    python -m bench.soak --minutes 10               # starts its own server on a free port
+    python -m bench.soak --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
 
 Prints a summary table and writes bench/results/soak.json and soak.png (a server it starts logs to
 $TMPDIR/radixlm-soak-server-<pid>.log). Exit status 1 if the accounting check fails, the server died, or any

@@ -6,21 +6,17 @@ to cache it) and batches the branches of all programs together; the HF baseline 
 every static batch. Outputs have a fixed length (greedy, `ignore_eos`, a distinct hint per branch) so both
 sides generate the same number of tokens. Questions come from GSM8K test.
 
-    python bench/tree_of_thought.py --quick
-    python bench/tree_of_thought.py --num-questions 16 --branches 3 --max-tokens 32
+    python -m bench.tree_of_thought --quick
+    python -m bench.tree_of_thought --num-questions 16 --branches 3 --max-tokens 32
 """
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # run as a script: import `bench` from the repo
-
-from bench import common
-from bench.workload import Workload, add_workload_args, compare
+from bench.harness import common
+from bench.harness.datasets import gsm8k_rows
+from bench.harness.workload import Workload, add_workload_args, compare
 
 
 def fan_out(forks: list, exprs: list) -> None:
@@ -66,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.num_questions, args.branches, args.max_tokens = 3, 2, 8
-    test = list(common.iter_jsonl(common.DATA_DIR / "gsm8k" / "test.jsonl"))[: args.num_questions]
+    test = gsm8k_rows("test")[: args.num_questions]
     items = [{"question": ex["question"]} for ex in test]
     warm = [{"question": "What is 2 + 3?"}]
     wl = Workload(

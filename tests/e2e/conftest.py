@@ -1,22 +1,19 @@
 """Fixtures shared by the end-to-end tests: one real server on the default model for the whole session.
 
-Other e2e modules can start their own servers with `from server_utils import ServerProcess` (this directory
-is put on sys.path here, because pytest runs with `--import-mode=importlib`). Set RADIXLM_TEST_SERVER_URL to
-test an already running server instead of starting one (tests that need the process itself are skipped).
+Other e2e modules can start their own servers with `from tests.e2e.server_utils import ServerProcess` (the
+repository root is on sys.path through pytest's `pythonpath` in pyproject.toml). Set
+RADIXLM_TEST_SERVER_URL to test an already running server instead of starting one (tests that need the
+process itself are skipped).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from server_utils import ServerProcess  # noqa: E402
+from tests.e2e.server_utils import ServerProcess
 
 MAX_TOTAL_TOKENS = 20000
 EXTERNAL_URL = os.environ.get("RADIXLM_TEST_SERVER_URL")

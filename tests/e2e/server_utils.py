@@ -8,9 +8,9 @@ processes (scheduler, detokenizer, multiprocessing helpers) outlived it.
     with ServerProcess(extra_args=["--api-key", "secret"]) as srv:
         requests.get(srv.url + "/health")
 
-Test modules under tests/e2e import it as `from server_utils import ...` (tests/e2e/conftest.py puts this
-directory on sys.path). The HTTP helpers at the end (`wait_idle`, `assert_no_kv_leak`, ...) check the KV
-accounting invariant of DESIGN.md from outside.
+Test modules under tests/e2e import it as `from tests.e2e.server_utils import ...` (pyproject's pytest
+`pythonpath` puts the repository root on sys.path). The HTTP helpers at the end (`wait_idle`,
+`assert_no_kv_leak`, ...) check the KV accounting invariant of DESIGN.md from outside.
 """
 
 from __future__ import annotations

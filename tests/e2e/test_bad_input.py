@@ -13,7 +13,8 @@ import uuid
 
 import pytest
 import requests
-from server_utils import ServerProcess
+
+from tests.e2e.server_utils import ServerProcess
 
 MAX_BODY = 1 << 20
 TIMEOUT_S = 20  # every case below is rejected before any generation: seconds, not minutes

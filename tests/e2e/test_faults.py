@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from server_utils import ServerProcess, descendants
+
+from tests.e2e.server_utils import ServerProcess, descendants
 
 FAIL_FAST_S = 10.0  # kill -9 of a child -> the in-flight request's error reaches the client
 EXIT_S = 15.0  # kill -9 of a child -> the server process has exited

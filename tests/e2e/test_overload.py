@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from server_utils import ServerProcess
+
+from tests.e2e.server_utils import ServerProcess
 
 MAX_RUNNING, MAX_QUEUED = 2, 2
 PROMPTS = [

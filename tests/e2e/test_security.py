@@ -15,7 +15,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import requests
-from server_utils import ServerProcess, descendants
+
+from tests.e2e.server_utils import ServerProcess, descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "s3cret-test-key-9f2c"

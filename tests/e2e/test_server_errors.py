@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 import openai
 import pytest
 import requests
-from server_utils import (
+
+from tests.e2e.server_utils import (
     HTTP_TIMEOUT_S,
     ServerProcess,
     ServerStartupError,

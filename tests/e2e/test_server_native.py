@@ -16,7 +16,8 @@ import uuid
 
 import pytest
 import requests
-from server_utils import HTTP_TIMEOUT_S, assert_no_kv_leak, kick, server_info, wait_idle
+
+from tests.e2e.server_utils import HTTP_TIMEOUT_S, assert_no_kv_leak, kick, server_info, wait_idle
 
 pytestmark = pytest.mark.timeout(
     600

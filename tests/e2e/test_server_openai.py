@@ -12,7 +12,8 @@ import jinja2
 import openai
 import pytest
 import requests
-from server_utils import HTTP_TIMEOUT_S
+
+from tests.e2e.server_utils import HTTP_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(600)  # includes the session server's startup for the first test
 

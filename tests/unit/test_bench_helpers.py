@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a folder of scripts, not installed
-
-from bench import common, gsm8k, json_decode, mmlu, multi_turn_chat, serving  # noqa: E402
-from bench.run_all import HEADLINES, headline_row  # noqa: E402
+from bench import gsm8k, json_decode, mmlu, multi_turn_chat, serving
+from bench.harness import common, datasets
+from bench.run_all import HEADLINES, headline_row
 
 
 # ------------------------------------------------------------------------------------------ common
@@ -58,6 +59,17 @@ def test_write_results_records_config_environment_and_load(tmp_path):
     assert doc["config"] == {"command": "x"} and doc["results"] == {"value": 1.5}
     assert doc["environment"]["cpu_model"] == "test"
     assert set(doc["environment"]["load_after"]) == {"load_1m", "load_5m", "load_15m", "quiet"}
+
+
+def test_result_files_record_the_python_m_command(tmp_path):
+    """Benchmarks run as `python -m bench.<name>`; the recorded command says so (no absolute file path)."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "bench.run_all", "--summary-only", "--results-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    subprocess.run(cmd, cwd=repo, env=env, check=True, timeout=300, capture_output=True)
+    doc = json.loads((tmp_path / "run_all.json").read_text())
+    want = f"{Path(sys.executable).name} -m bench.run_all --summary-only --results-dir {tmp_path}"
+    assert doc["config"]["command"] == want
 
 
 def test_charts_write_png(tmp_path):
@@ -127,15 +139,42 @@ def test_mmlu_prompt_format_and_scoring():
     assert mmlu.score("B", _State(answer=" B")) == 1.0 and mmlu.score("B", _State(answer=" C")) == 0.0
 
 
-@pytest.mark.skipif(not (common.DATA_DIR / "mmlu").is_dir(), reason="shared data not present")
 def test_mmlu_items_share_one_prefix_per_subject():
-    items, labels = mmlu.build_items(common.DATA_DIR, ["global_facts", "machine_learning"], 5, 5, seed=0)
+    items, labels = mmlu.build_items(datasets.DATA_DIR, ["global_facts", "machine_learning"], 5, 5, seed=0)
     assert len(items) == len(labels) == 10
     assert set(labels) <= set("ABCD")
     assert len({it["prefix"] for it in items}) == 2  # the shared few-shot prefix: one per subject
     assert all(it["question"].endswith("\nAnswer:") for it in items)
-    again, _ = mmlu.build_items(common.DATA_DIR, ["global_facts", "machine_learning"], 5, 5, seed=0)
+    again, _ = mmlu.build_items(datasets.DATA_DIR, ["global_facts", "machine_learning"], 5, 5, seed=0)
     assert again == items  # seeded order
+
+
+def test_repository_data_sets_load_with_their_documented_sizes():
+    """bench/data holds every data set (sizes as in bench/data/README.md); nothing is read from elsewhere."""
+    repo = Path(__file__).resolve().parents[2]
+    assert datasets.DATA_DIR == repo / "bench" / "data" and common.RESULTS_DIR == repo / "bench" / "results"
+    test_rows = {"clinical_knowledge": 265, "global_facts": 100, "high_school_physics": 154}
+    test_rows |= {"machine_learning": 105, "nutrition": 306}
+    for subject in datasets.MMLU_SUBJECTS:
+        assert len(datasets.mmlu_rows(subject, "dev")) == 5
+        assert len(datasets.mmlu_rows(subject, "test")) == test_rows[subject]
+    assert len(datasets.gsm8k_rows("test")) == 1319 and len(datasets.gsm8k_rows("train_head200")) == 200
+    assert all("####" in r["answer"] for r in datasets.gsm8k_rows("train_head200"))
+    sizes = {"Github_trivial": 444, "Github_easy": 1943, "Glaiveai2K": 1707}
+    for subset in datasets.JSONSCHEMABENCH_SUBSETS:
+        rows = datasets.load_subset(subset)
+        assert len(rows) == sizes[subset] and all(isinstance(r["schema"], (dict, bool)) for r in rows)
+
+
+def test_data_set_loaders_name_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nutrition"):
+        datasets.mmlu_rows("nutrition", "test", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="split"):
+        datasets.mmlu_rows("nutrition", "validation")
+    with pytest.raises(ValueError, match="train"):
+        datasets.gsm8k_rows("train")
+    with pytest.raises(FileNotFoundError, match="Github_hard"):
+        datasets.load_subset("Github_hard")
 
 
 def test_mmlu_cloze_items_score_answer_texts():
@@ -148,7 +187,7 @@ def test_mmlu_cloze_items_score_answer_texts():
     assert label == "4"
     assert mmlu.score(label, _State(answer=" 4")) == 1.0 and mmlu.score(label, _State(answer=" 5")) == 0.0
     with pytest.raises(ValueError, match="format"):
-        mmlu.build_items(common.DATA_DIR, ["global_facts"], 1, 0, seed=0, fmt="essay")
+        mmlu.build_items(datasets.DATA_DIR, ["global_facts"], 1, 0, seed=0, fmt="essay")
 
 
 # ------------------------------------------------------------------------------------------ json_decode

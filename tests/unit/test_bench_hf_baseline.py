@@ -6,18 +6,14 @@ it fast.
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a folder of scripts, not installed
-
-from bench.hf_backend import HFBackend  # noqa: E402
-from bench.hf_model import GenRequest, generate_batch, left_pad, load_hf_model, score_batch  # noqa: E402
-from lang.backends.base import Prompt  # noqa: E402
+from bench.harness.hf_backend import HFBackend
+from bench.harness.hf_model import GenRequest, generate_batch, left_pad, load_hf_model, score_batch
+from lang.backends.base import Prompt
 
 
 @pytest.fixture(scope="module")

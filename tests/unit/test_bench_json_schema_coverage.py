@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench` is a folder of scripts, not installed
-
-from bench import json_mask_overhead as mask  # noqa: E402
-from bench import json_schema_coverage as cov  # noqa: E402
+from bench import json_mask_overhead as mask
+from bench import json_schema_coverage as cov
+from bench.harness import datasets
 
 STOP = {"type": "stop", "matched": None}
 LENGTH = {"type": "length", "length": 64}
@@ -26,11 +23,11 @@ PERSON = {
 
 def test_sample_rows_is_seeded_distinct_and_bounded():
     rows = [{"id": str(i)} for i in range(50)]
-    a, b = cov.sample_rows(rows, 10, seed=3), cov.sample_rows(rows, 10, seed=3)
+    a, b = datasets.sample_rows(rows, 10, seed=3), datasets.sample_rows(rows, 10, seed=3)
     assert a == b and len({r["id"] for r in a}) == 10
-    assert cov.sample_rows(rows, 10, seed=4) != a
-    assert sorted(r["id"] for r in cov.sample_rows(rows, 500, seed=0)) == sorted(r["id"] for r in rows)
-    assert cov.sample_rows(rows, 0, seed=0) == []
+    assert datasets.sample_rows(rows, 10, seed=4) != a
+    assert sorted(r["id"] for r in datasets.sample_rows(rows, 500, seed=0)) == sorted(r["id"] for r in rows)
+    assert datasets.sample_rows(rows, 0, seed=0) == []
 
 
 def test_load_subset_reads_jsonl(tmp_path):
@@ -39,7 +36,7 @@ def test_load_subset_reads_jsonl(tmp_path):
     (folder / "Tiny.jsonl").write_text(
         '{"id": "a", "schema": {"type": "integer"}}\n\n{"id": "b", "schema": {}}\n'
     )
-    rows = cov.load_subset("Tiny", data_dir=tmp_path)
+    rows = datasets.load_subset("Tiny", data_dir=tmp_path)
     assert [r["id"] for r in rows] == ["a", "b"] and rows[0]["schema"] == {"type": "integer"}
 
 

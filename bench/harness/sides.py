@@ -2,9 +2,9 @@
 
 A side name is a variant of radixlm (`radixlm`, `radixlm-noradix`, `radixlm-fcfs`, `radixlm-nojf`) or `hf`.
 Each opens as a DSL backend plus a way to read its counters: the radixlm sides start an in-process
-`runtime.Engine` (or talk to a running server with `--url`), `hf` loads `bench.hf_backend.HFBackend` on the
-same converted weights and dtype. Sides never overlap: one is closed (its processes gone) before the next
-opens, so they compete for the same cores only with the rest of the machine.
+`runtime.Engine` (or talk to a running server with `--url`), `hf` loads `bench.harness.hf_backend.HFBackend`
+on the same converted weights and dtype. Sides never overlap: one is closed (its processes gone) before the
+next opens, so they compete for the same cores only with the rest of the machine.
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ def open_side(name: str, args: argparse.Namespace, model: str = "default") -> Op
     if name == HF:
         import torch
 
-        from bench.common import usable_cores
-        from bench.hf_backend import HFBackend
+        from bench.harness.common import usable_cores
+        from bench.harness.hf_backend import HFBackend
 
         torch.set_num_threads(args.threads or usable_cores())
         backend = HFBackend(

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench import common
-from bench.sides import HF, Metered, OpenSide, add_side_args, open_side, side_names
+from bench.harness import common
+from bench.harness.sides import HF, Metered, OpenSide, add_side_args, open_side, side_names
 
 
 @dataclass

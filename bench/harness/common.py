@@ -16,13 +16,12 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # bench/harness/common.py -> the repository
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
-DATA_DIR = Path(os.environ.get("RADIXLM_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
 QUIET_LOAD = 1.5  # 1-minute load average below which the machine counts as quiet
 
 
@@ -227,7 +226,10 @@ def _json_default(obj: Any) -> Any:
 
 
 def command_line() -> str:
-    return " ".join([Path(sys.executable).name, *sys.argv])
+    """The command as typed: `python -m bench.<name> ...` (not the module's absolute file path)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    entry = ["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]
+    return " ".join([Path(sys.executable).name, *entry, *sys.argv[1:]])
 
 
 def _pyplot():
@@ -319,10 +321,3 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 def csv_list(text: str, cast: type = str) -> list[Any]:
     """'1,8,32' -> [1, 8, 32] (with cast=int); blanks dropped."""
     return [cast(x.strip()) for x in text.split(",") if x.strip()]
-
-
-def iter_jsonl(path: Path | str) -> Iterable[dict[str, Any]]:
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from bench.hf_model import SUPPORTED_KEYS, GenRequest, generate_batch, load_hf_model, score_batch
+from bench.harness.hf_model import SUPPORTED_KEYS, GenRequest, generate_batch, load_hf_model, score_batch
 from lang.backends.base import Backend, GenResult, Prompt, SelectResult, pick
 from lang.chat_template import ChatTemplate
 from lang.errors import BackendError
