@@ -3,7 +3,9 @@ linear shapes, so the choice of `--quantization` rests on measured per-layer cos
 
     python bench/quant_matmul.py --m 1,8,32,512 --threads 1,2
 
-Prints one line per (threads, M, layer): median milliseconds per call for fp32, int8, int4 and the speed-up.
+Prints one line per (threads, M, layer): median milliseconds per call of fp32 `F.linear`, the int8/int4
+weight-only kernels `--quantization` uses, and for comparison bf16 `F.linear` (x cast to bf16 and back) and
+fbgemm's dynamic int8 linear (activations quantized per call: not weight-only), then per-M sums.
 Timings on a shared machine are noisy: record `uptime` next to them.
 """
 
@@ -13,6 +15,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -44,41 +47,52 @@ def _median_ms(fn, min_seconds: float) -> float:
     return statistics.median(samples)
 
 
+def _kernels(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every candidate y = x @ w^T for one weight, fp32 in and out (conversions included in the cost)."""
+    q8, s8 = quantize_int8(w)
+    q4, sz4 = quantize_int4(w, 32)
+    p4 = pack_int4(q4)
+    wb = w.to(torch.bfloat16)
+    # fbgemm dynamic int8 (activations quantized per call, per tensor): not weight-only, for comparison
+    qw = torch.quantize_per_channel(w, s8.double(), torch.zeros_like(s8, dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    return {
+        "fp32": lambda x: F.linear(x, w),
+        "int8": lambda x: torch._weight_int8pack_mm(x, q8, s8),
+        "int4": lambda x: torch._weight_int4pack_mm_for_cpu(x, p4, 32, sz4),
+        "bf16": lambda x: F.linear(x.to(torch.bfloat16), wb).float(),
+        "w8a8dyn": lambda x: torch.ops.quantized.linear_dynamic(x, packed, True),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", default="1,8,32,512", help="comma-separated token counts (rows of x)")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     p.add_argument("--seconds", type=float, default=0.3, help="minimum timing per kernel and shape")
+    p.add_argument("--kernels", default="fp32,int8,int4,bf16,w8a8dyn", help="comma-separated subset")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    layers = []
-    for name, n, k in SHAPES:
-        w = torch.randn(n, k) * 0.02
-        q8, s8 = quantize_int8(w)
-        q4, sz4 = quantize_int4(w, 32)
-        layers.append((name, w, q8, s8, pack_int4(q4), sz4))
-    head = ("thr", "M", "layer", "fp32 ms", "int8 ms", "int4 ms", "x int8", "x int4")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (3, 4, 8, 9, 9, 9, 7, 7), strict=True)))
+    names = args.kernels.split(",")
+    layers = [(name, _kernels(torch.randn(n, k) * 0.02), k) for name, n, k in SHAPES]
+    print(f"{'thr':>3} {'M':>4} {'layer':>8} " + " ".join(f"{n + ' ms':>11}" for n in names))
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for m in [int(v) for v in args.m.split(",")]:
-            totals = [0.0, 0.0, 0.0]
-            for name, w, q8, s8, p4, sz4 in layers:
-                x = torch.randn(m, w.shape[1])
-                calls = [
-                    lambda x=x, w=w: F.linear(x, w),
-                    lambda x=x, q=q8, s=s8: torch._weight_int8pack_mm(x, q, s),
-                    lambda x=x, p=p4, sz=sz4: torch._weight_int4pack_mm_for_cpu(x, p, 32, sz),
-                ]
-                ms = [_median_ms(fn, args.seconds) for fn in calls]
-                totals = [a + b for a, b in zip(totals, ms, strict=True)]
-                print(
-                    f"{threads:>3} {m:>4} {name:>8} {ms[0]:9.3f} {ms[1]:9.3f} {ms[2]:9.3f} "
-                    f"{ms[0] / ms[1]:7.2f} {ms[0] / ms[2]:7.2f}"
-                )
+            totals = dict.fromkeys(names, 0.0)
+            for name, kernels, k in layers:
+                if name == "lm_head" and m > 32:
+                    continue  # prefill computes logits for the last token of each request only
+                x = torch.randn(m, k)
+                ms = {n: _median_ms(lambda f=kernels[n], x=x: f(x), args.seconds) for n in names}
+                totals = {n: totals[n] + ms[n] for n in names}
+                print(f"{threads:>3} {m:>4} {name:>8} " + " ".join(f"{ms[n]:11.3f}" for n in names))
             print(
-                f"{threads:>3} {m:>4} {'sum':>8} {totals[0]:9.3f} {totals[1]:9.3f} {totals[2]:9.3f} "
-                f"{totals[0] / totals[1]:7.2f} {totals[0] / totals[2]:7.2f}"
+                f"{threads:>3} {m:>4} {'sum':>8} "
+                + " ".join(f"{totals[n]:11.3f}" for n in names)
+                + "   speed-up vs fp32: "
+                + " ".join(f"{n}={totals['fp32'] / totals[n]:.2f}" for n in names if n != "fp32"),
+                flush=True,
             )
 
 
