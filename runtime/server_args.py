@@ -12,9 +12,11 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-# What --quantization auto means for --model default on CPU. Measured (bench/quant_matmul.py, this 2-core
-# EPYC, torch 2.13): the weight-only CPU kernels _weight_int8pack_mm / _weight_int4pack_mm_for_cpu are
-# 3-50x slower than fp32 F.linear at M=1..512 for the model's shapes, so fp32 stays the fastest mode.
+# What --quantization auto means for --model default on CPU: the fastest mode within 1 MMLU point of fp32.
+# Measured on this 2-core EPYC, torch 2.13, 1 thread: the weight-only kernels _weight_int8pack_mm and
+# _weight_int4pack_mm_for_cpu are 2-23x slower than fp32 F.linear summed over the model's shapes at M=1..32
+# (bench/quant_matmul.py), and decode is 1.5-12x slower end to end (bench/decode_throughput.py
+# --quantization ...), so no quantized mode is faster and fp32 ("none") is the default.
 DEFAULT_CPU_QUANTIZATION = "none"
 
 

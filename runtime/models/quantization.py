@@ -13,6 +13,10 @@ float32; only the weights are quantized. Methods:
   Q8_0 weights (the default file's tied embedding / LM head) are dequantized exactly and re-quantized per
   channel like `int8`. Other GGUF types stay fp32 (dequantized as for `none`).
 
+Measured cost (bench/quant_matmul.py, 2-core EPYC, torch 2.13): on this CPU both torch kernels are slower
+than fp32 `F.linear` (int8 2-18x, int4 5-23x at M=1..32, 1 thread), so the modes trade speed for memory
+here and `--quantization auto` stays "none" (see server_args.DEFAULT_CPU_QUANTIZATION).
+
 The embedding lookup always reads the fp32 (dequantized) table; with tied embeddings the LM head gets its own
 quantized copy of it.
 """
