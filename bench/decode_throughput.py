@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-steps", type=int, default=32, help="N new tokens per sequence")
     p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--quantization", default="none", help="comma-separated: none, int8, int4, gguf (radixlm side only)"
+    )
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--sides", default="radixlm,hf,llamacpp", help=f"comma-separated: {', '.join(SIDES)}")
     p.add_argument("--engine", action="store_true", help="also measure the whole runtime.Engine")
@@ -225,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads or common.usable_cores())
     batch_sizes = common.csv_list(args.batch_sizes, int)
     dtypes = common.csv_list(args.dtype)
+    quants = common.csv_list(args.quantization)
     sides = common.csv_list(args.sides)
     unknown = [s for s in sides if s not in SIDES]
     if unknown or not sides:
@@ -240,11 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = resolve_model_path("default")
     results: dict[str, Any] = {"machine": {}, "load_times": {}, "by_dtype": {}}
     rows = []
-    for dtype in dtypes:
+    # A quantized run is keyed "dtype+method"; its roofline ("limit") still counts the dtype's weight bytes.
+    for dtype, quant in [(d, q) for d in dtypes for q in quants]:
+        key = dtype if quant == "none" else f"{dtype}+{quant}"
         tdt = DTYPES[dtype]
-        machine = {"matmul_gflops": matmul_gflops(tdt), "read_gbs": read_bandwidth_gbs()}
-        results["machine"][dtype] = machine
-        results["load_times"][dtype] = load_times(dtype, cold=not args.no_cold_load and dtype == dtypes[0])
+        if dtype not in results["machine"]:
+            machine = {"matmul_gflops": matmul_gflops(tdt), "read_gbs": read_bandwidth_gbs()}
+            results["machine"][dtype] = machine
+            cold = not args.no_cold_load and dtype == dtypes[0]
+            results["load_times"][dtype] = load_times(dtype, cold=cold)
+        machine = results["machine"][dtype]
         per_bs: dict[str, Any] = {}
         max_bs = max(batch_sizes)
         need = max_bs * (args.prompt_len + args.decode_steps) + 64
@@ -255,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_total_tokens=need,
             max_running_requests=max_bs,
             attention_backend=args.attention_backend,
+            quantization=quant,
         )
         context = args.prompt_len + args.decode_steps // 2
         costs = model_costs(runner.config, context, tdt)
@@ -282,6 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
                 max_running_requests=max_bs,
                 disable_radix_cache=True,
                 attention_backend=args.attention_backend,
+                quantization=quant,
                 log_level="warning",
                 num_threads=torch.get_num_threads(),
             )
@@ -325,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
             per_bs[str(bs)] = entry
             rows.append(
                 {
-                    "dtype": dtype,
+                    "dtype": key,
                     "bs": bs,
                     "radixlm tok/s": r,
                     "engine tok/s": entry.get("radixlm_engine", {}).get("decode_tok_s"),
@@ -341,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                 }
             )
             print(common.format_table(rows[-1:]), flush=True)
-        results["by_dtype"][dtype] = {"batch_sizes": per_bs, "backend": runner.backend_name}
+        results["by_dtype"][key] = {"batch_sizes": per_bs, "backend": runner.backend_name}
         if engine is not None:
             engine.shutdown()
         if llama is not None:
@@ -372,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "decode_steps": args.decode_steps,
         "dtypes": dtypes,
+        "quantization": quants,
         "device": args.device,
         "attention_backend": args.attention_backend,
         "sides": sides,

@@ -12,6 +12,13 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+# What --quantization auto means for --model default on CPU: the fastest mode within 1 MMLU point of fp32.
+# Measured on this 2-core EPYC, torch 2.13, 1 thread: the weight-only kernels _weight_int8pack_mm and
+# _weight_int4pack_mm_for_cpu are 2-23x slower than fp32 F.linear summed over the model's shapes at M=1..32
+# (bench/quant_matmul.py), and decode is 1.5-12x slower end to end (bench/decode_throughput.py
+# --quantization ...), so no quantized mode is faster and fp32 ("none") is the default.
+DEFAULT_CPU_QUANTIZATION = "none"
+
 
 def _opt(default, help: str, choices: tuple | None = None):
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -49,6 +56,12 @@ class ServerArgs:
         "auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer")
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
+    quantization: str = _opt(
+        "auto",
+        "weight-only quantization of linear layers and LM head (CPU, float32 activations); gguf keeps the "
+        "file's Q4_1 blocks; auto = the measured CPU default for --model default, else none",
+        ("auto", "none", "int8", "int4", "gguf"),
+    )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
     tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
@@ -89,7 +102,19 @@ class ServerArgs:
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
-        return dataclasses.replace(self, device=device, dtype=dtype)
+        quantization = self.quantization
+        if quantization == "auto":
+            on_cpu_default = device == "cpu" and dtype == "float32" and self.model == "default"
+            quantization = DEFAULT_CPU_QUANTIZATION if on_cpu_default else "none"
+        from runtime.models.quantization import check_supported
+
+        check_supported(quantization, device, dtype)
+        if quantization == "gguf" and self.model != "default" and os.path.isdir(self.model):
+            raise ValueError(
+                f"--quantization gguf needs a GGUF model, but {self.model!r} is a Hugging Face folder: "
+                "use --quantization int8 or int4"
+            )
+        return dataclasses.replace(self, device=device, dtype=dtype, quantization=quantization)
 
     @property
     def model_name(self) -> str:

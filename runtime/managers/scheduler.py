@@ -53,6 +53,7 @@ class Scheduler:
             context_length=args.context_length,
             attention_backend=args.attention_backend,
             disable_cuda_graph=args.disable_cuda_graph,
+            quantization=args.quantization,
         )
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()

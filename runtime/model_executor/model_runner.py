@@ -33,8 +33,10 @@ class ModelRunner:
         context_length: int | None = None,
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
+        quantization: str = "none",
     ):
         from runtime.models.model_loader import iter_weights, load_hf_config
+        from runtime.models.quantization import quantize_model
 
         t0 = time.perf_counter()
         self.device = torch.device(device)
@@ -47,6 +49,8 @@ class ModelRunner:
             model = LlamaForCausalLM(cfg)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(iter_weights(model_dir))
+        quantize_model(model, quantization, model_dir)
+        self.quantization = quantization
         self.model = model.eval()
         self.load_seconds = time.perf_counter() - t0
 
@@ -75,12 +79,13 @@ class ModelRunner:
                     device=self.device,
                 )
         logger.info(
-            "model loaded in %.2fs: %s, %d layers, dtype=%s, device=%s, backend=%s, "
+            "model loaded in %.2fs: %s, %d layers, dtype=%s, quantization=%s, device=%s, backend=%s, "
             "KV pool %d tokens (%.0f MiB)",
             self.load_seconds,
             cfg.architecture,
             cfg.num_layers,
             dtype,
+            quantization,
             device,
             self.backend_name,
             max_total_tokens,

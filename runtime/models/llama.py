@@ -131,8 +131,11 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
         h = self.norm(h)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ weight.T).float()
+        head = self.lm_head
+        if head is None or isinstance(head, nn.Linear):
+            weight = self.embed_tokens.weight if head is None else head.weight
+            return (h @ weight.T).float()
+        return head(h).float()  # a QuantizedLinear (runtime/models/quantization.py)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up on the fly; raise on missing or unknown names."""

@@ -1,0 +1,70 @@
+"""Cheap accuracy proxy for `--quantization`: next-token top-1 agreement and KL(fp32 || mode) over every
+position of a few short prompts, on the default model. It is not MMLU (which decides the default), only a
+minutes-long check that a mode's logits stay close to fp32's.
+
+    python bench/quant_accuracy.py --modes int8,int4,gguf --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+PROMPTS = [
+    "The mitochondria is the powerhouse of the cell. It produces energy in the form of ATP through a process "
+    "called",
+    "In 1492, Christopher Columbus sailed across the Atlantic Ocean. His voyages led to the European "
+    "colonization of",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+    "print(fibonacci(",
+    "Question: What is the capital of Australia?\nA. Sydney\nB. Melbourne\nC. Canberra\nD. Perth\nAnswer:",
+]
+
+
+def all_logits(model_dir: str, mode: str, seqs: list[list[int]]) -> torch.Tensor:
+    """Float32 logits [sum(len(seqs)), vocab] of one extend batch under `--quantization mode`."""
+    from runtime.model_executor.forward_batch import ForwardBatch
+    from runtime.model_executor.model_runner import ModelRunner
+
+    r = ModelRunner(model_dir, max_total_tokens=1024, max_running_requests=8, quantization=mode)
+    rows = [r.req_to_token_pool.alloc() for _ in seqs]
+    n = sum(len(s) for s in seqs)
+    slots = r.allocator.alloc(n)
+    off = 0
+    for row, s in zip(rows, seqs, strict=True):
+        r.req_to_token_pool.write(row, 0, slots[off : off + len(s)])
+        off += len(s)
+    batch = ForwardBatch.build_extend(seqs, [0] * len(seqs), rows, slots, logits_indices=list(range(n)))
+    return r.forward(batch)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="int8,int4,gguf", help="comma-separated quantization modes")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from runtime.models.model_loader import load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path("default")
+    tok = load_tokenizer(model_dir)
+    seqs = [tok(t)["input_ids"] for t in PROMPTS]
+    ref = F.log_softmax(all_logits(model_dir, "none", seqs), -1)
+    print(f"{ref.shape[0]} positions; reference: fp32 (the GGUF dequantized)")
+    for mode in args.modes.split(","):
+        lq = F.log_softmax(all_logits(model_dir, mode, seqs), -1)
+        kl = (ref.exp() * (ref - lq)).sum(-1)
+        agree = (lq.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{mode:>5}: top-1 agreement {agree:.3f}, KL mean {kl.mean():.4f} max {kl.max():.4f}")
+
+
+if __name__ == "__main__":
+    main()

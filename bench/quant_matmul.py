@@ -1,0 +1,100 @@
+"""Micro-benchmark: weight-only int8 / int4 CPU matmul kernels against fp32 `F.linear` on the default model's
+linear shapes, so the choice of `--quantization` rests on measured per-layer costs.
+
+    python bench/quant_matmul.py --m 1,8,32,512 --threads 1,2
+
+Prints one line per (threads, M, layer): median milliseconds per call of fp32 `F.linear`, the int8/int4
+weight-only kernels `--quantization` uses, and for comparison bf16 `F.linear` (x cast to bf16 and back) and
+fbgemm's dynamic int8 linear (activations quantized per call: not weight-only), then per-M sums.
+Timings on a shared machine are noisy: record `uptime` next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from runtime.models.quantization import pack_int4, quantize_int4, quantize_int8  # noqa: E402
+
+# SmolLM2-135M (hidden 576, 9 q heads / 3 kv heads of 64, intermediate 1536, vocab 49152): (name, out, in)
+SHAPES = [
+    ("qkv", 960, 576),
+    ("o", 576, 576),
+    ("gate_up", 3072, 576),
+    ("down", 576, 1536),
+    ("lm_head", 49152, 576),
+]
+
+
+def _median_ms(fn, min_seconds: float) -> float:
+    fn()
+    samples: list[float] = []
+    t_end = time.perf_counter() + min_seconds
+    while time.perf_counter() < t_end or len(samples) < 5:
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _kernels(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every candidate y = x @ w^T for one weight, fp32 in and out (conversions included in the cost)."""
+    q8, s8 = quantize_int8(w)
+    q4, sz4 = quantize_int4(w, 32)
+    p4 = pack_int4(q4)
+    wb = w.to(torch.bfloat16)
+    # fbgemm dynamic int8 (activations quantized per call, per tensor): not weight-only, for comparison
+    qw = torch.quantize_per_channel(w, s8.double(), torch.zeros_like(s8, dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    return {
+        "fp32": lambda x: F.linear(x, w),
+        "int8": lambda x: torch._weight_int8pack_mm(x, q8, s8),
+        "int4": lambda x: torch._weight_int4pack_mm_for_cpu(x, p4, 32, sz4),
+        "bf16": lambda x: F.linear(x.to(torch.bfloat16), wb).float(),
+        "w8a8dyn": lambda x: torch.ops.quantized.linear_dynamic(x, packed, True),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", default="1,8,32,512", help="comma-separated token counts (rows of x)")
+    p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    p.add_argument("--seconds", type=float, default=0.3, help="minimum timing per kernel and shape")
+    p.add_argument("--kernels", default="fp32,int8,int4,bf16,w8a8dyn", help="comma-separated subset")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    names = args.kernels.split(",")
+    layers = [(name, _kernels(torch.randn(n, k) * 0.02), k) for name, n, k in SHAPES]
+    print(f"{'thr':>3} {'M':>4} {'layer':>8} " + " ".join(f"{n + ' ms':>11}" for n in names))
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for m in [int(v) for v in args.m.split(",")]:
+            totals = dict.fromkeys(names, 0.0)
+            for name, kernels, k in layers:
+                if name == "lm_head" and m > 32:
+                    continue  # prefill computes logits for the last token of each request only
+                x = torch.randn(m, k)
+                ms = {n: _median_ms(lambda f=kernels[n], x=x: f(x), args.seconds) for n in names}
+                totals = {n: totals[n] + ms[n] for n in names}
+                print(f"{threads:>3} {m:>4} {name:>8} " + " ".join(f"{ms[n]:11.3f}" for n in names))
+            print(
+                f"{threads:>3} {m:>4} {'sum':>8} "
+                + " ".join(f"{totals[n]:11.3f}" for n in names)
+                + "   speed-up vs fp32: "
+                + " ".join(f"{n}={totals['fp32'] / totals[n]:.2f}" for n in names if n != "fp32"),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Weight-only quantization of the decoder's linear layers and LM head (`--quantization`).
+
+CPU decode is bound by reading weights (SmolLM2-135M: 540 MB of fp32 per step), so storing them as int8 or
+int4 and using torch's CPU weight-only kernels cuts the bytes read per step by 4x / ~7x. Activations stay
+float32; only the weights are quantized. Methods:
+
+- int8: symmetric per output channel, `torch._weight_int8pack_mm` (y = (x @ q^T) * scale[n]);
+- int4: asymmetric groups of 32 along the input dim, `torch._weight_int4pack_mm_for_cpu`
+  (w = (q - 8) * scale + zero, q in 0..15);
+- gguf: the GGUF file's own blocks where they map exactly. Q4_1 (w = q*d + m, blocks of 32) is int4 group 32
+  with scale d and zero m + 8d (bit-identical dequantized weights, see tests/unit/test_quantization.py). Q8_0
+  (w = q*d per block of 32) has no exact kernel: `_weight_int8pack_mm` takes one scale per output channel, so
+  Q8_0 weights (the default file's tied embedding / LM head) are dequantized exactly and re-quantized per
+  channel like `int8`. Other GGUF types stay fp32 (dequantized as for `none`).
+
+Measured cost (bench/quant_matmul.py, 2-core EPYC, torch 2.13): on this CPU both torch kernels are slower
+than fp32 `F.linear` (int8 2-18x, int4 5-23x at M=1..32, 1 thread), so the modes trade speed for memory
+here and `--quantization auto` stays "none" (see server_args.DEFAULT_CPU_QUANTIZATION).
+
+The embedding lookup always reads the fp32 (dequantized) table; with tied embeddings the LM head gets its own
+quantized copy of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger("radixlm.quantization")
+
+METHODS = ("none", "int8", "int4", "gguf")
+INT4_GROUP = 32
+# `_convert_weight_to_int4pack_for_cpu` keeps the CUDA kernel's argument; the CPU layout ignores its value.
+_INNER_K_TILES = 2
+_Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles (low nibble: element j, high nibble: element j + 16)
+_Q8_0_BYTES = 34  # fp16 d, 32 int8
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def check_supported(method: str, device: str, dtype: str) -> None:
+    """Raise ValueError naming the problem when `method` cannot run on (device, dtype)."""
+    if method not in METHODS:
+        raise ValueError(f"--quantization must be one of {METHODS}, got {method!r}")
+    if method == "none":
+        return
+    if device != "cpu":
+        raise ValueError(
+            f"--quantization {method} uses torch's CPU weight-only kernels (_weight_int8pack_mm, "
+            f"_weight_int4pack_mm_for_cpu); device {device!r} is not supported: use --quantization none"
+        )
+    if dtype != "float32":
+        raise ValueError(
+            f"--quantization {method} needs --dtype float32 activations (got {dtype!r}); this CPU has no "
+            "native bf16/fp16 matmul, and only float32 is tested against the dequantized reference"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- quantizers
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w [N, K] -> (q int8 [N, K], scale fp32 [N]); w ~= q * scale."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scale[:, None]).clamp_(-128, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 (min/max per group along K): w [N, K] -> (q int32 [N, K] in 0..15,
+    scale_zeros fp32 [K/group, N, 2]) with w ~= (q - 8) * scale + zero, the layout the CPU kernel takes."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 needs in_features divisible by the group size {group}, got {k}")
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.reshape(n, k).contiguous(), int4_scale_zeros(scale, lo + 8.0 * scale)
+
+
+def int4_scale_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """[N, G] scales and zeros (w = (q - 8) * scale + zero) -> the kernel's [G, N, 2] float32 tensor."""
+    return torch.stack([scale.float().T, zero.float().T], dim=-1).contiguous()
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K] values 0..15 -> the CPU kernel's packed uint8 [N, K/2]."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
+
+
+def dequantize_int4(q: torch.Tensor, scale_zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """Reference fp32 weight [N, K] of unpacked int4 values (what the kernel should be multiplying by)."""
+    n, k = q.shape
+    scale = scale_zeros[..., 0].T[:, :, None]  # [N, G, 1]
+    zero = scale_zeros[..., 1].T[:, :, None]
+    return ((q.float().reshape(n, k // group, group) - 8.0) * scale + zero).reshape(n, k)
+
+
+# ----------------------------------------------------------------------------------------------- the layer
+class QuantizedLinear(nn.Module):
+    """Drop-in for `nn.Linear` (y = x W^T + b) with W stored as int8 per channel or packed int4 groups.
+
+    Buffers: int8: qweight int8 [N, K], scales fp32 [N]; int4: qweight uint8 [N, K/2] (packed),
+    scale_zeros fp32 [K/32, N, 2]. Bias stays fp32.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        in_features: int,
+        out_features: int,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        if kind not in ("int8", "int4"):
+            raise ValueError(f"QuantizedLinear kind must be int8 or int4, got {kind!r}")
+        self.kind = kind
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_float(cls, kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        n, k = weight.shape
+        if kind == "int8":
+            q, s = quantize_int8(weight.detach())
+            return cls("int8", k, n, q, s, bias)
+        q, sz = quantize_int4(weight.detach())
+        return cls("int4", k, n, pack_int4(q), sz, bias)
+
+    @classmethod
+    def from_int4(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> QuantizedLinear:
+        """Exact int4 layer from unpacked q [N, K] (0..15), scale and zero [N, K/32]."""
+        n, k = q.shape
+        return cls("int4", k, n, pack_int4(q), int4_scale_zeros(scale, zero), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            raise TypeError(f"QuantizedLinear takes float32 activations, got {x2.dtype}")
+        if x2.shape[0] == 0:
+            y = x2.new_empty(0, self.out_features)
+        elif self.kind == "int8":
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, INT4_GROUP, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 [N, K] weight as the kernel sees it (x = identity rows; adding exact zeros keeps it exact)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.qweight.device)
+        if self.kind == "int8":
+            return torch._weight_int8pack_mm(eye, self.qweight, self.scales).T.contiguous()
+        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales).T.contiguous()
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+# ----------------------------------------------------------------------------------------------- GGUF blocks
+def q4_1_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Unpack a Q4_1 tensor's bytes into (q uint8 [rows, cols], d fp32 [rows, cols/32], m fp32 [...])."""
+    if cols % 32:
+        raise ValueError(f"Q4_1 rows must be a multiple of 32 elements, got {cols}")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // 32, _Q4_1_BYTES)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 4:]
+    q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1).reshape(rows, cols)
+    return q, d, m
+
+
+def q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack a Q8_0 tensor's bytes into (q int8 [rows, cols], d fp32 [rows, cols/32])."""
+    if cols % 32:
+        raise ValueError(f"Q8_0 rows must be a multiple of 32 elements, got {cols}")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // 32, _Q8_0_BYTES)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return q, d
+
+
+def gguf_source(model_dir: str) -> str:
+    """The GGUF file a converted model folder came from; ValueError when the folder is not a conversion."""
+    from runtime.models.model_loader import SOURCE_MARKER
+
+    marker = Path(model_dir) / SOURCE_MARKER
+    if not marker.is_file():
+        raise ValueError(
+            f"--quantization gguf needs a GGUF model (--model default or a .gguf file); {model_dir} is a "
+            "Hugging Face folder: use --quantization int8 or int4 instead"
+        )
+    src = json.loads(marker.read_text())["source"]
+    if not Path(src).is_file():
+        raise FileNotFoundError(f"GGUF source {src} of {model_dir} is gone; pass the .gguf file again")
+    return src
+
+
+def _gguf_layer_int4(
+    tensors: dict[str, Any], names: list[str], heads: list[int | None], bias: torch.Tensor | None
+) -> QuantizedLinear | None:
+    """Exact int4 layer from Q4_1 parts fused along rows (q|k|v or gate|up); None if a part is not Q4_1.
+
+    Blocks run along the input dim, so fusing parts along the output dim keeps every block intact; q/k rows
+    are un-permuted back to HF's RoPE layout exactly as the fp32 conversion does.
+    """
+    from gguf import GGMLQuantizationType
+
+    from runtime.models.model_loader import unpermute_rope_rows
+
+    parts = [tensors[n] for n in names]
+    if any(t.tensor_type != GGMLQuantizationType.Q4_1 for t in parts):
+        return None
+    qs, ds, ms = [], [], []
+    for t, n_heads in zip(parts, heads, strict=True):
+        cols, rows = (int(v) for v in t.shape)  # GGUF lists dims innermost first
+        q, d, m = q4_1_blocks(t.data, rows, cols)
+        if n_heads is not None:
+            q, d, m = (unpermute_rope_rows(a, n_heads) for a in (q, d, m))
+        qs.append(q)
+        ds.append(d)
+        ms.append(m)
+    d = torch.from_numpy(np.concatenate(ds))
+    m = torch.from_numpy(np.concatenate(ms))
+    q = torch.from_numpy(np.concatenate(qs).astype(np.int32))
+    # w = q*d + m = (q - 8)*d + (m + 8d); 8d is exact and m + 8d is exact in fp32 for fp16 inputs whose
+    # exponents differ by < 13, so the kernel's dequantized weight is bit-identical to gguf's.
+    return QuantizedLinear.from_int4(q, d, m + 8.0 * d, bias)
+
+
+# ----------------------------------------------------------------------------------------------- the model
+def _targets(model: nn.Module) -> list[tuple[nn.Module, str, list[str], list[int | None]]]:
+    """(parent, attribute, GGUF tensor names, rope heads per part) for every linear layer to quantize."""
+    cfg = model.cfg
+    out = []
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]
+        out.append((attn, "qkv_proj", qkv, [cfg.num_heads, cfg.num_kv_heads, None]))
+        out.append((attn, "o_proj", [b + "attn_output.weight"], [None]))
+        out.append((mlp, "gate_up_proj", [b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None]))
+        out.append((mlp, "down_proj", [b + "ffn_down.weight"], [None]))
+    return out
+
+
+def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) -> dict[str, int]:
+    """Replace every linear layer of a loaded `LlamaForCausalLM` (and give it a quantized LM head) in place.
+
+    Returns how many layers ended up in each storage ("int8", "int4", "fp32") for the start-up log.
+    `model_dir` is needed for "gguf" (its source GGUF file is read again for the raw blocks).
+    """
+    check_supported(method, model.embed_tokens.weight.device.type, _dtype_name(model))
+    counts = {"int8": 0, "int4": 0, "fp32": 0}
+    if method == "none":
+        return counts
+    pick: Callable[[nn.Linear, list[str], list[int | None]], nn.Module]
+    if method == "gguf":
+        if model_dir is None:
+            raise ValueError("--quantization gguf needs the model folder to find its GGUF source")
+        import gguf
+
+        reader = gguf.GGUFReader(gguf_source(model_dir))
+        tensors = {t.name: t for t in reader.tensors}
+
+        def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
+            from gguf import GGMLQuantizationType
+
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise ValueError(f"GGUF source lacks {missing}: it does not match the loaded model")
+            layer = _gguf_layer_int4(tensors, names, heads, lin.bias)
+            if layer is not None:
+                if (layer.out_features, layer.in_features) != tuple(lin.weight.shape):
+                    raise ValueError(
+                        f"GGUF {names} shape disagrees with the model's {tuple(lin.weight.shape)}"
+                    )
+                return layer
+            if all(tensors[n].tensor_type == GGMLQuantizationType.Q8_0 for n in names):
+                # per-block scales do not fit the per-channel kernel: exact dequant (loaded) -> int8/channel
+                return QuantizedLinear.from_float("int8", lin.weight, lin.bias)
+            return lin  # other block types: keep the fp32 dequantization
+    else:
+
+        def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
+            return QuantizedLinear.from_float(method, lin.weight, lin.bias)
+
+    for parent, attr, names, heads in _targets(model):
+        new = pick(getattr(parent, attr), names, heads)
+        setattr(parent, attr, new)
+        counts[new.kind if isinstance(new, QuantizedLinear) else "fp32"] += 1
+    head = model.lm_head
+    head_lin = head if head is not None else nn.Linear(1, 1, bias=False)
+    if head is None:
+        head_lin.weight = model.embed_tokens.weight  # tied: quantize a copy, the lookup keeps fp32 rows
+    head_name = "output.weight" if head is not None else "token_embd.weight"
+    new_head = pick(head_lin, [head_name], [None])
+    if isinstance(new_head, QuantizedLinear):
+        model.lm_head = new_head
+    counts[new_head.kind if isinstance(new_head, QuantizedLinear) else "fp32"] += 1
+    logger.info("quantization %s: %s", method, counts)
+    return counts
+
+
+def _dtype_name(model: nn.Module) -> str:
+    return str(model.embed_tokens.weight.dtype).removeprefix("torch.")

@@ -1,0 +1,197 @@
+"""--quantization: each mode's logits match an fp32 model running the dequantized weights, and the `gguf`
+mode's Q4_1 blocks reproduce the `gguf` package's dequantization bit for bit on the default model's file.
+
+Tolerances: the quantized and reference forwards see identical weights and differ only in summation order
+inside the matmuls, so logits agree to ~1e-5 relative; we allow atol/rtol 2e-4 (the fp32 parity bound).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.model_executor.model_runner import ModelRunner
+from runtime.models.quantization import (
+    QuantizedLinear,
+    check_supported,
+    dequantize_int4,
+    q4_1_blocks,
+    q8_0_blocks,
+    quantize_int4,
+    quantize_int8,
+)
+from runtime.server_args import ServerArgs
+
+TOL = dict(atol=2e-4, rtol=2e-4)
+
+
+def _runner(model_dir: str, quantization: str = "none") -> ModelRunner:
+    return ModelRunner(
+        model_dir, max_total_tokens=256, max_running_requests=4, attention_backend="torch_native",
+        quantization=quantization,
+    )  # fmt: skip
+
+
+def _run(runner: ModelRunner, seqs: list[list[int]]) -> torch.Tensor:
+    """All-token logits of one extend batch over `seqs` followed by one decode step of token 3 each."""
+    rows = [runner.req_to_token_pool.alloc() for _ in seqs]
+    n = sum(len(s) for s in seqs)
+    slots = runner.allocator.alloc(n + len(seqs))
+    off = 0
+    for row, s in zip(rows, seqs, strict=True):
+        runner.req_to_token_pool.write(row, 0, slots[off : off + len(s)])
+        off += len(s)
+    ext = runner.forward(
+        ForwardBatch.build_extend(seqs, [0] * len(seqs), rows, slots[:n], logits_indices=list(range(n)))
+    )
+    for i, (row, s) in enumerate(zip(rows, seqs, strict=True)):
+        runner.req_to_token_pool.write(row, len(s), slots[n + i : n + i + 1])
+    dec = runner.forward(
+        ForwardBatch.build_decode([3] * len(seqs), [len(s) + 1 for s in seqs], rows, slots[n:])
+    )
+    return torch.cat([ext, dec])
+
+
+def _reference_weight(kind: str, w: torch.Tensor) -> torch.Tensor:
+    """Dequantized weight computed in Python from the quantizer's output (independent of the kernels)."""
+    if kind == "int8":
+        q, s = quantize_int8(w)
+        return q.float() * s[:, None]
+    return dequantize_int4(*quantize_int4(w))
+
+
+# ----------------------------------------------------------------------------------------------- layers
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_layer_matches_dequantized_reference(kind):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 128) * 0.05, torch.randn(96)
+    ref_w = _reference_weight(kind, w)
+    layer = QuantizedLinear.from_float(kind, w, b)
+    x = torch.randn(2, 5, 128)  # leading dims are kept
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, ref_w, b), **TOL)
+    torch.testing.assert_close(layer.dequantized_weight(), ref_w, atol=1e-6, rtol=0)
+    # the quantizer itself: error at most half a step (int8: amax/254 per row; int4: range/30 per group)
+    step = w.abs().amax(1, keepdim=True) / 127 if kind == "int8" else None
+    if step is None:
+        g = w.reshape(96, 4, 32)
+        step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    assert ((ref_w - w).abs() <= step / 2 + 1e-6).all()
+    assert layer(torch.zeros(0, 128)).shape == (0, 96)
+
+
+def test_int4_needs_whole_groups():
+    with pytest.raises(ValueError, match="divisible by the group size 32"):
+        QuantizedLinear.from_float("int4", torch.randn(8, 48))
+
+
+# ----------------------------------------------------------------------------------------------- model
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_model_matches_dequantized_reference(tiny_model_dir, kind):
+    quant, ref = _runner(tiny_model_dir, kind), _runner(tiny_model_dir)
+    kinds = [m.kind for m in quant.model.modules() if isinstance(m, QuantizedLinear)]
+    assert kinds == [kind] * (4 * quant.config.num_layers + 1)  # every linear layer and the LM head
+    for mod in list(ref.model.modules()):
+        if isinstance(mod, nn.Linear):
+            mod.weight.data = _reference_weight(kind, mod.weight.data)
+    seqs = [list(range(5, 25)), [7, 100, 300, 2, 9]]
+    got, want = _run(quant, seqs), _run(ref, seqs)
+    torch.testing.assert_close(got, want, **TOL)
+    plain = _run(_runner(tiny_model_dir), seqs)
+    assert not torch.allclose(got, plain, atol=1e-5)  # quantization did change the weights
+
+
+# ----------------------------------------------------------------------------------------------- gguf
+@pytest.fixture(scope="module")
+def gguf_tensors():
+    import gguf
+
+    from runtime.models.model_loader import default_gguf_path
+
+    return {t.name: t for t in gguf.GGUFReader(default_gguf_path()).tensors}
+
+
+def _rows(t, n: int):
+    cols = int(t.shape[0])
+    return np.asarray(t.data)[:n], n, cols
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.ffn_up.weight"])
+def test_q4_1_blocks_bit_exact_with_gguf(gguf_tensors, name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    t = gguf_tensors[name]
+    assert t.tensor_type == GGMLQuantizationType.Q4_1
+    raw, rows, cols = _rows(t, 64)
+    want = dequantize(raw, t.tensor_type).reshape(rows, cols)
+    q, d, m = q4_1_blocks(raw, rows, cols)
+    dd, mm = np.repeat(d, 32, axis=1), np.repeat(m, 32, axis=1)
+    assert np.array_equal((dd * q.astype(np.float32) + mm).view(np.uint32), want.view(np.uint32))
+    # the int4 kernel's own weight ((q - 8) * d + (m + 8d)) is the same bits
+    layer = QuantizedLinear.from_int4(torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d),
+                                      torch.from_numpy(m + 8 * d))  # fmt: skip
+    got = layer.dequantized_weight().numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_q8_0_blocks_bit_exact_with_gguf(gguf_tensors):
+    from gguf.quants import dequantize
+
+    t = gguf_tensors["token_embd.weight"]
+    raw, rows, cols = _rows(t, 64)
+    want = dequantize(raw, t.tensor_type).reshape(rows, cols)
+    q, d = q8_0_blocks(raw, rows, cols)
+    got = q.astype(np.float32) * np.repeat(d, 32, axis=1)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_gguf_mode_keeps_file_blocks(default_model_dir):
+    quant, ref = _runner(default_model_dir, "gguf"), _runner(default_model_dir)
+    layers = quant.model.layers
+    assert all(
+        isinstance(m, QuantizedLinear) and m.kind == "int4"
+        for layer in layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    )
+    assert quant.model.lm_head.kind == "int8"  # Q8_0 tied embedding: exact dequant, per-channel int8
+    # fused q|k|v (q/k rows un-permuted) and gate|up: same bits as the fp32 conversion of the same file
+    for i in (0, 15, 29):
+        for qmod, fmod in (
+            (layers[i].self_attn.qkv_proj, ref.model.layers[i].self_attn.qkv_proj),
+            (layers[i].mlp.gate_up_proj, ref.model.layers[i].mlp.gate_up_proj),
+            (layers[i].self_attn.o_proj, ref.model.layers[i].self_attn.o_proj),
+        ):
+            assert torch.equal(qmod.dequantized_weight(), fmod.weight.data)
+    ref.model.lm_head = nn.Linear(576, quant.vocab_size, bias=False)
+    ref.model.lm_head.weight.data = _reference_weight("int8", ref.model.embed_tokens.weight.data)
+    seqs = [[1, 9690, 28, 905, 1351, 314], [1, 504, 3458]]
+    torch.testing.assert_close(_run(quant, seqs), _run(ref, seqs), **TOL)
+
+
+def test_gguf_mode_rejects_hf_folder(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        _runner(tiny_model_dir, "gguf")
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        ServerArgs(model=tiny_model_dir, quantization="gguf").resolve()
+
+
+# ----------------------------------------------------------------------------------------------- options
+def test_auto_resolves_and_bad_combos_are_named():
+    assert ServerArgs(device="cpu").resolve().quantization == "none"  # measured default, see server_args
+    assert ServerArgs(device="cpu", quantization="int4").resolve().quantization == "int4"
+    with pytest.raises(ValueError, match="needs --dtype float32"):
+        ServerArgs(device="cpu", dtype="bfloat16", quantization="int8").resolve()
+    with pytest.raises(ValueError, match="device 'cuda' is not supported"):
+        check_supported("int4", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="must be one of"):
+        ServerArgs(quantization="fp8")
+    with pytest.raises(ValueError, match="must be one of"):
+        check_supported("fp8", "cpu", "float32")
