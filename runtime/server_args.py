@@ -106,9 +106,8 @@ class ServerArgs:
         if quantization == "auto":
             on_cpu_default = device == "cpu" and dtype == "float32" and self.model == "default"
             quantization = DEFAULT_CPU_QUANTIZATION if on_cpu_default else "none"
-        from runtime.models.quantization import check_supported
-
-        check_supported(quantization, device, dtype)
+        # Device/dtype support is checked by runtime.models.quantization.quantize_model (layering: config
+        # imports no layer above it).
         if quantization == "gguf" and self.model != "default" and os.path.isdir(self.model):
             raise ValueError(
                 f"--quantization gguf needs a GGUF model, but {self.model!r} is a Hugging Face folder: "

@@ -9,9 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
-from server_utils import descendants
 
 from runtime import Engine
+from tests.e2e.server_utils import descendants
 
 
 @pytest.fixture(scope="module")

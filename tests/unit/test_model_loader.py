@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from runtime import model_loader as ml
+from runtime.models import model_loader as ml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
