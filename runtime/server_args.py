@@ -49,6 +49,10 @@ class ServerArgs:
         "auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer")
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
+    enable_torch_compile: bool = _opt(
+        False, "CPU: compile the decode forward with inductor per batch-size bucket (minutes at start-up)"
+    )
+    torch_compile_max_bs: int = _opt(32, "largest decode batch run compiled; larger ones run eagerly")
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
     tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
@@ -70,6 +74,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError("--torch-compile-max-bs must be >= 1")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError("--new-token-ratio must be in [0, 1]")
         for f in dataclasses.fields(self):
