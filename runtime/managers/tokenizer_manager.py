@@ -84,7 +84,7 @@ class TokenizerManager:
         self.draining = False
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
-        self.grammar_validator = GrammarValidator()
+        self.grammar_validator = GrammarValidator(memory_mb=args.grammar_memory_mb)
         self.procs: dict[str, mp.Process] = {}
         self.info = self._launch_children()
         self.context_length: int = self.info["context_length"]
