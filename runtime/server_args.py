@@ -50,6 +50,11 @@ class ServerArgs:
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
+    tool_call_parser: str = _opt(
+        "auto",
+        "wire format of tool calls in model output; auto picks it from the chat template (hermes if none)",
+        ("auto", "hermes", "llama3", "mistral", "qwen"),
+    )
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
     tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
     random_seed: int = _opt(0, "seed for requests without their own seed")

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from runtime.entrypoints.generate_input import SingleRequest, check_unicode
 from runtime.entrypoints.http_common import SSE_DONE, run_unless_disconnected, sse, sse_stream
+from runtime.entrypoints.tool_calls import ToolPlan, ToolRequestError, plan_chat
 from runtime.managers.tokenizer_manager import RequestError, TokenizerManager, gather_or_cancel
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -82,6 +83,7 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    continue_final_message: StrictBool = False
 
 
 class CompletionRequest(_Common):
@@ -122,33 +124,44 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         check_model(body.model)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
-        if body.tools:
-            raise RequestError(
-                "tool calling is not supported; describe tools in the system prompt instead", 400
-            )
         msgs = [
             {"role": m.role if m.role != "developer" else "system", "content": _content_text(m.content)}
             for m in body.messages
         ]
+        # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
         try:
-            prompt = tm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # template errors are the request's fault (e.g. role order)
-            raise RequestError(f"cannot apply the chat template: {e}", 400) from None
-        ids = tm.tokenizer.encode(prompt, add_special_tokens=False)
+            plan = await plan_chat(
+                msgs,
+                [m.model_extra or {} for m in body.messages],
+                body,
+                tm.tokenizer,
+                args.tool_call_parser,
+                tm.grammar_validator,
+            )
+        except ToolRequestError as e:
+            raise RequestError(str(e), 400) from None
+        grammar = _grammar(body)
+        if plan.regex is not None:
+            if grammar:
+                raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
+            grammar = {"regex": plan.regex}
+        ids = tm.tokenizer.encode(plan.prompt, add_special_tokens=False)
+        # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _sampling_params(body, max_tokens, len(ids), tm.context_length, _grammar(body))
+        params = _sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
         top = body.top_logprobs or 0
         reqs = _requests(ids, params, body.logprobs or top > 0, top, body.stream)
         rid = "chatcmpl-" + reqs[0].rid
         if body.stream:
-            return await _stream_response(tm, reqs, _chat_chunks(rid, args.model_name, reqs, tm, body))
+            return await _stream_response(tm, reqs, _chat_chunks(rid, args.model_name, reqs, tm, body, plan))
         results = await run_unless_disconnected(request, _run_choices(tm, reqs))
         choices = []
         for i, r in enumerate(results):
+            message = plan.message(r["text"])
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": r["text"]},
-                "finish_reason": _finish(r),
+                "message": message,
+                "finish_reason": _tool_finish(_finish(r), bool(message.get("tool_calls"))),
                 "logprobs": None,
             }
             if body.logprobs:
@@ -332,6 +345,11 @@ def _finish(result: dict[str, Any]) -> str:
     return FINISH.get((result["meta_info"].get("finish_reason") or {}).get("type"), "stop")
 
 
+def _tool_finish(finish: str, has_calls: bool) -> str:
+    """OpenAI reports a reply that ends in tool calls as "tool_calls" (a cut-off one stays "length")."""
+    return "tool_calls" if has_calls and finish == "stop" else finish
+
+
 def _usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = results[0]["meta_info"]["prompt_tokens"] if results else 0
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
@@ -438,8 +456,11 @@ async def _stream_response(tm: TokenizerManager, reqs: list[SingleRequest], chun
     return StreamingResponse(sse_stream(body()), media_type="text/event-stream")
 
 
-async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+async def _chat_chunks(
+    rid, model, reqs, tm, body: ChatCompletionRequest, plan: ToolPlan
+) -> AsyncIterator[bytes]:
     created = int(time.time())
+    tool_streams = [plan.stream() for _ in reqs]  # None: content streams as generated
     sent_text = [0] * len(reqs)
     sent_lp = [0] * len(reqs)
     finals: dict[int, dict[str, Any]] = {}
@@ -478,7 +499,33 @@ async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> Asy
         if body.logprobs:
             lp = {"content": _chat_logprobs(tm, out["meta_info"], sent_lp[i])}
             sent_lp[i] = len(out["meta_info"].get("output_token_logprobs") or [])
-        if delta or finish:
+        ts = tool_streams[i]
+        if ts is not None:  # tool calling: content and tool_calls deltas from the parser
+            deltas = ts.feed(out["text"], bool(finish))
+            for k, d in enumerate(deltas):
+                last = finish and k == len(deltas) - 1
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": d,
+                            "logprobs": lp if k == 0 else None,
+                            "finish_reason": _tool_finish(_finish(out), ts.has_calls) if last else None,
+                        }
+                    ]
+                )
+            if finish and not deltas:
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {},
+                            "logprobs": lp,
+                            "finish_reason": _tool_finish(_finish(out), ts.has_calls),
+                        }
+                    ]
+                )
+        elif delta or finish:
             yield chunk(
                 [
                     {
