@@ -106,8 +106,7 @@ class ServerArgs:
         if quantization == "auto":
             on_cpu_default = device == "cpu" and dtype == "float32" and self.model == "default"
             quantization = DEFAULT_CPU_QUANTIZATION if on_cpu_default else "none"
-        # Device/dtype support is checked by runtime.models.quantization.quantize_model (layering: config
-        # imports no layer above it).
+        check_supported(quantization, device, dtype)
         if quantization == "gguf" and self.model != "default" and os.path.isdir(self.model):
             raise ValueError(
                 f"--quantization gguf needs a GGUF model, but {self.model!r} is a Hugging Face folder: "
@@ -149,3 +148,24 @@ class ServerArgs:
 def _base_type(hint) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
+
+
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
+
+
+def check_supported(method: str, device: str, dtype: str) -> None:
+    """Raise ValueError naming the problem when `method` cannot run on (device, dtype)."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
+    if method == "none":
+        return
+    if device != "cpu":
+        raise ValueError(
+            f"--quantization {method} uses torch's CPU weight-only kernels (_weight_int8pack_mm, "
+            f"_weight_int4pack_mm_for_cpu); device {device!r} is not supported: use --quantization none"
+        )
+    if dtype != "float32":
+        raise ValueError(
+            f"--quantization {method} needs --dtype float32 activations (got {dtype!r}); this CPU has no "
+            "native bf16/fp16 matmul, and only float32 is tested against the dequantized reference"
+        )

@@ -33,33 +33,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.server_args import QUANTIZATION_METHODS as METHODS  # noqa: F401
+from runtime.server_args import check_supported
+
 logger = logging.getLogger("radixlm.quantization")
 
-METHODS = ("none", "int8", "int4", "gguf")
 INT4_GROUP = 32
 # `_convert_weight_to_int4pack_for_cpu` keeps the CUDA kernel's argument; the CPU layout ignores its value.
 _INNER_K_TILES = 2
 _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles (low nibble: element j, high nibble: element j + 16)
 _Q8_0_BYTES = 34  # fp16 d, 32 int8
-
-
-# ----------------------------------------------------------------------------------------------- checks
-def check_supported(method: str, device: str, dtype: str) -> None:
-    """Raise ValueError naming the problem when `method` cannot run on (device, dtype)."""
-    if method not in METHODS:
-        raise ValueError(f"--quantization must be one of {METHODS}, got {method!r}")
-    if method == "none":
-        return
-    if device != "cpu":
-        raise ValueError(
-            f"--quantization {method} uses torch's CPU weight-only kernels (_weight_int8pack_mm, "
-            f"_weight_int4pack_mm_for_cpu); device {device!r} is not supported: use --quantization none"
-        )
-    if dtype != "float32":
-        raise ValueError(
-            f"--quantization {method} needs --dtype float32 activations (got {dtype!r}); this CPU has no "
-            "native bf16/fp16 matmul, and only float32 is tested against the dequantized reference"
-        )
 
 
 # ----------------------------------------------------------------------------------------------- quantizers
