@@ -156,7 +156,7 @@ def test_api_key_is_not_disclosed(srv):
     assert info["api_key"] != KEY and KEY not in str(info)
     assert KEY not in server.log()
     # Constant-time comparison (source check: timing is not measurable reliably in a test).
-    assert "hmac.compare_digest" in (ROOT / "runtime" / "server.py").read_text()
+    assert "hmac.compare_digest" in (ROOT / "runtime" / "entrypoints" / "server.py").read_text()
 
 
 def test_openai_client_with_and_without_key(srv):
