@@ -147,6 +147,55 @@ class SamplingParams:
         return dataclasses.asdict(self)
 
 
+class TokenBudgetError(ValueError):
+    """A request's tokens do not fit: an empty prompt, prompt + output past the context, or past the KV pool.
+
+    Raised by `check_token_budget` in every layer (HTTP, tokenizer manager, scheduler) so a client sees the
+    same message whichever layer caught it; the numbers are kept as attributes for callers and tests.
+    """
+
+    def __init__(
+        self, message: str, prompt_len: int, max_new_tokens: int | None, limit: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.prompt_len = prompt_len
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+
+
+def check_token_budget(
+    prompt_len: int, max_new_tokens: int | None, context_length: int, kv_pool_size: int | None = None
+) -> int:
+    """Check that a request fits and return its `max_new_tokens`.
+
+    `max_new_tokens=None` (OpenAI's unset `max_tokens`) means "what is left of the context" and needs room
+    for at least one token. `kv_pool_size`, when known, also bounds prompt + output: a request bigger than
+    the whole pool could never be scheduled.
+    """
+    if prompt_len <= 0:
+        raise TokenBudgetError("the prompt is empty (no tokens)", prompt_len, max_new_tokens)
+    wanted = "at least 1" if max_new_tokens is None else str(max_new_tokens)
+    if prompt_len + (1 if max_new_tokens is None else max_new_tokens) > context_length:
+        raise TokenBudgetError(
+            f"the prompt ({prompt_len} tokens) + max_new_tokens ({wanted}) exceeds the context length "
+            f"({context_length})",
+            prompt_len,
+            max_new_tokens,
+            context_length,
+        )
+    if max_new_tokens is None:
+        max_new_tokens = context_length - prompt_len
+    if kv_pool_size is not None and prompt_len + max_new_tokens > kv_pool_size:
+        raise TokenBudgetError(
+            f"the prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) needs "
+            f"{prompt_len + max_new_tokens} KV slots; the pool has {kv_pool_size}",
+            prompt_len,
+            max_new_tokens,
+            kv_pool_size,
+        )
+    return max_new_tokens
+
+
 def _check_type(name: str, value: Any, types: type | tuple[type, ...]) -> None:
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise ValueError(f"{name} must be a number, got a boolean")

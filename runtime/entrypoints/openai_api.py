@@ -28,7 +28,7 @@ from runtime.entrypoints.http_common import (
 from runtime.errors import RequestError
 from runtime.managers.generate_request import SingleRequest
 from runtime.managers.tokenizer_manager import TokenizerManager, gather_or_cancel
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -276,13 +276,11 @@ def _grammar(body: _Common) -> dict[str, Any]:
 def _sampling_params(
     body: _Common, max_tokens: int | None, prompt_len: int, context: int, grammar: dict[str, Any]
 ) -> SamplingParams:
-    if prompt_len >= context:
-        raise RequestError(
-            f"the prompt ({prompt_len} tokens) does not fit the context length ({context})", 400
-        )
-    if max_tokens is None:
-        max_tokens = context - prompt_len
     try:
+        # Unset: the rest of the context. An explicit value is checked by the tokenizer manager, after the
+        # range checks of SamplingParams (so an absurd max_tokens is named as such).
+        if max_tokens is None:
+            max_tokens = check_token_budget(prompt_len, None, context)
         return SamplingParams(
             max_new_tokens=max_tokens,
             temperature=body.temperature,

@@ -34,6 +34,7 @@ from runtime.messages import (
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
+from runtime.sampling_params import TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.scheduler")
@@ -119,21 +120,13 @@ class Scheduler:
             self.waiting.append(req)
 
     def _validate(self, req: Req) -> str | None:
-        n, limit = len(req.prompt_ids), self.runner.context_length
-        if n == 0:
-            return "the prompt is empty"
-        if n + req.params.max_new_tokens > limit:
-            return (
-                f"prompt ({n} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the context "
-                f"length ({limit})"
-            )
-        if n + req.params.max_new_tokens > self.runner.max_total_tokens:
-            return (
-                f"request needs {n + req.params.max_new_tokens} KV slots; "
-                f"the pool has {self.runner.max_total_tokens}"
-            )
-        if max(req.prompt_ids) >= self.runner.vocab_size or min(req.prompt_ids) < 0:
-            return f"input token ids must be in [0, {self.runner.vocab_size})"
+        n, r = len(req.prompt_ids), self.runner
+        try:
+            check_token_budget(n, req.params.max_new_tokens, r.context_length, r.max_total_tokens)
+        except TokenBudgetError as e:
+            return str(e)
+        if max(req.prompt_ids) >= r.vocab_size or min(req.prompt_ids) < 0:
+            return f"input token ids must be in [0, {r.vocab_size})"
         if req.logprob_start_len >= n:
             return f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({n})"
         return None

@@ -34,7 +34,7 @@ from runtime.messages import (
     TokenizedGenerateReq,
     decode,
 )
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.tokenizer_manager")
@@ -193,19 +193,16 @@ class TokenizerManager:
         """
         self.check_admission()
         ids = self.tokenize(req)
-        if not ids:
-            raise RequestError("the prompt is empty (no tokens)", 400)
         vocab_size = self.info.get("vocab_size")
         if req.input_ids is not None and vocab_size and not all(0 <= t < vocab_size for t in ids):
             # Checked here, not only in the scheduler: an id beyond 64 bits could not even be sent there.
             raise RequestError(f"input token ids must be in [0, {vocab_size})", 400)
-        total = len(ids) + req.params.max_new_tokens
-        if total > self.context_length:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({req.params.max_new_tokens}) "
-                f"exceeds the context length ({self.context_length})",
-                400,
+        try:
+            check_token_budget(
+                len(ids), req.params.max_new_tokens, self.context_length, self.info.get("max_total_tokens")
             )
+        except TokenBudgetError as e:
+            raise RequestError(str(e), 400) from None
         if req.logprob_start_len >= len(ids):
             raise RequestError(
                 f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({len(ids)})", 400
