@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import defaultdict
+from dataclasses import dataclass
 
 from runtime.managers.cache_manager import CacheManager
 from runtime.managers.req import Req
@@ -62,6 +63,12 @@ class AddResult(enum.Enum):
     FULL = "full"  # prefill budget or running-request limit reached
 
 
+@dataclass(frozen=True)
+class AddOutcome:
+    result: AddResult  # whether the caller should offer the next request
+    tokens: int  # tokens of this request admitted into the batch now (0: not admitted; < extend_len: chunked)
+
+
 class PrefillAdder:
     """Admits requests into one extend batch under three budgets.
 
@@ -92,25 +99,25 @@ class PrefillAdder:
     def _reserve(self, req: Req) -> int:
         return int(req.remaining_new_tokens * self.ratio)
 
-    def add(self, req: Req, extend_len: int, chunkable: bool = True) -> AddResult:
+    def add(self, req: Req, extend_len: int, chunkable: bool = True) -> AddOutcome:
         """`extend_len`: tokens this request still has to prefill (after its cached prefix). A request that is
         not `chunkable` (it wants prompt logprobs) is taken whole or not at all."""
         if self.rem_requests <= 0:
-            return AddResult.FULL
+            return AddOutcome(AddResult.FULL, 0)
         take = extend_len
         if self.rem_chunk is not None and take > self.rem_chunk:
             if not chunkable and self.admitted:
-                return AddResult.FULL
+                return AddOutcome(AddResult.FULL, 0)
         if self.rem_chunk is not None and take > self.rem_chunk and chunkable:
             take = self.rem_chunk
         if self.admitted and take > self.rem_prefill:
-            return AddResult.FULL
+            return AddOutcome(AddResult.FULL, 0)
         if take <= 0:
-            return AddResult.FULL
+            return AddOutcome(AddResult.FULL, 0)
         need = take + (self._reserve(req) if take == extend_len else 0)
         if need > self.rem_total:
             if self.admitted or take > self.rem_total:
-                return AddResult.NO_TOKEN
+                return AddOutcome(AddResult.NO_TOKEN, 0)
         self.admitted.append((req, take))
         self.rem_total -= need
         self.rem_prefill -= take
@@ -118,4 +125,9 @@ class PrefillAdder:
             self.rem_chunk -= take
         if take == extend_len:
             self.rem_requests -= 1
-        return AddResult.CONTINUE if take == extend_len else AddResult.FULL
+        return AddOutcome(AddResult.CONTINUE if take == extend_len else AddResult.FULL, take)
+
+    def withdraw_last(self) -> None:
+        """Drop the request admitted last (the caller could not start it: no free req_to_token row). Its
+        budget stays consumed: the caller stops filling the batch there."""
+        self.admitted.pop()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from runtime.managers.batch_builder import build_decode_batch, build_extend_batch
 from runtime.managers.cache_manager import CacheManager
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.req import Req, ReqStatus
@@ -31,7 +32,6 @@ from runtime.messages import (
     ServerInfoResp,
     TokenizedGenerateReq,
 )
-from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
 from runtime.sampling_params import TokenBudgetError, check_token_budget
@@ -198,22 +198,22 @@ class Scheduler:
         )
         # Requests that already hold KV go first: they pin memory until they finish.
         held = list(self.reextend)  # a request mid chunked prefill is first (see the end of this method)
+        held_admitted = 0
         for req in held:
-            if (
-                adder.add(req, req.seq_len - req.kv_len, chunkable=not req.wants_input_logprobs)
-                is not AddResult.CONTINUE
-            ):
+            out = adder.add(req, req.seq_len - req.kv_len, chunkable=not req.wants_input_logprobs)
+            held_admitted += out.tokens > 0
+            if out.result is not AddResult.CONTINUE:
                 break
         started: list[Req] = []
-        if len(adder.admitted) == len(held):
+        if held_admitted == len(held):
             for req in order_waiting(a.schedule_policy, self.waiting, self.cm, self.rng):
-                result = adder.add(req, req.seq_len - req.match_len, chunkable=not req.wants_input_logprobs)
-                if len(adder.admitted) > len(held) + len(started):
+                out = adder.add(req, req.seq_len - req.match_len, chunkable=not req.wants_input_logprobs)
+                if out.tokens:
                     if not self.cm.start(req):
-                        adder.admitted.pop()
+                        adder.withdraw_last()
                         break
                     started.append(req)
-                if result is not AddResult.CONTINUE:
+                if out.result is not AddResult.CONTINUE:
                     break
         admitted: list[tuple[Req, int]] = []
         for req, take in adder.admitted:
@@ -242,40 +242,16 @@ class Scheduler:
         return admitted
 
     def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:
-        tokens, prefix_lens, rows, sel = [], [], [], []
-        offset = 0
-        for req, take in admitted:
-            start = req.kv_len - take
-            tokens.append(req.all_ids[start : req.kv_len])
-            prefix_lens.append(start)
-            rows.append(req.req_pool_idx)
-            if req.wants_input_logprobs:
-                first = max(req.logprob_start_len - 1, start)
-                sel.extend(offset + p - start for p in range(first, req.kv_len))
-            else:
-                sel.append(offset + take - 1)
-            offset += take
-        slots = torch.cat(
-            [self.cm.req_pool.read(r.req_pool_idx, r.kv_len, r.kv_len - t) for r, t in admitted]
-        )
-        batch = ForwardBatch.build_extend(
-            tokens, prefix_lens, rows, slots, logits_indices=sel, device=self.runner.device
-        )
-        logits = self.runner.forward(batch)
+        built = build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device)
+        logits = self.runner.forward(built.batch)
         self.stats["extend_steps"] += 1
 
         last_rows, done = [], []
-        row = 0
-        for req, take in admitted:
-            start = req.kv_len - take
+        for (req, _), rows in zip(admitted, built.logit_rows):
             if req.wants_input_logprobs:
-                n = req.kv_len - max(req.logprob_start_len - 1, start)
-                self._record_input_logprobs(req, logits[row : row + n])
-                row += n
-            else:
-                row += 1
+                self._record_input_logprobs(req, logits[rows.start : rows.stop])
             if req.kv_len == req.seq_len:  # prompt (or re-extend) complete: its last logits pick a token
-                last_rows.append(row - 1)
+                last_rows.append(rows[-1])
                 done.append(req)
         wanting = [(r, i) for r, i in zip(done, last_rows) if r.params.max_new_tokens > 0]
         for req in done:
@@ -300,14 +276,7 @@ class Scheduler:
         reqs = list(self.running)
         for i, req in enumerate(reqs):
             self.cm.append_slots(req, slots[i : i + 1])
-        batch = ForwardBatch.build_decode(
-            [r.all_ids[-1] for r in reqs],
-            [r.kv_len for r in reqs],
-            [r.req_pool_idx for r in reqs],
-            slots,
-            device=self.runner.device,
-        )
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(build_decode_batch(reqs, slots, device=self.runner.device).batch)
         self.stats["decode_steps"] += 1
         self.running = []
         self._sample_and_advance(reqs, logits)

@@ -1,0 +1,155 @@
+"""CacheManager budgets with exact numbers and slot ids: available(), alloc with eviction when short,
+start / cache_prefix / release, and the accounting invariant after each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.managers.cache_manager import CacheManager
+from runtime.managers.req import Req
+from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
+from runtime.mem_cache.radix_cache import RadixCache
+from runtime.sampling_params import SamplingParams
+
+
+def make_cm(pool: int = 16, rows: int = 4) -> CacheManager:
+    return CacheManager(RadixCache(), ReqToTokenPool(rows, 32), SlotAllocator(pool))
+
+
+def cache_tokens(cm: CacheManager, key: list[int]) -> list[int]:
+    """Put `key` into the cache with freshly allocated slots; returns those slots."""
+    slots = cm.alloc_slots(len(key))
+    assert cm.cache.insert(key, slots) == 0
+    return slots.tolist()
+
+
+def make_req(prompt: list[int], max_new: int = 4) -> Req:
+    return Req(rid="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new))
+
+
+def test_available_is_free_plus_evictable():
+    cm = make_cm(16)
+    assert cm.available() == 16
+    cache_tokens(cm, [1, 2, 3, 4])
+    assert (cm.allocator.available(), cm.cache.evictable_size(), cm.available()) == (12, 4, 16)
+    res = cm.cache.match_prefix([1, 2, 3, 4])
+    cm.cache.lock(res.last_node)  # a locked prefix is not obtainable
+    assert cm.available() == 12
+    cm.cache.unlock(res.last_node)
+    assert cm.available() == 16
+    cm.check_accounting([])
+
+
+def test_alloc_takes_free_slots_last_in_first_out():
+    cm = make_cm(16)
+    assert cm.alloc_slots(4).tolist() == [13, 14, 15, 16]
+    assert cm.alloc_slots(2).tolist() == [11, 12]
+    assert cm.allocator.available() == 10
+
+
+def test_alloc_evicts_least_recently_used_leaves_when_short():
+    cm = make_cm(16)
+    old = cache_tokens(cm, [1, 2, 3, 4, 5])  # slots 12..16
+    new = cache_tokens(cm, [7, 8, 9, 10, 11, 12])  # slots 6..11, used later
+    assert (old, new) == ([12, 13, 14, 15, 16], [6, 7, 8, 9, 10, 11])
+    assert cm.allocator.available() == 5
+    slots = cm.alloc_slots(8)  # 3 short: the older leaf (5 tokens) goes whole
+    # Free list [1..5] + evicted [12..16]; the last 8 freed are handed out first.
+    assert slots.tolist() == [3, 4, 5, 12, 13, 14, 15, 16]
+    assert cm.cache.match_prefix([1, 2, 3, 4, 5]).indices.numel() == 0
+    assert cm.cache.match_prefix([7, 8, 9, 10, 11, 12]).indices.tolist() == new
+    assert (cm.allocator.available(), cm.cache.total_size()) == (2, 6)
+
+
+def test_alloc_fails_without_touching_anything_when_locked_cache_blocks_it():
+    cm = make_cm(8)
+    cache_tokens(cm, [1, 2, 3, 4, 5, 6])
+    res = cm.cache.match_prefix([1, 2, 3, 4, 5, 6])
+    cm.cache.lock(res.last_node)
+    assert cm.alloc_slots(3) is None
+    assert (cm.allocator.available(), cm.cache.total_size(), cm.cache.protected_size()) == (2, 6, 6)
+    cm.cache.unlock(res.last_node)
+
+
+def test_request_lifecycle_keeps_the_invariant_with_exact_counts():
+    cm = make_cm(16)
+    shared = cache_tokens(cm, [1, 2, 3])  # 13 free, 3 cached
+    req = make_req([1, 2, 3, 4, 5])
+    assert cm.match(req) == 3 and req.match_indices.tolist() == shared
+    assert cm.start(req)
+    assert (req.kv_len, req.cached_len, cm.cache.protected_size(), cm.available()) == (3, 3, 3, 13)
+    cm.append_slots(req, cm.alloc_slots(2))  # the 2 prompt tokens not cached
+    assert req.kv_len == 5 and cm.allocator.available() == 11
+    assert cm.req_pool.read(req.req_pool_idx, 5).tolist()[:3] == shared
+    cm.check_accounting([req])
+
+    cm.cache_prefix(req)  # publish all 5: the request keeps only a lock, no slots of its own
+    assert (req.cached_len, cm.cache.total_size(), cm.cache.protected_size()) == (5, 5, 5)
+    cm.check_accounting([req])
+
+    req.output_ids = [6]
+    cm.append_slots(req, cm.alloc_slots(1))
+    assert (req.kv_len, cm.allocator.available()) == (6, 10)
+    cm.check_accounting([req])
+
+    cm.release(req)  # its 6 tokens go to the cache, the lock and the row are dropped
+    assert req.req_pool_idx is None and (req.kv_len, req.cached_len) == (0, 0)
+    assert (cm.allocator.available(), cm.cache.total_size(), cm.cache.evictable_size()) == (10, 6, 6)
+    assert cm.req_pool.available() == 4
+    cm.check_accounting([])
+
+
+def test_release_frees_duplicates_of_what_is_already_cached():
+    cm = make_cm(16)
+    cache_tokens(cm, [1, 2, 3, 4])  # cached by an earlier request
+    req = make_req([1, 2, 3, 4])
+    req.match_len, req.match_node, req.match_indices = 0, cm.cache.root, torch.empty(0, dtype=torch.int64)
+    assert cm.start(req)  # computed without the cache hit: 4 slots of its own for the same tokens
+    cm.append_slots(req, cm.alloc_slots(4))
+    assert cm.allocator.available() == 8
+    cm.release(req)
+    assert (cm.allocator.available(), cm.cache.total_size()) == (12, 4)
+    cm.check_accounting([])
+
+
+def test_release_without_caching_frees_own_slots_only():
+    cm = make_cm(16)
+    cache_tokens(cm, [1, 2])
+    req = make_req([1, 2, 3])
+    cm.match(req)
+    cm.start(req)
+    cm.append_slots(req, cm.alloc_slots(1))
+    cm.release(req, cache_tokens=False)
+    assert (cm.allocator.available(), cm.cache.total_size(), cm.cache.protected_size()) == (14, 2, 0)
+    cm.check_accounting([])
+
+
+def test_truncate_refuses_to_cut_into_cache_owned_slots():
+    cm = make_cm(16)
+    cache_tokens(cm, [1, 2])
+    req = make_req([1, 2, 3])
+    cm.match(req)
+    cm.start(req)
+    cm.append_slots(req, cm.alloc_slots(3))  # kv 5: 2 cached + 3 own
+    assert cm.truncate(req, 3) and req.kv_len == 3 and cm.allocator.available() == 13
+    assert not cm.truncate(req, 1) and req.kv_len == 3
+    cm.check_accounting([req])
+    cm.release(req, cache_tokens=False)
+
+
+def test_accounting_check_catches_a_lost_slot():
+    cm = make_cm(8)
+    cm.alloc_slots(1)  # allocated and held by nobody
+    with pytest.raises(AssertionError, match="KV accounting broken: free 7 \\+ cache 0 \\+ requests 0 = 7"):
+        cm.check_accounting([])
+
+
+def test_start_fails_when_no_row_is_free():
+    cm = make_cm(16, rows=1)
+    a, b = make_req([1, 2]), make_req([3, 4])
+    cm.match(a)
+    cm.match(b)
+    assert cm.start(a)
+    assert not cm.start(b) and b.req_pool_idx is None and b.locked_node is None
+    cm.release(a, cache_tokens=False)
