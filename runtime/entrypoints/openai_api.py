@@ -6,28 +6,24 @@ the radix cache) and answers back into OpenAI's objects, streaming included.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from runtime.entrypoints.generate_input import check_unicode
 from runtime.entrypoints.http_common import (
-    SSE_DONE,
     FastJSONResponse,
     run_unless_disconnected,
     sse,
-    sse_stream,
 )
+from runtime.entrypoints.streaming import stream_response
 from runtime.errors import RequestError
 from runtime.managers.generate_request import SingleRequest
-from runtime.managers.tokenizer_manager import TokenizerManager, gather_or_cancel
+from runtime.managers.tokenizer_manager import TokenizerManager
 from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 
@@ -146,11 +142,11 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max_tokens, len(ids), tm.context_length, _grammar(body))
         top = body.top_logprobs or 0
-        reqs = _requests(ids, params, body.logprobs or top > 0, top, body.stream)
-        rid = "chatcmpl-" + reqs[0].rid
+        req = _request(ids, params, body.logprobs or top > 0, top, body.stream)
+        rid = "chatcmpl-" + req.rid
         if body.stream:
-            return await _stream_response(tm, reqs, _chat_chunks(rid, args.model_name, reqs, tm, body))
-        results = await run_unless_disconnected(request, _run_choices(tm, reqs))
+            return await stream_response(tm, [req], _ChatFormatter(rid, args.model_name, tm, body))
+        results = await run_unless_disconnected(request, tm.generate_all([req]))
         choices = []
         for i, r in enumerate(results):
             choice = {
@@ -186,7 +182,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             raise RequestError("streaming supports a single prompt", 400)
         top = body.logprobs
         rid = "cmpl-" + uuid.uuid4().hex
-        all_reqs, echo_texts = [], []
+        reqs, echo_texts = [], []
         for ids in prompts:
             params = _sampling_params(
                 body,
@@ -195,17 +191,13 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                 tm.context_length,
                 _grammar(body),
             )
-            all_reqs.append(_requests(ids, params, top is not None, top or 0, body.stream))
+            reqs.append(_request(ids, params, top is not None, top or 0, body.stream))
             echo_texts.append(tm.tokenizer.decode(ids) if body.echo else "")
         if body.stream:
-            return await _stream_response(
-                tm,
-                all_reqs[0],
-                _completion_chunks(rid, args.model_name, all_reqs[0], tm, body, echo_texts[0]),
-            )
-        results_per_prompt = await run_unless_disconnected(
-            request, gather_or_cancel(*(_run_choices(tm, reqs) for reqs in all_reqs))
-        )
+            fmt = _CompletionFormatter(rid, args.model_name, tm, body, echo_texts[0])
+            return await stream_response(tm, reqs, fmt)
+        every = await run_unless_disconnected(request, tm.generate_all(reqs))  # n per prompt, in order
+        results_per_prompt = [every[p * body.n : (p + 1) * body.n] for p in range(len(reqs))]
         choices, flat = [], []
         for p, results in enumerate(results_per_prompt):
             for r in results:
@@ -303,10 +295,9 @@ def _sampling_params(
         raise RequestError(str(e), 400) from None
 
 
-def _requests(
-    ids: list[int], params: SamplingParams, logprobs: bool, top: int, stream: bool
-) -> list[SingleRequest]:
-    base = SingleRequest(
+def _request(ids: list[int], params: SamplingParams, logprobs: bool, top: int, stream: bool) -> SingleRequest:
+    """One request for all n choices: the tokenizer manager expands it (`prepare_choices`)."""
+    return SingleRequest(
         rid=uuid.uuid4().hex,
         text=None,
         input_ids=ids,
@@ -316,7 +307,6 @@ def _requests(
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
     )
-    return TokenizerManager.expand_n([base])
 
 
 def _completion_prompts(tm: TokenizerManager, prompt) -> list[list[int]]:
@@ -329,13 +319,6 @@ def _completion_prompts(tm: TokenizerManager, prompt) -> list[list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return [list(p) for p in prompt]
-
-
-async def _run_choices(tm: TokenizerManager, reqs: list[SingleRequest]) -> list[dict[str, Any]]:
-    tm.check_admission(len(reqs))
-    if len(reqs) > 1:  # prefill the shared prompt once so the n choices hit the radix cache
-        await tm.final(tm.prefill_only(reqs[0]))
-    return await gather_or_cancel(*(tm.final(r) for r in reqs))
 
 
 def _finish(result: dict[str, Any]) -> str:
@@ -393,157 +376,93 @@ def _completion_logprobs(tm: TokenizerManager, meta: dict[str, Any], start: int 
     }
 
 
-# ---- streaming -------------------------------------------------------------------------------------------
-async def _merge(
-    tm: TokenizerManager, reqs: list[SingleRequest]
-) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """Interleave the cumulative outputs of several streams as (choice index, output)."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+# ---- streaming (the loop is runtime.entrypoints.streaming; these say what each event looks like) ----------
+class _OpenAIFormatter:
+    """What chat and completion chunks share: the envelope, and usage as the last chunk when asked for."""
 
-    async def pump(i: int, req: SingleRequest):
-        try:
-            async for out in tm.generate(req):
-                await queue.put((i, out))
-        except BaseException as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
+    object_name = ""
 
-    if len(reqs) > 1:
-        await tm.final(tm.prefill_only(reqs[0]))
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
-    remaining = len(reqs)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
+    def __init__(self, rid: str, model: str, tm: TokenizerManager, body: _Common):
+        self.rid, self.model, self.tm = rid, model, tm
+        self.created = int(time.time())
+        self.usage = bool(body.stream_options and body.stream_options.include_usage)
 
-
-async def _stream_response(tm: TokenizerManager, reqs: list[SingleRequest], chunks: AsyncIterator[bytes]):
-    tm.check_admission(len(reqs))
-    first = None
-    try:
-        first = await chunks.__anext__()  # surfaces validation errors as 4xx before the stream starts
-    except StopAsyncIteration:
-        pass
-
-    async def body():
-        try:
-            if first is not None:
-                yield first
-                async for c in chunks:
-                    yield c
-        finally:
-            await chunks.aclose()
-
-    return StreamingResponse(sse_stream(body()), media_type="text/event-stream")
-
-
-async def _chat_chunks(rid, model, reqs, tm, body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    sent_text = [0] * len(reqs)
-    sent_lp = [0] * len(reqs)
-    finals: dict[int, dict[str, Any]] = {}
-
-    def chunk(choices, usage=None):
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         c = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
+            "id": self.rid,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
             "choices": choices,
         }
-        if body.stream_options and body.stream_options.include_usage:
+        if self.usage:
             c["usage"] = usage
         return sse(c)
 
-    started = False
-    async for i, out in _merge(tm, reqs):
-        if not started:
-            yield chunk(
+    def start(self, num_choices: int) -> list[bytes]:
+        return []
+
+    def end(self, finals: list[dict[str, Any]]) -> list[bytes]:
+        return [self._chunk([], _usage(finals))] if self.usage else []
+
+
+class _ChatFormatter(_OpenAIFormatter):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: str, tm: TokenizerManager, body: ChatCompletionRequest):
+        super().__init__(rid, model, tm, body)
+        self.logprobs = body.logprobs
+
+    def start(self, num_choices: int) -> list[bytes]:
+        role = {"role": "assistant", "content": ""}
+        return [
+            self._chunk(
                 [
-                    {
-                        "index": k,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    for k in range(len(reqs))
+                    {"index": k, "delta": role, "logprobs": None, "finish_reason": None}
+                    for k in range(num_choices)
                 ]
             )
-            started = True
-        delta = out["text"][sent_text[i] :]
-        sent_text[i] = len(out["text"])
+        ]
+
+    def update(self, index: int, out: dict[str, Any], text_delta: str, logprob_start: int) -> bytes | None:
         finish = out["meta_info"]["finish_reason"]
+        if not (text_delta or finish):
+            return None
         lp = None
-        if body.logprobs:
-            lp = {"content": _chat_logprobs(tm, out["meta_info"], sent_lp[i])}
-            sent_lp[i] = len(out["meta_info"].get("output_token_logprobs") or [])
-        if delta or finish:
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": lp,
-                        "finish_reason": _finish(out) if finish else None,
-                    }
-                ]
-            )
-        if finish:
-            finals[i] = out
-    if body.stream_options and body.stream_options.include_usage:
-        yield chunk([], _usage([finals[k] for k in sorted(finals)]))
-    yield SSE_DONE
+        if self.logprobs:
+            lp = {"content": _chat_logprobs(self.tm, out["meta_info"], logprob_start)}
+        choice = {
+            "index": index,
+            "delta": {"content": text_delta} if text_delta else {},
+            "logprobs": lp,
+            "finish_reason": _finish(out) if finish else None,
+        }
+        return self._chunk([choice])
 
 
-async def _completion_chunks(
-    rid, model, reqs, tm, body: CompletionRequest, echo: str
-) -> AsyncIterator[bytes]:
-    created = int(time.time())
-    sent_text = [0] * len(reqs)
-    sent_lp = [0] * len(reqs)
-    finals: dict[int, dict[str, Any]] = {}
-    echoed = [not echo] * len(reqs)
+class _CompletionFormatter(_OpenAIFormatter):
+    object_name = "text_completion"
 
-    def chunk(choices, usage=None):
-        c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if body.stream_options and body.stream_options.include_usage:
-            c["usage"] = usage
-        return sse(c)
+    def __init__(self, rid: str, model: str, tm: TokenizerManager, body: CompletionRequest, echo: str):
+        super().__init__(rid, model, tm, body)
+        self.logprobs = body.logprobs is not None
+        self.echo = echo  # prepended to each choice's first text
+        self.echoed: set[int] = set()
 
-    async for i, out in _merge(tm, reqs):
-        delta = out["text"][sent_text[i] :]
-        sent_text[i] = len(out["text"])
-        if not echoed[i]:
-            delta, echoed[i] = echo + delta, True
+    def update(self, index: int, out: dict[str, Any], text_delta: str, logprob_start: int) -> bytes | None:
+        if self.echo and index not in self.echoed:
+            text_delta = self.echo + text_delta
+            self.echoed.add(index)
         finish = out["meta_info"]["finish_reason"]
+        if not (text_delta or finish):
+            return None
         lp = None
-        if body.logprobs is not None:
-            lp = _completion_logprobs(tm, out["meta_info"], sent_lp[i])
-            sent_lp[i] = len(out["meta_info"].get("output_token_logprobs") or [])
-        if delta or finish:
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "text": delta,
-                        "logprobs": lp,
-                        "finish_reason": _finish(out) if finish else None,
-                    }
-                ]
-            )
-        if finish:
-            finals[i] = out
-    if body.stream_options and body.stream_options.include_usage:
-        yield chunk([], _usage([finals[k] for k in sorted(finals)]))
-    yield SSE_DONE
+        if self.logprobs:
+            lp = _completion_logprobs(self.tm, out["meta_info"], logprob_start)
+        choice = {
+            "index": index,
+            "text": text_delta,
+            "logprobs": lp,
+            "finish_reason": _finish(out) if finish else None,
+        }
+        return self._chunk([choice])

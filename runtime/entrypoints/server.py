@@ -15,20 +15,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.entrypoints.generate_input import check_unicode, parse_generate_body
 from runtime.entrypoints.http_common import (
-    SSE_DONE,
     FastJSONResponse,
     error_response,
     run_unless_disconnected,
     sse,
-    sse_stream,
 )
 from runtime.entrypoints.metrics import Metrics
+from runtime.entrypoints.streaming import stream_response
 from runtime.errors import RequestError
 from runtime.managers.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
@@ -101,22 +100,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
                 raise RequestError(
                     "streaming with n > 1 is not supported on /generate; use /v1 endpoints", 400
                 )
-            tm.check_admission()
-            # Validate before the 200 status goes out, so bad input is still a 4xx.
-            agen = tm.generate(req)
-            first = await _first_or_error(agen)
-
-            async def events():
-                try:
-                    if first is not None:
-                        yield sse(first)
-                        async for out in agen:
-                            yield sse(out)
-                    yield SSE_DONE
-                finally:
-                    await agen.aclose()
-
-            return StreamingResponse(sse_stream(events()), media_type="text/event-stream")
+            return await stream_response(tm, [req], _NativeFormatter())
         results = await run_unless_disconnected(request, tm.generate_all(reqs))
         return FastJSONResponse(results if is_batch or len(results) > 1 else results[0])
 
@@ -251,12 +235,17 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
-async def _first_or_error(agen):
-    """Pull the first item so validation errors raise before the response starts; None if it ended."""
-    try:
-        return await agen.__anext__()
-    except StopAsyncIteration:
-        return None
+class _NativeFormatter:
+    """Native /generate streams: every event is the whole cumulative output, as the non-streaming answer."""
+
+    def start(self, num_choices: int) -> list[bytes]:
+        return []
+
+    def update(self, index: int, out: dict[str, Any], text_delta: str, logprob_start: int) -> bytes | None:
+        return sse(out)
+
+    def end(self, finals: list[dict[str, Any]]) -> list[bytes]:
+        return []
 
 
 def _describe_http_error(request: Request, e: StarletteHTTPException) -> str:

@@ -299,14 +299,20 @@ class TokenizerManager:
             meta["output_top_logprobs"] = [top for *_, top in st.output_logprobs]
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
-    async def generate_all(self, reqs: list[SingleRequest]) -> list[dict[str, Any]]:
-        """Run non-streaming requests to completion, expanding `n > 1` into n samples that share the prompt's
-        KV (the prompt is prefilled once first). Results are flattened in order."""
+    async def prepare_choices(self, reqs: list[SingleRequest]) -> list[SingleRequest]:
+        """Expand `n > 1` into n choices and prefill each such prompt once first, so the n choices share its
+        KV through the radix cache instead of computing it n times. Admission counts every choice. The one
+        place this rule lives: `generate_all` and the streaming loop both start here."""
         expanded = self.expand_n(reqs)
         self.check_admission(len(expanded))
         warm = [self.prefill_only(r) for r in reqs if r.params.n > 1]
         if warm:
             await gather_or_cancel(*(self.final(w) for w in warm))
+        return expanded
+
+    async def generate_all(self, reqs: list[SingleRequest]) -> list[dict[str, Any]]:
+        """Run non-streaming requests to completion (see `prepare_choices`); results flattened in order."""
+        expanded = await self.prepare_choices(reqs)
         return await gather_or_cancel(*(self.final(r) for r in expanded))
 
     async def final(self, req: SingleRequest) -> dict[str, Any]:
