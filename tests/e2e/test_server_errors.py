@@ -196,13 +196,19 @@ OPENAI_ERRORS = {
         "/v1/completions",
         _completion(prompt=LONG_TEXT),
         400,
-        ["max_new_tokens (at least 1) exceeds the context length (8192)"],
+        ["+ max_new_tokens (1) exceeds the context length (8192)"],
     ),
     "chat_prompt_past_context": (
         "/v1/chat/completions",
         _chat(messages=[{"role": "user", "content": LONG_TEXT}]),
         400,
-        ["max_new_tokens (at least 1) exceeds the context length (8192)"],
+        ["+ max_new_tokens (1) exceeds the context length (8192)"],
+    ),
+    "chat_prompt_past_context_unset_max_tokens": (
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": LONG_TEXT}], max_tokens=None),
+        400,
+        ["+ max_new_tokens (at least 1) exceeds the context length (8192)"],
     ),
     "empty_messages": ("/v1/chat/completions", _chat(messages=[]), 400, ["at least one message"]),
     "wrong_role": (
