@@ -14,25 +14,30 @@ Typical use by the runtime::
         matcher.reset_to(output_ids[:keep] + new_ids)    # and drop KV past `keep`, prefill new_ids
 """
 
-from constrained.compiler import GrammarCompiler
-from constrained.errors import GrammarError
-from constrained.grammar import CompiledGrammar, GrammarMatcher, apply_vocab_mask, fill_vocab_masks
-from constrained.jump_forward import plan_jump_forward
-from constrained.spec import DEFAULT_WHITESPACE, GRAMMAR_KINDS, validate_spec
-from constrained.vocab import TokenVocabulary, build_vocabulary, vocabulary_for
+# Lazy (PEP 562): a compile worker process imports constrained.spec without pulling in torch, which would
+# cost it ~300 MB of address space under its RLIMIT_AS cap and seconds of start-up.
+_EXPORTS = {
+    "CompiledGrammar": "constrained.grammar",
+    "GrammarCompiler": "constrained.compiler",
+    "GrammarError": "constrained.errors",
+    "GrammarMatcher": "constrained.grammar",
+    "TokenVocabulary": "constrained.vocab",
+    "apply_vocab_mask": "constrained.grammar",
+    "build_vocabulary": "constrained.vocab",
+    "fill_vocab_masks": "constrained.grammar",
+    "plan_jump_forward": "constrained.jump_forward",
+    "validate_spec": "constrained.spec",
+    "vocabulary_for": "constrained.vocab",
+    "DEFAULT_WHITESPACE": "constrained.spec",
+    "GRAMMAR_KINDS": "constrained.spec",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "DEFAULT_WHITESPACE",
-    "GRAMMAR_KINDS",
-    "CompiledGrammar",
-    "GrammarCompiler",
-    "GrammarError",
-    "GrammarMatcher",
-    "TokenVocabulary",
-    "apply_vocab_mask",
-    "build_vocabulary",
-    "fill_vocab_masks",
-    "plan_jump_forward",
-    "validate_spec",
-    "vocabulary_for",
-]
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'constrained' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -2,7 +2,9 @@
 
 Compile cost is outlines-core's Index construction, roughly (DFA states) x (vocabulary size): 10-50 ms for a
 small regex, ~1 s for a flat JSON schema, ~5 s for ``json_object`` at vocab 49152 on one CPU core. The Index
-build releases the GIL, so a worker thread compiles while the scheduler keeps decoding.
+build releases the GIL, so a worker thread compiles while the scheduler keeps decoding. Given a
+``CompilePool`` (the server's case), compiles run in memory- and time-capped worker processes instead; the
+cache stays here either way, so it survives worker restarts.
 """
 
 from __future__ import annotations
@@ -31,13 +33,23 @@ class GrammarCompiler:
         whitespace_pattern: str = DEFAULT_WHITESPACE,
         cache_size: int = 64,
         vocab: TokenVocabulary | None = None,
+        pool_limits: dict | None = None,
     ):
+        """``pool_limits`` (``workers``, ``memory_mb``, ``timeout_s``): compile in a ``CompilePool`` of worker
+        processes with those limits; None: on ``max_workers`` threads of this process, without limits."""
         self.tokenizer = tokenizer
         self.vocab = vocab if vocab is not None else build_vocabulary(tokenizer)
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self.cache_size = cache_size
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self._pool = None
+        self._executor = None
+        if pool_limits is not None:
+            from constrained.compile_pool import CompilePool
+
+            self._pool = CompilePool(self.vocab, whitespace_pattern, **pool_limits)
+        else:
+            self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar | GrammarError] = OrderedDict()
         self._inflight: dict[tuple[str, str], Future[CompiledGrammar]] = {}
@@ -66,9 +78,38 @@ class GrammarCompiler:
                 self._hits += 1
                 return inflight
             self._misses += 1
-            future = self._executor.submit(self._compile, *key)
-            self._inflight[key] = future
+            if self._pool is not None:
+                future = Future()
+                self._inflight[key] = future
+            else:
+                future = self._executor.submit(self._compile, *key)
+                self._inflight[key] = future
+        if self._pool is not None:  # outside the lock: a done callback may run at once and take it
+            self._pool.submit(*key).add_done_callback(lambda done: self._finish_pooled(key, done, future))
         return future
+
+    def _finish_pooled(self, key: tuple[str, str], done: Future, future: Future[CompiledGrammar]) -> None:
+        """Wrap a worker's Index (or error) as a CompiledGrammar, cache it and resolve ``future``."""
+        kind, spec = key
+        err = done.exception()
+        if err is not None and not isinstance(err, GrammarError):
+            with self._lock:  # not the spec's fault (pool shut down): do not cache
+                self._inflight.pop(key, None)
+            future.set_exception(err)
+            return
+        if err is None:
+            out = done.result()
+            result = CompiledGrammar(
+                kind, spec, out.regex, out.index, self.vocab, self.vocab_size, out.seconds
+            )
+            seconds = out.seconds
+        else:
+            result, seconds = err, 0.0
+        self._store(key, result, seconds)
+        if isinstance(result, GrammarError):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
     def _compile(self, kind: str, spec: str) -> CompiledGrammar:
         start = time.perf_counter()
@@ -84,16 +125,19 @@ class GrammarCompiler:
             )
         except GrammarError as err:
             result = err
-        with self._lock:
-            self._seconds += time.perf_counter() - start
-            self._errors += isinstance(result, GrammarError)
-            self._cache[(kind, spec)] = result
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            self._inflight.pop((kind, spec), None)
+        self._store((kind, spec), result, time.perf_counter() - start)
         if isinstance(result, GrammarError):
             raise result
         return result
+
+    def _store(self, key: tuple[str, str], result: CompiledGrammar | GrammarError, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+            self._errors += isinstance(result, GrammarError)
+            self._cache[key] = result
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self._inflight.pop(key, None)
 
     def plan_jump_forward(self, output_ids: list[int], forced: str) -> tuple[int, list[int]]:
         """``plan_jump_forward`` with this compiler's tokenizer and vocabulary."""
@@ -109,14 +153,22 @@ class GrammarCompiler:
                 "errors": self._errors,
                 "compile_seconds": round(self._seconds, 6),
                 "cached": len(self._cache),
+                "worker_restarts": self._pool.restarts if self._pool is not None else 0,
             }
+
+    def worker_pids(self) -> list[int]:
+        """Live compile worker processes (empty without a pool)."""
+        return self._pool.worker_pids() if self._pool is not None else []
 
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
 
     def shutdown(self, wait: bool = True) -> None:
-        self._executor.shutdown(wait=wait, cancel_futures=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def _done(result: CompiledGrammar | GrammarError) -> Future[CompiledGrammar]:

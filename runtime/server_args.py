@@ -63,6 +63,13 @@ class ServerArgs:
         ("auto", "none", "int8", "int4", "gguf"),
     )
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
+    grammar_workers: int = _opt(2, "grammar compile worker processes (compiles running at once)")
+    grammar_memory_mb: int = _opt(
+        2048, "address space a grammar compile may add to its worker (RLIMIT_AS); past it: HTTP 400"
+    )
+    grammar_timeout_s: float = _opt(
+        120.0, "seconds one grammar compile may run (queue wait not counted); past it: HTTP 400"
+    )
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
     tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
     random_seed: int = _opt(0, "seed for requests without their own seed")
@@ -83,6 +90,12 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
+        if self.grammar_workers < 1:
+            raise ValueError("--grammar-workers must be >= 1")
+        if self.grammar_memory_mb < 64:
+            raise ValueError("--grammar-memory-mb must be >= 64")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError("--grammar-timeout-s must be > 0")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError("--new-token-ratio must be in [0, 1]")
         for f in dataclasses.fields(self):

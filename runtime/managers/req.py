@@ -58,7 +58,6 @@ class Req:
 
     grammar: Any = None  # constrained.GrammarMatcher
     grammar_future: Any = None
-    grammar_deadline: float = 0.0
     generator: torch.Generator | None = None
     retractions: int = 0
 

@@ -62,7 +62,12 @@ class Scheduler:
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(
-            self.tokenizer, self.runner.vocab_size, jump_forward=not args.disable_jump_forward
+            self.tokenizer,
+            self.runner.vocab_size,
+            jump_forward=not args.disable_jump_forward,
+            workers=args.grammar_workers,
+            memory_mb=args.grammar_memory_mb,
+            timeout_s=args.grammar_timeout_s,
         )
         self.rng = random.Random(args.random_seed)
         torch.manual_seed(args.random_seed)
@@ -112,8 +117,8 @@ class Scheduler:
             return
         req.generator = make_generator(req.params.seed)
         if req.params.has_grammar:
+            # no deadline here: the compile pool bounds each compile's own time (queue wait not counted)
             req.grammar_future = self.grammars.compile_async(req.params)
-            req.grammar_deadline = self.grammars.deadline()
             req.status = ReqStatus.GRAMMAR
             self.grammar_wait.append(req)
         else:
@@ -168,10 +173,6 @@ class Scheduler:
         return self._collect_outputs()
 
     def _poll_grammars(self) -> None:
-        now = time.monotonic()
-        for req in [r for r in self.grammar_wait if not r.grammar_future.done() and now > r.grammar_deadline]:
-            self.grammar_wait.remove(req)
-            self._fail(req, "grammar compilation timed out: the regex or schema is too complex", 400)
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:

@@ -73,7 +73,7 @@ class TokenizerManager:
         self.draining = False
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
-        self.grammar_validator = GrammarValidator()
+        self.grammar_validator = GrammarValidator(memory_mb=args.grammar_memory_mb)
         self.supervisor = Supervisor(args, model_dir, self.endpoints)
         try:
             self.info = self.supervisor.start()  # children already stopped if this raises
