@@ -14,8 +14,19 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
 * after conversion, ``\\d`` and ``\\w`` become ASCII classes: JSON Schema patterns are ECMA-262, where they
   are ASCII, and the Unicode versions multiply the automaton size (seconds of compile time for ``\\w{8}``).
 
+* ``format`` (date-time, date, time, uuid, email, hostname, ipv4, uri, json-pointer) becomes our regex
+  (``constrained.formats``); another standard format is a GrammarError, a custom one is ignored (as the
+  specification says); ``minLength``/``maxLength`` become a counted ASCII string, a ``maxLength`` above
+  ``formats.STRING_LENGTH_CAP`` lowered to it (output still valid), a ``minLength`` above
+  ``formats.MAX_MIN_LENGTH`` a GrammarError; ``maxItems`` above ITEMS_CAP is lowered to it, ``minItems``
+  above MAX_MIN_ITEMS is a GrammarError; numeric bounds beyond +-NUMERIC_BOUND_CAP are tightened to it: the
+  automaton grows with each of these counts, and a 1 KB schema of ``maxLength: 8192`` fields needed 23 GB;
+* ``not: {"type": ...}`` becomes the complementary ``type``; ``false`` subschemas are dropped from
+  ``anyOf``/``oneOf`` (``items: false`` means an empty array); ``AllOf`` (a miscased keyword seen in real
+  schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid.
+
 Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, ``minProperties``, ...) stay
-ignored: output may violate them. Keywords it cannot express (``not``, bad ``$ref``) raise GrammarError.
+ignored: output may violate them. Keywords it cannot express (other ``not``, bad ``$ref``) raise GrammarError.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import Any
 from outlines_core.json_schema import build_regex_from_schema
 
 from constrained.errors import GrammarError
+from constrained.formats import bounded_string_regex, format_regex, format_width
 from constrained.numeric import integer_range_regex, number_range_regex
 
 # Where subschemas live. Values under any other key are data and are copied untouched.
@@ -65,6 +77,10 @@ _ANNOTATION_KEYS = frozenset(
 )
 _BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _PLACEHOLDER = "__radixlm_fragment_{}__"
+ITEMS_CAP = 16  # largest maxItems compiled as is (each item is one more copy of the item automaton)
+MAX_MIN_ITEMS = 64  # larger minItems: GrammarError
+NUMERIC_BOUND_CAP = 10**15  # bounds further out are tightened to this (15 digits: still exact as a double)
+_JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null")
 JSON_OBJECT_DEPTH = 2  # nesting depth of free JSON; compile time grows ~5x per level (1.1 s, 5 s, 54 s)
 
 # A `whitespace_pattern` value that is not a regex: json.dumps's default layout, `{"a": 1, "b": [1, 2]}` --
@@ -177,11 +193,30 @@ class _Rewriter:
         """
         if not isinstance(node, dict):
             return node
+        if "AllOf" in node:  # miscased; validators ignore it, we enforce it (stricter, so still valid)
+            extra = node["AllOf"] if isinstance(node["AllOf"], list) else [node["AllOf"]]
+            node = {k: v for k, v in node.items() if k != "AllOf"}
+            node["allOf"] = [*(node.get("allOf") or []), *extra]
+        if isinstance(node.get("allOf"), list):
+            node = _merge_all_of(node)
         free = _free_form_kind(node) if free_depth is not None else None
         if free is not None:
             return self.placeholder(json_value_regex(self.ws, free_depth, free))
         out = {}
         for key, value in node.items():
+            if key in ("anyOf", "oneOf") and isinstance(value, list):
+                value = [{} if sub is True else sub for sub in value if sub is not False]
+                if not value:
+                    raise GrammarError(f"`{key}` has only `false` subschemas: no value is valid")
+            elif key == "allOf" and isinstance(value, list):
+                if any(sub is False for sub in value):
+                    raise GrammarError("`allOf` has a `false` subschema: no value is valid")
+                value = [sub for sub in value if sub is not True]
+            if key == "items" and value is False:
+                out["maxItems"] = 0  # no item may be present
+                continue
+            if key == "items" and value is True:
+                continue  # any items: outlines-core's default
             if key in _MAP_KEYS and isinstance(value, dict):
                 # boolean subschemas, which outlines-core rejects: `true` is any value, a `false` property
                 # can never be present
@@ -199,9 +234,15 @@ class _Rewriter:
             # only objects have properties, but outlines-core reads `properties` before `type`: it made
             # `{"type": "array", "properties": {}}` an object regex (2% of jsonschemabench's Github_easy)
             del out["properties"]
+        if "not" in out:
+            out = _apply_not(out)
         if isinstance(out.get("pattern"), str):
             out["pattern"] = strip_anchors(out["pattern"])
             self.patterns.append(out["pattern"])
+        _cap_items(out)
+        string = self._string(out)
+        if string is not None:
+            return string
         if "enum" in out or "const" in out or not any(k in out for k in _BOUND_KEYS):
             return out
         types = out.get("type")
@@ -216,6 +257,110 @@ class _Rewriter:
                 branches.append(self.placeholder(_bounded_number_regex(branch, t)) if numeric else branch)
             return {"anyOf": branches}
         return out
+
+    def _string(self, out: dict) -> dict | None:
+        """A placeholder for a string schema with ``format`` or length bounds (None: leave it to outlines)."""
+        types = out.get("type")
+        if "enum" in out or "const" in out or (types is not None and types != "string"):
+            if isinstance(types, list) and "string" in types and _string_keys(out):
+                # split a multi-type schema so the string branch gets its own regex
+                return {"anyOf": [self._string({**out, "type": t}) or {**out, "type": t} for t in types]}
+            return None
+        if not _string_keys(out):
+            return None
+        lo, hi = out.get("minLength", 0), out.get("maxLength")
+        for name, v in (("minLength", lo), ("maxLength", hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise GrammarError(f"`{name}` must be a non-negative integer, got {v!r}")
+        fmt = out.get("format")
+        regex = format_regex(fmt) if isinstance(fmt, str) else None
+        if regex is None:
+            if "pattern" in out or ("minLength" not in out and "maxLength" not in out):
+                return None  # a custom format (ignored), or outlines-core's own pattern handling
+            return self.placeholder(bounded_string_regex(lo, hi))
+        if "pattern" in out:
+            raise GrammarError(f"format {fmt!r} cannot be enforced together with a `pattern`")
+        width_lo, width_hi = format_width(fmt)
+        if lo > width_lo or (hi is not None and hi < width_hi):
+            raise GrammarError(
+                f"format {fmt!r} cannot be enforced together with minLength {lo} / maxLength {hi} (its texts "
+                f"are {width_lo} to {width_hi} characters long)"
+            )
+        return self.placeholder(f'"{regex}"')
+
+
+def _merge_all_of(node: dict) -> dict:
+    """Fold ``allOf`` subschemas into the node (properties merged, required united), since outlines-core
+    ignores ``allOf`` beside other keywords. Left as is when a subschema is a ``$ref`` or not an object;
+    GrammarError when two subschemas set one keyword to different values (the intersection is not built)."""
+    subs = node["allOf"]
+    if not all(isinstance(sub, dict) and "$ref" not in sub for sub in subs) or "$ref" in node:
+        return node
+    out = {k: v for k, v in node.items() if k != "allOf"}
+    for sub in subs:
+        if isinstance(sub.get("allOf"), list):
+            sub = _merge_all_of(sub)
+        for key, value in sub.items():
+            if key in _ANNOTATION_KEYS:
+                continue
+            if key == "properties" and isinstance(value, dict):
+                merged = dict(out.get("properties") or {})
+                for name, prop in value.items():
+                    if name in merged and merged[name] != prop:
+                        raise GrammarError(
+                            f"`allOf` subschemas define property {name!r} differently: not enforceable"
+                        )
+                    merged[name] = prop
+                out["properties"] = merged
+            elif key == "required" and isinstance(value, list):
+                out["required"] = [
+                    *(out.get("required") or []),
+                    *(r for r in value if r not in out.get("required", [])),
+                ]
+            elif key not in out:
+                out[key] = value
+            elif out[key] != value:
+                raise GrammarError(f"`allOf` subschemas set `{key}` differently: not enforceable")
+    return out
+
+
+def _string_keys(node: dict) -> bool:
+    return isinstance(node.get("format"), str) or "minLength" in node or "maxLength" in node
+
+
+def _apply_not(node: dict) -> dict:
+    """``not: {"type": ...}`` -> the complementary ``type`` (within ``type``); GrammarError otherwise."""
+    sub = node["not"]
+    keys = set(sub) - _ANNOTATION_KEYS if isinstance(sub, dict) else None
+    if keys != {"type"}:
+        shown = sorted(keys) if keys is not None else sub
+        raise GrammarError(f"`not` can only be enforced around `type` alone (got {shown!r})")
+    banned = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
+    if "number" in banned or "integer" in banned:
+        banned = [*banned, "number", "integer"]  # our numbers include integers: exclude both (stricter)
+    declared = node.get("type", list(_JSON_TYPES))
+    declared = declared if isinstance(declared, list) else [declared]
+    allowed = [t for t in declared if t not in banned]
+    if not allowed:
+        raise GrammarError(f"`not` excludes every allowed type ({declared!r}): no value is valid")
+    out = {k: v for k, v in node.items() if k != "not"}
+    out["type"] = allowed[0] if len(allowed) == 1 else allowed
+    return out
+
+
+def _cap_items(node: dict) -> None:
+    """Lower ``maxItems`` above ITEMS_CAP (output stays valid); refuse ``minItems`` above MAX_MIN_ITEMS."""
+    lo, hi = node.get("minItems", 0), node.get("maxItems")
+    for name, v in (("minItems", lo), ("maxItems", hi)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise GrammarError(f"`{name}` must be a non-negative integer, got {v!r}")
+    if lo > MAX_MIN_ITEMS:
+        raise GrammarError(
+            f"minItems {lo} is above the supported limit of {MAX_MIN_ITEMS} (the automaton would be too "
+            "large)"
+        )
+    if hi is not None and hi > max(ITEMS_CAP, lo):
+        node["maxItems"] = max(ITEMS_CAP, lo)
 
 
 def _free_form_kind(node: dict) -> str | None:
@@ -235,6 +380,13 @@ def _free_form_kind(node: dict) -> str | None:
 def _bounded_number_regex(schema: dict, kind: str) -> str:
     lo, lo_excl = _bound(schema, "minimum", "exclusiveMinimum")
     hi, hi_excl = _bound(schema, "maximum", "exclusiveMaximum")
+    # tighten far-out bounds (only shrinks the range, so output stays valid); a range lying entirely beyond
+    # the cap keeps its bounds (numeric's digit limit still applies)
+    cap = NUMERIC_BOUND_CAP
+    if lo is not None and lo < -cap and (hi is None or hi >= -cap):
+        lo, lo_excl = -cap, False
+    if hi is not None and hi > cap and (lo is None or lo <= cap):
+        hi, hi_excl = cap, False
     if kind == "integer":
         ilo = None if lo is None else (int(lo) + 1 if lo_excl and lo == int(lo) else math.ceil(lo))
         ihi = None if hi is None else (int(hi) - 1 if hi_excl and hi == int(hi) else math.floor(hi))
