@@ -38,7 +38,7 @@ from typing import Any
 from outlines_core.json_schema import build_regex_from_schema
 
 from constrained.errors import GrammarError
-from constrained.formats import bounded_string_regex, format_regex, format_width
+from constrained.formats import FORMAT_REGEXES, bounded_string_regex, format_regex, format_width
 from constrained.numeric import integer_range_regex, number_range_regex
 
 # Where subschemas live. Values under any other key are data and are copied untouched.
@@ -240,6 +240,11 @@ class _Rewriter:
             out["pattern"] = strip_anchors(out["pattern"])
             self.patterns.append(out["pattern"])
         _cap_items(out)
+        fmt = out.get("format")
+        if isinstance(fmt, str) and fmt not in FORMAT_REGEXES:
+            if out.get("type") in (None, "string"):
+                format_regex(fmt)  # raises for a standard format we cannot enforce
+            del out["format"]  # a custom annotation (outlines-core would reject it)
         string = self._string(out)
         if string is not None:
             return string

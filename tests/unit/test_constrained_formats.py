@@ -1,0 +1,153 @@
+"""Format regexes and bounded schemas: random walks over the byte-level automaton must give valid instances.
+
+A walk starts at the automaton's initial state and picks a random allowed byte until it stops at a final
+state, so every walk output is a text the grammar accepts; each is then checked by Python's own parsers and
+by ``jsonschema`` (with its FormatChecker where it has a checker for the format).
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import random
+import urllib.parse
+import uuid
+
+import jsonschema
+import outlines_core
+import pytest
+
+from constrained import GrammarError, validate_spec
+from constrained.formats import FORMAT_REGEXES, STRING_LENGTH_CAP, format_width
+
+WALKS = 150
+
+
+def _byte_index(regex: str) -> outlines_core.Index:
+    vocab = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(128)})  # ASCII is enough here
+    return outlines_core.Index(regex, vocab)
+
+
+def random_walks(regex: str, n: int, seed: int, stop: float = 0.15, max_len: int = 600) -> list[str]:
+    index = _byte_index(regex)
+    finals = set(index.get_final_states())
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        state, text = index.get_initial_state(), bytearray()
+        while True:
+            allowed = [t for t in index.get_allowed_tokens(state) if t < 256]
+            can_end = 256 in index.get_allowed_tokens(state) or state in finals
+            if can_end and (not allowed or rng.random() < stop or len(text) > max_len):
+                break
+            assert allowed, f"dead end after {bytes(text)!r}"
+            byte = rng.choice(allowed)
+            text.append(byte)
+            state = index.get_next_state(state, byte)
+        out.append(text.decode("utf-8"))
+    return out
+
+
+def _check(fmt: str, text: str) -> None:
+    """Raise if ``text`` is not a valid ``fmt`` per the standard library."""
+    if fmt == "date":
+        datetime.date.fromisoformat(text)
+    elif fmt == "date-time":
+        assert text[-1] == "Z" or text[-6] in "+-", text  # RFC 3339: an offset is required
+        datetime.datetime.fromisoformat(text)
+    elif fmt == "time":
+        assert text[-1] == "Z" or text[-6] in "+-", text
+        datetime.time.fromisoformat(text)
+    elif fmt == "uuid":
+        assert str(uuid.UUID(text)) == text
+    elif fmt == "ipv4":
+        ipaddress.IPv4Address(text)
+    elif fmt == "uri":
+        parts = urllib.parse.urlsplit(text)
+        assert parts.scheme in ("http", "https") and parts.netloc, text
+    elif fmt in ("email", "hostname"):
+        host = text.rsplit("@", 1)[-1]
+        labels = host.split(".")
+        assert all(0 < len(lb) <= 63 and lb[0] != "-" and lb[-1] != "-" for lb in labels), text
+        if fmt == "email":
+            local = text.rsplit("@", 1)[0]
+            assert local and ".." not in local and local[0] != "." and local[-1] != ".", text
+    elif fmt == "json-pointer":
+        assert text == "" or text.startswith("/"), text
+        assert all(s.replace("~0", "").replace("~1", "").find("~") < 0 for s in text.split("/")), text
+    else:
+        raise AssertionError(f"no check for {fmt}")
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMAT_REGEXES))
+def test_format_walks_are_valid(fmt):
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    walks = random_walks(FORMAT_REGEXES[fmt], WALKS, seed=hash(fmt) % 1000)
+    lo, hi = format_width(fmt)
+    for text in walks:
+        _check(fmt, text)
+        assert lo <= len(text) <= hi
+        if fmt in checker.checkers:
+            checker.check(text, fmt)  # raises FormatError
+    assert len(set(walks)) > WALKS // 3  # walks explore the format, not one fixed text
+
+
+def _schema_walks(schema: dict, n: int = WALKS) -> list:
+    regex = validate_spec("json_schema", json.dumps(schema))
+    return [json.loads(t) for t in random_walks(regex, n, seed=1, stop=0.3)]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 8192},
+        {"type": "string", "minLength": 3, "maxLength": 5},
+        {"type": "string", "minLength": 70},
+        {"type": "object", "properties": {"u": {"type": "string", "format": "uri", "maxLength": 2048}}},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 1000},
+        {"type": "integer", "minimum": -1e300, "maximum": 1e300},
+        {"type": "number", "exclusiveMinimum": -1e20},
+        {"not": {"type": ["string", "null", "object", "array"]}},
+        {"type": ["string", "null"], "format": "date"},
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "AllOf": [{"required": ["a"]}]},
+        {"allOf": [{"properties": {"a": {"type": "boolean"}}}, {"required": ["a"], "type": "object"}]},
+        {"type": "array", "items": False},
+        {"anyOf": [False, {"type": "string", "format": "uuid"}]},
+    ],
+)
+def test_bounded_and_new_keywords_validate(schema):
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    for instance in _schema_walks(schema):
+        validator.validate(instance)
+    if schema.get("maxLength") == 8192:
+        assert max(len(s) for s in _schema_walks(schema, 50)) <= STRING_LENGTH_CAP
+
+
+def test_all_of_is_enforced_not_dropped():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "AllOf": [{"required": ["a"]}]}
+    assert all("a" in inst for inst in _schema_walks(schema, 30))
+
+
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        ({"type": "string", "format": "ipv6"}, "format 'ipv6' cannot be enforced"),
+        ({"type": "string", "format": "uuid", "maxLength": 10}, "cannot be enforced together with minLength"),
+        ({"type": "string", "format": "date", "pattern": "^2"}, "together with a `pattern`"),
+        ({"type": "string", "minLength": 100000}, "minLength 100000 is above the supported limit"),
+        ({"type": "array", "minItems": 5000}, "minItems 5000 is above the supported limit"),
+        ({"not": {"enum": [1]}}, "`not` can only be enforced around `type`"),
+        ({"not": {"type": ["string", "number", "object", "array", "boolean", "null"]}}, "excludes every"),
+        ({"anyOf": [False]}, "only `false` subschemas"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "`allOf` subschemas set `type` differently"),
+    ],
+)
+def test_unenforceable_keywords_are_errors_naming_why(schema, reason):
+    with pytest.raises(GrammarError, match=reason.replace("(", r"\(").replace("[", r"\[")):
+        validate_spec("json_schema", json.dumps(schema))
+
+
+def test_custom_format_is_ignored_as_the_spec_says():
+    plain = validate_spec("json_schema", json.dumps({"type": "string"}))
+    assert validate_spec("json_schema", json.dumps({"type": "string", "format": "non-blank"})) == plain
