@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 DEFAULT_MEMORY_MB = 2048  # per worker; jsonschemabench's heaviest compiling schemas peak near 1 GB
 DEFAULT_TIMEOUT_S = 120.0  # compile time only; the slowest compiling jsonschemabench schemas take ~90 s
+STARTUP_TIMEOUT_S = 120.0  # a worker's imports (numpy, outlines-core): ~1 s, much more on a loaded machine
 PROC_TITLE = "radixlm::grammar"
 
 
@@ -198,6 +199,17 @@ class CompilePool:
         child_sock.close()  # only the worker holds its end: its death wakes a waiting poll() with EOF
         conn = Connection(parent_sock.detach())
         conn.send((self._vocab_blob, self.whitespace_pattern, self.memory_mb))
+        # wait for the worker's imports: start-up is not compile time
+        ready = conn.poll(STARTUP_TIMEOUT_S)
+        try:
+            reply = conn.recv() if ready else None
+        except (EOFError, OSError):
+            reply = None
+        if reply != ("ready",):
+            proc.kill()
+            _reap(proc)
+            conn.close()
+            raise RuntimeError(f"grammar compile worker failed to start ({_how(proc)}; see the log)")
         with self._lock:
             if self._procs[slot] is not None:
                 self.restarts += 1
@@ -273,6 +285,7 @@ def _worker_main(fd: int) -> None:
     # here so imports (numpy, outlines-core: ~150-400 MB of mappings) do not eat the compile's budget.
     cap = _address_space_bytes() + memory_mb * (1 << 20)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    conn.send(("ready",))
     while True:
         try:
             kind, spec = conn.recv()

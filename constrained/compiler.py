@@ -93,9 +93,10 @@ class GrammarCompiler:
         kind, spec = key
         err = done.exception()
         if err is not None and not isinstance(err, GrammarError):
-            with self._lock:  # not the spec's fault (pool shut down): do not cache
+            with self._lock:  # not the spec's fault (pool shut down, worker failed to start): do not cache
                 self._inflight.pop(key, None)
-            future.set_exception(err)
+            # a GrammarError all the same, so the request fails alone and the scheduler keeps serving
+            future.set_exception(GrammarError(f"grammar compilation failed: {err}"))
             return
         if err is None:
             out = done.result()
