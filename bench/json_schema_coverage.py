@@ -1,16 +1,16 @@
 """JSONSchemaBench coverage: which real-world schemas compile, how fast, and how often greedy output
 validates.
 
-For each subset of bench/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K) a seeded sample
-of schemas goes through the server's own path:
+For each subset of bench/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K; a byte-identical copy
+of the public JSONSchemaBench files) a seeded sample of schemas goes through the server's own path:
 
 1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in a
-   helper process, VALIDATION_TIMEOUT_S) and then the scheduler's compile
-   (`runtime.managers.grammar_manager.GrammarManager`, default JSON layout, COMPILE_TIMEOUT_S, COMPILE_WORKERS
-   in parallel), each schema compiled cold. The scheduler's compile runs in a worker
-   process so a schema past the timeout can be stopped (the server's request fails then; its thread keeps
-   running, which the bench must not copy on a shared machine). `--compile-memory-gb` caps that worker;
-   a schema hitting the cap counts as `crash`, not as compiled.
+   helper process, VALIDATION_TIMEOUT_S) and then the scheduler's compile (`constrained.GrammarCompiler` over
+   a `constrained.compile_pool.CompilePool`: worker processes with the server's --grammar-workers,
+   --grammar-memory-mb and --grammar-timeout-s, or `--compile-*`), each schema compiled cold, all submitted
+   at once. Compile time is the worker's (queue wait excluded, as the server counts it); a schema past a
+   limit counts as `timeout` or `memory`, never as compiled. Peak RSS of this process and all its children
+   is sampled during each stage.
 2. generate: every schema that compiled is sent through `runtime.Engine` (default model, greedy,
    `--max-new-tokens`), all at once. An output that ends by the grammar is `valid` or `invalid` under the
    `jsonschema` package (the schema's own draft; `format` is an annotation, not checked); an output cut by
@@ -30,9 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import threading
 import time
-from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,7 @@ def table_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
         "schemas": s["schemas"],
         "compiles %": pct(s["compiled_share"]),
         "timeouts": s["compile_outcomes"].get("timeout", 0),
+        "over memory": s["compile_outcomes"].get("memory", 0),
         "compile p50 ms": s["compile_ms"]["p50"],
         "compile p95 ms": s["compile_ms"]["p95"],
         "outputs": s["outputs"],
@@ -127,79 +129,62 @@ def table_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ compile stage
-def _compile_worker(conn, model_dir: str, memory_gb: float) -> None:
-    """Child process: the scheduler's GrammarManager; answers (outcome, seconds, reason) per schema text."""
-    from runtime.managers.grammar_manager import GrammarManager
-    from runtime.models.model_loader import load_tokenizer
-    from runtime.sampling_params import SamplingParams
-
-    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    manager = GrammarManager(load_tokenizer(model_dir), vocab_size)
-    manager.compiler  # noqa: B018 -- builds the vocabulary before the first timed compile
-    if memory_gb > 0:
-        _cap_address_space(memory_gb)
-    conn.send("ready")
-    while (spec := conn.recv()) is not None:
-        manager.compiler.clear()  # every schema compiled cold, as a new schema reaches the server
-        start = time.perf_counter()
+def _tree_rss_mb(pid: int) -> float:
+    """Summed RSS of ``pid`` and all its descendants (compile workers, the Engine's processes), in MB."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, todo = {pid}, [pid]
+    while todo:
+        cur = todo.pop()
+        for child, ppid in parent.items():
+            if ppid == cur and child not in tree:
+                tree.add(child)
+                todo.append(child)
+    total_kb = 0
+    for p in tree:
         try:
-            manager.compile_async(SamplingParams(json_schema=spec, temperature=0.0)).result()
-            conn.send(("ok", time.perf_counter() - start, None))
-        except ValueError as err:  # GrammarError: the scheduler answers 400 with this reason
-            conn.send(("error", time.perf_counter() - start, str(err)[:300]))
+            with open(f"/proc/{p}/status") as f:
+                total_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total_kb / 1024
 
 
-def _cap_address_space(gigabytes: float) -> None:
-    import resource
+class PeakRss:
+    """Samples ``_tree_rss_mb(os.getpid())`` every 0.2 s on a thread while in use; ``peak_mb`` after."""
 
-    with open("/proc/self/status") as f:
-        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
-    limit = vm_kb * 1024 + int(gigabytes * (1 << 30))
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+    def __init__(self) -> None:
+        self.peak_mb = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak_mb = max(self.peak_mb, _tree_rss_mb(os.getpid()))
+            self._done.wait(0.2)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
-class CompileWorker:
-    """One compile process; killed and restarted when a schema runs past the timeout."""
-
-    def __init__(self, model_dir: str, memory_gb: float):
-        self.model_dir, self.memory_gb = model_dir, memory_gb
-        self._proc = self._conn = None
-
-    def _start(self) -> None:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_compile_worker,
-            args=(child, self.model_dir, self.memory_gb),
-            name="bench-grammar-compile",
-            daemon=True,
-        )
-        self._proc.start()
-        if self._conn.recv() != "ready":
-            raise RuntimeError("compile worker failed to start")
-
-    def compile(self, spec: str, timeout_s: float) -> tuple[str, float, str | None]:
-        if self._proc is None or not self._proc.is_alive():
-            self._start()
-        start = time.perf_counter()
-        self._conn.send(spec)
-        if not self._conn.poll(timeout_s):
-            self.close()
-            return "timeout", time.perf_counter() - start, f"not compiled within {timeout_s:.0f}s"
-        try:
-            return self._conn.recv()
-        except EOFError:
-            self.close()
-            reason = f"compile process died (memory cap {self.memory_gb} GB?)"
-            return "crash", time.perf_counter() - start, reason
-
-    def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=10)
-        self._proc = None
+def compile_outcome(reason: str) -> str:
+    """``timeout`` / ``memory`` for a compile past a server limit, else ``error`` (any other 400)."""
+    if "--grammar-timeout-s" in reason:
+        return "timeout"
+    if "--grammar-memory-mb" in reason:
+        return "memory"
+    return "error"
 
 
 def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
@@ -226,10 +211,15 @@ def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
 
 
 def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.Namespace) -> None:
-    """Fill `compile` (ok | rejected | error | timeout | crash), `compile_s`, `validate_s`, `reason`."""
-    from runtime.managers.grammar_manager import COMPILE_TIMEOUT_S
+    """Fill `compile` (ok | rejected | error | timeout | memory), `compile_s`, `validate_s`, `reason`.
 
-    timeout = args.compile_timeout or COMPILE_TIMEOUT_S
+    The server's own path: the HTTP-side check, then a ``GrammarCompiler`` over a ``CompilePool`` with the
+    server's limits (or the ones given). All schemas are submitted at once; `compile_s` is the worker's
+    compile time, queue wait excluded, as the server counts it against --grammar-timeout-s.
+    """
+    from constrained import GrammarCompiler
+    from runtime.models.model_loader import load_tokenizer
+
     verdicts = validate_all([r["spec"] for r in records])
     todo = []
     for rec, (verdict, seconds) in zip(records, verdicts):
@@ -238,24 +228,27 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
             rec.update(compile="rejected", compile_s=None, reason=verdict)
         else:
             todo.append(rec)
-    workers = [CompileWorker(model_dir, args.compile_memory_gb) for _ in range(max(1, args.compile_workers))]
-    queue = deque(todo)
-
-    def drain(worker: CompileWorker) -> None:
-        try:
-            while True:
-                try:
-                    rec = queue.popleft()  # atomic: the workers share the queue
-                except IndexError:
-                    return
-                outcome, seconds, reason = worker.compile(rec["spec"], timeout)
-                rec.update(compile=outcome, compile_s=seconds, reason=reason)
-                print(f"  compile {rec['subset']}/{rec['id']}: {outcome} {seconds:.2f}s", flush=True)
-        finally:
-            worker.close()
-
-    with ThreadPoolExecutor(len(workers)) as pool:
-        list(pool.map(drain, workers))
+    vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    limits = dict(
+        workers=args.compile_workers, memory_mb=args.compile_memory_mb, timeout_s=args.compile_timeout
+    )
+    compiler = GrammarCompiler(load_tokenizer(model_dir), vocab_size, pool_limits=limits)
+    try:
+        futures = [compiler.compile_async("json_schema", rec["spec"]) for rec in todo]
+        for rec, future in zip(todo, futures):
+            try:
+                grammar = future.result()
+                rec.update(compile="ok", compile_s=grammar.compile_seconds, reason=None)
+            except ValueError as err:  # GrammarError: the server answers 400 with this reason
+                rec.update(compile=compile_outcome(str(err)), compile_s=None, reason=str(err)[:300])
+            print(
+                f"  compile {rec['subset']}/{rec['id']}: {rec['compile']} {rec['compile_s'] or 0:.2f}s",
+                flush=True,
+            )
+        stats = compiler.stats()
+    finally:
+        compiler.shutdown()
+    return stats
 
 
 # ------------------------------------------------------------------------------------------ generate stage
@@ -316,15 +309,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--compile-timeout",
         type=float,
         default=0.0,
-        help="seconds per schema compile (0: the scheduler's COMPILE_TIMEOUT_S)",
+        help="seconds per schema compile, queue wait excluded (0: the server's --grammar-timeout-s default)",
     )
-    p.add_argument("--compile-workers", type=int, default=0, help="parallel compiles (0: the scheduler's)")
+    p.add_argument("--compile-workers", type=int, default=0, help="parallel compiles (0: the server's)")
     p.add_argument(
-        "--compile-memory-gb",
-        type=float,
-        default=8.0,
-        help="address-space cap of a compile process above its start size (0: none); the bench's "
-        "own guard for a shared machine, not a server limit",
+        "--compile-memory-mb",
+        type=int,
+        default=0,
+        help="address space a compile may add to its worker (0: the server's --grammar-memory-mb default)",
     )
     p.add_argument(
         "--threads",
@@ -343,10 +335,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.per_subset, args.max_new_tokens, args.batch_size = 3, 48, 4
-    if not args.compile_workers:
-        from runtime.managers.grammar_manager import COMPILE_WORKERS
+    from runtime.managers.grammar_manager import COMPILE_MEMORY_MB, COMPILE_TIMEOUT_S, COMPILE_WORKERS
 
-        args.compile_workers = COMPILE_WORKERS
+    args.compile_workers = args.compile_workers or COMPILE_WORKERS
+    args.compile_timeout = args.compile_timeout or COMPILE_TIMEOUT_S
+    args.compile_memory_mb = args.compile_memory_mb or COMPILE_MEMORY_MB
     return args
 
 
@@ -360,7 +353,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return run_mask_overhead(args, env)
     from constrained import DEFAULT_WHITESPACE
-    from runtime.managers.grammar_manager import COMPILE_TIMEOUT_S
     from runtime.managers.grammar_validator import VALIDATION_TIMEOUT_S
     from runtime.models.model_loader import resolve_model_path
 
@@ -372,23 +364,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     start = time.perf_counter()
     print(f"[json_schema_coverage] compiling {len(records)} schemas ...", flush=True)
-    compile_stage(records, resolve_model_path("default"), args)
+    with PeakRss() as compile_rss:
+        compile_stats = compile_stage(records, resolve_model_path("default"), args)
     compile_wall = time.perf_counter() - start
     print(
         f"[json_schema_coverage] generating for {sum(r['compile'] == 'ok' for r in records)} schemas ...",
         flush=True,
     )
-    generation = generate_stage(records, args)
+    with PeakRss() as generate_rss:
+        generation = generate_stage(records, args)
     summaries = {s: summarize_records([r for r in records if r["subset"] == s]) for s in subsets}
     summaries["all"] = summarize_records(records)
     print()
     common.print_table(
         [table_row(name, s) for name, s in summaries.items()], title="== json_schema_coverage =="
     )
+    print(
+        f"peak RSS (this process and its children): compile {compile_rss.peak_mb:.0f} MB, "
+        f"generate {generate_rss.peak_mb:.0f} MB"
+    )
     results = {
         "subsets": summaries,
         "generation": generation,
         "compile_wall_s": compile_wall,
+        "compile_stats": compile_stats,
+        "peak_rss_mb": {"compile": compile_rss.peak_mb, "generate": generate_rss.peak_mb},
         "total_wall_s": time.perf_counter() - start,
         "schemas": [{k: v for k, v in r.items() if k != "spec"} for r in records],
     }
@@ -402,9 +402,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "greedy": True,
         "whitespace_pattern": DEFAULT_WHITESPACE,
         "validation_timeout_s": VALIDATION_TIMEOUT_S,
-        "compile_timeout_s": args.compile_timeout or COMPILE_TIMEOUT_S,
+        "compile_timeout_s": args.compile_timeout,
         "compile_workers": args.compile_workers,
-        "compile_memory_gb": args.compile_memory_gb,
+        "compile_memory_mb": args.compile_memory_mb,
         "threads": args.threads,
         "format_checked": False,
     }
