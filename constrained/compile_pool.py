@@ -114,6 +114,8 @@ class CompilePool:
                 job[2].set_exception(RuntimeError("grammar compile pool is shut down"))
 
     # ---- one slot: a thread that owns (at most) one worker process ---------------------------------------
+    # The slot thread starts its worker and lives as long as the pool: PR_SET_PDEATHSIG fires when the
+    # *thread* that created the child exits, so workers must not be started from short-lived threads.
     def _slot(self, slot: int) -> None:
         proc, conn = None, None
         while True:

@@ -234,6 +234,15 @@ class _Rewriter:
             # only objects have properties, but outlines-core reads `properties` before `type`: it made
             # `{"type": "array", "properties": {}}` an object regex (2% of jsonschemabench's Github_easy)
             del out["properties"]
+        if out.get("additionalProperties") is False and "properties" not in out:
+            # only `patternProperties` (ignored by outlines-core) could admit a key, and outlines-core rejects
+            # a bare `additionalProperties: false`: the empty object is the instance we can promise is valid
+            if (
+                (None in declared or "object" in declared)
+                and not out.get("required")
+                and not out.get("minProperties")
+            ):
+                out["properties"] = {}
         if "not" in out:
             out = _apply_not(out)
         if isinstance(out.get("pattern"), str):

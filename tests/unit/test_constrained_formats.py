@@ -113,6 +113,7 @@ def _schema_walks(schema: dict, n: int = WALKS) -> list:
         {"type": "object", "properties": {"a": {"type": "integer"}}, "AllOf": [{"required": ["a"]}]},
         {"allOf": [{"properties": {"a": {"type": "boolean"}}}, {"required": ["a"], "type": "object"}]},
         {"type": "array", "items": False},
+        {"patternProperties": {"^[a-z]+$": {"type": "integer"}}, "additionalProperties": False},
         {"anyOf": [False, {"type": "string", "format": "uuid"}]},
     ],
 )
