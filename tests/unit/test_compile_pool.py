@@ -66,12 +66,20 @@ def test_timeout_kills_the_compile_so_it_stops_using_cpu():
 
 
 def test_timeout_counts_compile_time_not_queue_wait():
-    timeout_s = 3.0
+    probe = _pool(workers=1, memory_mb=512, timeout_s=60)
+    try:
+        one = max(
+            probe.submit("regex", f"[ -~]{{0,{1500 + i}}}").result(timeout=60).seconds for i in range(2)
+        )
+    finally:
+        probe.shutdown()
+    # 10 jobs of ~one each on one worker: the last waits ~9x one in the queue, more than the limit of 4x
+    timeout_s = max(4 * one, 0.2)
     pool = _pool(workers=1, memory_mb=512, timeout_s=timeout_s)
     try:
         pool.submit("regex", "a").result(timeout=60)
         start = time.monotonic()
-        futures = [pool.submit("regex", f"[ -~]{{0,{1500 + i}}}") for i in range(8)]  # distinct specs
+        futures = [pool.submit("regex", f"[ -~]{{0,{1500 + i}}}") for i in range(10)]  # distinct specs
         results = [f.result(timeout=300) for f in futures]
         waited = time.monotonic() - start
         assert all(r.seconds < timeout_s for r in results)
