@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import common
+from bench.harness import common
 
 TOKENS = ["the", " café", " naïve", "日本", " 🙂", "\n", " résumé", ' "q"', "\\", " Zürich", " x", "-"]
 

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from server_utils import HTTP_TIMEOUT_S, ServerProcess, descendants, server_info
+
+from tests.e2e.server_utils import HTTP_TIMEOUT_S, ServerProcess, descendants, server_info
 
 MEMORY_MB = 128
 WORKERS = 2
