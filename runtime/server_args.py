@@ -70,6 +70,11 @@ class ServerArgs:
     grammar_timeout_s: float = _opt(
         120.0, "seconds one grammar compile may run (queue wait not counted); past it: HTTP 400"
     )
+    tool_call_parser: str = _opt(
+        "auto",
+        "wire format of tool calls in model output; auto picks it from the chat template (hermes if none)",
+        ("auto", "hermes", "llama3", "mistral", "qwen"),
+    )
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
     tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
     random_seed: int = _opt(0, "seed for requests without their own seed")

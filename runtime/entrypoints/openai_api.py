@@ -21,6 +21,7 @@ from runtime.entrypoints.http_common import (
     sse,
 )
 from runtime.entrypoints.streaming import stream_response
+from runtime.entrypoints.tool_calls import ToolPlan, ToolRequestError, plan_chat
 from runtime.errors import RequestError
 from runtime.managers.generate_request import SingleRequest
 from runtime.managers.tokenizer_manager import TokenizerManager
@@ -86,6 +87,7 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    continue_final_message: StrictBool = False
 
 
 class CompletionRequest(_Common):
@@ -126,33 +128,44 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         check_model(body.model)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
-        if body.tools:
-            raise RequestError(
-                "tool calling is not supported; describe tools in the system prompt instead", 400
-            )
         msgs = [
             {"role": m.role if m.role != "developer" else "system", "content": _content_text(m.content)}
             for m in body.messages
         ]
+        # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
         try:
-            prompt = tm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # template errors are the request's fault (e.g. role order)
-            raise RequestError(f"cannot apply the chat template: {e}", 400) from None
-        ids = tm.tokenizer.encode(prompt, add_special_tokens=False)
+            plan = await plan_chat(
+                msgs,
+                [m.model_extra or {} for m in body.messages],
+                body,
+                tm.tokenizer,
+                args.tool_call_parser,
+                tm.grammar_validator,
+            )
+        except ToolRequestError as e:
+            raise RequestError(str(e), 400) from None
+        grammar = _grammar(body)
+        if plan.regex is not None:
+            if grammar:
+                raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
+            grammar = {"regex": plan.regex}
+        ids = tm.tokenizer.encode(plan.prompt, add_special_tokens=False)
+        # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = _sampling_params(body, max_tokens, len(ids), tm.context_length, _grammar(body))
+        params = _sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
         top = body.top_logprobs or 0
         req = _request(ids, params, body.logprobs or top > 0, top, body.stream)
         rid = "chatcmpl-" + req.rid
         if body.stream:
-            return await stream_response(tm, [req], _ChatFormatter(rid, args.model_name, tm, body))
+            return await stream_response(tm, [req], _ChatFormatter(rid, args.model_name, tm, body, plan))
         results = await run_unless_disconnected(request, tm.generate_all([req]))
         choices = []
         for i, r in enumerate(results):
+            message = plan.message(r["text"])
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": r["text"]},
-                "finish_reason": _finish(r),
+                "message": message,
+                "finish_reason": _tool_finish(_finish(r), bool(message.get("tool_calls"))),
                 "logprobs": None,
             }
             if body.logprobs:
@@ -325,6 +338,11 @@ def _finish(result: dict[str, Any]) -> str:
     return FINISH.get((result["meta_info"].get("finish_reason") or {}).get("type"), "stop")
 
 
+def _tool_finish(finish: str, has_calls: bool) -> str:
+    """OpenAI reports a reply that ends in tool calls as "tool_calls" (a cut-off one stays "length")."""
+    return "tool_calls" if has_calls and finish == "stop" else finish
+
+
 def _usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = results[0]["meta_info"]["prompt_tokens"] if results else 0
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
@@ -409,9 +427,13 @@ class _OpenAIFormatter:
 class _ChatFormatter(_OpenAIFormatter):
     object_name = "chat.completion.chunk"
 
-    def __init__(self, rid: str, model: str, tm: TokenizerManager, body: ChatCompletionRequest):
+    def __init__(
+        self, rid: str, model: str, tm: TokenizerManager, body: ChatCompletionRequest, plan: ToolPlan
+    ):
         super().__init__(rid, model, tm, body)
         self.logprobs = body.logprobs
+        self.plan = plan
+        self.tool_streams: dict[int, Any] = {}  # choice index -> the parser's stream state
 
     def start(self, num_choices: int) -> list[bytes]:
         role = {"role": "assistant", "content": ""}
@@ -431,6 +453,8 @@ class _ChatFormatter(_OpenAIFormatter):
         lp = None
         if self.logprobs:
             lp = {"content": _chat_logprobs(self.tm, out["meta_info"], logprob_start)}
+        if self.plan.parses_calls:
+            return self._tool_update(index, out, lp, finish)
         choice = {
             "index": index,
             "delta": {"content": text_delta} if text_delta else {},
@@ -438,6 +462,24 @@ class _ChatFormatter(_OpenAIFormatter):
             "finish_reason": _finish(out) if finish else None,
         }
         return self._chunk([choice])
+
+    def _tool_update(self, index: int, out: dict[str, Any], lp: Any, finish: Any) -> bytes | None:
+        """Content and tool_calls deltas from the parser; several deltas go out as several SSE events."""
+        ts = self.tool_streams.get(index)
+        if ts is None:
+            ts = self.tool_streams[index] = self.plan.stream()
+        deltas = ts.feed(out["text"], bool(finish)) or ([{}] if finish else [])
+        events = []
+        for k, d in enumerate(deltas):
+            last = finish and k == len(deltas) - 1
+            choice = {
+                "index": index,
+                "delta": d,
+                "logprobs": lp if k == 0 else None,
+                "finish_reason": _tool_finish(_finish(out), ts.has_calls) if last else None,
+            }
+            events.append(self._chunk([choice]))
+        return b"".join(events) or None
 
 
 class _CompletionFormatter(_OpenAIFormatter):

@@ -1,0 +1,261 @@
+"""Tool calling without a model: parsers (final and streamed), grammars, validation, prompt rendering."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from constrained.spec import regex_accepts
+from runtime.entrypoints.tool_calls.base import Call, get_parser, text_without
+from runtime.entrypoints.tool_calls.output import ToolStream, final_message
+from runtime.entrypoints.tool_calls.prompt import render_messages
+from runtime.entrypoints.tool_calls.schema import (
+    ToolChoice,
+    ToolRequestError,
+    forced_regex,
+    parse_tool_choice,
+    parse_tools,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+            "required": ["city", "days"],
+        },
+    },
+}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
+    },
+}
+TOOLS = parse_tools([WEATHER, CALC])
+
+
+def reassemble(parser_name: str, text: str, constrained: bool, seed: int = 0) -> tuple[str, list]:
+    """Stream `text` in random-sized pieces and rebuild (content, [(name, arguments)]) from the deltas."""
+    rng, ts = random.Random(seed), ToolStream(get_parser(parser_name), constrained)
+    content, calls, pos = "", {}, 0
+    while True:
+        pos = min(len(text), pos + rng.randint(1, 7))
+        for d in ts.feed(text[:pos], pos == len(text)):
+            content += d.get("content", "")
+            for tc in d.get("tool_calls", []):
+                entry = calls.setdefault(tc["index"], {"name": None, "arguments": ""})
+                if "id" in tc:
+                    assert entry["name"] is None and tc["type"] == "function" and tc["function"]["name"]
+                    entry["name"] = tc["function"]["name"]
+                entry["arguments"] += tc["function"].get("arguments", "")
+        if pos == len(text):
+            return content, [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)]
+
+
+HERMES_TWO = (
+    "Let me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "calc", "arguments": {"expr": "1+2"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize(
+    "parser,text,content,calls",
+    [
+        (
+            "hermes",
+            HERMES_TWO,
+            "Let me check.",
+            [("get_weather", '{"city": "Paris", "days": 2}'), ("calc", '{"expr": "1+2"}')],
+        ),
+        (
+            "qwen",
+            '<tool_call>\n{"name": "calc", "arguments": {"expr": "2"}}\n</tool_call>',
+            None,
+            [("calc", '{"expr": "2"}')],
+        ),
+        ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+        (
+            "hermes",
+            '<tool_call>\n{"name": "calc", "arguments": {"expr": "2"}}',
+            None,
+            [("calc", '{"expr": "2"}')],
+        ),
+        ("hermes", "plain answer <tool_", "plain answer <tool_", []),
+        (
+            "llama3",
+            '{"name": "calc", "parameters": {"expr": "3"}}; {"name": "calc", "parameters": {"expr": "4"}}',
+            None,
+            [("calc", '{"expr": "3"}'), ("calc", '{"expr": "4"}')],
+        ),
+        (
+            "llama3",
+            '<|python_tag|>{"name": "calc", "parameters": {"expr": "3"}}',
+            None,
+            [("calc", '{"expr": "3"}')],
+        ),
+        (
+            "llama3",
+            '{"name": "calc", "parameters": {"expr": "3"}} trailing',
+            '{"name": "calc", "parameters": {"expr": "3"}} trailing',
+            [],
+        ),
+        (
+            "mistral",
+            'Sure [TOOL_CALLS][{"name": "calc", "arguments": {"expr": "5"}}, '
+            '{"name": "calc", "arguments": {"expr": "6"}}]',
+            "Sure",
+            [("calc", '{"expr": "5"}'), ("calc", '{"expr": "6"}')],
+        ),
+        ("mistral", '[{"name": "calc", "arguments": {"expr": "5"}}]', None, [("calc", '{"expr": "5"}')]),
+        ("mistral", "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+    ],
+)
+def test_parse_final_and_streamed(parser, text, content, calls):
+    got_content, got_calls = final_message(get_parser(parser), text)
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] == calls
+    for constrained in (False, True):
+        if constrained and not calls:
+            continue  # a grammar never lets a begun call break
+        for seed in range(5):
+            s_content, s_calls = reassemble(parser, text, constrained, seed)
+            assert s_content == (content or "")
+            assert s_calls == calls
+
+
+def test_constrained_stream_sends_name_before_arguments_complete():
+    ts = ToolStream(get_parser("hermes"), constrained=True)
+    deltas = ts.feed('<tool_call>\n{"name": "calc", "arguments": {"expr": "1+', False)
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "calc", "arguments": ""}
+    assert deltas[1]["tool_calls"][0]["function"] == {"arguments": '{"expr": "1+'}
+
+
+def test_constrained_output_cut_by_max_tokens_keeps_the_begun_call():
+    text = (
+        '<tool_call>\n{"name": "calc", "arguments": {"expr": "1"}}\n</tool_call>\n<tool_call>\n{"name": "ca'
+    )
+    content, calls = final_message(get_parser("hermes"), text, constrained=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ["calc"]
+    text += 'lc", "arguments": {"ex'
+    content, calls = final_message(get_parser("hermes"), text, constrained=True)
+    assert [c["function"]["arguments"] for c in calls] == ['{"expr": "1"}', '{"ex']
+    assert reassemble("hermes", text, True) == ("", [("calc", '{"expr": "1"}'), ("calc", '{"ex')])
+    assert final_message(get_parser("hermes"), "free text <tool_", constrained=True) == (
+        "free text <tool_",
+        [],
+    )
+
+
+def test_free_stream_never_sends_a_broken_call():
+    ts = ToolStream(get_parser("hermes"), constrained=False)
+    assert ts.feed('<tool_call>\n{"name": "calc", "arguments": {"expr": "1+', False) == []
+    out = ts.feed('<tool_call>\n{"name": "calc", "arguments": {"expr": "1+</tool_call>', True)
+    assert out == [{"content": '<tool_call>\n{"name": "calc", "arguments": {"expr": "1+</tool_call>'}]
+    assert not ts.has_calls
+
+
+@pytest.mark.parametrize("trigger", ["<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"])
+def test_text_without_trigger(trigger):
+    regex = text_without(trigger)
+    rng = random.Random(1)
+    alphabet = list(set(trigger)) + ["a", " ", "\n"]
+    for _ in range(300):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        if rng.random() < 0.2:
+            k = rng.randint(0, len(s))
+            s = s[:k] + trigger[: rng.randint(1, len(trigger))] + s[k:]
+        assert regex_accepts(regex, s) == (trigger not in s), s
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3", "mistral"])
+def test_forced_regex_accepts_exactly_the_rendered_calls(parser):
+    p = get_parser(parser)
+    a = Call("get_weather", '{"city": "Paris", "days": 3}')
+    b = Call("calc", '{"expr": "2*3"}')
+    required = forced_regex(p, TOOLS, ToolChoice("required"), parallel=True)
+    assert regex_accepts(required, p.format_calls([a]))
+    assert regex_accepts(required, p.format_calls([a, b]))
+    assert not regex_accepts(required, p.format_calls([Call("get_weather", '{"city": "Paris", "days": 0}')]))
+    assert not regex_accepts(required, p.format_calls([Call("nope", '{"expr": "2"}')]))
+    single = forced_regex(p, TOOLS, ToolChoice("required"), parallel=False)
+    assert not regex_accepts(single, p.format_calls([a, b]))
+    named = forced_regex(p, TOOLS, ToolChoice("named", "calc"), parallel=True)
+    assert regex_accepts(named, p.format_calls([b])) and not regex_accepts(named, p.format_calls([a]))
+    assert forced_regex(p, TOOLS, ToolChoice("auto"), parallel=True) is None
+
+
+def test_strict_auto_is_trigger_gated():
+    strict = parse_tools([{**CALC, "function": {**CALC["function"], "strict": True}}])
+    p = get_parser("hermes")
+    regex = forced_regex(p, strict, ToolChoice("auto"), parallel=True)
+    assert regex_accepts(regex, "Just text, no tools.")
+    assert regex_accepts(regex, "Let me compute.\n" + p.format_calls([Call("calc", '{"expr": "1"}')]))
+    assert not regex_accepts(regex, '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>')
+
+
+@pytest.mark.parametrize(
+    "tools,choice,needle",
+    [
+        ([{"type": "function", "function": {"name": "f"}}], None, "tools[0].function.parameters"),
+        (
+            [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"type": "object", "properties": 3}},
+                }
+            ],
+            None,
+            "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "bad name", "parameters": {}}}],
+            None,
+            "tools[0].function.name",
+        ),
+        ([WEATHER, WEATHER], None, "tools[1].function.name"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name"),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([], "required", "tool_choice"),
+    ],
+)
+def test_validation_names_the_field(tools, choice, needle):
+    with pytest.raises(ToolRequestError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        parse_tool_choice(choice, parse_tools(tools))
+
+
+def test_plain_template_rendering_is_cache_stable():
+    p = get_parser("hermes")
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "2"}'}}
+    msgs = [
+        {"role": "user", "content": "2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "3", "tool_call_id": "call_2"},
+    ]
+    out, tools_arg = render_messages(msgs, TOOLS, p, native=False)
+    assert tools_arg is None
+    assert out[0]["role"] == "system" and "<tools>" in out[0]["content"]
+    assert json.dumps(TOOLS[0].as_openai()) in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": p.format_calls([Call("calc", '{"expr": "2"}')])}
+    assert out[3] == {
+        "role": "user",
+        "content": "<tool_response>\n2\n</tool_response>\n<tool_response>\n3\n</tool_response>",
+    }
+    assert render_messages(msgs, TOOLS, p, native=False) == (out, None)
+
+
+def test_auto_detection_from_template():
+    assert get_parser("auto", "{{ '<|im_start|>' }}").name == "hermes"
+    assert get_parser("auto", "You are Qwen ... <tool_call>").name == "qwen"
+    assert get_parser("auto", "{{ '[AVAILABLE_TOOLS]' }}").name == "mistral"
+    assert get_parser("auto", "<|python_tag|>").name == "llama3"
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        get_parser("nope")
