@@ -204,7 +204,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                 tm.context_length,
                 _grammar(body),
             )
-            reqs.append(_request(ids, params, top is not None, top or 0, body.stream))
+            # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
+            start = 0 if body.echo and top is not None else -1
+            reqs.append(_request(ids, params, top is not None, top or 0, body.stream, start))
             echo_texts.append(tm.tokenizer.decode(ids) if body.echo else "")
         if body.stream:
             fmt = _CompletionFormatter(rid, args.model_name, tm, body, echo_texts[0])
@@ -218,7 +220,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                     "index": len(choices),
                     "text": echo_texts[p] + r["text"],
                     "finish_reason": _finish(r),
-                    "logprobs": _completion_logprobs(tm, r["meta_info"]) if top is not None else None,
+                    "logprobs": (
+                        _completion_logprobs(tm, r["meta_info"], echo=body.echo) if top is not None else None
+                    ),
                 }
                 choices.append(choice)
                 flat.append(r)
@@ -308,7 +312,14 @@ def _sampling_params(
         raise RequestError(str(e), 400) from None
 
 
-def _request(ids: list[int], params: SamplingParams, logprobs: bool, top: int, stream: bool) -> SingleRequest:
+def _request(
+    ids: list[int],
+    params: SamplingParams,
+    logprobs: bool,
+    top: int,
+    stream: bool,
+    logprob_start_len: int = -1,
+) -> SingleRequest:
     """One request for all n choices: the tokenizer manager expands it (`prepare_choices`)."""
     return SingleRequest(
         rid=uuid.uuid4().hex,
@@ -319,6 +330,7 @@ def _request(ids: list[int], params: SamplingParams, logprobs: bool, top: int, s
         return_logprob=logprobs,
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
+        logprob_start_len=logprob_start_len,
     )
 
 
@@ -378,9 +390,17 @@ def _chat_logprobs(tm: TokenizerManager, meta: dict[str, Any], start: int = 0) -
     return out
 
 
-def _completion_logprobs(tm: TokenizerManager, meta: dict[str, Any], start: int = 0) -> dict[str, Any]:
+def _completion_logprobs(
+    tm: TokenizerManager, meta: dict[str, Any], start: int = 0, echo: bool = False
+) -> dict[str, Any]:
+    """OpenAI's completion logprobs of the output from token `start`; with `echo`, of the prompt first (its
+    first token's logprob is None, as OpenAI's)."""
     entries = (meta.get("output_token_logprobs") or [])[start:]
     tops = (meta.get("output_top_logprobs") or [None] * (start + len(entries)))[start:]
+    if echo:
+        prompt = meta.get("input_token_logprobs") or []
+        entries = prompt + entries
+        tops = (meta.get("input_top_logprobs") or [None] * len(prompt)) + tops
     tokens = [t if t is not None else tm.tokenizer.decode([tid]) for _lp, tid, t in entries]
     offsets, pos = [], 0
     for t in tokens:

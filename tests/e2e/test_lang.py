@@ -203,10 +203,8 @@ def test_openai_backend(server_url, backend):
     def pick(s):
         s += "Q: Is fire hot?\nA:" + select("a", choices=[" yes", " no"])
 
-    try:  # prompt logprobs through /v1/completions echo are optional for an endpoint
-        assert pick.run(backend=oai)["a"] == pick.run(backend=backend)["a"]
-    except lang.BackendError as e:
-        assert "select" in str(e)
+    # radixlm's /v1/completions gives prompt logprobs with echo, so select works through the OpenAI backend
+    assert pick.run(backend=oai)["a"] == pick.run(backend=backend)["a"]
     oai.close()
 
 

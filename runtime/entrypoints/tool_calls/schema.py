@@ -113,10 +113,58 @@ def parse_tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
     )
 
 
+def expand_required_branches(node: Any) -> Any:
+    """Rewrite `anyOf`/`oneOf` branches that only add `required` (optionally with `not: {required}`) next to
+    `properties` -- a common function-schema idiom ("length and width, or radius") that the JSON-Schema
+    grammar ignores -- into full object branches it enforces. oneOf / `not` branches drop the properties
+    that only other branches require, so exactly one branch holds (objects carry no unlisted properties).
+    Branches that cannot hold are dropped; every instance of the result is valid under the original.
+    """
+    if isinstance(node, list):
+        return [expand_required_branches(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: expand_required_branches(v) for k, v in node.items()}
+    props = node.get("properties")
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key)
+        if not isinstance(props, dict) or not isinstance(branches, list) or not branches:
+            continue
+        if not all(isinstance(b, dict) and _required_only(b) for b in branches):
+            continue
+        base = {k: v for k, v in node.items() if k != key}
+        base_req = set(node.get("required") or [])
+        out = []
+        for i, b in enumerate(branches):
+            req = base_req | set(b["required"])
+            exclusive = key == "oneOf" or "not" in b
+            others = [set(o["required"]) for j, o in enumerate(branches) if j != i]
+            others += [set(b["not"]["required"])] if "not" in b else []
+            banned = set().union(*[o - req for o in others]) if exclusive else set()
+            if not req <= set(props) or (exclusive and any(o <= req for o in others)):
+                continue  # needs a property the object cannot have, or cannot exclude the others
+            kept = {k: v for k, v in props.items() if k not in banned}
+            out.append({**base, "properties": kept, "required": [k for k in props if k in req]})
+        if not out:
+            raise ToolRequestError(f"no object satisfies the {key} branches of {json.dumps(node)[:200]}")
+        node = out[0] if len(out) == 1 else {"anyOf": out}
+        break
+    return node
+
+
+def _required_only(branch: dict) -> bool:
+    ok_not = "not" not in branch or (set(branch["not"]) == {"required"} and isinstance(branch["not"], dict))
+    return isinstance(branch.get("required"), list) and set(branch) <= {"required", "not"} and ok_not
+
+
 def arguments_regex(tool: Tool, index: int) -> str:
     """The regex of the tool's arguments (blocking: call off the event loop)."""
     try:
-        return validate_spec("json_schema", json.dumps(tool.parameters), DEFAULT_WHITESPACE)
+        schema = expand_required_branches(tool.parameters)
+    except ToolRequestError as e:
+        raise ToolRequestError(f"'tools[{index}].function.parameters' cannot be satisfied: {e}") from None
+    try:
+        return validate_spec("json_schema", json.dumps(schema), DEFAULT_WHITESPACE)
     except GrammarError as e:
         raise ToolRequestError(f"'tools[{index}].function.parameters' cannot be enforced: {e}") from None
 
