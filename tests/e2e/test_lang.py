@@ -214,6 +214,7 @@ EXAMPLES = {
     "multi_turn_chat.py": ["--max-tokens", "6", "--turns", "2"],
     "json_extraction.py": ["--max-tokens", "16"],
     "react_tool_loop.py": ["--max-steps", "2", "--max-tokens", "8"],
+    "agent_tools.py": ["--max-steps", "2", "--max-tokens", "32"],
     "tree_of_thought.py": ["--branches", "2", "--max-tokens", "4"],
     "client_openai.py": ["--max-tokens", "4"],
     "client_curl.sh": [],
