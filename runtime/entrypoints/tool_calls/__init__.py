@@ -1,6 +1,6 @@
 """OpenAI tool calling: request validation, prompt rendering, wire-format parsers and constrained calls.
 
-`plan.py` is the one entry the HTTP layer uses; see DESIGN.md ("Tool calling") for the contract.
+`plan.py` is the one entry the HTTP layer uses; README.md ("Tool calling") documents the contract.
 """
 
 from runtime.entrypoints.tool_calls.base import PARSER_NAMES, get_parser
