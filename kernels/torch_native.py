@@ -12,6 +12,41 @@ import torch.nn.functional as F
 
 from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer
 
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def attend_prefix_then_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of `ext` new queries placed after `prefix` cached keys, without a mask tensor.
+
+    q [1, H, ext, D]; k, v [1, Hkv, prefix + ext, D] -> [1, H, ext, D]. Every new query sees the whole
+    prefix, so that part needs no mask; the new tokens among themselves are plain (top-left) causal. Both
+    parts run in the flash kernel, which returns each row's log-sum-exp, and are merged exactly:
+    o = o_p * exp(lse_p - lse) + o_n * exp(lse_n - lse), lse = logaddexp(lse_p, lse_n).
+    A masked SDPA call also reaches the flash kernel (torch 2.13) but first turns the [ext, prefix + ext]
+    bool mask into an additive float mask per layer. Measured on SmolLM2-135M, 1 thread: a 280-token
+    extend over a 1000-token prefix costs ~1.33x the no-prefix extend either way; the difference is the
+    arithmetic of attending over the prefix (4 * ext * prefix * H * D flops per layer, ~19 GFLOP in all
+    next to ~60 GFLOP of linear layers), not the mask.
+    """
+    _, h, ext, d = q.shape
+    hkv = k.shape[1]
+    groups = h // hkv
+    # Prefix: heads sharing a KV head are folded into the query axis (no mask, so row order is free),
+    # which avoids repeating the prefix K/V per query head.
+    q_fold = q.reshape(1, hkv, groups * ext, d)
+    o_p, lse_p = _flash_with_lse(q_fold, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+    o_p, lse_p = o_p.reshape(1, h, ext, d), lse_p.reshape(1, h, ext)
+    k_new, v_new = k[:, :, prefix:], v[:, :, prefix:]
+    if groups > 1:
+        k_new, v_new = k_new.repeat_interleave(groups, dim=1), v_new.repeat_interleave(groups, dim=1)
+    o_n, lse_n = _flash_with_lse(q, k_new, v_new, 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse_p, lse_n)
+    w_p = torch.exp(lse_p - lse).unsqueeze(-1).to(q.dtype)
+    w_n = torch.exp(lse_n - lse).unsqueeze(-1).to(q.dtype)
+    return o_p * w_p + o_n * w_n
+
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
@@ -48,12 +83,7 @@ class TorchNativeBackend(AttentionBackend):
                     qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True
                 )
             else:
-                # query j (absolute position prefix + j) sees keys 0..prefix + j
-                q_pos = torch.arange(prefix, prefix + ext, device=q.device)[:, None]
-                mask = torch.arange(prefix + ext, device=q.device)[None, :] <= q_pos
-                o = F.scaled_dot_product_attention(
-                    qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
-                )
+                o = attend_prefix_then_causal(qi, ki, vi, prefix, layer.scaling)
             out[start : start + ext] = o.squeeze(0).transpose(0, 1)
             start += ext
         return out
