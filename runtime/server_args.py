@@ -62,6 +62,10 @@ class ServerArgs:
         "file's Q4_1 blocks; auto = the measured CPU default for --model default, else none",
         ("auto", "none", "int8", "int4", "gguf"),
     )
+    enable_torch_compile: bool = _opt(
+        False, "CPU: compile the decode forward with inductor per batch-size bucket (minutes at start-up)"
+    )
+    torch_compile_max_bs: int = _opt(32, "largest decode batch run compiled; larger ones run eagerly")
     disable_jump_forward: bool = _opt(False, "decode forced grammar text token by token (for comparison)")
     grammar_workers: int = _opt(2, "grammar compile worker processes (compiles running at once)")
     grammar_memory_mb: int = _opt(
@@ -101,6 +105,8 @@ class ServerArgs:
             raise ValueError("--grammar-memory-mb must be >= 64")
         if not self.grammar_timeout_s > 0:
             raise ValueError("--grammar-timeout-s must be > 0")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError("--torch-compile-max-bs must be >= 1")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError("--new-token-ratio must be in [0, 1]")
         for f in dataclasses.fields(self):

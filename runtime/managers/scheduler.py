@@ -55,6 +55,8 @@ class Scheduler:
             attention_backend=args.attention_backend,
             disable_cuda_graph=args.disable_cuda_graph,
             quantization=args.quantization,
+            enable_torch_compile=args.enable_torch_compile,
+            torch_compile_max_bs=args.torch_compile_max_bs,
         )
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()

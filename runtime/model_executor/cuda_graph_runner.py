@@ -49,6 +49,28 @@ def padded_batch_size(bs: int, captured: Sequence[int]) -> int | None:
     return captured[i] if i < len(captured) else None
 
 
+def fill_padded_decode_batch(
+    static: ForwardBatch, batch: ForwardBatch, padded: int, pad_req_pool_index: int = 0, pad_slot: int = 0
+) -> None:
+    """Copy decode `batch` into the first rows of `static`'s tensors (each >= `padded` rows) and make rows
+    bs..padded-1 dummy 1-token sequences that read `req_to_token[pad_req_pool_index, 0]` and write their KV
+    to `pad_slot`, so they touch no live request. Shared by the CUDA-graph and the compiled-decode runners.
+    """
+    bs = batch.batch_size
+    static.input_ids[:bs].copy_(batch.input_ids)
+    static.positions[:bs].copy_(batch.positions)
+    static.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+    static.seq_lens[:bs].copy_(batch.seq_lens)
+    static.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+    if padded > bs:  # earlier larger batches may have left live rows here
+        static.input_ids[bs:padded].zero_()
+        static.positions[bs:padded].zero_()
+        static.req_pool_indices[bs:padded].fill_(pad_req_pool_index)
+        static.seq_lens[bs:padded].fill_(1)
+        static.out_cache_loc[bs:padded].fill_(pad_slot)
+    static.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * (padded - bs)
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -138,19 +160,8 @@ class CudaGraphRunner:
         bs = batch.batch_size
         padded = padded_batch_size(bs, self.batch_sizes)
         assert padded is not None
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
-        self.seq_lens[:bs].copy_(batch.seq_lens)
-        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
-        if padded > bs:  # earlier larger batches may have left live rows here
-            self.input_ids[bs:padded].zero_()
-            self.positions[bs:padded].zero_()
-            self.req_pool_indices[bs:padded].fill_(self.pad_req_pool_index)
-            self.seq_lens[bs:padded].fill_(1)
-            self.out_cache_loc[bs:padded].fill_(self.pad_slot)
         static = self._batches[padded]
-        static.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * (padded - bs)
+        fill_padded_decode_batch(static, batch, padded, self.pad_req_pool_index, self.pad_slot)
         self.attn_backend.init_forward_metadata_replay(static)
         self._graphs[padded].replay()
         return self._outputs[padded][:bs].clone()

@@ -34,6 +34,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         disable_cuda_graph: bool = False,
         quantization: str = "none",
+        enable_torch_compile: bool = False,
+        torch_compile_max_bs: int = 32,
     ):
         from runtime.models.model_loader import iter_weights, load_hf_config
         from runtime.models.quantization import quantize_model
@@ -78,6 +80,9 @@ class ModelRunner:
                     attn_backend=self.backend,
                     device=self.device,
                 )
+        self.compiled_decode = None
+        if enable_torch_compile:
+            self.compiled_decode = self._compile_decode(min(max_running_requests, torch_compile_max_bs))
         logger.info(
             "model loaded in %.2fs: %s, %d layers, dtype=%s, quantization=%s, device=%s, backend=%s, "
             "KV pool %d tokens (%.0f MiB)",
@@ -104,8 +109,38 @@ class ModelRunner:
         """Float32 logits [num_selected_tokens, vocab] (last token of each request unless chosen)."""
         if self.graph_runner is not None and batch.is_decode and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
+            return self.compiled_decode.run(batch)
         self.backend.init_forward_metadata(batch)
         return self.model(batch, self.backend)
+
+    def _compile_decode(self, max_bs: int):
+        """The inductor-compiled decode runner, or None (logged once) where it cannot be used."""
+        from runtime.model_executor.compiled_decode import (
+            DEFAULT_BUCKETS,
+            CompiledDecodeRunner,
+            find_cxx_compiler,
+        )
+
+        if self.graph_runner is not None:
+            logger.info("--enable-torch-compile ignored: decode already replays CUDA graphs")
+            return None
+        if self.device.type != "cpu":
+            logger.warning("--enable-torch-compile is implemented for CPU only; decoding eagerly")
+            return None
+        if find_cxx_compiler() is None:
+            logger.warning(
+                "--enable-torch-compile: no C++ compiler (g++/clang++/$CXX) on PATH; decoding eagerly"
+            )
+            return None
+        # Buckets up to max_bs, the last one covering it; larger decode batches run eagerly.
+        sizes = [b for b in DEFAULT_BUCKETS if b < max_bs]
+        sizes.append(min(b for b in DEFAULT_BUCKETS if b >= min(max_bs, DEFAULT_BUCKETS[-1])))
+        runner = CompiledDecodeRunner(self.model, self.kv_pool, self.req_to_token_pool, sizes)
+        logger.info(
+            "torch.compile: decode compiled for batch sizes %s in %.1fs", sizes, runner.compile_seconds
+        )
+        return runner
 
     def _auto_total_tokens(self) -> int:
         c = self.config
