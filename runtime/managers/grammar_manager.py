@@ -35,6 +35,7 @@ class GrammarManager:
         self.jump_forward = jump_forward
         self.limits = dict(workers=workers, memory_mb=memory_mb, timeout_s=timeout_s)
         self._compiler = None  # built on first use: the vocabulary takes a moment
+        self._mask_buf: torch.Tensor | None = None  # [rows, vocab] bool, reused by every step's mask
 
     @property
     def compiler(self):
@@ -50,10 +51,17 @@ class GrammarManager:
         return self.compiler.compile_async("json_schema", params.json_schema)
 
     def vocab_mask(self, reqs: list[Req], vocab: int, device: torch.device) -> torch.Tensor | None:
-        """[bs, vocab] bool, True = allowed; None when no request in the batch is constrained."""
+        """[bs, vocab] bool, True = allowed; None when no request in the batch is constrained.
+
+        The host tensor is a view of one buffer reused every step: valid until the next call.
+        """
         if all(r.grammar is None for r in reqs):
             return None
-        mask = torch.zeros((len(reqs), vocab), dtype=torch.bool)
+        bs = len(reqs)
+        if self._mask_buf is None or self._mask_buf.shape[0] < bs or self._mask_buf.shape[1] != vocab:
+            self._mask_buf = torch.empty((bs, vocab), dtype=torch.bool)
+        mask = self._mask_buf[:bs]
+        mask.zero_()
         for i, req in enumerate(reqs):
             if req.grammar is None:
                 mask[i] = True

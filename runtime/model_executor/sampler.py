@@ -290,37 +290,74 @@ def apply_penalties(
         flat[keys] -= info.frequency_penalties[row_of] * counts + info.presence_penalties[row_of]
 
 
+_NEG_INF: dict[torch.device, torch.Tensor] = {}  # one 0-dim -inf per device, not one per step
+
+
+def _neg_inf(device: torch.device) -> torch.Tensor:
+    t = _NEG_INF.get(device)
+    if t is None:
+        t = _NEG_INF[device] = torch.tensor(float("-inf"), device=device)
+    return t
+
+
 def apply_bans_and_mask(
     x: torch.Tensor,
     vocab_mask: torch.Tensor | None,
     banned_token_ids: Sequence[Sequence[int]] | None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits with disallowed ids at -inf, no_allowed_token [bs] or None); x itself is not modified."""
+    """(logits with disallowed ids at -inf, no_allowed_token [bs] or None).
+
+    x [bs, vocab] must be finite (model logits are) and is not modified. The result is written to `out`
+    ([bs, vocab], not x: empty rows are restored from x) or to a new tensor. `vocab_mask` is read, not copied:
+    per step this costs one [bs, vocab] pass and no [bs, vocab] allocation when `out` is given.
+    """
     bs, vocab = x.shape
     bans = list(banned_token_ids) if banned_token_ids is not None else [[] for _ in range(bs)]
     if len(bans) != bs:
         raise ValueError(f"banned_token_ids has {len(bans)} entries for a batch of {bs}")
+    if vocab_mask is None and not any(len(b) for b in bans):
+        return x, None
+    if vocab_mask is not None and vocab_mask.shape != (bs, vocab):
+        raise ValueError(f"vocab_mask has shape {tuple(vocab_mask.shape)}, expected {(bs, vocab)}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.data_ptr() == x.data_ptr():
+        raise ValueError(f"out must be a separate {tuple(x.shape)} tensor, got {tuple(out.shape)}")
     if vocab_mask is None:
-        if not any(len(b) for b in bans):
-            return x, None
         # Without a grammar a row is empty only if its bans name every id (ids are range-checked).
         empty = [len(set(b)) >= vocab for b in bans]
         bans = [[] if e else b for b, e in zip(bans, empty, strict=True)]
-        keys = _flat_keys(range(bs), bans, vocab, x.device)
-        banned = x.view(-1).index_put((keys,), torch.tensor(float("-inf"), device=x.device)).view(bs, vocab)
-        return banned, torch.tensor(empty, dtype=torch.bool, device=x.device)
-    if vocab_mask.shape != (bs, vocab):
-        raise ValueError(f"vocab_mask has shape {tuple(vocab_mask.shape)}, expected {(bs, vocab)}")
-    allowed = vocab_mask.to(device=x.device, dtype=torch.bool, copy=True)
+        out.copy_(x)
+        out.view(-1).index_fill_(0, _flat_keys(range(bs), bans, vocab, x.device), float("-inf"))
+        return out, torch.tensor(empty, dtype=torch.bool, device=x.device)
+    allowed = vocab_mask.to(device=x.device, dtype=torch.bool)  # no copy when already so
+    torch.where(allowed, x, _neg_inf(x.device), out=out)
     if any(len(b) for b in bans):
-        allowed.view(-1)[_flat_keys(range(bs), bans, vocab, x.device)] = False
-    no_allowed = ~allowed.any(dim=-1)  # [bs]
-    allowed |= no_allowed.unsqueeze(1)  # an empty row falls back to "everything allowed"
-    return torch.where(allowed, x, float("-inf")), no_allowed
+        out.view(-1).index_fill_(0, _flat_keys(range(bs), bans, vocab, x.device), float("-inf"))
+    no_allowed = out.amax(dim=-1) == float("-inf")  # [bs]; x is finite, so only masked ids are -inf
+    if bool(no_allowed.any()):  # rare: an empty row falls back to "everything allowed" (x's own values)
+        rows = no_allowed.nonzero().squeeze(1)
+        out.index_copy_(0, rows, x.index_select(0, rows))
+    return out, no_allowed
 
 
 class Sampler:
-    """Stateless; per-request state (generators, token history) belongs to the caller."""
+    """Per-request state (generators, token history) belongs to the caller. The sampler only keeps two
+    [rows, vocab] float scratch buffers (penalised logits, masked logits), grown to the largest batch seen
+    and reused every step instead of allocating ~bs x 196 KB twice per step (49k vocab).
+    """
+
+    def __init__(self) -> None:
+        self._scratch: list[torch.Tensor | None] = [None, None]
+
+    def _buffer(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Scratch buffer i viewed as [bs, vocab] (contents undefined)."""
+        bs, vocab = like.shape
+        buf = self._scratch[i]
+        if buf is None or buf.shape[0] < bs or buf.shape[1] != vocab or buf.device != like.device:
+            buf = self._scratch[i] = torch.empty((bs, vocab), dtype=torch.float32, device=like.device)
+        return buf[:bs]
 
     def __call__(
         self,
@@ -341,9 +378,10 @@ class Sampler:
 
         x = logits
         if info.need_penalties:
-            x = logits.clone()
+            x = self._buffer(0, logits)
+            x.copy_(logits)
             apply_penalties(x, info, output_ids, prompt_ids)
-        x, no_allowed = apply_bans_and_mask(x, vocab_mask, banned_token_ids)
+        x, no_allowed = apply_bans_and_mask(x, vocab_mask, banned_token_ids, out=self._buffer(1, logits))
 
         # One fused log_softmax pass is ~25% cheaper on CPU than logsumexp (which decomposes into 4 ops).
         raw_logprobs = torch.log_softmax(logits, dim=-1)  # [bs, vocab]

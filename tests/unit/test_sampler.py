@@ -445,3 +445,39 @@ def test_logits_shape_is_checked():
         Sampler()(torch.zeros(1, V + 1), info_for(SamplingParams()), [[]], [[]])
     with pytest.raises(ValueError, match="out of range"):
         sample(torch.zeros(1, V), [SamplingParams(presence_penalty=1.0)], output_ids=[[V]])
+
+
+# ---- no per-step [bs, vocab] allocations ----
+
+
+def test_bans_and_mask_write_into_out_and_restore_empty_rows():
+    from runtime.model_executor.sampler import apply_bans_and_mask
+
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[True, False, True], [False, True, False]])
+    out = torch.empty_like(x)
+    got, empty = apply_bans_and_mask(x, mask, [[2], [1]], out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert got[0].tolist() == [1.0, float("-inf"), float("-inf")]
+    assert got[1].tolist() == [4.0, 5.0, 6.0]  # bans + mask left nothing: the row falls back to x
+    assert empty.tolist() == [False, True]
+    assert x.tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]  # input untouched
+    with pytest.raises(ValueError, match="separate"):
+        apply_bans_and_mask(x, mask, None, out=x)
+
+
+def test_sampler_reuses_its_buffers_across_steps():
+    vocab = 50
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0)]
+    info = SamplingBatchInfo.from_requests(params, vocab)
+    sampler = Sampler()
+    mask = torch.ones(2, vocab, dtype=torch.bool)
+    mask[:, 7] = False
+    ptrs = set()
+    for _step in range(3):
+        logits = torch.randn(2, vocab)
+        logits[:, 7] = 100.0  # masked out, so never chosen
+        out = sampler(logits, info, [[1, 2]] * 2, [[3]] * 2, vocab_mask=mask, banned_token_ids=[[4], []])
+        assert 7 not in out.next_token_ids.tolist() and 4 != out.next_token_ids[0]
+        ptrs.add(tuple(b.data_ptr() for b in sampler._scratch))
+    assert len(ptrs) == 1
