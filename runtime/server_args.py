@@ -89,6 +89,18 @@ class ServerArgs:
     num_threads: int | None = _opt(
         None, "torch intra-op threads in the scheduler process (default: auto, see `auto_num_threads`)"
     )
+    dp_size: int = _opt(
+        1,
+        "data parallel: run N full replicas behind sglang-router on the public port (needs the router extra)",
+    )
+    dp_base_port: int | None = _opt(
+        None, "with --dp-size N: replica i listens on 127.0.0.1:(base + i) (default base: --port + 1)"
+    )
+    router_policy: str = _opt(
+        "cache_aware",
+        "with --dp-size N: how sglang-router picks a replica (cache_aware: longest prefix, load-balanced)",
+        ("cache_aware", "round_robin", "random"),
+    )
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -111,10 +123,35 @@ class ServerArgs:
             raise ValueError("--torch-compile-max-bs must be >= 1")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError("--new-token-ratio must be in [0, 1]")
+        self._check_data_parallel()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}")
+
+    def _check_data_parallel(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size == 1:
+            return
+        ports = self.dp_replica_ports
+        base = ports[0]
+        if base < 1 or ports[-1] > 65535:
+            raise ValueError(
+                f"--dp-size {self.dp_size} replicas need ports {base}..{ports[-1]}, outside 1..65535: "
+                "pass a smaller --dp-base-port"
+            )
+        if self.port in ports:
+            raise ValueError(
+                f"replica ports {base}..{ports[-1]} include the public --port {self.port}: "
+                "pick a --dp-base-port outside it"
+            )
+
+    @property
+    def dp_replica_ports(self) -> range:
+        """The HTTP ports of the --dp-size replicas (on 127.0.0.1)."""
+        base = self.dp_base_port if self.dp_base_port is not None else self.port + 1
+        return range(base, base + self.dp_size)
 
     def resolve(self) -> ServerArgs:
         """Return a copy with 'auto' device, dtype and thread count fixed for this machine."""

@@ -25,6 +25,10 @@ ALLOWED_FIELDS = {
     "rid",
     "model",
 }
+# Fields sglang-router (`--dp-size`) adds to every /generate body it forwards, with its defaults. Logging
+# hints are accepted and change nothing; features radixlm does not have are accepted only when off.
+ROUTER_LOG_HINTS = {"log_metrics", "no_logs"}
+ROUTER_OFF_ONLY = {"return_hidden_states", "background", "return_bytes", "return_entropy"}
 
 
 def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
@@ -32,9 +36,12 @@ def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     check_unicode(body)
-    unknown = sorted(set(body) - ALLOWED_FIELDS)
+    unknown = sorted(set(body) - ALLOWED_FIELDS - ROUTER_LOG_HINTS - ROUTER_OFF_ONLY)
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(unknown)}")
+    for name in sorted(ROUTER_LOG_HINTS | ROUTER_OFF_ONLY):
+        if _bool(body, name) and name in ROUTER_OFF_ONLY:
+            raise ValueError(f"'{name}' is not supported by radixlm (only false is accepted)")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ValueError("exactly one of 'text' or 'input_ids' is required")

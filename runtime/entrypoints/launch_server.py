@@ -2,7 +2,8 @@
 
 Signals: SIGTERM drains (new requests get 503, running ones finish, then exit 0); a second SIGTERM or
 SIGINT stops at once (running requests get 503, exit code 128 + the signal's number). If the scheduler or
-detokenizer dies, the server exits non-zero so a supervisor restarts it.
+detokenizer dies, the server exits non-zero so a supervisor restarts it. `--dp-size N` runs N such servers
+behind sglang-router instead (`runtime.entrypoints.data_parallel`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ def parse_args(argv: list[str] | None = None, prog: str = "radixlm serve") -> Se
 
 
 def run_server(args: ServerArgs) -> int:
+    if args.dp_size > 1:  # N replicas of this very function behind sglang-router
+        from runtime.entrypoints.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     from runtime.entrypoints.server import create_app
     from runtime.managers.tokenizer_manager import TokenizerManager
     from runtime.models.model_loader import resolve_model_path

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from runtime.entrypoints.generate_input import check_unicode
 from runtime.entrypoints.http_common import (
@@ -70,6 +70,19 @@ class _Common(BaseModel):
     regex: str | None = None
     json_schema: dict[str, Any] | str | None = None
     stop_token_ids: list[int] | None = None
+    no_stop_trim: StrictBool = False
+    # sglang-router (`--dp-size`) sends these with every request it forwards. Reasoning is never separated
+    # (radixlm has no reasoning parser), so the two reasoning flags change nothing; hidden states only off.
+    separate_reasoning: StrictBool = True
+    stream_reasoning: StrictBool = True
+    return_hidden_states: StrictBool = False
+
+    @field_validator("return_hidden_states")
+    @classmethod
+    def _no_hidden_states(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("return_hidden_states is not supported by radixlm (only false is accepted)")
+        return v
 
 
 class ChatMessage(BaseModel):
@@ -304,6 +317,7 @@ def _sampling_params(
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
+            no_stop_trim=body.no_stop_trim,
             seed=body.seed,
             n=body.n,
             **grammar,

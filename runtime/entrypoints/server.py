@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
+import os
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -122,7 +124,11 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         await asyncio.wait_for(tm.generate_all(reqs), timeout=60)
         return PlainTextResponse("ok")
 
+    hf_config = _hf_config_summary(tm.model_dir)
+
+    # /model_info and /server_info: the names sglang-router asks first (it falls back to the /get_* ones).
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info():
         tok = tm.tokenizer
         return {
@@ -131,6 +137,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
             "served_model_name": args.model_name,
             "tokenizer_path": tm.model_dir,
             "is_generation": True,
+            **hf_config,
             "chat_template": tok.chat_template,
             "bos_token": tok.bos_token,
             "eos_token": tok.eos_token,
@@ -139,11 +146,14 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         }
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         info = await tm.server_info()
         server_args = dataclasses.asdict(args)
         if server_args.get("api_key"):
             server_args["api_key"] = "***"
+        # The name sglang-router registers this worker under (its /v1/models answer, as ours).
+        server_args["served_model_name"] = args.model_name
         return {
             **server_args,
             **info,
@@ -255,6 +265,17 @@ def _describe_http_error(request: Request, e: StarletteHTTPException) -> str:
     elif e.__cause__ is not None:  # FastAPI's "There was an error parsing the body" hides why
         message = f"{message}: {e.__cause__}"
     return message
+
+
+def _hf_config_summary(model_dir: str) -> dict[str, Any]:
+    """`model_type` and `architectures` from the model folder's config.json (what a router labels workers
+    with); empty when the file is missing or unreadable."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: config[k] for k in ("model_type", "architectures") if k in config}
 
 
 def _describe_validation(e: RequestValidationError) -> str:
