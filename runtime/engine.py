@@ -24,6 +24,10 @@ class Engine:
         from runtime.models.model_loader import resolve_model_path
 
         self.args = ServerArgs(model=model, **server_args).resolve()
+        if self.args.dp_size != 1:
+            raise ValueError(
+                "Engine runs one replica in this process; --dp-size is for the HTTP server (radixlm serve)"
+            )
         self.model_dir = resolve_model_path(self.args.model)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
