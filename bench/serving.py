@@ -21,6 +21,12 @@ runs alone: the previous one is stopped before the next starts.
     python -m bench.serving --launch-server --dataset generated-shared-prefix --server-args "" \
         --server-args "--disable-radix-cache" --request-rate inf --num-prompts 64
     python -m bench.serving --launch-server --sides radixlm,llamacpp --concurrency 32 --num-prompts 32
+    python -m bench.serving --launch-server --dataset generated-shared-prefix --dp-size 2 \
+        --router-policy cache_aware,round_robin
+
+`--dp-size N` launches every radixlm server as N replicas behind sglang-router, once per `--router-policy`;
+the threads are split between the replicas, and the cache hit rate sums the replicas' counters (found
+through the router's `/workers`), whose per-replica prompt tokens show where the router sent the load.
 """
 
 from __future__ import annotations
@@ -337,14 +343,32 @@ class LaunchedServer:
         self._log.close()
 
 
-def _server_info(url: str) -> dict[str, Any] | None:
+def _get_json(url: str) -> Any:
     import requests
 
     try:
-        r = requests.get(url + "/get_server_info", timeout=30)
+        r = requests.get(url, timeout=30)
         return r.json() if r.status_code == 200 else None
     except (requests.RequestException, ValueError):
         return None
+
+
+def _server_info(url: str) -> dict[str, Any] | None:
+    """The server's counters; behind sglang-router (`--dp-size`), the sum over its replicas, plus each
+    replica's prompt tokens."""
+    info = _get_json(url + "/get_server_info")
+    if info is None or "prompt_tokens" in info:
+        return info
+    workers = (_get_json(url + "/workers") or {}).get("workers", [])
+    per = [_get_json(w["url"] + "/get_server_info") for w in sorted(workers, key=lambda w: w["url"])]
+    per = [p for p in per if p and "prompt_tokens" in p]
+    if not per:
+        return None
+    return {
+        "prompt_tokens": sum(p["prompt_tokens"] for p in per),
+        "cached_tokens": sum(p["cached_tokens"] for p in per),
+        "replica_prompt_tokens": [p["prompt_tokens"] for p in per],
+    }
 
 
 def _openai_model(url: str) -> str | None:
@@ -369,6 +393,10 @@ def run_one(
     if before and after and "prompt_tokens" in after:
         dp = after["prompt_tokens"] - before.get("prompt_tokens", 0)
         fig["cache_hit_rate"] = (after["cached_tokens"] - before.get("cached_tokens", 0)) / dp if dp else 0.0
+    if before and after and "replica_prompt_tokens" in after:
+        pairs = zip(after["replica_prompt_tokens"], before.get("replica_prompt_tokens", []))
+        fig["replica_prompt_tokens"] = [a - b for a, b in pairs]
+    fig["load_after"] = common.load_average()
     return fig
 
 
@@ -406,6 +434,12 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"launched servers, in this order: {', '.join(SIDES)} (radixlm once per --server-args)",
     )
     p.add_argument("--threads", type=int, default=0, help="threads of every launched server (0: all cores)")
+    p.add_argument("--dp-size", type=int, default=1, help="launch radixlm as N replicas behind sglang-router")
+    p.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        help="with --dp-size > 1: comma-separated sglang-router policies, one launched server each",
+    )
     p.add_argument("--llamacpp-n-ctx", type=int, default=4096, help="llama.cpp server context (tokens)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -415,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"unknown side(s) {unknown} in --sides {args.sides!r} (known: {', '.join(SIDES)})")
     if sides != ["radixlm"] and not args.launch_server:
         p.error("--sides applies to launched servers: add --launch-server (with --url, pick --backend)")
+    if args.dp_size < 1:
+        p.error(f"--dp-size must be >= 1, got {args.dp_size}")
     threads = args.threads or common.usable_cores()
     if args.quick:
         args.num_prompts = 8
@@ -475,6 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
             "e2e p50 ms": r["e2e_latency_ms"]["p50"],
             "e2e p99 ms": r["e2e_latency_ms"]["p99"],
             "cache hit": r.get("cache_hit_rate"),
+            "prompt tok/replica": r.get("replica_prompt_tokens"),
         }
         for r in runs
     ]
@@ -506,7 +543,17 @@ def _servers(args: Any, sides: list[str], threads: int, tok: Any) -> list[tuple]
         return [("external", None, None, args.backend, None)]
     out: list[tuple] = []
     for side in sides:
-        if side == "radixlm":
+        if side == "radixlm" and args.dp_size > 1:
+            # Threads per replica: the cores split between them. /readiness: the router has every replica.
+            for extra in args.server_args or [""]:
+                for policy in common.csv_list(args.router_policy):
+                    dp = ["--dp-size", str(args.dp_size), "--router-policy", policy]
+                    cmd = radixlm_command(
+                        args.port, [*dp, *shlex.split(extra)], max(1, threads // args.dp_size)
+                    )
+                    label = f"dp{args.dp_size} {policy}" + (f" {extra}" if extra else "")
+                    out.append((label, cmd, "/readiness", args.backend, None))
+        elif side == "radixlm":
             for extra in args.server_args or [""]:
                 cmd = radixlm_command(args.port, shlex.split(extra), threads)
                 out.append((extra or "radixlm", cmd, "/health", args.backend, None))
