@@ -1,9 +1,10 @@
 """`--dp-size 2`: two real replicas behind a real sglang-router (`cache_aware`), on the default model.
 
 Requests that share a long prefix must all land on one replica and report the prefix as cached; the router
-must pass our worker contract (native and OpenAI routes, SSE ending in `data: [DONE]`, /flush_cache); and
-after one replica is killed, later requests must succeed on the other. Skipped only when sglang-router (the
-`router` extra) is not installed.
+must pass our worker contract (native and OpenAI routes, SSE ending in `data: [DONE]`, /flush_cache); after
+one replica is killed, later requests must succeed on the other; and when the router dies, the server exits
+1 with no process left behind. The tests run in file order on one server (the last two end it). Skipped
+only when sglang-router (the `router` extra) is not installed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def two_free_ports() -> int:
 
 @pytest.fixture(scope="module")
 def dp_server() -> Iterator[tuple[ServerProcess, list[str]]]:
+    """The server and its replicas' URLs. Stopped with SIGTERM (exit 0) unless a test already ended it."""
     base = two_free_ports()
     srv = ServerProcess(
         extra_args=["--dp-size", "2", "--dp-base-port", str(base), "--max-total-tokens", "4000"],
@@ -64,8 +66,10 @@ def dp_server() -> Iterator[tuple[ServerProcess, list[str]]]:
         _wait_router_workers(srv.url, 2)
         yield srv, replicas
     finally:
-        code = srv.stop()
-    assert code == 0, f"dp server exited with {code} after SIGTERM; log tail:\n{srv.log_tail()}"
+        ended_by_test = not srv.alive()
+        code = srv.stop()  # also asserts that no child outlived the server
+    if not ended_by_test:
+        assert code == 0, f"dp server exited with {code} after SIGTERM; log tail:\n{srv.log_tail()}"
 
 
 def _wait_router_workers(url: str, n: int, timeout: float = 60.0) -> None:
@@ -144,19 +148,23 @@ def test_worker_contract_through_the_router(dp_server):
     assert r.status_code == 200 and r.json()["workers_flushed"] == 2, r.text
 
 
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # gone meanwhile
+        return [b""]
+
+
 def _replica_pid(front_pid: int, port: int) -> int:
     for pid in descendants(front_pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
+        argv = _argv(pid)
         if b"runtime.launch_server" in argv and str(port).encode() in argv:
             return pid
     raise AssertionError(f"no replica process on port {port} under pid {front_pid}")
 
 
 def test_killed_replica_leaves_the_other_serving(dp_server):
-    """Run last in this module: it leaves one replica."""
+    """Leaves one replica."""
     srv, replicas = dp_server
     _generate(srv.url, PREFIX + " Question: warm up?")
     busy = max(replicas, key=_prompt_tokens)  # the one cache_aware sends PREFIX requests to
@@ -169,3 +177,13 @@ def test_killed_replica_leaves_the_other_serving(dp_server):
     assert _prompt_tokens(survivor) > before
     assert srv.alive()
     assert "exited with code -9; routing to the 1 other(s)" in srv.log()
+
+
+def test_router_death_stops_the_server(dp_server):
+    """Ends the server: a dead router exits it with 1, its replicas stopped (the fixture checks no orphan)."""
+    srv, _ = dp_server
+    router = [p for p in descendants(srv.proc.pid) if _argv(p)[0].startswith(b"sglang::router")]
+    assert len(router) == 1, "expected one sglang::router process"
+    os.kill(router[0], signal.SIGKILL)
+    assert srv.proc.wait(timeout=30) == 1
+    assert "sglang-router exited with code -9: stopping the replicas" in srv.log()
