@@ -235,7 +235,10 @@ class DataParallelServer:
     def _router_ready(self) -> bool:
         """The router answers /readiness with every replica registered and healthy."""
         r = self._get(self.router_url + "/readiness")
-        return r is not None and r.json().get("healthy_workers") == len(self.replicas)
+        try:
+            return r is not None and r.json().get("healthy_workers") == len(self.replicas)
+        except ValueError:  # not JSON: not sglang-router's answer (yet)
+            return False
 
     def _get(self, url: str) -> requests.Response | None:
         """The response when it is a 200, else None."""
