@@ -17,7 +17,8 @@ radixlm servers' own counters are recorded too.
 
 Bound: a step of agent a at step k re-reads the catalogue (C tokens) and its history; with the cache, only
 the new output and tool result (a few dozen tokens) are prefilled, so the hit rate tends to
-1 - (new tokens) / (C + history) ~ 0.97 here, and without it every step prefills everything.
+1 - (new tokens) / (C + history) (0.97 after the first step in the README's run), and without it every
+step prefills everything.
 
     python -m bench.agent_loop --quick
     python -m bench.agent_loop --num-agents 8 --steps 6 --max-tokens 96
@@ -41,6 +42,8 @@ from bench.harness import common
 from bench.harness.sides import HF, add_side_args, engine_args, open_side, side_names
 
 CONTINUE = "Continue with the next tool call."
+# radixlm server counters whose change over the measured run is recorded (generated: sampled tokens only)
+_COUNTERS = ("prompt_tokens", "cached_tokens", "generated_tokens", "jump_forward_tokens", "extend_steps")
 
 
 @dataclass
@@ -280,7 +283,7 @@ class OpenChatSide:
         if self.url is None:
             return {}
         info = requests.get(self.url + "/get_server_info", timeout=60).json()
-        return {k: float(info.get(k) or 0) for k in ("prompt_tokens", "cached_tokens", "generated_tokens")}
+        return {k: float(info.get(k) or 0) for k in _COUNTERS}
 
     def flush(self) -> None:
         import requests
