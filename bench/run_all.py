@@ -29,6 +29,7 @@ class Headline:
     reference: str
     target: float | None
     batch: str = "32"  # decode_throughput only: the batch size reported (the largest if not measured)
+    key: str | None = None  # the per-side figure compared (default: programs_per_s, or accuracy)
 
 
 def _side(doc: dict, side: str, key: str) -> float | None:
@@ -78,6 +79,16 @@ HEADLINES = [
     Headline("gsm8k", "gsm8k", "programs/s", "radixlm", "hf", None),
     Headline("gsm8k", "gsm8k", "accuracy", "radixlm", "hf", None),
     Headline("tree_of_thought", "tree_of_thought", "programs/s", "radixlm", "hf", None),
+    Headline(
+        "agent_loop",
+        "agent_loop",
+        "steps/s, radix on/off",
+        "radixlm",
+        "radixlm-noradix",
+        None,
+        key="steps_per_s",
+    ),
+    Headline("agent_loop", "agent_loop", "steps/s vs HF", "radixlm", "hf", None, key="steps_per_s"),
 ]
 BENCHES = [
     "decode_throughput",
@@ -87,6 +98,7 @@ BENCHES = [
     "tree_of_thought",
     "json_decode",
     "json_schema_coverage",
+    "agent_loop",
     "serving",
 ]
 
@@ -108,7 +120,7 @@ def headline_row(h: Headline, doc: dict | None) -> dict[str, Any]:
         if h.bench == "decode_throughput":
             ours, ref = _decode(doc, h.ours, h.batch), _decode(doc, h.reference, h.batch)
         else:
-            key = "accuracy" if h.metric == "accuracy" else "programs_per_s"
+            key = h.key or ("accuracy" if h.metric == "accuracy" else "programs_per_s")
             ours, ref = _side(doc, h.ours, key), _side(doc, h.reference, key)
     except (KeyError, StopIteration, ValueError):
         return row

@@ -405,10 +405,11 @@ def _chat_logprobs(tm: TokenizerManager, meta: dict[str, Any], start: int = 0) -
 
 
 def _completion_logprobs(
-    tm: TokenizerManager, meta: dict[str, Any], start: int = 0, echo: bool = False
+    tm: TokenizerManager, meta: dict[str, Any], start: int = 0, echo: bool = False, offset: int = 0
 ) -> dict[str, Any]:
     """OpenAI's completion logprobs of the output from token `start`; with `echo`, of the prompt first (its
-    first token's logprob is None, as OpenAI's)."""
+    first token's logprob is None, as OpenAI's). `text_offset` counts token texts from `offset` (a stream's
+    later chunks continue where the previous ones ended)."""
     entries = (meta.get("output_token_logprobs") or [])[start:]
     tops = (meta.get("output_top_logprobs") or [None] * (start + len(entries)))[start:]
     if echo:
@@ -416,7 +417,7 @@ def _completion_logprobs(
         entries = prompt + entries
         tops = (meta.get("input_top_logprobs") or [None] * len(prompt)) + tops
     tokens = [t if t is not None else tm.tokenizer.decode([tid]) for _lp, tid, t in entries]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
@@ -517,24 +518,37 @@ class _ChatFormatter(_OpenAIFormatter):
 
 
 class _CompletionFormatter(_OpenAIFormatter):
+    """With `echo`, a choice's first event carries the prompt text and, with `logprobs`, the prompt's
+    logprobs, so the chunks concatenate to exactly the non-streamed choice (text, tokens, text_offset)."""
+
     object_name = "text_completion"
 
     def __init__(self, rid: str, model: str, tm: TokenizerManager, body: CompletionRequest, echo: str):
         super().__init__(rid, model, tm, body)
         self.logprobs = body.logprobs is not None
-        self.echo = echo  # prepended to each choice's first text
-        self.echoed: set[int] = set()
+        self.echo = body.echo
+        self.echo_text = echo  # prepended to each choice's first text
+        self.started: set[int] = set()  # choices whose first event went out
+        self.lp_chars: dict[int, int] = {}  # choice index -> characters of the token texts sent so far
 
     def update(self, index: int, out: dict[str, Any], text_delta: str, logprob_start: int) -> bytes | None:
-        if self.echo and index not in self.echoed:
-            text_delta = self.echo + text_delta
-            self.echoed.add(index)
+        first = index not in self.started
+        if first and self.echo:
+            text_delta = self.echo_text + text_delta
         finish = out["meta_info"]["finish_reason"]
-        if not (text_delta or finish):
+        if not (text_delta or finish or (first and self.echo)):
             return None
         lp = None
         if self.logprobs:
-            lp = _completion_logprobs(self.tm, out["meta_info"], logprob_start)
+            lp = _completion_logprobs(
+                self.tm,
+                out["meta_info"],
+                logprob_start,
+                echo=first and self.echo,
+                offset=self.lp_chars.get(index, 0),
+            )
+            self.lp_chars[index] = self.lp_chars.get(index, 0) + sum(len(t) for t in lp["tokens"])
+        self.started.add(index)
         choice = {
             "index": index,
             "text": text_delta,

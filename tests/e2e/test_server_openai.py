@@ -213,6 +213,44 @@ def test_completion_logprobs(client, completion_reference):
     assert completion_reference.choices[0].text.startswith(choice.text)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_completion_stream_echo_logprobs_equals_non_streamed(client, n):
+    """echo + logprobs streamed: each choice's first chunk carries the prompt and its logprobs, and the chunks
+    concatenate to the non-streamed choice (text, tokens, logprobs, top logprobs, text offsets)."""
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    whole = client.completions.create(n=n, **kw)
+    n_prompt = whole.usage.prompt_tokens
+    got = {i: {"text": "", "tokens": [], "lps": [], "tops": [], "offsets": []} for i in range(n)}
+    firsts = {}
+    for chunk in client.completions.create(n=n, stream=True, **kw):
+        for c in chunk.choices:
+            g = got[c.index]
+            firsts.setdefault(c.index, c)
+            g["text"] += c.text
+            if c.logprobs is not None:
+                g["tokens"] += c.logprobs.tokens
+                g["lps"] += c.logprobs.token_logprobs
+                g["tops"] += c.logprobs.top_logprobs
+                g["offsets"] += c.logprobs.text_offset
+    for i in range(n):
+        want = whole.choices[i]
+        first = firsts[i]
+        assert first.text.startswith(PROMPT)  # the echoed prompt goes out first ...
+        assert (
+            len(first.logprobs.tokens) >= n_prompt and first.logprobs.token_logprobs[0] is None
+        )  # ... scored
+        g = got[i]
+        assert g["text"] == want.text and want.text.startswith(PROMPT)
+        assert g["tokens"] == want.logprobs.tokens
+        assert len(want.logprobs.tokens) > n_prompt  # prompt and output tokens
+        assert g["lps"][0] is None and want.logprobs.token_logprobs[0] is None
+        assert g["lps"][1:] == pytest.approx(want.logprobs.token_logprobs[1:], abs=1e-5)
+        assert g["offsets"] == want.logprobs.text_offset
+        assert len(g["tops"]) == len(want.logprobs.top_logprobs)
+        for a, b in zip(g["tops"][1:], want.logprobs.top_logprobs[1:], strict=True):
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+
+
 def test_cached_tokens_on_repeated_long_prompt(client):
     prompt = f"[{uuid.uuid4().hex}] " + "The quick brown fox jumps over the lazy dog. " * 30
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gsm8k, json_decode, mmlu, multi_turn_chat, serving
+from bench import agent_catalogue, agent_loop, gsm8k, json_decode, mmlu, multi_turn_chat, serving
 from bench.harness import common, datasets
 from bench.run_all import HEADLINES, headline_row
 
@@ -294,3 +294,111 @@ def test_headline_ratio_and_target():
     }
     r = headline_row(dec, ddoc)  # no batch 32 measured: the largest one is reported
     assert r["ratio"] == pytest.approx(1.2) and r["met"] is False
+
+
+# ------------------------------------------------------------------------------------------ agent_loop
+def _step(calls=(), content=None, prompt=100, cached=0, finish="tool_calls") -> agent_loop.Step:
+    return agent_loop.Step(list(calls), content, finish, prompt, 5, cached, 0.1)
+
+
+def test_agent_catalogue_tools_are_valid_and_fake_tools_deterministic():
+    from runtime.entrypoints.tool_calls.schema import parse_tools
+
+    assert 15 <= len(parse_tools(agent_catalogue.TOOLS)) <= 25  # every schema passes the server's checks
+    args = '{"city": "Oslo", "unit": "celsius"}'
+    first = json.loads(agent_catalogue.run_tool("get_weather", args))
+    assert first == json.loads(agent_catalogue.run_tool("get_weather", args)) and first["city"] == "Oslo"
+    assert first != json.loads(agent_catalogue.run_tool("get_weather", '{"city": "Lima", "unit": "celsius"}'))
+    assert json.loads(agent_catalogue.run_tool("calculator", '{"expression": "(12 + 30) * 7 / 2"}')) == {
+        "expression": "(12 + 30) * 7 / 2",
+        "value": 147.0,
+    }
+    for name, arguments, needle in [
+        ("calculator", '{"expression": "__import__(1)"}', "unsupported"),
+        ("calculator", '{"expression": "1/0"}', "ZeroDivisionError"),
+        ("nope", "{}", "unknown tool"),
+        ("get_weather", '{"city": "Oslo"', "not valid JSON"),
+        ("get_weather", "[1]", "JSON object"),
+        ("get_weather", '{"unit": "celsius"}', "missing required arguments ['city']"),
+        ("get_forecast", '{"city": "Oslo", "days": "x"}', "bad arguments"),
+    ]:
+        assert needle in json.loads(agent_catalogue.run_tool(name, arguments))["error"], (name, arguments)
+    assert agent_catalogue.tasks(3, seed=4) == agent_catalogue.tasks(3, seed=4)
+    assert len(set(agent_catalogue.tasks(8, seed=4))) > 1
+
+
+def test_agent_loop_appends_calls_tool_results_and_text_nudges():
+    seen = []
+
+    def step_fn(messages):
+        seen.append(list(messages))
+        if len(seen) == 2:
+            return _step(content="I think it is sunny.", finish="stop")
+        return _step([("c1", "get_weather", '{"city": "Oslo", "unit": "celsius"}')])
+
+    trace = agent_loop.run_agent(step_fn, "Weather in Oslo?", 3)
+    assert len(trace.steps) == 3 and trace.error is None
+    assert [m["role"] for m in seen[0]] == ["system", "user"]
+    assert [m["role"] for m in seen[1]][2:] == ["assistant", "tool"]
+    assert seen[1][2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo", "unit": "celsius"}'
+    assert seen[1][3] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": agent_catalogue.run_tool("get_weather", '{"city": "Oslo", "unit": "celsius"}'),
+    }
+    assert seen[2][:4] == seen[1] and seen[2][4:] == [
+        {"role": "assistant", "content": "I think it is sunny."},
+        {"role": "user", "content": agent_loop.CONTINUE},
+    ]
+
+    def failing(messages):
+        raise RuntimeError("HTTP 500: boom")
+
+    bad = agent_loop.run_agent(failing, "x", 2)
+    assert bad.steps == [] and "boom" in bad.error
+
+
+def test_agent_loop_cut_calls_get_empty_history_arguments():
+    assert agent_loop.history_arguments('{"a": 1}') == '{"a": 1}'
+    assert agent_loop.history_arguments('{"a": ') == "{}"  # cut by max_tokens
+    assert agent_loop.history_arguments("[1, 2]") == "{}"
+    msgs = agent_loop.next_messages(_step([("c1", "calculator", '{"expression": "1+')]))
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == "{}"
+    assert "not valid JSON" in msgs[1]["content"]
+
+
+def test_agent_loop_figures_hit_rates_validity_and_agreement():
+    weather = ("c", "get_weather", '{"city": "Oslo", "unit": "celsius"}')
+    invalid = ("c", "get_weather", '{"city": "Oslo", "unit": "kelvin"}')
+    a = agent_loop.Trace(
+        [_step([weather], prompt=1000, cached=0), _step([invalid], prompt=1100, cached=1000)]
+    )
+    b = agent_loop.Trace([_step([weather], prompt=1000, cached=900), _step(content="hi", finish="stop")])
+    f = agent_loop.figures([a, b], wall=2.0)
+    assert f["steps"] == 4 and f["steps_per_s"] == 2.0 and f["errors"] == 0
+    assert f["prompt_tokens"] == 3200 and f["cached_tokens"] == 1900
+    assert f["cache_hit_rate"] == pytest.approx(1900 / 3200)
+    assert f["cache_hit_rate_first_step"] == pytest.approx(900 / 2000)
+    assert f["cache_hit_rate_later_steps"] == pytest.approx(1000 / 1200)
+    assert f["tool_calls"] == 3 and f["valid_calls"] == 2 and f["text_replies"] == 1
+    assert f["finish_reasons"] == {"tool_calls": 3, "stop": 1}
+    assert agent_loop.figures([agent_loop.Trace(error="x")], 1.0)["steps_per_s"] is None
+    # agreement compares whole trajectories (calls and text), never errored agents
+    same = agent_loop.Trace([_step([weather], prompt=1), _step([invalid], prompt=2)])
+    assert agent_loop.agreement([a, b], [same, b]) == 1.0
+    assert agent_loop.agreement([a, b], [b, b]) == 0.5
+    assert agent_loop.agreement([a], [agent_loop.Trace(same.steps, error="x")]) == 0.0
+    assert not agent_loop.valid_call("nope", "{}") and not agent_loop.valid_call("calculator", "{")
+
+
+def test_agent_loop_server_flags():
+    kw = {"dtype": "float32", "disable_radix_cache": True, "num_threads": None, "max_total_tokens": 30000}
+    flags = agent_loop.server_flags({**kw, "ignore_eos": False})
+    assert flags == ["--dtype", "float32", "--disable-radix-cache", "--max-total-tokens", "30000"]
+
+
+def test_agent_loop_headline_reads_steps_per_s():
+    doc = {"results": {"sides": {"radixlm": {"steps_per_s": 0.3}, "radixlm-noradix": {"steps_per_s": 0.1}}}}
+    h = next(h for h in HEADLINES if h.bench == "agent_loop" and h.reference == "radixlm-noradix")
+    row = headline_row(h, doc)
+    assert row["ours"] == 0.3 and row["ratio"] == pytest.approx(3.0)

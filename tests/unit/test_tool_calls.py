@@ -131,6 +131,26 @@ def test_parse_final_and_streamed(parser, text, content, calls):
             assert s_calls == calls
 
 
+@pytest.mark.parametrize("constrained", [False, True])
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])
+def test_whole_reply_in_one_chunk_loses_nothing(parser, constrained):
+    """Jump-forward or a slow client can deliver a whole call (or all of them) in one chunk: the deltas of
+    that single feed still carry each call's header (index, id, type, name) and then all of its arguments."""
+    p = get_parser(parser)
+    calls = [Call("get_weather", '{"city": "Paris", "days": 2}'), Call("calc", '{"expr": "1+2"}')]
+    text = p.format_calls(calls)
+    deltas = ToolStream(p, constrained).feed(text, True)
+    got: dict[int, list] = {}
+    for d in deltas:
+        assert "content" not in d or not d["content"].strip()
+        for tc in d.get("tool_calls", []):
+            if tc["index"] not in got:
+                assert tc["id"].startswith("call_") and tc["type"] == "function"
+                got[tc["index"]] = [tc["function"]["name"], ""]
+            got[tc["index"]][1] += tc["function"].get("arguments", "")
+    assert [tuple(got[k]) for k in sorted(got)] == [(c.name, c.arguments) for c in calls]
+
+
 def test_constrained_stream_sends_name_before_arguments_complete():
     ts = ToolStream(get_parser("hermes"), constrained=True)
     deltas = ts.feed('<tool_call>\n{"name": "calc", "arguments": {"expr": "1+', False)
@@ -264,3 +284,58 @@ def test_auto_detection_from_template():
     assert get_parser("auto", "<|python_tag|>").name == "llama3"
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         get_parser("nope")
+
+
+# A Hermes/Qwen2.5-style template that renders `tools` itself.
+NATIVE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are helpful.' }}\n"
+    "# Tools\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n"
+    "{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and tools %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- for tc in message.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_that_renders_tools_gets_them_and_the_parsed_history(default_tokenizer):
+    """A chat template that references `tools` receives them (and assistant calls with parsed arguments)
+    instead of the plain-template system block; `auto` picks the parser from the template's markers."""
+    import asyncio
+    import copy
+    from types import SimpleNamespace
+
+    from runtime.entrypoints.tool_calls import plan_chat
+
+    tok = copy.deepcopy(default_tokenizer)
+    tok.chat_template = NATIVE_TEMPLATE
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "2"}'}}
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2?"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "2"},
+    ]
+    extras = [{}, {}, {"tool_calls": [call]}, {"tool_call_id": "c1"}]
+    body = SimpleNamespace(
+        tools=[WEATHER, CALC], tool_choice="auto", parallel_tool_calls=None, continue_final_message=False
+    )
+    plan = asyncio.run(plan_chat(msgs, extras, body, tok, "auto", grammar_validator=None))
+    assert plan.parser.name == "hermes" and plan.regex is None  # the template's <tool_call> marker
+    assert plan.prompt.startswith("<|im_start|>system\nBe brief.\n# Tools\n<tools>")
+    block = plan.prompt[: plan.prompt.index("</tools>")]
+    assert all(json.dumps(t.as_openai()) in block for t in TOOLS)  # rendered by the template's own loop
+    assert "You may call one or more functions" not in plan.prompt  # not the plain-template block
+    assert '<tool_call>\n{"name": "calc", "arguments": {"expr": "2"}}\n</tool_call>' in plan.prompt
+    assert plan.prompt.endswith("<tool_response>\n2\n</tool_response><|im_end|><|im_start|>assistant\n")
+    assert render_messages(msgs, TOOLS, get_parser("hermes"), native=True)[1] == [
+        t.as_openai() for t in TOOLS
+    ]
