@@ -234,7 +234,7 @@ OPENAI_ERRORS = {
         "/v1/chat/completions",
         _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
         400,
-        ["tool calling is not supported"],
+        ["tools[0].function.parameters"],
     ),
 }
 
