@@ -34,6 +34,7 @@ from runtime.messages import (
 )
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
+from runtime.models.parallel import TensorParallel
 from runtime.sampling_params import TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
@@ -41,7 +42,14 @@ logger = logging.getLogger("radixlm.scheduler")
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_dir: str, runner: ModelRunner | None = None, tokenizer=None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_dir: str,
+        runner: ModelRunner | None = None,
+        tokenizer=None,
+        tp: TensorParallel | None = None,
+    ):
         from runtime.models.model_loader import load_tokenizer
 
         self.args = args = args.resolve()  # idempotent; tests may pass unresolved args
@@ -57,6 +65,7 @@ class Scheduler:
             quantization=args.quantization,
             enable_torch_compile=args.enable_torch_compile,
             torch_compile_max_bs=args.torch_compile_max_bs,
+            tp=tp,
         )
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
