@@ -108,11 +108,14 @@ class Supervisor:
             raise RuntimeError(f"{name} process failed to start: {detail}")
 
     def dead_child(self) -> str | None:
-        """The reason the first dead child died, or None while all are alive."""
-        for name, proc in self.procs.items():
-            if not proc.is_alive():
-                return f"{name} process died (exit code {proc.exitcode})"
-        return None
+        """Which children died (all of them: a dead tensor-parallel rank soon takes rank 0 down with it, and
+        the one to blame may come later in the list), or None while all are alive."""
+        dead = [
+            f"{name} process died (exit code {proc.exitcode})"
+            for name, proc in self.procs.items()
+            if not proc.is_alive()
+        ]
+        return "; ".join(dead) or None
 
     async def watch(self, on_death: Callable[[str], None], interval_s: float = WATCH_INTERVAL_S) -> None:
         """Poll the children until one dies, call `on_death(reason)` once, and return."""
