@@ -3,7 +3,9 @@
 - greedy tokens of the default model (9 heads / 3 KV heads: split 2 + 1 KV heads) equal TP=1's, including a
   request that extends over a cached prefix, and no KV slot leaks;
 - a --tp-size the model cannot be sharded over fails at start with the numbers, before loading weights;
-- killing a worker rank makes the server fail its requests and exit non-zero instead of hanging.
+- killing a worker rank makes the server exit non-zero instead of hanging;
+- two "nodes" on this machine (--nnodes 2, a worker-only node 1 started like a real second machine) serve
+  the TP=1 tokens, and when node 1 goes away node 0 notices through the failed collective and exits.
 The two cores of the test machine make TP=2 slower than TP=1 here: these tests check correctness only.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,11 +22,14 @@ import pytest
 import requests
 
 from tests.e2e.server_utils import (
+    DEFAULT_ENV,
     HTTP_TIMEOUT_S,
+    ROOT,
     ServerProcess,
     ServerStartupError,
     assert_no_kv_leak,
     descendants,
+    free_port,
     wait_idle,
 )
 
@@ -98,3 +105,41 @@ def test_killed_worker_rank_makes_the_server_exit(tiny_model_dir):
         assert "tp-rank-1 process died" in srv.log()
     finally:
         srv.stop()  # raises if a child process (rank 0 included) survived the server
+
+
+def test_two_nodes_serve_and_a_lost_node_stops_the_server(tiny_model_dir, tmp_path):
+    ids = {"input_ids": [1, 5, 9, 200, 31], "sampling_params": GREEDY}
+    with ServerProcess(model=tiny_model_dir) as srv:
+        want = requests.post(srv.url + "/generate", json=ids, timeout=60).json()["output_ids"]
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--model", tiny_model_dir, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    log = open(tmp_path / "node1.log", "wb")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "runtime.launch_server", *common, "--node-rank", "1", "--log-level", "info"],
+        cwd=ROOT,
+        env={**os.environ, **DEFAULT_ENV},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    srv = ServerProcess(model=tiny_model_dir, extra_args=common[2:] + ["--node-rank", "0"])
+    try:
+        srv.start()
+        assert _tp_rank_pids(srv.proc.pid) == {}  # rank 1 runs under node 1's process
+        assert set(_tp_rank_pids(node1.pid)) == {"tp-rank-1"}
+        got = requests.post(srv.url + "/generate", json=ids, timeout=60).json()["output_ids"]
+        assert got == want
+        node1.send_signal(signal.SIGTERM)  # node 1 stops its rank and exits cleanly
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+        lost = time.monotonic()
+        code = srv.proc.wait(timeout=120)  # rank 0's next collective (a heartbeat, <= 5 s) fails
+        exited = time.monotonic() - lost
+        assert code != 0 and exited < 60, (code, exited)
+        assert "scheduler process died" in srv.log()
+        print(f"\nnode 1 gone: node 0 exited {code} after {exited:.1f}s")
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+            node1.wait()
+        log.close()
+        srv.stop()
