@@ -31,20 +31,7 @@ def run_tp_worker_process(args: ServerArgs, model_dir: str, endpoints, ready_con
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         tp = init_tensor_parallel(args, rank)
-        runner = ModelRunner(
-            model_dir,
-            dtype=args.dtype,
-            device=str(tp.device),
-            max_total_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            attention_backend=args.attention_backend,
-            disable_cuda_graph=args.disable_cuda_graph,
-            quantization=args.quantization,
-            enable_torch_compile=args.enable_torch_compile,
-            torch_compile_max_bs=args.torch_compile_max_bs,
-            tp=tp,
-        )
+        runner = ModelRunner.from_server_args(args, model_dir, tp)
         channel = BatchChannel(tp)
         ready_conn.send({"status": "ready"})
     except Exception as e:

@@ -18,6 +18,7 @@ from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import HeadShard, TensorParallel
+from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.model_runner")
 
@@ -115,6 +116,26 @@ class ModelRunner:
             max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
             tp.rank,
             tp.size,
+        )
+
+    @classmethod
+    def from_server_args(
+        cls, args: ServerArgs, model_dir: str, tp: TensorParallel | None = None
+    ) -> ModelRunner:
+        """The runner `args` (resolved) describe; on CUDA "cuda" is this rank's GPU (set when it joined)."""
+        return cls(
+            model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            attention_backend=args.attention_backend,
+            disable_cuda_graph=args.disable_cuda_graph,
+            quantization=args.quantization,
+            enable_torch_compile=args.enable_torch_compile,
+            torch_compile_max_bs=args.torch_compile_max_bs,
+            tp=tp,
         )
 
     @property
