@@ -80,14 +80,25 @@ class ServerArgs:
         ("auto", "hermes", "llama3", "mistral", "qwen"),
     )
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
-    tp: int = _opt(1, "tensor parallel size (only 1 is supported)")
+    tp_size: int = _opt(
+        1, "tensor-parallel ranks (one process each) the model is sharded over; see README 'Scaling out'"
+    )
+    nnodes: int = _opt(1, "machines the --tp-size ranks span; each runs tp_size / nnodes of them")
+    node_rank: int = _opt(0, "this machine's index in 0..nnodes-1; node 0 serves HTTP, the others run ranks")
+    dist_init_addr: str | None = _opt(
+        None,
+        "torch.distributed rendezvous tcp://HOST:PORT, reachable from every node (default: a free port on "
+        "127.0.0.1; required with --nnodes > 1)",
+    )
     random_seed: int = _opt(0, "seed for requests without their own seed")
     stream_interval: int = _opt(1, "send a streamed chunk every N tokens")
     max_request_bytes: int = _opt(8 << 20, "largest accepted HTTP body in bytes")
     log_interval: float = _opt(10.0, "seconds between scheduler status log lines (0 disables)")
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     num_threads: int | None = _opt(
-        None, "torch intra-op threads in the scheduler process (default: auto, see `auto_num_threads`)"
+        None,
+        "torch intra-op threads per model process (default: auto, see `auto_num_threads`, divided among "
+        "this node's tensor-parallel ranks)",
     )
     dp_size: int = _opt(
         1,
@@ -103,8 +114,7 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.tp != 1:
-            raise ValueError("only --tp 1 is supported")
+        self._check_parallel()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_running_requests < 1:
@@ -134,6 +144,11 @@ class ServerArgs:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
         if self.dp_size == 1:
             return
+        if self.nnodes > 1 or self.dist_init_addr is not None:
+            raise ValueError(
+                "--dp-size > 1 runs every replica on this machine: it cannot be combined with --nnodes or "
+                "--dist-init-addr (each replica picks its own tensor-parallel rendezvous)"
+            )
         ports = self.dp_replica_ports
         base = ports[0]
         if base < 1 or ports[-1] > 65535:
@@ -152,6 +167,28 @@ class ServerArgs:
         """The HTTP ports of the --dp-size replicas (on 127.0.0.1)."""
         base = self.dp_base_port if self.dp_base_port is not None else self.port + 1
         return range(base, base + self.dp_size)
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes), got {self.node_rank}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--tp-size {self.tp_size} must be a multiple of --nnodes {self.nnodes} "
+                "(every node runs the same number of ranks)"
+            )
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr tcp://HOST:PORT of node 0")
+        if self.dist_init_addr is not None:
+            parse_dist_init_addr(self.dist_init_addr)
+
+    @property
+    def tp_ranks_here(self) -> range:
+        """Global tensor-parallel ranks this node runs (rank 0, on node 0, is the scheduler)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def resolve(self) -> ServerArgs:
         """Return a copy with 'auto' device, dtype and thread count fixed for this machine."""
@@ -175,9 +212,19 @@ class ServerArgs:
                 f"--quantization gguf needs a GGUF model, but {self.model!r} is a Hugging Face folder: "
                 "use --quantization int8 or int4"
             )
-        num_threads = self.num_threads if self.num_threads is not None else auto_num_threads()
+        num_threads = self.num_threads
+        if num_threads is None:  # the CPUs are shared by this node's ranks: never oversubscribe them
+            num_threads = max(1, auto_num_threads() // len(self.tp_ranks_here))
+        dist_init_addr = self.dist_init_addr
+        if dist_init_addr is None and self.tp_size > 1:
+            dist_init_addr = f"tcp://127.0.0.1:{_free_port()}"
         return dataclasses.replace(
-            self, device=device, dtype=dtype, quantization=quantization, num_threads=num_threads
+            self,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            num_threads=num_threads,
+            dist_init_addr=dist_init_addr,
         )
 
     @property
@@ -236,6 +283,25 @@ def auto_num_threads() -> int:
     except (OSError, ValueError):
         pass
     return max(1, cpus)
+
+
+def parse_dist_init_addr(addr: str) -> tuple[str, int]:
+    """(host, port) of a `tcp://HOST:PORT` rendezvous address; ValueError naming what is wrong."""
+    rest = addr.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if not addr.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr must look like tcp://HOST:PORT, got {addr!r}")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr port must be in 1..65535, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _base_type(hint) -> type:

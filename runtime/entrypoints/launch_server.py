@@ -2,8 +2,11 @@
 
 Signals: SIGTERM drains (new requests get 503, running ones finish, then exit 0); a second SIGTERM or
 SIGINT stops at once (running requests get 503, exit code 128 + the signal's number). If the scheduler or
-detokenizer dies, the server exits non-zero so a supervisor restarts it. `--dp-size N` runs N such servers
-behind sglang-router instead (`runtime.entrypoints.data_parallel`).
+detokenizer (or a tensor-parallel rank) dies, the server exits non-zero so a supervisor restarts it.
+`--dp-size N` runs N such servers behind sglang-router instead (`runtime.entrypoints.data_parallel`).
+
+With `--nnodes N --node-rank K` (K > 0) this node serves no HTTP: it runs its share of the tensor-parallel
+ranks until one dies (exit 1) or it is signalled (exit 0); node 0 runs the server and rank 0.
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ def run_server(args: ServerArgs) -> int:
         level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(name)s: %(message)s"
     )
     model_dir = resolve_model_path(args.model)
+    if args.node_rank > 0:
+        return run_worker_node(args, model_dir)
     state = {"dead": None}
     server_box: list[_Server] = []
 
@@ -134,6 +139,34 @@ def run_server(args: ServerArgs) -> int:
     if server_box and server_box[0].stopped_by is not None:
         return 128 + server_box[0].stopped_by  # the shell's code for "ended by this signal"
     return 0
+
+
+def run_worker_node(args: ServerArgs, model_dir: str) -> int:
+    """Run this node's tensor-parallel ranks (no HTTP) until one dies or a signal arrives."""
+    import threading
+
+    from runtime.managers.supervisor import WATCH_INTERVAL_S, Supervisor
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sup = Supervisor(args, model_dir, endpoints=None)
+    try:
+        sup.start(frontend=False)
+        logger.info(
+            "node %d/%d: tensor-parallel ranks %s joined %s",
+            args.node_rank,
+            args.nnodes,
+            list(args.tp_ranks_here),
+            args.dist_init_addr,
+        )
+        while not stop.wait(WATCH_INTERVAL_S):
+            if (reason := sup.dead_child()) is not None:
+                logger.error("exiting: %s", reason)
+                return 1
+        return 0
+    finally:
+        sup.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ from runtime.messages import (
 )
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
+from runtime.models.parallel import TensorParallel
 from runtime.sampling_params import TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
@@ -41,23 +42,18 @@ logger = logging.getLogger("radixlm.scheduler")
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_dir: str, runner: ModelRunner | None = None, tokenizer=None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_dir: str,
+        runner: ModelRunner | None = None,
+        tokenizer=None,
+        tp: TensorParallel | None = None,
+    ):
         from runtime.models.model_loader import load_tokenizer
 
         self.args = args = args.resolve()  # idempotent; tests may pass unresolved args
-        self.runner = runner or ModelRunner(
-            model_dir,
-            dtype=args.dtype,
-            device=args.device,
-            max_total_tokens=args.max_total_tokens,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            attention_backend=args.attention_backend,
-            disable_cuda_graph=args.disable_cuda_graph,
-            quantization=args.quantization,
-            enable_torch_compile=args.enable_torch_compile,
-            torch_compile_max_bs=args.torch_compile_max_bs,
-        )
+        self.runner = runner or ModelRunner.from_server_args(args, model_dir, tp)
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
         self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator)

@@ -29,7 +29,12 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
             torch.set_num_threads(args.num_threads)
         from runtime.managers.scheduler import Scheduler
 
-        scheduler = Scheduler(args, model_dir)
+        tp = None
+        if args.tp_size > 1:  # this process is rank 0: it schedules, the other ranks follow its batches
+            from runtime.model_executor.distributed import init_tensor_parallel
+
+            tp = init_tensor_parallel(args, rank=0)
+        scheduler = Scheduler(args, model_dir, tp=tp)
         ctx = zmq.Context()
         recv_sock = ipc.socket(ctx, zmq.PULL, endpoints.scheduler, bind=True)
         detok_sock = ipc.socket(ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
@@ -54,6 +59,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
     poller.register(recv_sock, zmq.POLLIN)
     was_busy = False
     while True:
+        scheduler.runner.keepalive()  # tensor parallel: idle rank 0 heartbeats to the waiting ranks
         if not scheduler.has_work():
             if was_busy:
                 try:

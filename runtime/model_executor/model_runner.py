@@ -1,4 +1,9 @@
-"""The model worker: weights, KV memory and attention backend; runs a `ForwardBatch`, returns logits."""
+"""The model worker: weights, KV memory and attention backend; runs a `ForwardBatch`, returns logits.
+
+With tensor parallelism one runner lives in each rank's process, holding that rank's shard of the weights
+and a KV pool of its own KV heads only; rank 0's `forward` first sends the batch to the others
+(`runtime.model_executor.distributed`), whose worker loop calls `forward_local` with it.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
+from runtime.models.parallel import HeadShard, TensorParallel
+from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.model_runner")
 
@@ -36,6 +43,7 @@ class ModelRunner:
         quantization: str = "none",
         enable_torch_compile: bool = False,
         torch_compile_max_bs: int = 32,
+        tp: TensorParallel | None = None,
     ):
         from runtime.models.model_loader import iter_weights, load_hf_config
         from runtime.models.quantization import quantize_model
@@ -46,9 +54,16 @@ class ModelRunner:
         self.config = ModelConfig.from_hf(load_hf_config(model_dir))
         cfg = self.config
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.tp = tp = tp or TensorParallel()
+        self.local_kv_heads = HeadShard.of(cfg.num_heads, cfg.num_kv_heads, tp).num_kv_heads
+        self.channel = None  # rank 0 of a group: sends every batch to the other ranks
+        if tp.size > 1 and tp.rank == 0:
+            from runtime.model_executor.distributed import BatchChannel
+
+            self.channel = BatchChannel(tp)
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(iter_weights(model_dir))
         quantize_model(model, quantization, model_dir)
@@ -57,18 +72,22 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
 
         if max_total_tokens is None:
-            max_total_tokens = self._auto_total_tokens()
+            # every rank addresses the same slots: the smallest rank's share sizes them all
+            max_total_tokens = tp.min_int(self._auto_total_tokens())
         # +1 row so a full pool of running requests plus one being admitted never runs dry of rows.
         self.req_to_token_pool = ReqToTokenPool(
             max_running_requests + 1, self.context_length + 8, self.device
         )
         self.allocator = SlotAllocator(max_total_tokens, self.device)
         self.kv_pool = KVPool(
-            max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            max_total_tokens, cfg.num_layers, self.local_kv_heads, cfg.head_dim, self.dtype, self.device
         )
         self.backend_name = resolve_backend_name(attention_backend, self.device.type)
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
         self.graph_runner = None
+        if tp.size > 1 and (enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)):
+            logger.info("tensor parallel: decode runs eagerly (no CUDA graphs or torch.compile across ranks)")
+            disable_cuda_graph, enable_torch_compile = True, False
         if self.device.type == "cuda" and not disable_cuda_graph:
             from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
 
@@ -85,7 +104,7 @@ class ModelRunner:
             self.compiled_decode = self._compile_decode(min(max_running_requests, torch_compile_max_bs))
         logger.info(
             "model loaded in %.2fs: %s, %d layers, dtype=%s, quantization=%s, device=%s, backend=%s, "
-            "KV pool %d tokens (%.0f MiB)",
+            "KV pool %d tokens (%.0f MiB), tp rank %d/%d",
             self.load_seconds,
             cfg.architecture,
             cfg.num_layers,
@@ -95,6 +114,28 @@ class ModelRunner:
             self.backend_name,
             max_total_tokens,
             max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
+            tp.rank,
+            tp.size,
+        )
+
+    @classmethod
+    def from_server_args(
+        cls, args: ServerArgs, model_dir: str, tp: TensorParallel | None = None
+    ) -> ModelRunner:
+        """The runner `args` (resolved) describe; on CUDA "cuda" is this rank's GPU (set when it joined)."""
+        return cls(
+            model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            attention_backend=args.attention_backend,
+            disable_cuda_graph=args.disable_cuda_graph,
+            quantization=args.quantization,
+            enable_torch_compile=args.enable_torch_compile,
+            torch_compile_max_bs=args.torch_compile_max_bs,
+            tp=tp,
         )
 
     @property
@@ -107,6 +148,18 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits [num_selected_tokens, vocab] (last token of each request unless chosen)."""
+        if self.channel is not None:
+            rows = self.req_to_token_pool.req_to_token[batch.req_pool_indices, : max(batch.seq_lens_cpu)]
+            self.channel.send_forward(batch, rows)
+        return self.forward_local(batch)
+
+    def keepalive(self) -> None:
+        """Rank 0, between forwards: tell the waiting ranks it is alive (see distributed.HEARTBEAT_S)."""
+        if self.channel is not None:
+            self.channel.keepalive()
+
+    def forward_local(self, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's part of the forward (all ranks of a group call it with the same batch)."""
         if self.graph_runner is not None and batch.is_decode and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
@@ -144,7 +197,7 @@ class ModelRunner:
 
     def _auto_total_tokens(self) -> int:
         c = self.config
-        per_token = KVPool.bytes_per_token_for(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token_for(c.num_layers, self.local_kv_heads, c.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:

@@ -3,6 +3,10 @@
 Projections are fused (q|k|v and gate|up) so each layer runs four matmuls; attention goes through the
 `AttentionBackend`, which owns the KV pool reads and writes. Numerics follow transformers: RMSNorm in fp32
 then cast, rotate-half rope with fp32 angles.
+
+Under tensor parallelism (`runtime.models.parallel`) each rank holds its heads, its slice of the MLP and of
+the vocabulary; norms and rope are replicated. Weights are loaded from the full checkpoint, each layer
+taking its own shard.
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ from torch import nn
 
 from kernels.base import AttentionBackend, AttentionLayer
 from runtime.models.model_config import ModelConfig
+from runtime.models.parallel import (
+    ColumnParallelLinear,
+    HeadShard,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    split_range,
+)
 
 if TYPE_CHECKING:  # a type only: models sit below model_executor and never import it at run time
     from runtime.model_executor.forward_batch import ForwardBatch
@@ -59,15 +72,18 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
-        self.meta = AttentionLayer(
-            layer_id, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
+        s, d = HeadShard.of(cfg.num_heads, cfg.num_kv_heads, tp), cfg.head_dim
+        self.meta = AttentionLayer(layer_id, s.num_heads, s.num_kv_heads, d, d**-0.5)  # this rank's heads
+        self.q_size = s.num_heads * d
+        self.kv_size = s.num_kv_heads * d
+        q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        kv_rows = (kv_full, s.kv_start * d, s.kv_stop * d)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [(q_full, s.q_start * d, s.q_stop * d), kv_rows, kv_rows], bias=cfg.qkv_bias
         )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, tp, (s.q_start * d, s.q_stop * d))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -85,11 +101,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        full = cfg.intermediate_size
+        start, stop = split_range(full, tp.size, tp.rank)
+        self.inter = stop - start
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(full, start, stop)] * 2)
+        self.down_proj = RowParallelLinear(full, cfg.hidden_size, tp, (start, stop))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -97,10 +115,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -110,15 +128,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp = tp or TensorParallel()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         )
 
     @torch.inference_mode()
@@ -134,11 +153,15 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         if head is None or isinstance(head, nn.Linear):
             weight = self.embed_tokens.weight if head is None else head.weight
-            return (h @ weight.T).float()
-        return head(h).float()  # a QuantizedLinear (runtime/models/quantization.py)
+            logits = h @ weight.T  # [T, this rank's padded vocabulary slice]
+        else:
+            logits = head(h)  # a QuantizedLinear (runtime/models/quantization.py)
+        return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up on the fly; raise on missing or unknown names."""
+        """Load full HF-named tensors: fuse q/k/v and gate/up, and let each sharded layer take its slice;
+        raise on missing or unknown names and on shape mismatches."""
+        modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         fused = {
             "q_proj": ("qkv_proj", 0),
@@ -155,41 +178,33 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output projection
             parts = name.split(".")
+            part = 0
             if len(parts) >= 2 and parts[-2] in fused:
-                target, shard = fused[parts[-2]]
-                pname = ".".join([*parts[:-2], target, parts[-1]])
-                param = params.get(pname)
-                if param is None:
-                    raise ValueError(f"unexpected weight {name!r}")
-                sizes = self._shard_sizes(target)
-                offset = sum(sizes[:shard])
-                param.data[offset : offset + sizes[shard]].copy_(tensor)
-                loaded.add(f"{pname}#{shard}")
-                continue
-            param = params.get(name)
+                target, part = fused[parts[-2]]
+                parts = [*parts[:-2], target, parts[-1]]
+            pname = ".".join(parts)
+            param = params.get(pname)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r}")
-            if param.shape != tensor.shape:
+            module = modules[".".join(parts[:-1])]
+            if hasattr(module, "load_shard"):  # the layers of runtime.models.parallel slice full tensors
+                try:
+                    module.load_shard(parts[-1], tensor, part)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+            elif param.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
                 )
-            param.data.copy_(tensor)
-            loaded.add(name)
+            else:
+                param.data.copy_(tensor)
+            loaded.add(f"{pname}#{part}")
         missing = []
         for pname in params:
-            target = pname.split(".")[-2] if "." in pname else ""
-            if target in ("qkv_proj", "gate_up_proj"):
-                n = 3 if target == "qkv_proj" else 2
-                missing += [f"{pname}#{i}" for i in range(n) if f"{pname}#{i}" not in loaded]
-            elif pname not in loaded:
-                missing.append(pname)
+            module = modules[pname.rpartition(".")[0]]
+            n = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
+            missing += [f"{pname}#{i}" for i in range(n) if f"{pname}#{i}" not in loaded]
         if missing:
             raise ValueError(
                 f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
             )
-
-    def _shard_sizes(self, target: str) -> list[int]:
-        c = self.cfg
-        if target == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]

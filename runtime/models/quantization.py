@@ -19,6 +19,9 @@ here and `--quantization auto` stays "none" (see server_args.DEFAULT_CPU_QUANTIZ
 
 The embedding lookup always reads the fp32 (dequantized) table; with tied embeddings the LM head gets its own
 quantized copy of it.
+
+Under tensor parallelism int8 and int4 quantize each rank's shard (a row-parallel layer keeps its all_reduce);
+gguf reads the file's whole blocks and is refused for --tp-size > 1.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.models.parallel import RowParallelLinear, TensorParallel
 from runtime.server_args import QUANTIZATION_METHODS as METHODS  # noqa: F401
 from runtime.server_args import check_supported
 
@@ -90,8 +94,11 @@ class QuantizedLinear(nn.Module):
     """Drop-in for `nn.Linear` (y = x W^T + b) with W stored as int8 per channel or packed int4 groups.
 
     Buffers: int8: qweight int8 [N, K], scales fp32 [N]; int4: qweight uint8 [N, K/2] (packed),
-    scale_zeros fp32 [K/32, N, 2]. Bias stays fp32.
+    scale_zeros fp32 [K/32, N, 2]. Bias stays fp32. `reduce_tp` (set when replacing a `RowParallelLinear`)
+    sums the ranks' partial outputs before the bias, as the layer it replaces did.
     """
+
+    reduce_tp: TensorParallel | None = None
 
     def __init__(
         self,
@@ -140,6 +147,8 @@ class QuantizedLinear(nn.Module):
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, INT4_GROUP, self.scales)
+        if self.reduce_tp is not None:
+            y = self.reduce_tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
@@ -252,6 +261,11 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
     counts = {"int8": 0, "int4": 0, "fp32": 0}
     if method == "none":
         return counts
+    if method == "gguf" and model.tp.size > 1:
+        raise ValueError(
+            f"--quantization gguf cannot be sharded over --tp-size {model.tp.size}: it reuses the GGUF "
+            "file's whole Q4_1 blocks; use --quantization int8 or int4 (quantized per rank) or --tp-size 1"
+        )
     pick: Callable[[nn.Linear, list[str], list[int | None]], nn.Module]
     if method == "gguf":
         if model_dir is None:
@@ -281,7 +295,10 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
     else:
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
-            return QuantizedLinear.from_float(method, lin.weight, lin.bias)
+            layer = QuantizedLinear.from_float(method, lin.weight, lin.bias)
+            if isinstance(lin, RowParallelLinear) and lin.tp.size > 1:
+                layer.reduce_tp = lin.tp
+            return layer
 
     for parent, attr, names, heads in _targets(model):
         new = pick(getattr(parent, attr), names, heads)

@@ -293,10 +293,10 @@ def guarded_server() -> Iterator[ServerProcess]:
 
 def test_bad_cli_arguments_fail_fast():
     """An invalid option stops the server before it loads the model, and the helper reports why."""
-    srv = ServerProcess(extra_args=["--tp", "2"], startup_timeout=120)
+    srv = ServerProcess(extra_args=["--tp-size", "0"], startup_timeout=120)
     with pytest.raises(ServerStartupError, match="exited with code 2") as e:
         srv.start()
-    assert "only --tp 1 is supported" in str(e.value)
+    assert "--tp-size must be >= 1, got 0" in str(e.value)
     assert not srv.alive() and srv.child_pids() == []
 
 
