@@ -167,6 +167,7 @@ class ServerArgs:
         """The HTTP ports of the --dp-size replicas (on 127.0.0.1)."""
         base = self.dp_base_port if self.dp_base_port is not None else self.port + 1
         return range(base, base + self.dp_size)
+
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
