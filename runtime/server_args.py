@@ -58,9 +58,10 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
     quantization: str = _opt(
         "auto",
-        "weight-only quantization of linear layers and LM head (CPU, float32 activations); gguf keeps the "
-        "file's Q4_1 blocks; auto = the measured CPU default for --model default, else none",
-        ("auto", "none", "int8", "int4", "gguf"),
+        "quantization of linear layers and LM head (CPU, float32 activations): int8/int4 weight-only, gguf "
+        "keeps the file's Q4_1 blocks, w8a8 = int8 weights and dynamic int8 activations (fbgemm); auto = the "
+        "measured CPU default for --model default, else none",
+        ("auto", "none", "int8", "int4", "gguf", "w8a8"),
     )
     enable_torch_compile: bool = _opt(
         False, "CPU: compile the decode forward with inductor per batch-size bucket (minutes at start-up)"
@@ -206,7 +207,7 @@ def _base_type(hint) -> type:
     return args[0] if args else hint
 
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8")
 
 
 def check_supported(method: str, device: str, dtype: str) -> None:
@@ -216,10 +217,23 @@ def check_supported(method: str, device: str, dtype: str) -> None:
     if method == "none":
         return
     if device != "cpu":
-        raise ValueError(
-            f"--quantization {method} uses torch's CPU weight-only kernels (_weight_int8pack_mm, "
-            f"_weight_int4pack_mm_for_cpu); device {device!r} is not supported: use --quantization none"
+        kernels = (
+            "fbgemm's dynamic int8 linear"
+            if method == "w8a8"
+            else "torch's CPU weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)"
         )
+        raise ValueError(
+            f"--quantization {method} uses {kernels}; device {device!r} is not supported: "
+            "use --quantization none"
+        )
+    if method == "w8a8":
+        import torch
+
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise ValueError(
+                "--quantization w8a8 needs torch's fbgemm quantized engine, which this torch build lacks "
+                f"(engines: {torch.backends.quantized.supported_engines}): use --quantization none"
+            )
     if dtype != "float32":
         raise ValueError(
             f"--quantization {method} needs --dtype float32 activations (got {dtype!r}); this CPU has no "
