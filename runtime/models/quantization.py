@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from runtime.server_args import QUANTIZATION_METHODS as METHODS  # noqa: F401
-from runtime.server_args import check_supported
+from runtime.server_args import check_supported, cpu_flags
 
 logger = logging.getLogger("radixlm.quantization")
 
@@ -218,11 +218,7 @@ class DynamicInt8Linear(nn.Module):
 
 def cpu_has_vnni() -> bool:
     """True when /proc/cpuinfo lists AVX512-VNNI or AVX-VNNI (int8 dot products without int16 saturation)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
