@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument("--device", default="cpu")
     p.add_argument(
-        "--quantization", default="none", help="comma-separated: none, int8, int4, gguf (radixlm side only)"
+        "--quantization",
+        default="none",
+        help="comma-separated: none, int8, int4, gguf, w8a8 (radixlm side only; combinations a dtype does "
+        "not support are skipped)",
     )
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--sides", default="radixlm,hf,llamacpp", help=f"comma-separated: {', '.join(SIDES)}")
@@ -245,8 +248,15 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, Any] = {"machine": {}, "load_times": {}, "by_dtype": {}}
     rows = []
     # A quantized run is keyed "dtype+method"; its roofline ("limit") still counts the dtype's weight bytes.
+    from runtime.server_args import check_supported
+
     for dtype, quant in [(d, q) for d in dtypes for q in quants]:
         key = dtype if quant == "none" else f"{dtype}+{quant}"
+        try:
+            check_supported(quant, args.device, dtype)
+        except ValueError as e:
+            print(f"skipping {key}: {e}", flush=True)
+            continue
         tdt = DTYPES[dtype]
         if dtype not in results["machine"]:
             machine = {"matmul_gflops": matmul_gflops(tdt), "read_gbs": read_bandwidth_gbs()}

@@ -3,6 +3,9 @@ position of a few short prompts, on the default model. It is not MMLU (which dec
 minutes-long check that a mode's logits stay close to fp32's.
 
     python bench/quant_accuracy.py --modes int8,int4,gguf --threads 1
+    python bench/quant_accuracy.py --modes bfloat16,w8a8,bfloat16+none --threads 1
+
+A mode is QUANT (float32 activations), DTYPE (no quantization) or DTYPE+QUANT.
 """
 
 from __future__ import annotations
@@ -28,12 +31,24 @@ PROMPTS = [
 ]
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_mode(mode: str) -> tuple[str, str]:
+    """'int8' -> (float32, int8); 'bfloat16' -> (bfloat16, none); 'float32+w8a8' -> (float32, w8a8)."""
+    if "+" in mode:
+        dtype, quant = mode.split("+", 1)
+        return dtype, quant
+    return (mode, "none") if mode in DTYPES else ("float32", mode)
+
+
 def all_logits(model_dir: str, mode: str, seqs: list[list[int]]) -> torch.Tensor:
-    """Float32 logits [sum(len(seqs)), vocab] of one extend batch under `--quantization mode`."""
+    """Float32 logits [sum(len(seqs)), vocab] of one extend batch under mode (see `parse_mode`)."""
     from runtime.model_executor.forward_batch import ForwardBatch
     from runtime.model_executor.model_runner import ModelRunner
 
-    r = ModelRunner(model_dir, max_total_tokens=1024, max_running_requests=8, quantization=mode)
+    dtype, quant = parse_mode(mode)
+    r = ModelRunner(model_dir, max_total_tokens=1024, max_running_requests=8, dtype=dtype, quantization=quant)
     rows = [r.req_to_token_pool.alloc() for _ in seqs]
     n = sum(len(s) for s in seqs)
     slots = r.allocator.alloc(n)
@@ -63,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         lq = F.log_softmax(all_logits(model_dir, mode, seqs), -1)
         kl = (ref.exp() * (ref - lq)).sum(-1)
         agree = (lq.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"{mode:>5}: top-1 agreement {agree:.3f}, KL mean {kl.mean():.4f} max {kl.max():.4f}")
+        print(f"{mode:>14}: top-1 agreement {agree:.3f}, KL mean {kl.mean():.4f} max {kl.max():.4f}")
 
 
 if __name__ == "__main__":

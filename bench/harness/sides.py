@@ -1,6 +1,7 @@
 """The sides a comparison runs, one after another in the same process: radixlm variants and the HF baseline.
 
-A side name is a variant of radixlm (`radixlm`, `radixlm-noradix`, `radixlm-fcfs`, `radixlm-nojf`) or `hf`.
+A side name is a variant of radixlm (`radixlm`, `radixlm-noradix`, `radixlm-fcfs`, `radixlm-nojf`, and the
+numerics variants `radixlm-fp32`, `radixlm-bf16`, `radixlm-w8a8`, `radixlm-int8`) or `hf`.
 Each opens as a DSL backend plus a way to read its counters: the radixlm sides start an in-process
 `runtime.Engine` (or talk to a running server with `--url`), `hf` loads `bench.harness.hf_backend.HFBackend`
 on the same converted weights and dtype. Sides never overlap: one is closed (its processes gone) before the
@@ -23,6 +24,11 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
     "radixlm-noradix": {"disable_radix_cache": True},
     "radixlm-fcfs": {"schedule_policy": "fcfs"},
     "radixlm-nojf": {"disable_jump_forward": True},
+    # numerics variants: accuracy of a dtype / quantization on the same items in one invocation
+    "radixlm-fp32": {"dtype": "float32", "quantization": "none"},
+    "radixlm-bf16": {"dtype": "bfloat16", "quantization": "none"},
+    "radixlm-w8a8": {"dtype": "float32", "quantization": "w8a8"},
+    "radixlm-int8": {"dtype": "float32", "quantization": "int8"},
 }
 HF = "hf"
 # Server counters whose change over a run is reported (see runtime.managers.scheduler.Scheduler.server_info).
@@ -57,6 +63,12 @@ def add_side_args(p: argparse.ArgumentParser, default_sides: str) -> None:
     )
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both sides")
     g.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "int8", "int4", "gguf", "w8a8"),
+        help="radixlm sides only (HF runs the unquantized weights)",
+    )
+    g.add_argument(
         "--max-total-tokens", type=int, default=30000, help="radixlm KV pool size (fp32: 46 KB a token)"
     )
     g.add_argument("--max-running-requests", type=int, default=64, help="radixlm decode batch limit")
@@ -80,6 +92,7 @@ def add_side_args(p: argparse.ArgumentParser, default_sides: str) -> None:
 def engine_args(args: argparse.Namespace, side: str) -> dict[str, Any]:
     base = {
         "dtype": args.dtype,
+        "quantization": getattr(args, "quantization", "none"),
         "max_total_tokens": args.max_total_tokens,
         "max_running_requests": args.max_running_requests,
         "attention_backend": args.attention_backend,

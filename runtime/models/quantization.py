@@ -7,6 +7,8 @@ float32; only the weights are quantized. Methods:
 - int8: symmetric per output channel, `torch._weight_int8pack_mm` (y = (x @ q^T) * scale[n]);
 - int4: asymmetric groups of 32 along the input dim, `torch._weight_int4pack_mm_for_cpu`
   (w = (q - 8) * scale + zero, q in 0..15);
+- w8a8: int8 per-channel weights and per-call dynamic uint8 activations, fbgemm's int8 GEMM (not
+  weight-only; see `DynamicInt8Linear`);
 - gguf: the GGUF file's own blocks where they map exactly. Q4_1 (w = q*d + m, blocks of 32) is int4 group 32
   with scale d and zero m + 8d (bit-identical dequantized weights, see tests/unit/test_quantization.py). Q8_0
   (w = q*d per block of 32) has no exact kernel: `_weight_int8pack_mm` takes one scale per output channel, so
@@ -15,7 +17,9 @@ float32; only the weights are quantized. Methods:
 
 Measured cost (bench/quant_matmul.py, 2-core EPYC, torch 2.13): on this CPU both torch kernels are slower
 than fp32 `F.linear` (int8 2-18x, int4 5-23x at M=1..32, 1 thread), so the modes trade speed for memory
-here and `--quantization auto` stays "none" (see server_args.DEFAULT_CPU_QUANTIZATION).
+here. w8a8 (`DynamicInt8Linear`) is not weight-only: fbgemm quantizes the activations too and runs an int8
+GEMM, 5.7-20x faster than fp32 over the model's shapes at M=1..32 (see server_args.DEFAULT_CPU_QUANTIZATION
+for what `auto` picks and why).
 
 The embedding lookup always reads the fp32 (dequantized) table; with tied embeddings the LM head gets its own
 quantized copy of it.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +43,7 @@ from torch import nn
 
 from runtime.models.parallel import RowParallelLinear, TensorParallel
 from runtime.server_args import QUANTIZATION_METHODS as METHODS  # noqa: F401
-from runtime.server_args import check_supported
+from runtime.server_args import check_supported, cpu_flags
 
 logger = logging.getLogger("radixlm.quantization")
 
@@ -164,6 +169,68 @@ class QuantizedLinear(nn.Module):
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
 
 
+class DynamicInt8Linear(nn.Module):
+    """Drop-in for `nn.Linear` running fbgemm's dynamic int8 GEMM (`--quantization w8a8`).
+
+    Weights: symmetric int8 per output channel (as `int8`), packed once by `quantized.linear_prepack`.
+    Activations: quantized per call to uint8, then an int8 x int8 -> int32 GEMM rescaled to fp32 (+ bias).
+    Unlike the weight-only modes both operands are 8-bit, so the GEMM runs on int8 dot products (VNNI).
+    fbgemm's dynamic linear takes one activation scale for the whole [T, K] input; each row is first divided
+    by its own max |x| (and the output rows multiplied back), which makes the quantization per token. That
+    matters: SmolLM2's hidden states carry outlier tokens, and with one scale per tensor next-token top-1
+    agreement with fp32 fell to 0.76 (down_proj alone: 0.75); per token it is 0.97 for down_proj alone
+    (bench/quant_accuracy.py-style proxy, 114 positions). A token's result still depends slightly on the
+    other rows of its batch (the zero point comes from the batch's min over normalised rows).
+    On CPUs without VNNI the activations use 7 bits (`reduce_range`), which avoids int16 saturation in the
+    AVX2 u8 x s8 kernel; with VNNI the full 8 bits are used (half the rounding error).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, k = weight.shape
+        self.kind = "w8a8"
+        self.in_features, self.out_features = k, n
+        self.reduce_range = not cpu_has_vnni()
+        q, s = quantize_int8(weight.detach())
+        with warnings.catch_warnings():  # torch 2.13 marks quantized tensors deprecated; fbgemm needs one
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            zeros = torch.zeros(n, dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(q, s.double(), zeros, 0)
+        b = None if bias is None else bias.detach().float().contiguous()
+        self.register_buffer("bias", b)
+        self._packed = torch.ops.quantized.linear_prepack(qw, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            raise TypeError(f"DynamicInt8Linear takes float32 activations, got {x2.dtype}")
+        if x2.shape[0] == 0:
+            return x2.new_empty(*lead, self.out_features)
+        # Per-token: scale each row to max |x| = 1, so the kernel's per-tensor range is every row's own;
+        # the GEMM is linear, so multiplying its rows back by the scale is exact. Bias goes in afterwards.
+        row = x2.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30)
+        y = torch.ops.quantized.linear_dynamic((x2 / row).contiguous(), self._packed, self.reduce_range)
+        y.mul_(row)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 [N, K]: the int8 weight times its per-channel scale, as packed."""
+        qw, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qw.dequantize()
+
+    def extra_repr(self) -> str:
+        return f"w8a8, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def cpu_has_vnni() -> bool:
+    """True when /proc/cpuinfo lists AVX512-VNNI or AVX-VNNI (int8 dot products without int16 saturation)."""
+    flags = cpu_flags()
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
 # ----------------------------------------------------------------------------------------------- GGUF blocks
 def q4_1_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Unpack a Q4_1 tensor's bytes into (q uint8 [rows, cols], d fp32 [rows, cols/32], m fp32 [...])."""
@@ -258,7 +325,7 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
     `model_dir` is needed for "gguf" (its source GGUF file is read again for the raw blocks).
     """
     check_supported(method, model.embed_tokens.weight.device.type, _dtype_name(model))
-    counts = {"int8": 0, "int4": 0, "fp32": 0}
+    counts = {"int8": 0, "int4": 0, "w8a8": 0, "fp32": 0}
     if method == "none":
         return counts
     if method == "gguf" and model.tp.size > 1:
@@ -292,6 +359,10 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
                 # per-block scales do not fit the per-channel kernel: exact dequant (loaded) -> int8/channel
                 return QuantizedLinear.from_float("int8", lin.weight, lin.bias)
             return lin  # other block types: keep the fp32 dequantization
+    elif method == "w8a8":
+
+        def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
+            return DynamicInt8Linear(lin.weight, lin.bias)
     else:
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
@@ -303,18 +374,21 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
     for parent, attr, names, heads in _targets(model):
         new = pick(getattr(parent, attr), names, heads)
         setattr(parent, attr, new)
-        counts[new.kind if isinstance(new, QuantizedLinear) else "fp32"] += 1
+        counts[new.kind if isinstance(new, _QUANTIZED) else "fp32"] += 1
     head = model.lm_head
     head_lin = head if head is not None else nn.Linear(1, 1, bias=False)
     if head is None:
         head_lin.weight = model.embed_tokens.weight  # tied: quantize a copy, the lookup keeps fp32 rows
     head_name = "output.weight" if head is not None else "token_embd.weight"
     new_head = pick(head_lin, [head_name], [None])
-    if isinstance(new_head, QuantizedLinear):
+    if isinstance(new_head, _QUANTIZED):
         model.lm_head = new_head
-    counts[new_head.kind if isinstance(new_head, QuantizedLinear) else "fp32"] += 1
+    counts[new_head.kind if isinstance(new_head, _QUANTIZED) else "fp32"] += 1
     logger.info("quantization %s: %s", method, counts)
     return counts
+
+
+_QUANTIZED = (QuantizedLinear, DynamicInt8Linear)
 
 
 def _dtype_name(model: nn.Module) -> str:

@@ -138,6 +138,10 @@ class ServerProcess:
             str(self.port),
             "--log-level",
             self.log_level,
+            # exactness tests (batch composition, cache hits, transformers parity) assume float32; `auto`
+            # is bfloat16 on CPUs with native bf16. extra_args may override it (argparse: last one wins).
+            "--dtype",
+            "float32",
             *self.extra_args,
         ]
 

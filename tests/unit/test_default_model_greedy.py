@@ -32,8 +32,12 @@ def prompts(default_tokenizer):
 def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenizer, prompts):
     from transformers import AutoModelForCausalLM
 
-    args = ServerArgs(
-        model=default_model_dir, max_total_tokens=4096, log_interval=0, attention_backend="torch_native"
+    args = ServerArgs(  # float32 explicitly: `auto` is bfloat16 on CPUs with native bf16
+        model=default_model_dir,
+        dtype="float32",
+        max_total_tokens=4096,
+        log_interval=0,
+        attention_backend="torch_native",
     )
     sched = Scheduler(args, default_model_dir, tokenizer=default_tokenizer)
     ids = [default_tokenizer.encode(p, add_special_tokens=False) for p in prompts]

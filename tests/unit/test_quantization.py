@@ -15,6 +15,7 @@ from torch import nn
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.models.quantization import (
+    DynamicInt8Linear,
     QuantizedLinear,
     check_supported,
     dequantize_int4,
@@ -101,6 +102,69 @@ def test_model_matches_dequantized_reference(tiny_model_dir, kind):
     torch.testing.assert_close(got, want, **TOL)
     plain = _run(_runner(tiny_model_dir), seqs)
     assert not torch.allclose(got, plain, atol=1e-5)  # quantization did change the weights
+
+
+# ----------------------------------------------------------------------------------------------- w8a8
+class FakeQuantW8A8(nn.Module):
+    """Reference for DynamicInt8Linear in plain fp32: each row of x divided by its max |x|, the result
+    quantized per tensor the way torch's dynamic quantization chooses its parameters
+    (`quantize_per_tensor_dynamic`), dequantized and scaled back, times the per-channel int8 weight
+    dequantized in Python."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool):
+        super().__init__()
+        self.w, self.b, self.reduce_range = _reference_weight("int8", weight), bias, reduce_range
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        row = x.abs().amax(-1, keepdim=True)
+        xn = (x / row).contiguous()
+        xq = torch.quantize_per_tensor_dynamic(xn, torch.quint8, self.reduce_range).dequantize() * row
+        return nn.functional.linear(xq, self.w, self.b)
+
+
+# Both sides compute the same integer products; they differ only in fp32 rescaling and summation order.
+W8A8_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def test_w8a8_layer_matches_fake_quant_reference():
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 128) * 0.05, torch.randn(96)
+    layer = DynamicInt8Linear(w, b)
+    ref = FakeQuantW8A8(w, b, layer.reduce_range)
+    x = torch.randn(2, 5, 128) * 3
+    got = layer(x)
+    torch.testing.assert_close(got, ref(x.reshape(10, 128)).reshape(2, 5, 96), **W8A8_TOL)
+    torch.testing.assert_close(layer.dequantized_weight(), ref.w, atol=1e-6, rtol=0)
+    # activation quantization is real: the result is not the fp32-activation product
+    assert not torch.allclose(got, nn.functional.linear(x, ref.w, b), atol=1e-4)
+    assert layer(torch.zeros(0, 128)).shape == (0, 96)
+    # per-token scales: an outlier row (1000x) next to a normal one barely moves the normal row's result
+    # (with one scale per tensor its activations would round to ~4 levels and miss by ~1e-1)
+    x1 = torch.randn(1, 128)
+    alone = layer(x1)
+    beside = layer(torch.cat([x1, 1000 * torch.randn(1, 128)]))[:1]
+    torch.testing.assert_close(beside, alone, atol=2e-2, rtol=0)
+    assert (alone - nn.functional.linear(x1, ref.w, b)).abs().max() < 2e-2
+    with pytest.raises(TypeError, match="float32 activations"):
+        layer(x.to(torch.bfloat16))
+
+
+def test_w8a8_model_matches_fake_quant_reference(tiny_model_dir):
+    quant, ref = _runner(tiny_model_dir, "w8a8"), _runner(tiny_model_dir)
+    layers = [m for m in quant.model.modules() if isinstance(m, DynamicInt8Linear)]
+    assert len(layers) == 4 * quant.config.num_layers + 1  # every linear layer and the LM head
+    rr = layers[0].reduce_range
+    for mod in list(ref.model.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(mod, name, FakeQuantW8A8(child.weight.data, child.bias, rr))
+    if ref.model.lm_head is None:
+        ref.model.lm_head = FakeQuantW8A8(ref.model.embed_tokens.weight.data, None, rr)
+    seqs = [list(range(5, 25)), [7, 100, 300, 2, 9]]
+    got, want = _run(quant, seqs), _run(ref, seqs)
+    torch.testing.assert_close(got, want, atol=5e-4, rtol=5e-4)
+    plain = _run(_runner(tiny_model_dir), seqs)
+    assert not torch.allclose(got, plain, atol=1e-5)  # quantization did change the numbers
 
 
 # ----------------------------------------------------------------------------------------------- gguf
@@ -191,6 +255,10 @@ def test_auto_resolves_and_bad_combos_are_named():
         ServerArgs(device="cpu", dtype="bfloat16", quantization="int8").resolve()
     with pytest.raises(ValueError, match="device 'cuda' is not supported"):
         check_supported("int4", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="fbgemm's dynamic int8 linear; device 'cuda'"):
+        check_supported("w8a8", "cuda", "float32")
+    with pytest.raises(ValueError, match="needs --dtype float32"):
+        ServerArgs(device="cpu", dtype="bfloat16", quantization="w8a8").resolve()
     with pytest.raises(ValueError, match="must be one of"):
         ServerArgs(quantization="fp8")
     with pytest.raises(ValueError, match="must be one of"):

@@ -1,0 +1,41 @@
+"""--dtype auto: bfloat16 on CUDA and on CPUs with native bf16 dot products, float32 on other CPUs."""
+
+import pytest
+
+from runtime import server_args
+from runtime.server_args import ServerArgs, cpu_flags, cpu_has_native_bf16
+
+
+@pytest.mark.parametrize(
+    "flags,want",
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx2", "amx_bf16", "amx_tile"}, "bfloat16"),
+        ({"avx2", "avx512f", "avx512_vnni"}, "float32"),
+        (set(), "float32"),  # no /proc/cpuinfo: the safe choice
+    ],
+)
+def test_auto_dtype_follows_cpu_flags(monkeypatch, flags, want):
+    monkeypatch.setattr(server_args, "cpu_flags", lambda: frozenset(flags))
+    args = ServerArgs(device="cpu").resolve()
+    assert args.dtype == want
+    assert args.quantization == "none"  # auto quantization never applies to bf16, nor to fp32 today
+
+
+def test_explicit_dtype_is_kept(monkeypatch):
+    monkeypatch.setattr(server_args, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert ServerArgs(device="cpu", dtype="float32").resolve().dtype == "float32"
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "w8a8"])
+def test_explicit_quantization_makes_auto_dtype_float32(monkeypatch, quant):
+    """The quantized CPU kernels take float32 activations, so `auto` must not pick bf16 under them."""
+    monkeypatch.setattr(server_args, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    args = ServerArgs(device="cpu", quantization=quant).resolve()
+    assert (args.dtype, args.quantization) == ("float32", quant)
+
+
+def test_this_machine_flags_are_read():
+    flags = cpu_flags()
+    assert isinstance(flags, frozenset)
+    assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
