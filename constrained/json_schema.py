@@ -21,9 +21,11 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   ``formats.MAX_MIN_LENGTH`` a GrammarError; ``maxItems`` above ITEMS_CAP is lowered to it, ``minItems``
   above MAX_MIN_ITEMS is a GrammarError; numeric bounds beyond +-NUMERIC_BOUND_CAP are tightened to it: the
   automaton grows with each of these counts, and a 1 KB schema of ``maxLength: 8192`` fields needed 23 GB;
-* ``not: {"type": ...}`` becomes the complementary ``type``; ``false`` subschemas are dropped from
+* ``not`` around ``type`` or ``required``, subschemas without any keyword, ``{"not": {}}``, object/array
+  ``const``/``enum``: see ``constrained.schema_keywords``; ``false`` subschemas are dropped from
   ``anyOf``/``oneOf`` (``items: false`` means an empty array); ``AllOf`` (a miscased keyword seen in real
-  schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid.
+  schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid;
+  a local ``$ref`` into a top-level key that is no keyword has its target rewritten too.
 
 Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, ``minProperties``, ...) stay
 ignored: output may violate them. Keywords it cannot express (other ``not``, bad ``$ref``) raise GrammarError.
@@ -40,6 +42,13 @@ from outlines_core.json_schema import build_regex_from_schema
 from constrained.errors import GrammarError
 from constrained.formats import FORMAT_REGEXES, bounded_string_regex, format_regex, format_width
 from constrained.numeric import integer_range_regex, number_range_regex
+from constrained.schema_keywords import (
+    KEYWORDS,
+    accepts_nothing,
+    apply_not,
+    const_enum_regex,
+    has_keyword,
+)
 
 # Where subschemas live. Values under any other key are data and are copied untouched.
 _MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -80,7 +89,6 @@ _PLACEHOLDER = "__radixlm_fragment_{}__"
 ITEMS_CAP = 16  # largest maxItems compiled as is (each item is one more copy of the item automaton)
 MAX_MIN_ITEMS = 64  # larger minItems: GrammarError
 NUMERIC_BOUND_CAP = 10**15  # bounds further out are tightened to this (15 digits: still exact as a double)
-_JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null")
 JSON_OBJECT_DEPTH = 2  # nesting depth of free JSON; compile time grows ~5x per level (1.1 s, 5 s, 54 s)
 
 # A `whitespace_pattern` value that is not a regex: json.dumps's default layout, `{"a": 1, "b": [1, 2]}` --
@@ -146,6 +154,7 @@ def schema_to_regex(
     fragments: list[str] = []
     rewriter = _Rewriter(ws, fragments)
     rewritten = rewriter.rewrite(schema, JSON_OBJECT_DEPTH)
+    _rewrite_ref_targets(schema, rewritten, rewriter)
     if patterns is not None:
         patterns.extend(ascii_digit_word_classes(p) for p in rewriter.patterns)
     try:
@@ -156,6 +165,35 @@ def schema_to_regex(
     for i, fragment in enumerate(fragments):
         regex = regex.replace(f'"{_PLACEHOLDER.format(i)}"', f"({fragment})")
     return ascii_digit_word_classes(dumps_layout(regex) if layout else regex)
+
+
+def _rewrite_ref_targets(schema: Any, rewritten: Any, rewriter: _Rewriter) -> None:
+    """Rewrite the subschemas a local ``$ref`` reaches under a top-level key that is no keyword, which the
+    rewriter copied as data: ``{"references": {...}, "properties": {"r": {"$ref": "#/references"}}}``."""
+    for ref in sorted(_local_refs(schema)):
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
+        if parts[0] in KEYWORDS or parts[0] in _MAP_KEYS or parts[0] in _ANNOTATION_KEYS:
+            continue  # rewritten (or, for annotations, never a schema) with the rest
+        target = schema
+        for part in parts:
+            target = target.get(part) if isinstance(target, dict) else None
+        if not isinstance(target, dict) or not isinstance(rewritten, dict):
+            continue
+        node = rewritten
+        for part in parts[:-1]:
+            node[part] = dict(node[part])  # copied: the data is shared with the input schema
+            node = node[part]
+        node[parts[-1]] = rewriter.rewrite(target, 1)
+
+
+def _local_refs(node: Any) -> set[str]:
+    """Every ``$ref`` of the form ``#/...`` in ``node``."""
+    if isinstance(node, list):
+        return set().union(*map(_local_refs, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    refs = {node["$ref"]} if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/") else set()
+    return refs.union(*map(_local_refs, node.values()))
 
 
 def dumps_layout(regex: str) -> str:
@@ -197,6 +235,8 @@ class _Rewriter:
             extra = node["AllOf"] if isinstance(node["AllOf"], list) else [node["AllOf"]]
             node = {k: v for k, v in node.items() if k != "AllOf"}
             node["allOf"] = [*(node.get("allOf") or []), *extra]
+        if not has_keyword(node):
+            node = {}  # only unknown keys, which validators ignore: any value
         if isinstance(node.get("allOf"), list):
             node = _merge_all_of(node)
         free = _free_form_kind(node) if free_depth is not None else None
@@ -205,11 +245,11 @@ class _Rewriter:
         out = {}
         for key, value in node.items():
             if key in ("anyOf", "oneOf") and isinstance(value, list):
-                value = [{} if sub is True else sub for sub in value if sub is not False]
+                value = [{} if sub is True else sub for sub in value if not accepts_nothing(sub)]
                 if not value:
                     raise GrammarError(f"`{key}` has only `false` subschemas: no value is valid")
             elif key == "allOf" and isinstance(value, list):
-                if any(sub is False for sub in value):
+                if any(accepts_nothing(sub) for sub in value):
                     raise GrammarError("`allOf` has a `false` subschema: no value is valid")
                 value = [sub for sub in value if sub is not True]
             if key == "items" and value is False:
@@ -220,7 +260,11 @@ class _Rewriter:
             if key in _MAP_KEYS and isinstance(value, dict):
                 # boolean subschemas, which outlines-core rejects: `true` is any value, a `false` property
                 # can never be present
-                subs = {name: ({} if sub is True else sub) for name, sub in value.items() if sub is not False}
+                subs = {
+                    name: ({} if sub is True else sub)
+                    for name, sub in value.items()
+                    if not accepts_nothing(sub)
+                }
                 out[key] = {name: self.rewrite(sub, 1) for name, sub in subs.items()}
             elif key in _LIST_KEYS and isinstance(value, list):
                 out[key] = [self.rewrite(sub, 1 if key in _FREE_FORM_OK else None) for sub in value]
@@ -244,7 +288,7 @@ class _Rewriter:
             ):
                 out["properties"] = {}
         if "not" in out:
-            out = _apply_not(out)
+            out = apply_not(out)
         if isinstance(out.get("pattern"), str):
             out["pattern"] = strip_anchors(out["pattern"])
             self.patterns.append(out["pattern"])
@@ -254,6 +298,9 @@ class _Rewriter:
             if out.get("type") in (None, "string"):
                 format_regex(fmt)  # raises for a standard format we cannot enforce
             del out["format"]  # a custom annotation (outlines-core would reject it)
+        literal = const_enum_regex(out, spaced=self.ws == _WS_MARK)
+        if literal is not None:
+            return self.placeholder(literal)
         string = self._string(out)
         if string is not None:
             return string
@@ -342,26 +389,6 @@ def _string_keys(node: dict) -> bool:
     return isinstance(node.get("format"), str) or "minLength" in node or "maxLength" in node
 
 
-def _apply_not(node: dict) -> dict:
-    """``not: {"type": ...}`` -> the complementary ``type`` (within ``type``); GrammarError otherwise."""
-    sub = node["not"]
-    keys = set(sub) - _ANNOTATION_KEYS if isinstance(sub, dict) else None
-    if keys != {"type"}:
-        shown = sorted(keys) if keys is not None else sub
-        raise GrammarError(f"`not` can only be enforced around `type` alone (got {shown!r})")
-    banned = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
-    if "number" in banned or "integer" in banned:
-        banned = [*banned, "number", "integer"]  # our numbers include integers: exclude both (stricter)
-    declared = node.get("type", list(_JSON_TYPES))
-    declared = declared if isinstance(declared, list) else [declared]
-    allowed = [t for t in declared if t not in banned]
-    if not allowed:
-        raise GrammarError(f"`not` excludes every allowed type ({declared!r}): no value is valid")
-    out = {k: v for k, v in node.items() if k != "not"}
-    out["type"] = allowed[0] if len(allowed) == 1 else allowed
-    return out
-
-
 def _cap_items(node: dict) -> None:
     """Lower ``maxItems`` above ITEMS_CAP (output stays valid); refuse ``minItems`` above MAX_MIN_ITEMS."""
     lo, hi = node.get("minItems", 0), node.get("maxItems")
@@ -379,7 +406,7 @@ def _cap_items(node: dict) -> None:
 
 def _free_form_kind(node: dict) -> str | None:
     """ "value", "object" or "array" when the subschema accepts any such JSON, else None."""
-    keys = set(node) - _ANNOTATION_KEYS
+    keys = set(node) & KEYWORDS  # other keys are ignored by validators
     if not keys:
         return "value"
     if node.get("additionalProperties", True) not in (True, {}) or keys - {"type", "additionalProperties"}:
