@@ -48,6 +48,7 @@ from constrained.schema_keywords import (
     apply_not,
     const_enum_regex,
     has_keyword,
+    pattern_properties_as_additional,
 )
 
 # Where subschemas live. Values under any other key are data and are copied untouched.
@@ -69,7 +70,7 @@ _SCHEMA_KEYS = frozenset(
     }
 )
 # Subschemas that may be swapped for a placeholder when free-form (map keys: always).
-_FREE_FORM_OK = frozenset({"anyOf", "oneOf", "prefixItems", "items"})
+_FREE_FORM_OK = frozenset({"anyOf", "oneOf", "prefixItems", "items", "additionalProperties"})
 _ANNOTATION_KEYS = frozenset(
     {
         "title",
@@ -104,10 +105,13 @@ _STRING = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"'  # same character set a
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 
 
-def json_value_regex(whitespace_pattern: str, depth: int, kind: str = "value") -> str:
-    """Any JSON value (kind="value"), object or array, with containers nested at most ``depth`` levels."""
+def json_value_regex(
+    whitespace_pattern: str, depth: int, kind: str = "value", non_empty: bool = False
+) -> str:
+    """Any JSON value (kind="value"), object or array, with containers nested at most ``depth`` levels;
+    ``non_empty``: the outermost object has at least one member (``minProperties: 1``)."""
     if whitespace_pattern == DUMPS_LAYOUT:
-        return dumps_layout(json_value_regex(_WS_MARK, depth, kind))
+        return dumps_layout(json_value_regex(_WS_MARK, depth, kind, non_empty))
     ws = whitespace_pattern
 
     def value(d: int) -> str:
@@ -123,6 +127,9 @@ def json_value_regex(whitespace_pattern: str, depth: int, kind: str = "value") -
         return rf"\[{ws}({item}({ws},{ws}{item})*)?{ws}\]"
 
     depth = max(depth, 1)
+    if non_empty and kind == "object":
+        pair = f"{_STRING}{ws}:{ws}({value(depth - 1)})"
+        return rf"\{{{ws}{pair}({ws},{ws}{pair})*{ws}\}}"
     return {"value": value, "object": obj, "array": arr}[kind](depth)
 
 
@@ -239,9 +246,11 @@ class _Rewriter:
             node = {}  # only unknown keys, which validators ignore: any value
         if isinstance(node.get("allOf"), list):
             node = _merge_all_of(node)
+        node = pattern_properties_as_additional(node)
         free = _free_form_kind(node) if free_depth is not None else None
         if free is not None:
-            return self.placeholder(json_value_regex(self.ws, free_depth, free))
+            non_empty = node.get("minProperties") == 1
+            return self.placeholder(json_value_regex(self.ws, free_depth, free, non_empty))
         out = {}
         for key, value in node.items():
             if key in ("anyOf", "oneOf") and isinstance(value, list):
@@ -409,6 +418,8 @@ def _free_form_kind(node: dict) -> str | None:
     keys = set(node) & KEYWORDS  # other keys are ignored by validators
     if not keys:
         return "value"
+    if node.get("minProperties", 0) in (0, 1):  # 1: enforced by json_value_regex's non_empty
+        keys.discard("minProperties")
     if node.get("additionalProperties", True) not in (True, {}) or keys - {"type", "additionalProperties"}:
         return None
     if node.get("type") == "object":

@@ -174,6 +174,14 @@ TWO_INTS = {"a": {"type": "integer"}, "b": {"type": "integer"}}
         {"properties": {"c": {"const": {"$data": "1/p", "x": [1, "a.b"]}}}, "required": ["c"]},
         {"enum": [[1, 2], {"k": "v+(x)"}, "s"]},
         REFS_UNDER_DATA,
+        {"type": "object", "patternProperties": {"^abc.+$": {"type": "string", "maxLength": 3}}},
+        {"type": "object", "patternProperties": {"a": {"type": "integer"}, "b": {"minimum": 3}}},
+        {
+            "type": "object",
+            "patternProperties": {".*": {"properties": {"u": {"$ref": "#/$defs/s"}}, "required": ["u"]}},
+            "$defs": {"s": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+        },
+        {"type": "object", "minProperties": 1},
     ],
 )
 def test_keyword_rewrites_validate(schema):
@@ -183,6 +191,12 @@ def test_keyword_rewrites_validate(schema):
         validator.validate(instance)
     if schema.get("not") == {"required": ["a", "b"]}:
         assert all("b" not in inst for inst in walks)  # the optional one of the pair is left out
+    if schema.get("minProperties") == 1:
+        assert all(inst for inst in walks) and any(len(inst) > 1 for inst in walks)
+    if "$defs" in schema:  # pattern-keyed members are emitted, each with the required array
+        assert any(inst for inst in walks) and all(
+            isinstance(v["u"], list) for i in walks for v in i.values()
+        )
     if schema is REFS_UNDER_DATA:
         assert all(isinstance(inst["x"]["a"], int) for inst in walks)  # the target's AllOf is enforced
 
