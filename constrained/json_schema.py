@@ -25,10 +25,13 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   ``const``/``enum``: see ``constrained.schema_keywords``; ``false`` subschemas are dropped from
   ``anyOf``/``oneOf`` (``items: false`` means an empty array); ``AllOf`` (a miscased keyword seen in real
   schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid;
-  a local ``$ref`` into a top-level key that is no keyword has its target rewritten too.
+  a local ``$ref`` into a top-level key that is no keyword has its target rewritten too;
+  ``patternProperties`` on an object without ``properties`` becomes ``additionalProperties`` (all values
+  meet every pattern's subschema); ``minProperties: 1`` on a free-form object is enforced.
 
-Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, ``minProperties``, ...) stay
-ignored: output may violate them. Keywords it cannot express (other ``not``, bad ``$ref``) raise GrammarError.
+Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, other ``minProperties``, ...)
+stay ignored: output may violate them (the coverage bench's ``jsonschema`` check counts it). Keywords it
+cannot express (other ``not``, bad ``$ref``) raise GrammarError.
 """
 
 from __future__ import annotations
