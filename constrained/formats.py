@@ -128,3 +128,82 @@ def bounded_string_regex(min_length: int, max_length: int | None) -> str:
         return f'"{ASCII_STRING_CHAR}{{{min_length}}}{STRING_CHAR}*"'
     max_length = min(max_length, max(STRING_LENGTH_CAP, min_length))
     return f'"{ASCII_STRING_CHAR}{{{min_length},{max_length}}}"'
+
+
+def pattern_within_length(pattern: str, min_length: int, max_length: int | None) -> str:
+    """``pattern`` (anchors stripped) rewritten so that every text it matches has ``min_length`` to
+    ``max_length`` characters: outlines-core, given both, kept the length and dropped the pattern (invalid
+    outputs; and its counted Unicode string with escapes took > 120 s to compile at maxLength 24).
+
+    When the pattern's own texts are all long enough and short enough it is returned as is. When some are
+    too long, its unbounded repeats (``*``, ``+``, ``{n,}``) get the largest common bound that fits
+    (stricter: output stays valid; ``max_length`` is first lowered to STRING_LENGTH_CAP as for plain
+    strings). GrammarError when the pattern admits texts shorter than ``min_length`` (a length check cannot
+    be added to a regex) or Python cannot measure it.
+    """
+    try:
+        lo, hi = (int(w) for w in sre_parse.parse(pattern).getwidth())
+    except Exception as err:  # a Rust-only construct (\p{..}, ...): its length is unknown
+        raise GrammarError(
+            f"`pattern` with minLength/maxLength: cannot measure {pattern!r} ({err})"
+        ) from None
+    if lo < min_length:
+        raise GrammarError(
+            f"`pattern` {pattern!r} admits texts of {lo} characters, shorter than minLength {min_length}: "
+            "the pair cannot be enforced"
+        )
+    if max_length is None or hi <= max_length:
+        return pattern
+    limit = max(min(max_length, STRING_LENGTH_CAP), min_length)
+    bound = limit
+    while bound >= 1:
+        bounded = _bound_repeats(pattern, bound)
+        try:
+            lo2, hi2 = (int(w) for w in sre_parse.parse(bounded).getwidth())
+        except Exception:
+            break
+        if hi2 <= limit and lo2 >= min_length:
+            return bounded
+        bound //= 2
+    raise GrammarError(
+        f"`pattern` {pattern!r} admits texts longer than maxLength {max_length} and cannot be bounded to it"
+    )
+
+
+def _bound_repeats(pattern: str, bound: int) -> str:
+    """``pattern`` with ``*`` -> ``{0,bound}``, ``+`` -> ``{1,bound}``, ``{n,}`` -> ``{n,max(n,bound)}``
+    (outside character classes and escapes)."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            out.append(c)
+            i += 1
+            for literal in ("^", "]"):  # a leading ^ and/or ] do not end the class
+                if pattern.startswith(literal, i):
+                    out.append(literal)
+                    i += 1
+            continue
+        elif c in "*+":
+            out.append(f"{{{0 if c == '*' else 1},{bound}}}")
+            i += 1
+            continue
+        elif c == "{":
+            j = pattern.find("}", i)
+            head = pattern[i + 1 : j] if j > i else ""
+            if head.endswith(",") and head[:-1].isdigit():
+                n = int(head[:-1])
+                out.append(f"{{{n},{max(n, bound)}}}")
+                i = j + 1
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)

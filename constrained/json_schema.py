@@ -43,7 +43,13 @@ from typing import Any
 from outlines_core.json_schema import build_regex_from_schema
 
 from constrained.errors import GrammarError
-from constrained.formats import FORMAT_REGEXES, bounded_string_regex, format_regex, format_width
+from constrained.formats import (
+    FORMAT_REGEXES,
+    bounded_string_regex,
+    format_regex,
+    format_width,
+    pattern_within_length,
+)
 from constrained.numeric import integer_range_regex, number_range_regex
 from constrained.schema_keywords import (
     KEYWORDS,
@@ -348,6 +354,10 @@ class _Rewriter:
         fmt = out.get("format")
         regex = format_regex(fmt) if isinstance(fmt, str) else None
         if regex is None:
+            if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
+                pattern = pattern_within_length(ascii_digit_word_classes(out["pattern"]), lo, hi)
+                rest = {k: v for k, v in out.items() if k not in ("minLength", "maxLength", "format")}
+                return {**rest, "pattern": pattern}  # outlines-core's pattern handling, length now implied
             if "pattern" in out or ("minLength" not in out and "maxLength" not in out):
                 return None  # a custom format (ignored), or outlines-core's own pattern handling
             return self.placeholder(bounded_string_regex(lo, hi))

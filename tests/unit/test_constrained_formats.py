@@ -11,6 +11,7 @@ import datetime
 import ipaddress
 import json
 import random
+import re
 import urllib.parse
 import uuid
 
@@ -182,6 +183,9 @@ TWO_INTS = {"a": {"type": "integer"}, "b": {"type": "integer"}}
             "$defs": {"s": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
         },
         {"type": "object", "minProperties": 1},
+        {"type": "string", "pattern": "^mystring-[a-zA-Z0-9]+$", "minLength": 10, "maxLength": 24},
+        {"type": "string", "pattern": "^https?://[a-z]+$", "maxLength": 1024},
+        {"type": "string", "pattern": "^a(b|cd)$", "minLength": 2, "maxLength": 3},
     ],
 )
 def test_keyword_rewrites_validate(schema):
@@ -197,6 +201,9 @@ def test_keyword_rewrites_validate(schema):
         assert any(inst for inst in walks) and all(
             isinstance(v["u"], list) for i in walks for v in i.values()
         )
+    if "pattern" in schema:  # the pattern is kept, not dropped for the length bounds
+        assert all(re.fullmatch(schema["pattern"].strip("^$"), inst) for inst in walks)
+        assert len(set(walks)) > 1
     if schema is REFS_UNDER_DATA:
         assert all(isinstance(inst["x"]["a"], int) for inst in walks)  # the target's AllOf is enforced
 
@@ -223,6 +230,8 @@ def test_free_form_object_with_unknown_keys_uses_the_compact_regex():
         ({"type": "string", "not": {"required": ["a"]}}, "admits only objects"),
         ({"type": "object", "required": ["a"], "not": {"required": ["a", "b"]}}, "lists `required` names"),
         ({"not": {"required": ["a"], "properties": {}}}, "around `type` or `required` alone"),
+        ({"type": "string", "pattern": "^(http|https)://x", "minLength": 20}, "shorter than minLength 20"),
+        ({"type": "string", "pattern": "^abcdef$", "maxLength": 3}, "cannot be bounded"),
     ],
 )
 def test_unenforceable_not_is_an_error_naming_why(schema, reason):
