@@ -46,6 +46,7 @@ from constrained.errors import GrammarError
 from constrained.formats import (
     FORMAT_REGEXES,
     bounded_string_regex,
+    cap_pattern_repeats,
     format_regex,
     format_width,
     pattern_within_length,
@@ -308,7 +309,7 @@ class _Rewriter:
         if "not" in out:
             out = apply_not(out)
         if isinstance(out.get("pattern"), str):
-            out["pattern"] = strip_anchors(out["pattern"])
+            out["pattern"] = cap_pattern_repeats(strip_anchors(out["pattern"]))
             self.patterns.append(out["pattern"])
         _cap_items(out)
         fmt = out.get("format")

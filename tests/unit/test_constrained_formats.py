@@ -186,6 +186,8 @@ TWO_INTS = {"a": {"type": "integer"}, "b": {"type": "integer"}}
         {"type": "string", "pattern": "^mystring-[a-zA-Z0-9]+$", "minLength": 10, "maxLength": 24},
         {"type": "string", "pattern": "^https?://[a-z]+$", "maxLength": 1024},
         {"type": "string", "pattern": "^a(b|cd)$", "minLength": 2, "maxLength": 3},
+        {"type": "string", "pattern": "^[0-9a-z-]*$", "minLength": 4, "maxLength": 63},
+        {"type": "string", "pattern": "^[0-9a-z_-]{1,255}$"},  # counted repeat capped (stricter)
     ],
 )
 def test_keyword_rewrites_validate(schema):
@@ -204,6 +206,7 @@ def test_keyword_rewrites_validate(schema):
     if "pattern" in schema:  # the pattern is kept, not dropped for the length bounds
         assert all(re.fullmatch(schema["pattern"].strip("^$"), inst) for inst in walks)
         assert len(set(walks)) > 1
+        assert max(map(len, walks)) <= 64 and min(map(len, walks)) >= schema.get("minLength", 0)
     if schema is REFS_UNDER_DATA:
         assert all(isinstance(inst["x"]["a"], int) for inst in walks)  # the target's AllOf is enforced
 
@@ -232,6 +235,7 @@ def test_free_form_object_with_unknown_keys_uses_the_compact_regex():
         ({"not": {"required": ["a"], "properties": {}}}, "around `type` or `required` alone"),
         ({"type": "string", "pattern": "^(http|https)://x", "minLength": 20}, "shorter than minLength 20"),
         ({"type": "string", "pattern": "^abcdef$", "maxLength": 3}, "cannot be bounded"),
+        ({"type": "string", "pattern": "^[a-z]{1,3}$", "minLength": 5}, "shorter than minLength 5"),
     ],
 )
 def test_unenforceable_not_is_an_error_naming_why(schema, reason):
