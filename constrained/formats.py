@@ -15,6 +15,9 @@ the price of documented relaxations: not every valid instance is reachable.
   Unicode class with escapes took ~50 s; with the escape alternative, even ASCII ``{0,16}`` takes 1.8 s and
   ``{0,32}`` minutes; plain ASCII ``{0,64}`` takes ~1 s and ``{256}`` ~7 s.
 
+* patterns: a counted repeat above STRING_LENGTH_CAP is lowered to it; with ``minLength``/``maxLength`` the
+  pattern is kept and made to imply the bounds (``pattern_within_length``), or the pair is a GrammarError.
+
 Formats outlines-core ships are not used: its ``date-time``/``time`` accept a missing offset and ``date``
 accepts February 31st, which ``jsonschema`` rejects.
 """
