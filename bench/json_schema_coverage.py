@@ -17,11 +17,15 @@ of the public JSONSchemaBench files) a seeded sample of schemas goes through the
    max_new_tokens is `truncated`, neither valid nor invalid. `error`: the request failed; `unchecked`:
    `jsonschema` cannot use the schema itself.
 
+`--compile-only` stops after stage 1 (no model is loaded): the way to measure compile coverage over a large
+sample; the summary lists the rejection reasons by construct (`rejection_reasons`).
+
 `--mask-overhead` measures instead what constrained decoding adds to a decode step, in microseconds per
 decoded token (see `bench.json_mask_overhead`).
 
     python -m bench.json_schema_coverage --quick
     python -m bench.json_schema_coverage --per-subset 16 --max-new-tokens 64
+    python -m bench.json_schema_coverage --compile-only --per-subset 150
     python -m bench.json_schema_coverage --mask-overhead --batch-size 8
 """
 
@@ -31,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -76,6 +81,14 @@ def shares(counts: dict[str, int], total: int) -> dict[str, float | None]:
     return {f"{k}_share": (counts.get(k, 0) / total if total else None) for k in OUTPUT_KINDS}
 
 
+def reason_key(reason: str) -> str:
+    """A rejection reason with its schema-specific details (quoted names, numbers, listed values) blanked,
+    so that rejections group by construct."""
+    key = re.sub(r"'[^']*'|\"[^\"]*\"", "'_'", reason.split("\n")[0])
+    key = re.sub(r"\[[^\]]*\]|\{[^}]*\}", "[_]", key)
+    return re.sub(r"\b\d+(\.\d+)?\b", "N", key)[:120]
+
+
 def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Figures of one subset (or all): compile outcome shares and times, output kind shares."""
     n = len(records)
@@ -90,6 +103,11 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
         "compiled": len(compiled),
         "compiled_share": len(compiled) / n if n else None,
         "compile_outcomes": dict(Counter(r["compile"] for r in records)),
+        "rejection_reasons": dict(
+            Counter(
+                reason_key(r.get("reason") or r["compile"]) for r in records if r["compile"] != "ok"
+            ).most_common()
+        ),
         "compile_ms": {
             "p50": common.percentile(compile_ms, 50),
             "p95": common.percentile(compile_ms, 95),
@@ -235,10 +253,12 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
     compiler = GrammarCompiler(load_tokenizer(model_dir), vocab_size, pool_limits=limits)
     try:
         futures = [compiler.compile_async("json_schema", rec["spec"]) for rec in todo]
-        for rec, future in zip(todo, futures):
+        for i, rec in enumerate(todo):
+            future, futures[i] = futures[i], None  # drop each index once read (all held: 8 GB RSS)
             try:
                 grammar = future.result()
                 rec.update(compile="ok", compile_s=grammar.compile_seconds, reason=None)
+                del grammar
             except ValueError as err:  # GrammarError: the server answers 400 with this reason
                 rec.update(compile=compile_outcome(str(err)), compile_s=None, reason=str(err)[:300])
             print(
@@ -303,6 +323,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hits the compile timeout)",
     )
     p.add_argument("--subsets", default=",".join(SUBSETS), help="comma-separated subset names")
+    p.add_argument(
+        "--compile-only", action="store_true", help="stop after the compile stage (no model, no outputs)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="greedy output budget per schema")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
@@ -372,13 +395,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     with PeakRss() as generate_rss:
-        generation = generate_stage(records, args)
+        generation = {} if args.compile_only else generate_stage(records, args)
     summaries = {s: summarize_records([r for r in records if r["subset"] == s]) for s in subsets}
     summaries["all"] = summarize_records(records)
     print()
     common.print_table(
         [table_row(name, s) for name, s in summaries.items()], title="== json_schema_coverage =="
     )
+    for name, s in summaries.items():
+        for reason, count in s["rejection_reasons"].items():
+            print(f"  {name}: {count} x {reason}")
     print(
         f"peak RSS (this process and its children): compile {compile_rss.peak_mb:.0f} MB, "
         f"generate {generate_rss.peak_mb:.0f} MB"
@@ -397,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "subsets": subsets,
         "per_subset": args.per_subset,
         "seed": args.seed,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": None if args.compile_only else args.max_new_tokens,
+        "compile_only": args.compile_only,
         "model": "default",
         "greedy": True,
         "whitespace_pattern": DEFAULT_WHITESPACE,
@@ -408,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads,
         "format_checked": False,
     }
-    name = args.name or "json_schema_coverage"
+    name = args.name or ("json_schema_compile_coverage" if args.compile_only else "json_schema_coverage")
     groups = list(summaries)
     series = {
         label: [summaries[g][key] for g in groups]
@@ -418,13 +445,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("invalid", "invalid_share"),
             ("truncated", "truncated_share"),
         )
+        if label == "compiles" or not args.compile_only
     }
     common.bar_chart(
         common.plot_path(name, args.results_dir),
         groups,
         series,
         "share",
-        f"JSONSchemaBench, {args.per_subset}/subset, greedy, {args.max_new_tokens} new tokens",
+        f"JSONSchemaBench, {args.per_subset}/subset"
+        + ("" if args.compile_only else f", greedy, {args.max_new_tokens} new tokens"),
     )
     common.write_results(name, config, results, env, args.results_dir)
     return results

@@ -15,6 +15,9 @@ the price of documented relaxations: not every valid instance is reachable.
   Unicode class with escapes took ~50 s; with the escape alternative, even ASCII ``{0,16}`` takes 1.8 s and
   ``{0,32}`` minutes; plain ASCII ``{0,64}`` takes ~1 s and ``{256}`` ~7 s.
 
+* patterns: a counted repeat above STRING_LENGTH_CAP is lowered to it; with ``minLength``/``maxLength`` the
+  pattern is kept and made to imply the bounds (``pattern_within_length``), or the pair is a GrammarError.
+
 Formats outlines-core ships are not used: its ``date-time``/``time`` accept a missing offset and ``date``
 accepts February 31st, which ``jsonschema`` rejects.
 """
@@ -22,6 +25,8 @@ accepts February 31st, which ``jsonschema`` rejects.
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Callable
 
 try:  # Python >= 3.11; sre_parse is its deprecated alias
     from re import _parser as sre_parse
@@ -128,3 +133,122 @@ def bounded_string_regex(min_length: int, max_length: int | None) -> str:
         return f'"{ASCII_STRING_CHAR}{{{min_length}}}{STRING_CHAR}*"'
     max_length = min(max_length, max(STRING_LENGTH_CAP, min_length))
     return f'"{ASCII_STRING_CHAR}{{{min_length},{max_length}}}"'
+
+
+def pattern_within_length(pattern: str, min_length: int, max_length: int | None) -> str:
+    """``pattern`` (anchors stripped) rewritten so that every text it matches has ``min_length`` to
+    ``max_length`` characters: outlines-core, given both, kept the length and dropped the pattern (invalid
+    outputs; and its counted Unicode string with escapes took > 120 s to compile at maxLength 24).
+
+    When the pattern's own texts are all long enough and short enough it is returned as is. When some are
+    too long, its unbounded repeats (``*``, ``+``, ``{n,}``) get the largest common bound that fits
+    (stricter: output stays valid; ``max_length`` is first lowered to STRING_LENGTH_CAP as for plain
+    strings). GrammarError when the pattern admits texts shorter than ``min_length`` (a length check cannot
+    be added to a regex) or Python cannot measure it.
+    """
+    if min_length > MAX_MIN_LENGTH:
+        raise GrammarError(f"minLength {min_length} is above the supported limit of {MAX_MIN_LENGTH}")
+    try:
+        lo, hi = (int(w) for w in sre_parse.parse(pattern).getwidth())
+    except Exception as err:  # a Rust-only construct (\p{..}, ...): its length is unknown
+        raise GrammarError(
+            f"`pattern` with minLength/maxLength: cannot measure {pattern!r} ({err})"
+        ) from None
+    if lo < min_length and (widened := _widen_single_repeat(pattern, min_length)) is not None:
+        return pattern_within_length(widened, min_length, max_length)
+    if lo < min_length:
+        raise GrammarError(
+            f"`pattern` {pattern!r} admits texts of {lo} characters, shorter than minLength {min_length}: "
+            "the pair cannot be enforced"
+        )
+    if max_length is None or hi <= max_length:
+        return pattern
+    limit = max(min(max_length, STRING_LENGTH_CAP), min_length)
+    bound = limit
+    while bound >= 1:
+        bounded = _bound_repeats(pattern, bound)
+        try:
+            lo2, hi2 = (int(w) for w in sre_parse.parse(bounded).getwidth())
+        except Exception:
+            break
+        if hi2 <= limit and lo2 >= min_length:
+            return bounded
+        bound //= 2
+    raise GrammarError(
+        f"`pattern` {pattern!r} admits texts longer than maxLength {max_length} and cannot be bounded to it"
+    )
+
+
+def _bound_repeats(pattern: str, bound: int) -> str:
+    """``pattern`` with ``*`` -> ``{0,bound}``, ``+`` -> ``{1,bound}``, ``{n,}`` -> ``{n,max(n,bound)}``."""
+    return _rewrite_repeats(pattern, lambda lo, hi: (lo, max(lo, bound)) if hi is None else (lo, hi))
+
+
+def cap_pattern_repeats(pattern: str) -> str:
+    """``pattern`` with each counted repeat ``{n,m}`` whose m is above STRING_LENGTH_CAP lowered to
+    ``{n,max(n,STRING_LENGTH_CAP)}``: stricter, so output stays valid (``[0-9a-zA-Z_-]{1,255}`` made a compile
+    worker pass its 2 GB memory cap)."""
+    cap = STRING_LENGTH_CAP
+    return _rewrite_repeats(
+        pattern, lambda lo, hi: (lo, max(lo, cap)) if hi is not None and hi > cap else (lo, hi)
+    )
+
+
+# A pattern that is one repeated atom: a class, an escape, `.` or a plain character, then its quantifier.
+_ONE_REPEAT = re.compile(r"(\[(?:\\.|[^\]\\])+\]|\\.|\.|[^\\\[\](){}|*+?^$])(\*|\+|\{\d+(?:,\d*)?\})")
+
+
+def _widen_single_repeat(pattern: str, min_length: int) -> str | None:
+    """``X*`` / ``X+`` / ``X{n,m}`` with its count raised to at least ``min_length`` (exact: the count is the
+    text's length), None when ``pattern`` is not one repeated atom."""
+    m = _ONE_REPEAT.fullmatch(pattern)
+    if m is None:
+        return None
+    count_hi = re.search(r"\{\d+,(\d+)\}$|\{(\d+)\}$", pattern)
+    if count_hi and int(count_hi.group(1) or count_hi.group(2)) < min_length:
+        return None  # its longest text is still too short
+    return _rewrite_repeats(pattern, lambda lo, hi: (max(lo, min_length), hi))
+
+
+def _rewrite_repeats(pattern: str, bounds: Callable[[int, int | None], tuple[int, int | None]]) -> str:
+    """``pattern`` with every quantifier ``*``, ``+``, ``{n}``, ``{n,}``, ``{n,m}`` (outside character classes
+    and escapes) replaced by ``{lo,hi}`` from ``bounds(lo, hi)`` (hi None: unbounded)."""
+    out: list[str] = []
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        quant, end = None, i + 1
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            out.append(c)
+            i += 1
+            for literal in ("^", "]"):  # a leading ^ and/or ] do not end the class
+                if pattern.startswith(literal, i):
+                    out.append(literal)
+                    i += 1
+            continue
+        elif c in "*+":
+            quant = (0 if c == "*" else 1, None)
+        elif c == "{":
+            m = re.match(r"\{(\d+)(,(\d*))?\}", pattern[i:])
+            if m:
+                lo = int(m.group(1))
+                quant = (lo, lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None))
+                end = i + m.end()
+        if quant is None:
+            out.append(c)
+            i += 1
+            continue
+        lo, hi = bounds(*quant)
+        if (lo, hi) == quant:
+            out.append(pattern[i:end])
+        else:
+            out.append(f"{{{lo},{'' if hi is None else hi}}}" if hi != lo else f"{{{lo}}}")
+        i = end
+    return "".join(out)

@@ -21,12 +21,17 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   ``formats.MAX_MIN_LENGTH`` a GrammarError; ``maxItems`` above ITEMS_CAP is lowered to it, ``minItems``
   above MAX_MIN_ITEMS is a GrammarError; numeric bounds beyond +-NUMERIC_BOUND_CAP are tightened to it: the
   automaton grows with each of these counts, and a 1 KB schema of ``maxLength: 8192`` fields needed 23 GB;
-* ``not: {"type": ...}`` becomes the complementary ``type``; ``false`` subschemas are dropped from
+* ``not`` around ``type`` or ``required``, subschemas without any keyword, ``{"not": {}}``, object/array
+  ``const``/``enum``: see ``constrained.schema_keywords``; ``false`` subschemas are dropped from
   ``anyOf``/``oneOf`` (``items: false`` means an empty array); ``AllOf`` (a miscased keyword seen in real
-  schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid.
+  schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid;
+  a local ``$ref`` into a top-level key that is no keyword has its target rewritten too;
+  ``patternProperties`` on an object without ``properties`` becomes ``additionalProperties`` (all values
+  meet every pattern's subschema); ``minProperties: 1`` on a free-form object is enforced.
 
-Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, ``minProperties``, ...) stay
-ignored: output may violate them. Keywords it cannot express (other ``not``, bad ``$ref``) raise GrammarError.
+Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, other ``minProperties``, ...)
+stay ignored: output may violate them (the coverage bench's ``jsonschema`` check counts it). Keywords it
+cannot express (other ``not``, bad ``$ref``) raise GrammarError.
 """
 
 from __future__ import annotations
@@ -38,8 +43,23 @@ from typing import Any
 from outlines_core.json_schema import build_regex_from_schema
 
 from constrained.errors import GrammarError
-from constrained.formats import FORMAT_REGEXES, bounded_string_regex, format_regex, format_width
+from constrained.formats import (
+    FORMAT_REGEXES,
+    bounded_string_regex,
+    cap_pattern_repeats,
+    format_regex,
+    format_width,
+    pattern_within_length,
+)
 from constrained.numeric import integer_range_regex, number_range_regex
+from constrained.schema_keywords import (
+    KEYWORDS,
+    accepts_nothing,
+    apply_not,
+    const_enum_regex,
+    has_keyword,
+    pattern_properties_as_additional,
+)
 
 # Where subschemas live. Values under any other key are data and are copied untouched.
 _MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -60,7 +80,7 @@ _SCHEMA_KEYS = frozenset(
     }
 )
 # Subschemas that may be swapped for a placeholder when free-form (map keys: always).
-_FREE_FORM_OK = frozenset({"anyOf", "oneOf", "prefixItems", "items"})
+_FREE_FORM_OK = frozenset({"anyOf", "oneOf", "prefixItems", "items", "additionalProperties"})
 _ANNOTATION_KEYS = frozenset(
     {
         "title",
@@ -80,7 +100,6 @@ _PLACEHOLDER = "__radixlm_fragment_{}__"
 ITEMS_CAP = 16  # largest maxItems compiled as is (each item is one more copy of the item automaton)
 MAX_MIN_ITEMS = 64  # larger minItems: GrammarError
 NUMERIC_BOUND_CAP = 10**15  # bounds further out are tightened to this (15 digits: still exact as a double)
-_JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null")
 JSON_OBJECT_DEPTH = 2  # nesting depth of free JSON; compile time grows ~5x per level (1.1 s, 5 s, 54 s)
 
 # A `whitespace_pattern` value that is not a regex: json.dumps's default layout, `{"a": 1, "b": [1, 2]}` --
@@ -96,10 +115,13 @@ _STRING = r'"([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])*"'  # same character set a
 _NUMBER = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"
 
 
-def json_value_regex(whitespace_pattern: str, depth: int, kind: str = "value") -> str:
-    """Any JSON value (kind="value"), object or array, with containers nested at most ``depth`` levels."""
+def json_value_regex(
+    whitespace_pattern: str, depth: int, kind: str = "value", non_empty: bool = False
+) -> str:
+    """Any JSON value (kind="value"), object or array, with containers nested at most ``depth`` levels;
+    ``non_empty``: the outermost object has at least one member (``minProperties: 1``)."""
     if whitespace_pattern == DUMPS_LAYOUT:
-        return dumps_layout(json_value_regex(_WS_MARK, depth, kind))
+        return dumps_layout(json_value_regex(_WS_MARK, depth, kind, non_empty))
     ws = whitespace_pattern
 
     def value(d: int) -> str:
@@ -115,6 +137,9 @@ def json_value_regex(whitespace_pattern: str, depth: int, kind: str = "value") -
         return rf"\[{ws}({item}({ws},{ws}{item})*)?{ws}\]"
 
     depth = max(depth, 1)
+    if non_empty and kind == "object":
+        pair = f"{_STRING}{ws}:{ws}({value(depth - 1)})"
+        return rf"\{{{ws}{pair}({ws},{ws}{pair})*{ws}\}}"
     return {"value": value, "object": obj, "array": arr}[kind](depth)
 
 
@@ -146,6 +171,7 @@ def schema_to_regex(
     fragments: list[str] = []
     rewriter = _Rewriter(ws, fragments)
     rewritten = rewriter.rewrite(schema, JSON_OBJECT_DEPTH)
+    _rewrite_ref_targets(schema, rewritten, rewriter)
     if patterns is not None:
         patterns.extend(ascii_digit_word_classes(p) for p in rewriter.patterns)
     try:
@@ -156,6 +182,35 @@ def schema_to_regex(
     for i, fragment in enumerate(fragments):
         regex = regex.replace(f'"{_PLACEHOLDER.format(i)}"', f"({fragment})")
     return ascii_digit_word_classes(dumps_layout(regex) if layout else regex)
+
+
+def _rewrite_ref_targets(schema: Any, rewritten: Any, rewriter: _Rewriter) -> None:
+    """Rewrite the subschemas a local ``$ref`` reaches under a top-level key that is no keyword, which the
+    rewriter copied as data: ``{"references": {...}, "properties": {"r": {"$ref": "#/references"}}}``."""
+    for ref in sorted(_local_refs(schema)):
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
+        if parts[0] in KEYWORDS or parts[0] in _MAP_KEYS or parts[0] in _ANNOTATION_KEYS:
+            continue  # rewritten (or, for annotations, never a schema) with the rest
+        target = schema
+        for part in parts:
+            target = target.get(part) if isinstance(target, dict) else None
+        if not isinstance(target, dict) or not isinstance(rewritten, dict):
+            continue
+        node = rewritten
+        for part in parts[:-1]:
+            node[part] = dict(node[part])  # copied: the data is shared with the input schema
+            node = node[part]
+        node[parts[-1]] = rewriter.rewrite(target, 1)
+
+
+def _local_refs(node: Any) -> set[str]:
+    """Every ``$ref`` of the form ``#/...`` in ``node``."""
+    if isinstance(node, list):
+        return set().union(*map(_local_refs, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    refs = {node["$ref"]} if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/") else set()
+    return refs.union(*map(_local_refs, node.values()))
 
 
 def dumps_layout(regex: str) -> str:
@@ -197,19 +252,23 @@ class _Rewriter:
             extra = node["AllOf"] if isinstance(node["AllOf"], list) else [node["AllOf"]]
             node = {k: v for k, v in node.items() if k != "AllOf"}
             node["allOf"] = [*(node.get("allOf") or []), *extra]
+        if not has_keyword(node):
+            node = {}  # only unknown keys, which validators ignore: any value
         if isinstance(node.get("allOf"), list):
             node = _merge_all_of(node)
+        node = pattern_properties_as_additional(node)
         free = _free_form_kind(node) if free_depth is not None else None
         if free is not None:
-            return self.placeholder(json_value_regex(self.ws, free_depth, free))
+            non_empty = node.get("minProperties") == 1
+            return self.placeholder(json_value_regex(self.ws, free_depth, free, non_empty))
         out = {}
         for key, value in node.items():
             if key in ("anyOf", "oneOf") and isinstance(value, list):
-                value = [{} if sub is True else sub for sub in value if sub is not False]
+                value = [{} if sub is True else sub for sub in value if not accepts_nothing(sub)]
                 if not value:
                     raise GrammarError(f"`{key}` has only `false` subschemas: no value is valid")
             elif key == "allOf" and isinstance(value, list):
-                if any(sub is False for sub in value):
+                if any(accepts_nothing(sub) for sub in value):
                     raise GrammarError("`allOf` has a `false` subschema: no value is valid")
                 value = [sub for sub in value if sub is not True]
             if key == "items" and value is False:
@@ -220,7 +279,11 @@ class _Rewriter:
             if key in _MAP_KEYS and isinstance(value, dict):
                 # boolean subschemas, which outlines-core rejects: `true` is any value, a `false` property
                 # can never be present
-                subs = {name: ({} if sub is True else sub) for name, sub in value.items() if sub is not False}
+                subs = {
+                    name: ({} if sub is True else sub)
+                    for name, sub in value.items()
+                    if not accepts_nothing(sub)
+                }
                 out[key] = {name: self.rewrite(sub, 1) for name, sub in subs.items()}
             elif key in _LIST_KEYS and isinstance(value, list):
                 out[key] = [self.rewrite(sub, 1 if key in _FREE_FORM_OK else None) for sub in value]
@@ -244,9 +307,9 @@ class _Rewriter:
             ):
                 out["properties"] = {}
         if "not" in out:
-            out = _apply_not(out)
+            out = apply_not(out)
         if isinstance(out.get("pattern"), str):
-            out["pattern"] = strip_anchors(out["pattern"])
+            out["pattern"] = cap_pattern_repeats(strip_anchors(out["pattern"]))
             self.patterns.append(out["pattern"])
         _cap_items(out)
         fmt = out.get("format")
@@ -254,6 +317,9 @@ class _Rewriter:
             if out.get("type") in (None, "string"):
                 format_regex(fmt)  # raises for a standard format we cannot enforce
             del out["format"]  # a custom annotation (outlines-core would reject it)
+        literal = const_enum_regex(out, spaced=self.ws == _WS_MARK)
+        if literal is not None:
+            return self.placeholder(literal)
         string = self._string(out)
         if string is not None:
             return string
@@ -289,6 +355,10 @@ class _Rewriter:
         fmt = out.get("format")
         regex = format_regex(fmt) if isinstance(fmt, str) else None
         if regex is None:
+            if isinstance(out.get("pattern"), str) and ("minLength" in out or "maxLength" in out):
+                pattern = pattern_within_length(ascii_digit_word_classes(out["pattern"]), lo, hi)
+                rest = {k: v for k, v in out.items() if k not in ("minLength", "maxLength", "format")}
+                return {**rest, "pattern": pattern}  # outlines-core's pattern handling, length now implied
             if "pattern" in out or ("minLength" not in out and "maxLength" not in out):
                 return None  # a custom format (ignored), or outlines-core's own pattern handling
             return self.placeholder(bounded_string_regex(lo, hi))
@@ -342,26 +412,6 @@ def _string_keys(node: dict) -> bool:
     return isinstance(node.get("format"), str) or "minLength" in node or "maxLength" in node
 
 
-def _apply_not(node: dict) -> dict:
-    """``not: {"type": ...}`` -> the complementary ``type`` (within ``type``); GrammarError otherwise."""
-    sub = node["not"]
-    keys = set(sub) - _ANNOTATION_KEYS if isinstance(sub, dict) else None
-    if keys != {"type"}:
-        shown = sorted(keys) if keys is not None else sub
-        raise GrammarError(f"`not` can only be enforced around `type` alone (got {shown!r})")
-    banned = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
-    if "number" in banned or "integer" in banned:
-        banned = [*banned, "number", "integer"]  # our numbers include integers: exclude both (stricter)
-    declared = node.get("type", list(_JSON_TYPES))
-    declared = declared if isinstance(declared, list) else [declared]
-    allowed = [t for t in declared if t not in banned]
-    if not allowed:
-        raise GrammarError(f"`not` excludes every allowed type ({declared!r}): no value is valid")
-    out = {k: v for k, v in node.items() if k != "not"}
-    out["type"] = allowed[0] if len(allowed) == 1 else allowed
-    return out
-
-
 def _cap_items(node: dict) -> None:
     """Lower ``maxItems`` above ITEMS_CAP (output stays valid); refuse ``minItems`` above MAX_MIN_ITEMS."""
     lo, hi = node.get("minItems", 0), node.get("maxItems")
@@ -379,9 +429,11 @@ def _cap_items(node: dict) -> None:
 
 def _free_form_kind(node: dict) -> str | None:
     """ "value", "object" or "array" when the subschema accepts any such JSON, else None."""
-    keys = set(node) - _ANNOTATION_KEYS
+    keys = set(node) & KEYWORDS  # other keys are ignored by validators
     if not keys:
         return "value"
+    if node.get("minProperties", 0) in (0, 1):  # 1: enforced by json_value_regex's non_empty
+        keys.discard("minProperties")
     if node.get("additionalProperties", True) not in (True, {}) or keys - {"type", "additionalProperties"}:
         return None
     if node.get("type") == "object":

@@ -129,3 +129,28 @@ def test_mask_overhead_per_token_uses_full_batch_steps():
     )
     # no full step: scaled to the batch size so the figure stays per token
     assert mask.per_token_us([(2, 0.1)], 4)["p50"] == pytest.approx(50_000.0)
+
+
+def test_reason_key_groups_rejections_by_construct():
+    a = cov.reason_key("`not` can only be enforced around `type` or `required` alone (got ['minimum'])")
+    b = cov.reason_key("`not` can only be enforced around `type` or `required` alone (got ['enum', 'x'])")
+    assert a == b and "`not` can only be enforced" in a
+    t1 = cov.reason_key("compiling it took longer than the limit of 30 s (--grammar-timeout-s)")
+    assert t1 == cov.reason_key("compiling it took longer than the limit of 120 s (--grammar-timeout-s)")
+    assert cov.reason_key('structure {"typeof": "f"}') != cov.reason_key("`not: {}` accepts no value")
+
+
+def test_compile_only_flag_and_rejections_in_the_summary():
+    assert cov.parse_args(["--compile-only"]).compile_only and not cov.parse_args([]).compile_only
+    records = [
+        {"compile": "ok", "compile_s": 0.1},
+        {"compile": "rejected", "compile_s": None, "reason": "`not: {}` accepts no value"},
+        {"compile": "timeout", "compile_s": None, "reason": "took longer than the limit of 120 s"},
+        {"compile": "timeout", "compile_s": None, "reason": "took longer than the limit of 30 s"},
+    ]
+    summary = cov.summarize_records(records)
+    assert summary["rejection_reasons"] == {
+        "took longer than the limit of N s": 2,
+        "`not: [_]` accepts no value": 1,
+    }
+    assert summary["outputs"] == 0 and summary["compiled_share"] == 0.25

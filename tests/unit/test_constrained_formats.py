@@ -11,6 +11,7 @@ import datetime
 import ipaddress
 import json
 import random
+import re
 import urllib.parse
 import uuid
 
@@ -152,3 +153,91 @@ def test_unenforceable_keywords_are_errors_naming_why(schema, reason):
 def test_custom_format_is_ignored_as_the_spec_says():
     plain = validate_spec("json_schema", json.dumps({"type": "string"}))
     assert validate_spec("json_schema", json.dumps({"type": "string", "format": "non-blank"})) == plain
+
+
+REFS_UNDER_DATA = {  # a `$ref` into a top-level key that is no keyword, holding a miscased `AllOf`
+    "type": "object",
+    "refs": {"item": {"AllOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}},
+    "properties": {"x": {"$ref": "#/refs/item"}},
+    "required": ["x"],
+}
+TWO_INTS = {"a": {"type": "integer"}, "b": {"type": "integer"}}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"f": {"typeof": "function"}}, "required": ["f"]},
+        {"id": "urn:x", "title": "bag", "type": "object", "additionalProperties": {}},
+        {"type": "object", "properties": TWO_INTS, "required": ["a"], "not": {"required": ["a", "b"]}},
+        {"type": "object", "not": {"required": ["body", "bodyValue"]}},
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}}},
+        {"properties": {"c": {"const": {"$data": "1/p", "x": [1, "a.b"]}}}, "required": ["c"]},
+        {"enum": [[1, 2], {"k": "v+(x)"}, "s"]},
+        REFS_UNDER_DATA,
+        {"type": "object", "patternProperties": {"^abc.+$": {"type": "string", "maxLength": 3}}},
+        {"type": "object", "patternProperties": {"a": {"type": "integer"}, "b": {"minimum": 3}}},
+        {
+            "type": "object",
+            "patternProperties": {".*": {"properties": {"u": {"$ref": "#/$defs/s"}}, "required": ["u"]}},
+            "$defs": {"s": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+        },
+        {"type": "object", "minProperties": 1},
+        {"type": "string", "pattern": "^mystring-[a-zA-Z0-9]+$", "minLength": 10, "maxLength": 24},
+        {"type": "string", "pattern": "^https?://[a-z]+$", "maxLength": 1024},
+        {"type": "string", "pattern": "^a(b|cd)$", "minLength": 2, "maxLength": 3},
+        {"type": "string", "pattern": "^[0-9a-z-]*$", "minLength": 4, "maxLength": 63},
+        {"type": "string", "pattern": "^[0-9a-z_-]{1,255}$"},  # counted repeat capped (stricter)
+    ],
+)
+def test_keyword_rewrites_validate(schema):
+    validator = jsonschema.Draft202012Validator(schema)
+    walks = _schema_walks(schema, 60)
+    for instance in walks:
+        validator.validate(instance)
+    if schema.get("not") == {"required": ["a", "b"]}:
+        assert all("b" not in inst for inst in walks)  # the optional one of the pair is left out
+    if schema.get("minProperties") == 1:
+        assert all(inst for inst in walks) and any(len(inst) > 1 for inst in walks)
+    if "$defs" in schema:  # pattern-keyed members are emitted, each with the required array
+        assert any(inst for inst in walks) and all(
+            isinstance(v["u"], list) for i in walks for v in i.values()
+        )
+    if "pattern" in schema:  # the pattern is kept, not dropped for the length bounds
+        assert all(re.fullmatch(schema["pattern"].strip("^$"), inst) for inst in walks)
+        assert len(set(walks)) > 1
+        assert max(map(len, walks)) <= 64 and min(map(len, walks)) >= schema.get("minLength", 0)
+    if schema is REFS_UNDER_DATA:
+        assert all(isinstance(inst["x"]["a"], int) for inst in walks)  # the target's AllOf is enforced
+
+
+def test_free_form_object_with_unknown_keys_uses_the_compact_regex():
+    # a draft-4 `id` is no keyword: the object is free-form (outlines-core's own took > 30 s to compile)
+    bare = validate_spec("json_schema", json.dumps({"type": "object"}))
+    assert validate_spec("json_schema", json.dumps({"id": "urn:x", "type": "object"})) == bare
+
+
+@pytest.mark.parametrize(
+    "schema, reason",
+    [
+        ({"not": {}}, "`not: {}` accepts no value"),
+        (
+            {
+                "type": "object",
+                "properties": TWO_INTS,
+                "required": ["a", "b"],
+                "not": {"required": ["a", "b"]},
+            },
+            "`not` forbids the properties",
+        ),
+        ({"type": "string", "not": {"required": ["a"]}}, "admits only objects"),
+        ({"type": "object", "required": ["a"], "not": {"required": ["a", "b"]}}, "lists `required` names"),
+        ({"not": {"required": ["a"], "properties": {}}}, "around `type` or `required` alone"),
+        ({"type": "string", "pattern": "^(http|https)://x", "minLength": 20}, "shorter than minLength 20"),
+        ({"type": "string", "pattern": "^abcdef$", "maxLength": 3}, "cannot be bounded"),
+        ({"type": "string", "pattern": "^[a-z]{1,3}$", "minLength": 5}, "shorter than minLength 5"),
+    ],
+)
+def test_unenforceable_not_is_an_error_naming_why(schema, reason):
+    with pytest.raises(GrammarError, match=reason.replace("(", r"\(").replace("[", r"\[")):
+        validate_spec("json_schema", json.dumps(schema))

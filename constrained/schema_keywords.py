@@ -1,0 +1,204 @@
+"""JSON Schema keyword rules the schema rewriter (``constrained.json_schema``) applies before outlines-core.
+
+Kept apart from the rewriter's walk because each rule is a statement about JSON Schema semantics, checked by
+its own tests (tests/unit/test_constrained_formats.py: random walks validate with ``jsonschema``):
+
+* a key that is no keyword of drafts 4 to 2020-12 is ignored by validators, so a subschema with no keyword at
+  all (``{"typeof": "function"}``, a draft-4 ``id`` plus annotations) accepts any value (outlines-core
+  rejects it as an "unsupported structure");
+* ``{"not": {}}`` (or ``not: true``) accepts no value: as a property it means the property is never present;
+* ``not`` is enforced around ``type`` (the complementary types) and around ``required`` (one of the named
+  properties is left out of ``properties``; outlines-core emits only the listed ones);
+* ``const`` / ``enum`` object and array values become escaped literal regexes: outlines-core leaves regex
+  metacharacters in object keys unescaped (``{"$data": ...}`` made an unmatchable ``$``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from constrained.errors import GrammarError
+
+# Every keyword of drafts 4 to 2020-12 that constrains a value, or points at a schema that does.
+# ``definitions``/``$defs`` are not among them: they only hold subschemas for ``$ref``.
+KEYWORDS = frozenset(
+    {
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+        "type",
+        "enum",
+        "const",
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "required",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+    }
+)
+JSON_TYPES = ("string", "number", "integer", "object", "array", "boolean", "null")
+# Characters outlines-core's regex syntax (Rust regex) treats as meta; each may be escaped with a backslash.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def has_keyword(node: dict) -> bool:
+    """False when no key of ``node`` is a keyword: validators ignore the rest, so it accepts any value."""
+    return not KEYWORDS.isdisjoint(node)
+
+
+def accepts_nothing(sub: Any) -> bool:
+    """``false``, or ``{"not": {}}`` / ``{"not": true}`` beside annotations only: no value satisfies it."""
+    if sub is False:
+        return True
+    if not isinstance(sub, dict) or set(sub) & KEYWORDS != {"not"}:
+        return False
+    inner = sub["not"]
+    return inner is True or (isinstance(inner, dict) and not has_keyword(inner))
+
+
+def literal_regex(value: Any, spaced: bool) -> str:
+    """The regex of one JSON text of ``value``: json.dumps's spacing when ``spaced``, else compact."""
+    text = json.dumps(value) if spaced else json.dumps(value, separators=(",", ":"))
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def const_enum_regex(node: dict, spaced: bool) -> str | None:
+    """A literal regex for a ``const`` / ``enum`` that holds an object or an array, else None (outlines-core
+    builds the others correctly). GrammarError for an empty or non-list ``enum``."""
+    if "const" in node:
+        values = [node["const"]]
+    elif "enum" in node:
+        values = node["enum"]
+        if not isinstance(values, list) or not values:
+            raise GrammarError(f"`enum` must be a non-empty array, got {values!r}")
+    else:
+        return None
+    if not any(isinstance(v, (dict, list)) for v in values):
+        return None
+    return "|".join(literal_regex(v, spaced) for v in values)
+
+
+def apply_not(node: dict) -> dict:
+    """Enforce ``node["not"]`` by rewriting ``node``; GrammarError where it cannot be (the 400 says which).
+
+    ``not: {"type": ...}`` -> the complementary ``type``; ``not: {"required": [...]}`` -> an object in which
+    one named property (not required by ``node`` itself) is left out of ``properties``, or the empty object
+    when ``node`` lists no properties (stricter than the schema: the output stays valid).
+    """
+    sub = node["not"]
+    keys = set(sub) & KEYWORDS if isinstance(sub, dict) else None
+    if keys == {"type"}:
+        return _not_type(node, sub["type"])
+    if keys == {"required"}:
+        return _not_required(node, sub["required"])
+    if keys == set() or sub is True:
+        raise GrammarError("`not: {}` accepts no value")
+    shown = sorted(keys) if keys is not None else sub
+    raise GrammarError(f"`not` can only be enforced around `type` or `required` alone (got {shown!r})")
+
+
+def _declared_types(node: dict) -> list[str]:
+    declared = node.get("type", list(JSON_TYPES))
+    return declared if isinstance(declared, list) else [declared]
+
+
+def _not_type(node: dict, banned: Any) -> dict:
+    banned = banned if isinstance(banned, list) else [banned]
+    if "number" in banned or "integer" in banned:
+        banned = [*banned, "number", "integer"]  # our numbers include integers: exclude both (stricter)
+    declared = _declared_types(node)
+    allowed = [t for t in declared if t not in banned]
+    if not allowed:
+        raise GrammarError(f"`not` excludes every allowed type ({declared!r}): no value is valid")
+    out = {k: v for k, v in node.items() if k != "not"}
+    out["type"] = allowed[0] if len(allowed) == 1 else allowed
+    return out
+
+
+def _not_required(node: dict, names: Any) -> dict:
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise GrammarError(f"`required` must be an array of strings, got {names!r}")
+    if not names:
+        raise GrammarError("`not: {required: []}` accepts no value (every object has no required names)")
+    # a non-object passes `required`, so it fails the `not`: only objects are valid
+    if "object" not in _declared_types(node):
+        raise GrammarError("`not: {required: ...}` admits only objects, which the schema's `type` excludes")
+    own = node.get("required") or []
+    out = {k: v for k, v in node.items() if k != "not"}
+    out["type"] = "object"
+    props = node.get("properties")
+    if isinstance(props, dict):
+        if any(n not in props for n in names):
+            return out  # a name outlines-core never emits: the named set is never complete
+        optional = [n for n in names if n not in own]
+        if not optional:
+            raise GrammarError(f"`not` forbids the properties {names!r} that `required` demands together")
+        out["properties"] = {k: v for k, v in props.items() if k != optional[0]}
+        return out
+    if own:
+        raise GrammarError(
+            "`not: {required: ...}` cannot be enforced on an object that lists `required` names but no "
+            "`properties`"
+        )
+    out["properties"] = {}  # the empty object: no named property is present
+    out.pop("additionalProperties", None)
+    return out
+
+
+def pattern_properties_as_additional(node: dict) -> dict:
+    """``patternProperties`` (which outlines-core ignores) on an object without ``properties`` ->
+    ``additionalProperties`` holding every pattern's subschema (and the node's own ``additionalProperties``)
+    under ``allOf``: each emitted value satisfies whichever patterns its key matches, so the output is valid
+    (stricter than the schema: keys are free, values meet all the subschemas). Unchanged when ``properties``
+    is present, ``additionalProperties`` is false (only ``{}`` is then emitted), or a subschema accepts
+    nothing. Before this, such an object compiled to outlines-core's free JSON (~25 s) and ignored the
+    patterns.
+    """
+    patterns = node.get("patternProperties")
+    extra = node.get("additionalProperties", True)
+    if not isinstance(patterns, dict) or not patterns or "properties" in node or extra is False:
+        return node
+    if "object" not in _declared_types(node):
+        return node
+    subs = [sub for sub in [*patterns.values(), extra] if sub is not True and sub != {}]
+    if any(accepts_nothing(sub) or not isinstance(sub, dict) for sub in subs):
+        return node
+    out = {k: v for k, v in node.items() if k != "patternProperties"}
+    out["type"] = "object"
+    out["additionalProperties"] = subs[0] if len(subs) == 1 else {"allOf": subs}
+    if not subs:
+        out.pop("additionalProperties")
+    return out
