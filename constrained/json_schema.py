@@ -29,9 +29,10 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   ``patternProperties`` on an object without ``properties`` becomes ``additionalProperties`` (all values
   meet every pattern's subschema); ``minProperties: 1`` on a free-form object is enforced.
 
-Keywords that outlines-core silently ignores (``multipleOf``, ``uniqueItems``, other ``minProperties``, ...)
-stay ignored: output may violate them (the coverage bench's ``jsonschema`` check counts it). Keywords it
-cannot express (other ``not``, bad ``$ref``) raise GrammarError.
+Keywords outlines-core does not enforce (``multipleOf``, ``uniqueItems``, ``minProperties``/``maxProperties``,
+``dependencies``, ``if``/``then``/``else``, ``contains``, ...) are accepted only where the rest of the schema
+already implies them (``schema_keywords.enforce_keywords``), else GrammarError naming the keyword: never a
+silent drop. Keywords it cannot express (other ``not``, bad ``$ref``) raise GrammarError too.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from constrained.schema_keywords import (
     accepts_nothing,
     apply_not,
     const_enum_regex,
+    enforce_keywords,
     has_keyword,
     pattern_properties_as_additional,
 )
@@ -308,6 +310,7 @@ class _Rewriter:
                 out["properties"] = {}
         if "not" in out:
             out = apply_not(out)
+        out = enforce_keywords(out)
         if isinstance(out.get("pattern"), str):
             out["pattern"] = cap_pattern_repeats(strip_anchors(out["pattern"]))
             self.patterns.append(out["pattern"])

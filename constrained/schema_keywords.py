@@ -202,3 +202,105 @@ def pattern_properties_as_additional(node: dict) -> dict:
     if not subs:
         out.pop("additionalProperties")
     return out
+
+
+# Keywords outlines-core's regex builder does not enforce. Each is accepted only where the schema already
+# implies it (``enforce_keywords``); elsewhere the request gets a 400 naming it, never a silent drop.
+_NEVER_ENFORCED = (
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "dependentSchemas",
+)
+
+
+def enforce_keywords(node: dict) -> dict:
+    """``node`` (a rewritten subschema) with ``dependencies`` enforced; GrammarError naming the first keyword
+    that the grammar cannot enforce and that the rest of ``node`` does not already imply (no silent drops)."""
+    for key in _NEVER_ENFORCED:
+        if key in node and node[key] not in (True, {}):
+            raise GrammarError(f"`{key}` cannot be enforced by the grammar")
+    if "if" in node and ("then" in node or "else" in node):
+        raise GrammarError("`if`/`then`/`else` cannot be enforced by the grammar")
+    step = node.get("multipleOf")
+    if step is not None:
+        if step != 1 or node.get("type") not in ("integer", "number"):
+            raise GrammarError(f"`multipleOf: {step}` cannot be enforced by the grammar (only 1, on numbers)")
+        node = {**node, "type": "integer"}  # a multiple of 1 is an integer
+        del node["multipleOf"]
+    at_most_one = isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1
+    if node.get("uniqueItems") is True and not at_most_one:
+        raise GrammarError("`uniqueItems: true` cannot be enforced by the grammar (only with maxItems <= 1)")
+    node = _enforce_property_counts(node)
+    return _enforce_dependencies(node)
+
+
+def _emitted_names(node: dict) -> set[str] | None:
+    """The property names an output object can hold: those of ``properties`` when no other key may appear
+    (outlines-core emits only the listed ones then), else None (unbounded)."""
+    props = node.get("properties")
+    if not isinstance(props, dict) or node.get("additionalProperties", False) not in (False, None):
+        return None
+    return set(props)
+
+
+def _enforce_property_counts(node: dict) -> dict:
+    """``minProperties`` beyond the ``required`` names makes the first optional listed properties required
+    (stricter, so valid); ``maxProperties`` holds only where no more names than that can be emitted."""
+    low, high = node.get("minProperties"), node.get("maxProperties")
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    optional = [name for name in props if name not in required]
+    if isinstance(low, int) and len(set(required)) < low <= len(set(required)) + len(optional):
+        node = {**node, "required": [*required, *optional[: low - len(set(required))]]}
+        required = node["required"]
+    if isinstance(low, int) and low > len(set(required)):
+        raise GrammarError(
+            f"`minProperties: {low}` cannot be enforced by the grammar (the object lists only "
+            f"{len(set(required))} names it can require)"
+        )
+    if isinstance(high, int):
+        names = _emitted_names(node)
+        if names is None or len(names) > high:
+            raise GrammarError(
+                f"`maxProperties: {high}` cannot be enforced by the grammar (only when `properties` lists at "
+                "most that many names and no others may appear)"
+            )
+    return node
+
+
+def _enforce_dependencies(node: dict) -> dict:
+    """``dependencies`` / ``dependentRequired`` (lists of names) on an object whose emitted names are known:
+    a trigger whose needed names are all required is fine; an optional trigger is left out of
+    ``properties``; a required trigger makes its needed names required. Each rewrite is stricter than the
+    schema, so output stays valid; a required trigger needing a name that is never emitted is a GrammarError.
+    """
+    names = _emitted_names(node)
+    for key in ("dependencies", "dependentRequired"):
+        deps = node.get(key)
+        if not isinstance(deps, dict):
+            continue
+        for trigger, needs in deps.items():
+            required = set(node.get("required") or []) if isinstance(node.get("required"), list) else set()
+            if names is not None and trigger not in names:
+                continue  # never present in the output
+            if isinstance(needs, list) and set(needs) <= required:
+                continue
+            if names is None or not isinstance(needs, list):
+                raise GrammarError(
+                    f"`{key}` of {trigger!r} cannot be enforced by the grammar (only on an object whose "
+                    "`properties` are all the names it may hold, with lists of names)"
+                )
+            if trigger not in required:
+                node = {**node, "properties": {k: v for k, v in node["properties"].items() if k != trigger}}
+                names = names - {trigger}
+            elif set(needs) <= names:
+                node = {**node, "required": [*node["required"], *(n for n in needs if n not in required)]}
+            else:
+                missing = sorted(set(needs) - names)
+                raise GrammarError(
+                    f"`{key}` of the required {trigger!r} cannot be enforced: it needs {missing!r}, which "
+                    "`properties` does not list"
+                )
+    return node

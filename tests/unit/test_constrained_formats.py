@@ -241,3 +241,52 @@ def test_free_form_object_with_unknown_keys_uses_the_compact_regex():
 def test_unenforceable_not_is_an_error_naming_why(schema, reason):
     with pytest.raises(GrammarError, match=reason.replace("(", r"\(").replace("[", r"\[")):
         validate_spec("json_schema", json.dumps(schema))
+
+
+@pytest.mark.parametrize(
+    "schema, keyword",
+    [
+        ({"type": "number", "multipleOf": 0.5}, "`multipleOf: 0.5`"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "`uniqueItems: true`"),
+        ({"type": "object", "properties": TWO_INTS, "minProperties": 3}, "`minProperties: 3`"),
+        ({"type": "integer", "multipleOf": 3}, "`multipleOf: 3`"),
+        ({"additionalProperties": {"type": "integer"}, "maxProperties": 1}, "maxProperties"),
+        (
+            {"type": "object", "properties": TWO_INTS, "required": ["a"], "dependencies": {"a": ["c"]}},
+            "`dependencies` of the required 'a'",
+        ),
+        ({"additionalProperties": True, "dependencies": {"a": ["b"]}}, "`dependencies` of 'a'"),
+        ({"type": "array", "contains": {"type": "integer"}}, "`contains`"),
+        ({"if": {"type": "string"}, "then": {"minLength": 2}}, "`if`/`then`/`else`"),
+        ({"type": "object", "propertyNames": {"pattern": "^a"}}, "`propertyNames`"),
+    ],
+)
+def test_unenforced_keywords_are_errors_not_silent_drops(schema, keyword):
+    with pytest.raises(GrammarError, match=re.escape(keyword) + ".*cannot be enforced"):
+        validate_spec("json_schema", json.dumps(schema))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [  # each keyword is implied by the rest of the schema: accepted, and the output satisfies it
+        {"type": "integer", "multipleOf": 1, "minimum": 0, "maximum": 50},
+        {"type": "number", "multipleOf": 1.0},  # integers
+        {"type": "object", "properties": TWO_INTS, "minProperties": 1},  # `a` made required
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 1},
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 3},
+        {"type": "object", "properties": TWO_INTS, "required": ["a", "b"], "minProperties": 2},
+        {"type": "object", "properties": TWO_INTS, "maxProperties": 2},
+        {"type": "object", "properties": TWO_INTS, "required": ["b"], "dependencies": {"a": ["b"]}},
+        {"type": "object", "properties": TWO_INTS, "dependentRequired": {"zzz": ["a"]}},
+        {"type": "object", "properties": TWO_INTS, "dependencies": {"a": ["zzz"]}},  # `a` left out
+        {"type": "object", "properties": TWO_INTS, "required": ["a"], "dependencies": {"a": ["b"]}},
+        {"type": "string", "if": {"minLength": 3}},
+    ],
+)
+def test_implied_keywords_compile_and_hold(schema):
+    validator = jsonschema.Draft202012Validator(schema)
+    walks = _schema_walks(schema, 60)
+    for instance in walks:
+        validator.validate(instance)
+    if schema.get("dependencies") == {"a": ["b"]}:
+        assert all("b" in inst for inst in walks)  # required `a` made `b` required
