@@ -145,7 +145,14 @@ def _check_accounting(url: str) -> None:
     assert info["request_held_tokens"] == 0, info
     assert info["free_slots"] + info["cache_tokens"] == info["max_total_tokens"], info
     r = requests.post(url + "/flush_cache", timeout=60)
-    assert r.status_code == 200, r.text
+    if r.status_code != 200:
+        # On a loaded machine a dropped client's request can still reach the scheduler after the idle check
+        # (its handler was mid-parse when the client left); it must end within the idle bound, and a lock
+        # that outlives it (a leak) still fails the retry.
+        idle, info = _wait_idle(url, IDLE_WITHIN_S)
+        assert idle, f"{r.text} -> {info}"
+        r = requests.post(url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, (r.text, _info(url))
     info = _info(url)
     assert info["free_slots"] == info["max_total_tokens"] and info["cache_tokens"] == 0, info
     assert requests.get(url + "/health", timeout=30).status_code == 200  # the scheduler's idle check passed

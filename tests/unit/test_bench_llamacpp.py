@@ -59,7 +59,7 @@ def test_serving_runs_each_server_alone_in_order(monkeypatch):
     )
     args = argparse.Namespace(
         launch_server=True, server_args=["", "--disable-radix-cache"], port=5, backend="native",
-        llamacpp_n_ctx=4096, url=None,
+        llamacpp_n_ctx=4096, url=None, dp_size=1, router_policy="cache_aware",
     )  # fmt: skip
 
     class Tok:
