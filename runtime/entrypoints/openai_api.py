@@ -186,11 +186,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             choices.append(choice)
         return FastJSONResponse(
             {
-                "id": rid,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": args.model_name,
-                "choices": choices,
+                **_envelope(rid, "chat.completion", int(time.time()), args.model_name, choices),
                 "usage": _usage(results),
             }
         )
@@ -244,14 +240,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             usage["prompt_tokens"] = sum(rs[0]["meta_info"]["prompt_tokens"] for rs in results_per_prompt)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return FastJSONResponse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": args.model_name,
-                "choices": choices,
-                "usage": usage,
-            }
+            {**_envelope(rid, "text_completion", int(time.time()), args.model_name, choices), "usage": usage}
         )
 
 
@@ -429,6 +418,11 @@ def _completion_logprobs(
     }
 
 
+def _envelope(rid: str, object_name: str, created: int, model: str, choices: list) -> dict[str, Any]:
+    """The fields every OpenAI completion body and stream chunk starts with."""
+    return {"id": rid, "object": object_name, "created": created, "model": model, "choices": choices}
+
+
 # ---- streaming (the loop is runtime.entrypoints.streaming; these say what each event looks like) ----------
 class _OpenAIFormatter:
     """What chat and completion chunks share: the envelope, and usage as the last chunk when asked for."""
@@ -441,13 +435,7 @@ class _OpenAIFormatter:
         self.usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        c = {
-            "id": self.rid,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
+        c = _envelope(self.rid, self.object_name, self.created, self.model, choices)
         if self.usage:
             c["usage"] = usage
         return sse(c)
