@@ -339,3 +339,48 @@ def test_template_that_renders_tools_gets_them_and_the_parsed_history(default_to
     assert render_messages(msgs, TOOLS, get_parser("hermes"), native=True)[1] == [
         t.as_openai() for t in TOOLS
     ]
+
+
+class _InProcessValidator:
+    """The HTTP-side grammar check without its child process: the same `validate_spec` call."""
+
+    async def validate(self, kind, spec):
+        from constrained.errors import GrammarError
+        from constrained.spec import validate_spec
+
+        try:
+            validate_spec(kind, spec)
+        except GrammarError as e:
+            return str(e)
+        return None
+
+
+def test_request_check_judges_the_schema_the_grammar_enforces(default_tokenizer):
+    """The "length and width, or base and height" idiom (oneOf branches of `required` + `not: {required}`
+    beside `properties`, as in Glaive's calculate_area_1b3acb9f) is enforceable once expanded; the request
+    check must judge that expanded schema, not reject the raw one (it did: one 400 in 200 real schemas)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runtime.entrypoints.tool_calls import plan_chat
+
+    num = {"type": "number"}
+    dims = {
+        "type": "object",
+        "properties": {"length": num, "width": num, "base": num, "height": num},
+        "oneOf": [
+            {"required": ["length", "width"], "not": {"required": ["base", "height"]}},
+            {"required": ["base", "height"], "not": {"required": ["length", "width"]}},
+        ],
+    }
+    params = {"type": "object", "properties": {"dimensions": dims}, "required": ["dimensions"]}
+    tool = {"type": "function", "function": {"name": "area", "parameters": params}}
+    body = SimpleNamespace(
+        tools=[tool], tool_choice="required", parallel_tool_calls=False, continue_final_message=False
+    )
+    msgs, extras = [{"role": "user", "content": "area?"}], [{}]
+    plan = asyncio.run(plan_chat(msgs, extras, body, default_tokenizer, "hermes", _InProcessValidator()))
+    assert plan.regex is not None
+    good = '<tool_call>\n{"name": "area", "arguments": {"dimensions": {"length": 2, "width": 3}}}\n</tool_call>'
+    both = good.replace('"width": 3', '"width": 3, "base": 1, "height": 1')
+    assert regex_accepts(plan.regex, good) and not regex_accepts(plan.regex, both)

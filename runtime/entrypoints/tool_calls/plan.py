@@ -14,6 +14,7 @@ from runtime.entrypoints.tool_calls.prompt import render_messages, template_rend
 from runtime.entrypoints.tool_calls.schema import (
     ToolChoice,
     ToolRequestError,
+    enforced_parameters,
     forced_regex,
     parse_tool_choice,
     parse_tools,
@@ -85,9 +86,12 @@ async def plan_chat(
     regex = None
     if choice.mode in ("required", "named") or (choice.mode == "auto" and any(t.strict for t in tools)):
         for i, t in enumerate(tools):  # in the validator's child process, under its time limit
-            problem = await grammar_validator.validate("json_schema", json.dumps(t.parameters))
             enforced = {"required": True, "named": t.name == choice.name, "auto": t.strict}[choice.mode]
-            if problem and enforced:
+            if not enforced:
+                continue
+            schema = enforced_parameters(t, i)
+            problem = await grammar_validator.validate("json_schema", json.dumps(schema))
+            if problem:
                 raise ToolRequestError(f"'tools[{i}].function.parameters' cannot be enforced: {problem}")
         parallel = body.parallel_tool_calls is not False
         regex = await asyncio.to_thread(forced_regex, parser, tools, choice, parallel)

@@ -157,12 +157,18 @@ def _required_only(branch: dict) -> bool:
     return isinstance(branch.get("required"), list) and set(branch) <= {"required", "not"} and ok_not
 
 
-def arguments_regex(tool: Tool, index: int) -> str:
-    """The regex of the tool's arguments (blocking: call off the event loop)."""
+def enforced_parameters(tool: Tool, index: int) -> dict[str, Any]:
+    """The schema the grammar enforces for the tool's arguments: `parameters` with required-only branches
+    expanded. The HTTP-side check and the grammar both start from this, so they judge the same schema."""
     try:
-        schema = expand_required_branches(tool.parameters)
+        return expand_required_branches(tool.parameters)
     except ToolRequestError as e:
         raise ToolRequestError(f"'tools[{index}].function.parameters' cannot be satisfied: {e}") from None
+
+
+def arguments_regex(tool: Tool, index: int) -> str:
+    """The regex of the tool's arguments (blocking: call off the event loop)."""
+    schema = enforced_parameters(tool, index)
     try:
         return validate_spec("json_schema", json.dumps(schema), DEFAULT_WHITESPACE)
     except GrammarError as e:
