@@ -18,6 +18,8 @@ and the cold (GGUF conversion) and warm model load times.
     python -m bench.decode_throughput --quick
     python -m bench.decode_throughput --batch-sizes 1,8,32,64 --dtype float32,bfloat16 --engine
     python -m bench.decode_throughput --sides radixlm,llamacpp --batch-sizes 1,8,32 --dtype float32
+    python -m bench.decode_throughput --sides radixlm,llamacpp --batch-sizes 1 --quantization w8a8 \
+        --enable-torch-compile
 """
 
 from __future__ import annotations
@@ -219,6 +221,12 @@ def main(argv: list[str] | None = None) -> dict:
         "not support are skipped)",
     )
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="radixlm side: inductor-compiled decode for buckets up to the largest batch size (compile time "
+        "is reported, not timed)",
+    )
     p.add_argument("--sides", default="radixlm,hf,llamacpp", help=f"comma-separated: {', '.join(SIDES)}")
     p.add_argument("--engine", action="store_true", help="also measure the whole runtime.Engine")
     p.add_argument("--no-cold-load", action="store_true", help="skip the cold (GGUF conversion) load")
@@ -275,7 +283,12 @@ def main(argv: list[str] | None = None) -> dict:
             max_running_requests=max_bs,
             attention_backend=args.attention_backend,
             quantization=quant,
+            enable_torch_compile=args.enable_torch_compile,
+            torch_compile_max_bs=max_bs,
         )
+        if runner.compiled_decode is not None:
+            results.setdefault("compile_seconds", {})[key] = runner.compiled_decode.compile_seconds
+            print(f"{key}: decode compiled in {runner.compiled_decode.compile_seconds:.1f} s", flush=True)
         context = args.prompt_len + args.decode_steps // 2
         costs = model_costs(runner.config, context, tdt)
         results.setdefault("model_costs", {})[dtype] = costs
@@ -308,11 +321,12 @@ def main(argv: list[str] | None = None) -> dict:
             )
         gen = torch.Generator().manual_seed(args.seed)
         # Warm-up (first-call allocations, thread pools) on both sides, not timed.
-        radixlm_decode(runner, 2, 16, 2, gen)
+        warm_bs = min(2, max_bs)  # llama.cpp's context holds max_bs sequences
+        radixlm_decode(runner, warm_bs, 16, 2, gen)
         if hf_model is not None:
-            hf_decode(hf_model, 2, 16, 3, gen)
+            hf_decode(hf_model, warm_bs, 16, 3, gen)
         if llama is not None:
-            llama.decode(2, 16, 2, gen)
+            llama.decode(warm_bs, 16, 2, gen)
         for bs in batch_sizes:
             limit = roofline(costs, machine["matmul_gflops"], machine["read_gbs"], bs, context)
             entry: dict[str, Any] = {"roofline_tok_s": limit}

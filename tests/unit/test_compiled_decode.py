@@ -74,3 +74,24 @@ def test_max_bs_limits_buckets(tiny_model_dir):
     assert runner.compiled_decode.batch_sizes == [1, 2, 4]
     batch = ForwardBatch.build_decode([1] * 5, [2] * 5, [0] * 5, torch.zeros(5, dtype=torch.int64))
     assert not runner.compiled_decode.can_run(batch)  # larger batches run eagerly
+
+
+def test_compiled_w8a8_decode_is_one_graph_and_matches_eager(tiny_model_dir):
+    """fbgemm's packed weights go through the `radixlm::w8a8_linear` op by handle: the decode forward
+    compiles to one graph without breaks (before, each layer broke the graph and recompiled until dynamo's
+    limit), and gives the eager w8a8 tokens."""
+    from torch._dynamo.utils import counters
+
+    kwargs = dict(dtype="float32", max_total_tokens=256, max_running_requests=1, quantization="w8a8")
+    eager = ModelRunner(tiny_model_dir, **kwargs)
+    counters.clear()
+    compiled = ModelRunner(tiny_model_dir, enable_torch_compile=True, torch_compile_max_bs=1, **kwargs)
+    assert compiled.compiled_decode.batch_sizes == [1]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    prompts = [torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(1)).tolist()]
+    want_toks, want_logits = greedy_decode(eager, prompts, steps=6)
+    got_toks, got_logits = greedy_decode(compiled, prompts, steps=6)
+    assert got_toks == want_toks
+    for got, want in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)

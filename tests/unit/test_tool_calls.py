@@ -381,6 +381,8 @@ def test_request_check_judges_the_schema_the_grammar_enforces(default_tokenizer)
     msgs, extras = [{"role": "user", "content": "area?"}], [{}]
     plan = asyncio.run(plan_chat(msgs, extras, body, default_tokenizer, "hermes", _InProcessValidator()))
     assert plan.regex is not None
-    good = '<tool_call>\n{"name": "area", "arguments": {"dimensions": {"length": 2, "width": 3}}}\n</tool_call>'
+    good = (
+        '<tool_call>\n{"name": "area", "arguments": {"dimensions": {"length": 2, "width": 3}}}\n</tool_call>'
+    )
     both = good.replace('"width": 3', '"width": 3, "base": 1, "height": 1')
     assert regex_accepts(plan.regex, good) and not regex_accepts(plan.regex, both)
