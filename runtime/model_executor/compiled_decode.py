@@ -1,10 +1,12 @@
 """`--enable-torch-compile`: the decode forward compiled by inductor, one graph per batch-size bucket.
 
 Inductor fuses the elementwise work (RMSNorm, rope, SiLU, residuals) into C++ loops and drops per-op
-dispatch. Measured on the 2-core EPYC, SmolLM2-135M fp32, 1 thread, load ~1-5: bs 1 14.4 tok/s compiled
-vs 14.3 eager, bs 8 51.0 vs 59.4 -- no gain there, as ~84% of an eager step is aten::mm already; compile
-time ~50-90 s per bucket. Off by default for that reason; it is there for CPUs and models where the
-elementwise share is larger. Live batches are padded to the next bucket with the CUDA-graph runner's padding
+dispatch. It pays where the matmuls are cheap: with `--quantization w8a8` half of an eager bs-1 step was
+elementwise ops and dispatch, and compiled bs-1 decode goes from ~45-50 to ~70-90 tok/s (2 threads, 2-core
+EPYC, SmolLM2-135M; `python -m bench.decode_throughput --sides radixlm,llamacpp --batch-sizes 1
+--quantization w8a8 --enable-torch-compile`). In fp32 (~84% of a step is aten::mm) it gains nothing (bs 1
+14.4 tok/s compiled vs 14.3 eager, 1 thread). Compile time ~55 s per bucket, so it stays opt-in (SGLang's
+flag). Live batches are padded to the next bucket with the CUDA-graph runner's padding
 (`fill_padded_decode_batch`: dummy rows read `req_to_token[pad_row, 0]` and write the dummy KV slot 0), so
 each bucket compiles once. Inside a bucket the batch size is static and the KV length is a dynamic
 dimension (`mark_dynamic`), so a growing context does not recompile (check with TORCH_LOGS=recompiles).
@@ -155,7 +157,12 @@ class CompiledDecodeRunner:
         self._compiled = torch.compile(
             forward,
             dynamic=False,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            options={
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                # The graph's kernels are called from generated C++ rather than Python: bs-1 w8a8 step
+                # 11.5 -> 11.0 ms best, 15.0 -> 13.5 ms median (two A/B runs in one process, 2 threads).
+                "cpp_wrapper": True,
+            },
         )
         self.compile_seconds = self._compile_all()
 
