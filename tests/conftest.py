@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.random_llama import save_random_llama
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -28,11 +30,11 @@ def default_tokenizer(default_model_dir):
 def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
     """A 2-layer Llama with a 512-token vocabulary (ids < 512 of the default tokenizer, which it ships)
     and weights scaled up so greedy choices are far from ties (outputs stable under round-off)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return save_random_llama(
+        tmp_path_factory.mktemp("tiny_llama"),
+        default_tokenizer,
+        seed=0,
+        std=0.3,
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -44,12 +46,3 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer) -> str:
         bos_token_id=1,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    path = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
-    return str(path)

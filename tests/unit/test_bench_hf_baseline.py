@@ -14,14 +14,16 @@ import torch
 from bench.harness.hf_backend import HFBackend
 from bench.harness.hf_model import GenRequest, generate_batch, left_pad, load_hf_model, score_batch
 from lang.backends.base import Prompt
+from tests.random_llama import save_random_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_full_vocab_dir(tmp_path_factory, default_tokenizer) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return save_random_llama(  # sharp distributions: greedy choices far from ties
+        tmp_path_factory.mktemp("tiny_full_vocab"),
+        default_tokenizer,
+        seed=0,
+        std=0.5,
         vocab_size=len(default_tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -33,15 +35,6 @@ def tiny_full_vocab_dir(tmp_path_factory, default_tokenizer) -> str:
         bos_token_id=1,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharp distributions: greedy choices far from ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("tiny_full_vocab")
-    model.save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.models.parallel import HeadShard, TensorParallel, check_tp_shardable, split_range, vocab_shard
 from runtime.server_args import ServerArgs
+from tests.random_llama import save_random_llama
 
 POOL = dict(max_total_tokens=256, max_running_requests=4, attention_backend="torch_native")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12, 8, 300, 301, 2]]
@@ -108,10 +109,11 @@ def _run_tp2(model_dir: str, quantization: str = "none") -> tuple[list[torch.Ten
 
 @pytest.fixture(scope="module")
 def uneven_model_dir(tmp_path_factory, default_tokenizer) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(
+    return save_random_llama(
+        tmp_path_factory.mktemp("uneven_llama"),
+        default_tokenizer,
+        seed=1,
+        std=0.3,
         vocab_size=509,
         hidden_size=96,
         intermediate_size=97,
@@ -121,15 +123,6 @@ def uneven_model_dir(tmp_path_factory, default_tokenizer) -> str:
         max_position_embeddings=512,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.3)
-    path = tmp_path_factory.mktemp("uneven_llama")
-    model.save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.parametrize("which", ["tiny", "uneven"])
