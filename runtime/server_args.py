@@ -64,9 +64,10 @@ class ServerArgs:
     quantization: str = _opt(
         "auto",
         "quantization of linear layers and LM head (CPU, float32 activations): int8/int4 weight-only, gguf "
-        "keeps the file's Q4_1 blocks, w8a8 = int8 weights and dynamic int8 activations (fbgemm); auto = the "
-        "measured CPU default for --model default, else none",
-        ("auto", "none", "int8", "int4", "gguf", "w8a8"),
+        "keeps the file's Q4_1 blocks, w8a8 = int8 weights and dynamic int8 activations (fbgemm), w4a8 = "
+        "llama.cpp's Q4_1 layers / Q8_0 head with int8 activations per block of 32 (C++ kernel built on "
+        "first use); auto = the measured CPU default for --model default, else none",
+        ("auto", "none", "int8", "int4", "gguf", "w8a8", "w4a8"),
     )
     enable_torch_compile: bool = _opt(
         False, "CPU: compile the decode forward with inductor per batch-size bucket (minutes at start-up)"
@@ -347,7 +348,7 @@ def _base_type(hint) -> type:
     return args[0] if args else hint
 
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8")
 
 
 def check_supported(method: str, device: str, dtype: str) -> None:
@@ -357,11 +358,10 @@ def check_supported(method: str, device: str, dtype: str) -> None:
     if method == "none":
         return
     if device != "cpu":
-        kernels = (
-            "fbgemm's dynamic int8 linear"
-            if method == "w8a8"
-            else "torch's CPU weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)"
-        )
+        kernels = {
+            "w8a8": "fbgemm's dynamic int8 linear",
+            "w4a8": "radixlm's Q4_1 / Q8_0 CPU kernel",
+        }.get(method, "torch's CPU weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)")
         raise ValueError(
             f"--quantization {method} uses {kernels}; device {device!r} is not supported: "
             "use --quantization none"

@@ -9,6 +9,8 @@ float32; only the weights are quantized. Methods:
   (w = (q - 8) * scale + zero, q in 0..15);
 - w8a8: int8 per-channel weights and per-call dynamic uint8 activations, fbgemm's int8 GEMM (not
   weight-only; see `DynamicInt8Linear`);
+- w4a8: llama.cpp's arithmetic, Q4_1 layers and Q8_0 LM head (the GGUF file's own blocks when there is one)
+  times int8 activations per block of 32, in radixlm's C++ kernel (runtime/models/w4a8.py);
 - gguf: the GGUF file's own blocks where they map exactly. Q4_1 (w = q*d + m, blocks of 32) is int4 group 32
   with scale d and zero m + 8d (bit-identical dequantized weights, see tests/unit/test_quantization.py). Q8_0
   (w = q*d per block of 32) has no exact kernel: `_weight_int8pack_mm` takes one scale per output channel, so
@@ -304,10 +306,11 @@ def gguf_source(model_dir: str) -> str:
     return src
 
 
-def _gguf_layer_int4(
-    tensors: dict[str, Any], names: list[str], heads: list[int | None], bias: torch.Tensor | None
-) -> QuantizedLinear | None:
-    """Exact int4 layer from Q4_1 parts fused along rows (q|k|v or gate|up); None if a part is not Q4_1.
+def _gguf_fused_blocks(
+    tensors: dict[str, Any], names: list[str], heads: list[int | None], kind: str
+) -> list[torch.Tensor] | None:
+    """The blocks of GGUF parts fused along rows (q|k|v or gate|up), or None if a part is not of `kind`:
+    Q4_1 -> [q uint8 0..15, d fp32, m fp32], Q8_0 -> [q int8, d fp32] (d and m exact fp16 values).
 
     Blocks run along the input dim, so fusing parts along the output dim keeps every block intact; q/k rows
     are un-permuted back to HF's RoPE layout exactly as the fp32 conversion does.
@@ -317,23 +320,44 @@ def _gguf_layer_int4(
     from runtime.models.model_loader import unpermute_rope_rows
 
     parts = [tensors[n] for n in names]
-    if any(t.tensor_type != GGMLQuantizationType.Q4_1 for t in parts):
+    if any(t.tensor_type != GGMLQuantizationType[kind.upper()] for t in parts):
         return None
-    qs, ds, ms = [], [], []
+    unpack = q4_1_blocks if kind == "q4_1" else q8_0_blocks
+    per_part = []
     for t, n_heads in zip(parts, heads, strict=True):
         cols, rows = (int(v) for v in t.shape)  # GGUF lists dims innermost first
-        q, d, m = q4_1_blocks(t.data, rows, cols)
+        arrays = unpack(t.data, rows, cols)
         if n_heads is not None:
-            q, d, m = (unpermute_rope_rows(a, n_heads) for a in (q, d, m))
-        qs.append(q)
-        ds.append(d)
-        ms.append(m)
-    d = torch.from_numpy(np.concatenate(ds))
-    m = torch.from_numpy(np.concatenate(ms))
-    q = torch.from_numpy(np.concatenate(qs).astype(np.int32))
+            arrays = tuple(unpermute_rope_rows(a, n_heads) for a in arrays)
+        per_part.append(arrays)
+    return [torch.from_numpy(np.concatenate(a)) for a in zip(*per_part, strict=True)]
+
+
+def _gguf_layer_int4(
+    tensors: dict[str, Any], names: list[str], heads: list[int | None], bias: torch.Tensor | None
+) -> QuantizedLinear | None:
+    """Exact int4 layer from Q4_1 parts fused along rows; None if a part is not Q4_1."""
+    blocks = _gguf_fused_blocks(tensors, names, heads, "q4_1")
+    if blocks is None:
+        return None
+    q, d, m = blocks
     # w = q*d + m = (q - 8)*d + (m + 8d); 8d is exact and m + 8d is exact in fp32 for fp16 inputs whose
     # exponents differ by < 13, so the kernel's dequantized weight is bit-identical to gguf's.
-    return QuantizedLinear.from_int4(q, d, m + 8.0 * d, bias)
+    return QuantizedLinear.from_int4(q.to(torch.int32), d, m + 8.0 * d, bias)
+
+
+def _gguf_layer_w4a8(
+    tensors: dict[str, Any], names: list[str], heads: list[int | None], kind: str, bias: torch.Tensor | None
+) -> nn.Module | None:
+    """w4a8 layer over the file's own Q4_1 / Q8_0 bytes (the same ones llama.cpp reads); None if the parts
+    are stored in another type."""
+    from runtime.models.w4a8 import W4A8Linear
+
+    blocks = _gguf_fused_blocks(tensors, names, heads, kind)
+    if blocks is None:
+        return None
+    q, d, *m = blocks
+    return W4A8Linear(kind, q, d.half(), m[0].half() if m else None, bias)
 
 
 # ----------------------------------------------------------------------------------------------- the model
@@ -359,7 +383,7 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
     `model_dir` is needed for "gguf" (its source GGUF file is read again for the raw blocks).
     """
     check_supported(method, model.embed_tokens.weight.device.type, _dtype_name(model))
-    counts = {"int8": 0, "int4": 0, "w8a8": 0, "fp32": 0}
+    counts = {"int8": 0, "int4": 0, "w8a8": 0, "q4_1": 0, "q8_0": 0, "fp32": 0}
     if method == "none":
         return counts
     if method == "gguf" and model.tp.size > 1:
@@ -371,17 +395,12 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
     if method == "gguf":
         if model_dir is None:
             raise ValueError("--quantization gguf needs the model folder to find its GGUF source")
-        import gguf
-
-        reader = gguf.GGUFReader(gguf_source(model_dir))
-        tensors = {t.name: t for t in reader.tensors}
+        tensors = _gguf_tensors(model_dir)
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
             from gguf import GGMLQuantizationType
 
-            missing = [n for n in names if n not in tensors]
-            if missing:
-                raise ValueError(f"GGUF source lacks {missing}: it does not match the loaded model")
+            _check_gguf_names(tensors, names)
             layer = _gguf_layer_int4(tensors, names, heads, lin.bias)
             if layer is not None:
                 if (layer.out_features, layer.in_features) != tuple(lin.weight.shape):
@@ -397,6 +416,26 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
             return DynamicInt8Linear(lin.weight, lin.bias)
+    elif method == "w4a8":
+        from runtime.models.w4a8 import W4A8Linear
+
+        # the file's own blocks when the model is a GGUF conversion loaded whole, else quantize fp32 weights
+        from_file = model_dir is not None and model.tp.size == 1 and is_gguf_conversion(model_dir)
+        tensors = _gguf_tensors(model_dir) if from_file else {}
+
+        def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
+            kind = "q8_0" if names[0] in _HEAD_NAMES else "q4_1"
+            layer = None
+            if tensors:
+                _check_gguf_names(tensors, names)
+                layer = _gguf_layer_w4a8(tensors, names, heads, kind, lin.bias)
+            if layer is None:
+                layer = W4A8Linear.from_float(kind, lin.weight, lin.bias)
+            if (layer.out_features, layer.in_features) != tuple(lin.weight.shape):
+                raise ValueError(f"GGUF {names} shape disagrees with the model's {tuple(lin.weight.shape)}")
+            if isinstance(lin, RowParallelLinear) and lin.tp.size > 1:
+                layer.reduce_tp = lin.tp
+            return layer
     else:
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
@@ -405,24 +444,49 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
                 layer.reduce_tp = lin.tp
             return layer
 
+    quantized = _quantized_types()
     for parent, attr, names, heads in _targets(model):
         new = pick(getattr(parent, attr), names, heads)
         setattr(parent, attr, new)
-        counts[new.kind if isinstance(new, _QUANTIZED) else "fp32"] += 1
+        counts[new.kind if isinstance(new, quantized) else "fp32"] += 1
     head = model.lm_head
     head_lin = head if head is not None else nn.Linear(1, 1, bias=False)
     if head is None:
         head_lin.weight = model.embed_tokens.weight  # tied: quantize a copy, the lookup keeps fp32 rows
     head_name = "output.weight" if head is not None else "token_embd.weight"
     new_head = pick(head_lin, [head_name], [None])
-    if isinstance(new_head, _QUANTIZED):
+    if isinstance(new_head, quantized):
         model.lm_head = new_head
-    counts[new_head.kind if isinstance(new_head, _QUANTIZED) else "fp32"] += 1
+    counts[new_head.kind if isinstance(new_head, quantized) else "fp32"] += 1
     logger.info("quantization %s: %s", method, counts)
     return counts
 
 
-_QUANTIZED = (QuantizedLinear, DynamicInt8Linear)
+def _quantized_types() -> tuple[type, ...]:
+    from runtime.models.w4a8 import W4A8Linear
+
+    return (QuantizedLinear, DynamicInt8Linear, W4A8Linear)
+
+
+_HEAD_NAMES = ("output.weight", "token_embd.weight")
+
+
+def is_gguf_conversion(model_dir: str) -> bool:
+    from runtime.models.model_loader import SOURCE_MARKER
+
+    return (Path(model_dir) / SOURCE_MARKER).is_file()
+
+
+def _gguf_tensors(model_dir: str) -> dict[str, Any]:
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(gguf_source(model_dir)).tensors}
+
+
+def _check_gguf_names(tensors: dict[str, Any], names: list[str]) -> None:
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"GGUF source lacks {missing}: it does not match the loaded model")
 
 
 def _dtype_name(model: nn.Module) -> str:

@@ -76,13 +76,14 @@ def test_max_bs_limits_buckets(tiny_model_dir):
     assert not runner.compiled_decode.can_run(batch)  # larger batches run eagerly
 
 
-def test_compiled_w8a8_decode_is_one_graph_and_matches_eager(tiny_model_dir):
-    """fbgemm's packed weights go through the `radixlm::w8a8_linear` op by handle: the decode forward
-    compiles to one graph without breaks (before, each layer broke the graph and recompiled until dynamo's
-    limit), and gives the eager w8a8 tokens."""
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_compiled_int8_decode_is_one_graph_and_matches_eager(tiny_model_dir, quantization):
+    """The int8-activation layers call opaque `radixlm::` ops (w8a8: fbgemm's packed weights by handle;
+    w4a8: the C++ block kernel): the decode forward compiles to one graph without breaks (before, each w8a8
+    layer broke the graph and recompiled until dynamo's limit), and gives the eager tokens."""
     from torch._dynamo.utils import counters
 
-    kwargs = dict(dtype="float32", max_total_tokens=256, max_running_requests=1, quantization="w8a8")
+    kwargs = dict(dtype="float32", max_total_tokens=256, max_running_requests=1, quantization=quantization)
     eager = ModelRunner(tiny_model_dir, **kwargs)
     counters.clear()
     compiled = ModelRunner(tiny_model_dir, enable_torch_compile=True, torch_compile_max_bs=1, **kwargs)

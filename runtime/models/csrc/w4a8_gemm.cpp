@@ -1,0 +1,222 @@
+// CPU GEMM kernels for --quantization w4a8: GGUF-style blocked weights times int8 activations.
+//
+// Weights come in blocks of 32 along the input dim, as in GGUF:
+//   Q4_1 (linear layers): w = q * d + m, q in 0..15, d and m fp16 per block;
+//   Q8_0 (LM head):       w = q * d, q int8, d fp16 per block (stored here as q + 128, unsigned).
+// Activations are quantized per call, per row and block of 32: a = qa * da (qa int8 in -127..127), with
+// asum = sum(qa) and sa = da * asum. One output n of row r is then
+//   Q4_1: sum_b  d_nb * da_rb * dot(q_nb, qa_rb) + m_nb * sa_rb
+//   Q8_0: sum_b  d_nb * da_rb * (dot(q_nb + 128, qa_rb) - 128 * asum_rb)
+// the arithmetic llama.cpp uses for the same file, reading 0.625 (Q4_1) / 1.06 (Q8_0) bytes per weight.
+//
+// Layout (built by runtime/models/w4a8.py): weight rows are interleaved in groups of 16 so that one 512-bit
+// u8 x s8 dot-product instruction (vpdpbusd) advances 16 outputs by 4 inputs each. For a group g and block b:
+//   Q4_1 qs[g][b][p][i][t] (p, t < 4, i < 16): GGUF's nibble byte 4p + t of row 16g + i, i.e. low nibble =
+//        element 4p + t, high nibble = element 16 + 4p + t;
+//   Q8_0 qs[g][b][j][i][t] (j < 8): element 4j + t of row 16g + i, plus 128;
+//   d, m [g][b][i] fp16.
+// Rows past out_features are zero padding. Without AVX512-VNNI a scalar loop over the same layout runs.
+//
+// The ops are declared from Python (runtime/models/w4a8.py); this file only adds their CPU implementations.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(RADIXLM_PORTABLE)
+#define RADIXLM_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // elements per block
+constexpr int64_t NG = 16;  // weight rows per interleaved group
+constexpr int ROW_TILE = 4; // activation rows sharing one unpacked weight block
+
+struct Acts {  // quantized activations: rows of K int8 and per-block da / sa / asum
+  const int8_t* qa;
+  const float* da;
+  const float* sa;
+  const int32_t* asum;
+  int64_t K, nb;
+};
+
+// ------------------------------------------------------------------------------------------- activations
+// x [M, K] fp32 -> qa int8 (round half to even, as torch.round), da = max|x| / 127, asum, sa per block.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa, int32_t* asum) {
+  const int64_t nb = K / QK;
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * K + b * QK;
+        int8_t* qb = qa + r * K + b * QK;
+        float amax = 0.f;
+        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK; ++j) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * id));
+          qb[j] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        da[r * nb + b] = d;
+        asum[r * nb + b] = sum;
+        sa[r * nb + b] = d * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------- one group
+// y[r][0..valid) for R activation rows and one group of 16 weight rows.
+template <int R, bool kQ4>
+void group_kernel(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const Acts& a, float* y,
+                  int64_t ldy, int64_t valid) {
+  const int64_t nb = a.nb;
+  constexpr int64_t blk_bytes = kQ4 ? QK / 2 * NG : QK * NG;
+#if defined(RADIXLM_AVX512)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = qs + b * blk_bytes;
+    __m512i w[8];
+    if (kQ4) {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * p);
+        w[p] = _mm512_and_si512(v, low4);
+        w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(wb + 64 * j);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * NG)));
+    __m512 mw;
+    if (kQ4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * NG)));
+    for (int r = 0; r < R; ++r) {
+      const int32_t* aq = reinterpret_cast<const int32_t*>(a.qa + r * a.K + b * QK);
+      // two dependent chains of 4 instead of one of 8
+      __m512i s0 = kQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.asum[r * nb + b]);
+      __m512i s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(aq[j]));
+        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(aq[j + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(a.da[r * nb + b])), acc[r]);
+      if (kQ4) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.sa[r * nb + b]), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < valid; ++i) {
+      float s = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* wb = qs + b * blk_bytes;
+        const int8_t* xb = a.qa + r * a.K + b * QK;
+        int32_t dot = kQ4 ? 0 : -128 * a.asum[r * nb + b];
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) {
+            int32_t w;
+            if (kQ4) {
+              const uint8_t byte = wb[64 * (j % 4) + 4 * i + t];
+              w = j < 4 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              w = wb[64 * j + 4 * i + t];
+            }
+            dot += w * xb[4 * j + t];
+          }
+        s += static_cast<float>(d[b * NG + i]) * a.da[r * nb + b] * static_cast<float>(dot);
+        if (kQ4) s += static_cast<float>(m[b * NG + i]) * a.sa[r * nb + b];
+      }
+      y[r * ldy + i] = s;
+    }
+  }
+#endif
+}
+
+template <bool kQ4>
+void group_rows(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const Acts& a, int rows, float* y,
+                int64_t ldy, int64_t valid) {
+  switch (rows) {
+    case 1: return group_kernel<1, kQ4>(qs, d, m, a, y, ldy, valid);
+    case 2: return group_kernel<2, kQ4>(qs, d, m, a, y, ldy, valid);
+    case 3: return group_kernel<3, kQ4>(qs, d, m, a, y, ldy, valid);
+    default: return group_kernel<4, kQ4>(qs, d, m, a, y, ldy, valid);
+  }
+}
+
+template <bool kQ4>
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor* m,
+                          int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "w4a8 linear: x must be a contiguous float32 [M, K] tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const int64_t groups = qs.size(0);
+  const int64_t blk_bytes = kQ4 ? QK / 2 * NG : QK * NG;
+  TORCH_CHECK(K % QK == 0, "w4a8 linear: in_features must be a multiple of 32, got ", K);
+  TORCH_CHECK(qs.scalar_type() == at::kByte && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) == nb * blk_bytes,
+              "w4a8 linear: packed weight [", qs.sizes(), "] does not match in_features ", K);
+  TORCH_CHECK(out_features > (groups - 1) * NG && out_features <= groups * NG,
+              "w4a8 linear: out_features ", out_features, " does not match ", groups, " row groups");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.numel() == groups * nb * NG,
+              "w4a8 linear: scales must be float16 [groups, K/32 * 16]");
+  if (m != nullptr)
+    TORCH_CHECK(m->scalar_type() == at::kHalf && m->is_contiguous() && m->numel() == d.numel(),
+                "w4a8 linear: mins must be float16 like the scales");
+  at::Tensor y = at::empty({M, out_features}, x.options());
+  if (M == 0) return y;
+  at::Tensor qa = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor da = at::empty({M, nb}, x.options());
+  at::Tensor sa = at::empty({M, nb}, x.options());
+  at::Tensor asum = at::empty({M, nb}, x.options().dtype(at::kInt));
+  quantize_rows(x.data_ptr<float>(), M, K, qa.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(),
+                asum.data_ptr<int32_t>());
+  const auto* wq = qs.data_ptr<uint8_t>();
+  const auto* wd = d.data_ptr<c10::Half>();
+  const c10::Half* wm = m != nullptr ? m->data_ptr<c10::Half>() : nullptr;
+  float* out = y.data_ptr<float>();
+  const int8_t* qap = qa.data_ptr<int8_t>();
+  const float* dap = da.data_ptr<float>();
+  const float* sap = sa.data_ptr<float>();
+  const int32_t* asp = asum.data_ptr<int32_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t valid = std::min(NG, out_features - g * NG);
+      for (int64_t r = 0; r < M; r += ROW_TILE) {
+        const Acts a{qap + r * K, dap + r * nb, sap + r * nb, asp + r * nb, K, nb};
+        group_rows<kQ4>(wq + g * nb * blk_bytes, wd + g * nb * NG, wm != nullptr ? wm + g * nb * NG : nullptr, a,
+                        static_cast<int>(std::min<int64_t>(ROW_TILE, M - r)), out + r * out_features + g * NG,
+                        out_features, valid);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                       int64_t out_features) {
+  return blocked_linear<true>(x, qs, d, &m, out_features);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t out_features) {
+  return blocked_linear<false>(x, qs, d, nullptr, out_features);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
+  lib.impl("q4_1_linear", &q4_1_linear);
+  lib.impl("q8_0_linear", &q8_0_linear);
+}
