@@ -26,8 +26,9 @@ for what `auto` picks and why).
 The embedding lookup always reads the fp32 (dequantized) table; with tied embeddings the LM head gets its own
 quantized copy of it.
 
-Under tensor parallelism int8 and int4 quantize each rank's shard (a row-parallel layer keeps its all_reduce);
-gguf reads the file's whole blocks and is refused for --tp-size > 1.
+Under tensor parallelism int8, int4, w8a8 and w4a8 quantize each rank's shard from the loaded weights (a
+row-parallel layer keeps its all_reduce; w4a8 then quantizes the dequantized GGUF weights again rather than
+reading the file's blocks); gguf reads the file's whole blocks and is refused for --tp-size > 1.
 """
 
 from __future__ import annotations
@@ -211,7 +212,10 @@ class DynamicInt8Linear(nn.Module):
     other rows of its batch (the zero point comes from the batch's min over normalised rows).
     On CPUs without VNNI the activations use 7 bits (`reduce_range`), which avoids int16 saturation in the
     AVX2 u8 x s8 kernel; with VNNI the full 8 bits are used (half the rounding error).
+    `reduce_tp`: as in `QuantizedLinear`.
     """
+
+    reduce_tp: TensorParallel | None = None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -248,6 +252,8 @@ class DynamicInt8Linear(nn.Module):
         )
         if row is not None:
             y.mul_(row)
+        if self.reduce_tp is not None:
+            y = self.reduce_tp.all_reduce(y)
         if self.bias is not None:
             y.add_(self.bias)
         return y.reshape(*lead, self.out_features)
@@ -433,20 +439,18 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
                 layer = W4A8Linear.from_float(kind, lin.weight, lin.bias)
             if (layer.out_features, layer.in_features) != tuple(lin.weight.shape):
                 raise ValueError(f"GGUF {names} shape disagrees with the model's {tuple(lin.weight.shape)}")
-            if isinstance(lin, RowParallelLinear) and lin.tp.size > 1:
-                layer.reduce_tp = lin.tp
             return layer
     else:
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
-            layer = QuantizedLinear.from_float(method, lin.weight, lin.bias)
-            if isinstance(lin, RowParallelLinear) and lin.tp.size > 1:
-                layer.reduce_tp = lin.tp
-            return layer
+            return QuantizedLinear.from_float(method, lin.weight, lin.bias)
 
     quantized = _quantized_types()
     for parent, attr, names, heads in _targets(model):
-        new = pick(getattr(parent, attr), names, heads)
+        lin = getattr(parent, attr)
+        new = pick(lin, names, heads)
+        if isinstance(lin, RowParallelLinear) and lin.tp.size > 1 and new is not lin:
+            new.reduce_tp = lin.tp  # the replaced layer summed the ranks' partial products: keep doing so
         setattr(parent, attr, new)
         counts[new.kind if isinstance(new, quantized) else "fp32"] += 1
     head = model.lm_head
