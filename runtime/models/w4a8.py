@@ -73,6 +73,11 @@ def load_kernels() -> Path:
             _loaded = _build()
             torch.ops.load_library(str(_loaded))
             logger.info("w4a8 kernels loaded from %s", _loaded)
+            if "avx512_vnni" not in cpu_flags() or os.environ.get(PORTABLE_ENV) == "1":
+                logger.warning(
+                    "w4a8 runs its scalar loop here (no AVX512-VNNI): it is correct but several times "
+                    "slower than the vectorised kernel; --quantization w8a8 is faster on this CPU"
+                )
         return _loaded
 
 
