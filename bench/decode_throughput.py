@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--quantization",
         default="none",
-        help="comma-separated: none, int8, int4, gguf, w8a8 (radixlm side only; combinations a dtype does "
-        "not support are skipped)",
+        help="comma-separated: none, int8, int4, gguf, w8a8, w4a8 (radixlm side only; combinations a dtype "
+        "does not support are skipped)",
     )
     p.add_argument("--attention-backend", default="auto")
     p.add_argument(

@@ -6,7 +6,8 @@ linear shapes, so the choice of `--quantization` rests on measured per-layer cos
 Prints one line per (threads, M, layer): median milliseconds per call of fp32 `F.linear`, the int8/int4
 weight-only kernels `--quantization` uses, and for comparison bf16 `F.linear` (x cast to bf16 and back) and
 fbgemm's dynamic int8 linear (activations quantized per call, per tensor, 7 bits: not weight-only) and
-`--quantization w8a8`'s layer (the same kernel with per-token scaling, 8 bits on VNNI CPUs), then per-M sums.
+`--quantization w8a8`'s layer (the same kernel with per-token scaling, 8 bits on VNNI CPUs) and
+`--quantization w4a8`'s Q4_1 layer (int8 activations per block of 32, radixlm's C++ kernel), then per-M sums.
 Timings on a shared machine are noisy: record `uptime` next to them.
 """
 
@@ -31,6 +32,7 @@ from runtime.models.quantization import (  # noqa: E402
     quantize_int4,
     quantize_int8,
 )
+from runtime.models.w4a8 import W4A8Linear  # noqa: E402
 
 # SmolLM2-135M (hidden 576, 9 q heads / 3 kv heads of 64, intermediate 1536, vocab 49152): (name, out, in)
 SHAPES = [
@@ -63,6 +65,7 @@ def _kernels(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor
     qw = torch.quantize_per_channel(w, s8.double(), torch.zeros_like(s8, dtype=torch.long), 0, torch.qint8)
     packed = torch.ops.quantized.linear_prepack(qw, None)
     w8a8 = DynamicInt8Linear(w)  # what --quantization w8a8 runs: per-token scaling around linear_dynamic
+    w4a8 = W4A8Linear.from_float("q4_1", w)  # what --quantization w4a8 runs for a linear layer
     return {
         "fp32": lambda x: F.linear(x, w),
         "int8": lambda x: torch._weight_int8pack_mm(x, q8, s8),
@@ -70,6 +73,7 @@ def _kernels(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor
         "bf16": lambda x: F.linear(x.to(torch.bfloat16), wb).float(),
         "w8a8dyn": lambda x: torch.ops.quantized.linear_dynamic(x, packed, True),
         "w8a8": w8a8,
+        "w4a8": w4a8,
     }
 
 
@@ -78,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--m", default="1,8,32,512", help="comma-separated token counts (rows of x)")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     p.add_argument("--seconds", type=float, default=0.3, help="minimum timing per kernel and shape")
-    p.add_argument("--kernels", default="fp32,int8,int4,bf16,w8a8dyn,w8a8", help="comma-separated subset")
+    p.add_argument(
+        "--kernels", default="fp32,int8,int4,bf16,w8a8dyn,w8a8,w4a8", help="comma-separated subset"
+    )
     args = p.parse_args(argv)
     torch.manual_seed(0)
     names = args.kernels.split(",")

@@ -1,7 +1,7 @@
 """The sides a comparison runs, one after another in the same process: radixlm variants and the HF baseline.
 
 A side name is a variant of radixlm (`radixlm`, `radixlm-noradix`, `radixlm-fcfs`, `radixlm-nojf`, and the
-numerics variants `radixlm-fp32`, `radixlm-bf16`, `radixlm-w8a8`, `radixlm-int8`) or `hf`.
+numerics variants `radixlm-fp32`, `radixlm-bf16`, `radixlm-w8a8`, `radixlm-w4a8`, `radixlm-int8`) or `hf`.
 Each opens as a DSL backend plus a way to read its counters: the radixlm sides start an in-process
 `runtime.Engine` (or talk to a running server with `--url`), `hf` loads `bench.harness.hf_backend.HFBackend`
 on the same converted weights and dtype. Sides never overlap: one is closed (its processes gone) before the
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lang.backends.base import Backend
+from runtime.server_args import QUANTIZATION_METHODS
 
 # radixlm variants: Engine/ServerArgs overrides on top of the base options of the invocation.
 RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
@@ -28,6 +29,7 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
     "radixlm-fp32": {"dtype": "float32", "quantization": "none"},
     "radixlm-bf16": {"dtype": "bfloat16", "quantization": "none"},
     "radixlm-w8a8": {"dtype": "float32", "quantization": "w8a8"},
+    "radixlm-w4a8": {"dtype": "float32", "quantization": "w4a8"},
     "radixlm-int8": {"dtype": "float32", "quantization": "int8"},
 }
 HF = "hf"
@@ -65,7 +67,7 @@ def add_side_args(p: argparse.ArgumentParser, default_sides: str) -> None:
     g.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "int8", "int4", "gguf", "w8a8"),
+        choices=QUANTIZATION_METHODS,
         help="radixlm sides only (HF runs the unquantized weights)",
     )
     g.add_argument(
