@@ -102,7 +102,8 @@ void group_kernel(const uint8_t* qs, const c10::Half* d, const c10::Half* m, con
     __m512 mw;
     if (kQ4) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * NG)));
     for (int r = 0; r < R; ++r) {
-      const int32_t* aq = reinterpret_cast<const int32_t*>(a.qa + r * a.K + b * QK);
+      int32_t aq[8];  // the block's 32 int8 activations as 8 groups of 4 (memcpy: no aliasing through int32*)
+      std::memcpy(aq, a.qa + r * a.K + b * QK, sizeof(aq));
       // two dependent chains of 4 instead of one of 8
       __m512i s0 = kQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * a.asum[r * nb + b]);
       __m512i s1 = _mm512_setzero_si512();
