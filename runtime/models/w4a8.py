@@ -70,8 +70,12 @@ def load_kernels() -> Path:
     global _loaded
     with _load_lock:
         if _loaded is None:
-            _loaded = _build()
-            torch.ops.load_library(str(_loaded))
+            path = _build()
+            try:
+                torch.ops.load_library(str(path))
+            except OSError as e:  # a damaged cache entry: say which file to delete
+                raise KernelUnavailable(f"loading the w4a8 kernel {path} failed ({e}): delete it") from e
+            _loaded = path
             logger.info("w4a8 kernels loaded from %s", _loaded)
             if "avx512_vnni" not in cpu_flags() or os.environ.get(PORTABLE_ENV) == "1":
                 logger.warning(
