@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from runtime.models.parallel import RowParallelLinear, TensorParallel
+from runtime.models.w4a8 import W4A8Linear
 from runtime.server_args import QUANTIZATION_METHODS as METHODS  # noqa: F401
 from runtime.server_args import check_supported, cpu_flags
 
@@ -300,13 +301,12 @@ def gguf_source(model_dir: str) -> str:
     """The GGUF file a converted model folder came from; ValueError when the folder is not a conversion."""
     from runtime.models.model_loader import SOURCE_MARKER
 
-    marker = Path(model_dir) / SOURCE_MARKER
-    if not marker.is_file():
+    if not is_gguf_conversion(model_dir):
         raise ValueError(
             f"--quantization gguf needs a GGUF model (--model default or a .gguf file); {model_dir} is a "
             "Hugging Face folder: use --quantization int8 or int4 instead"
         )
-    src = json.loads(marker.read_text())["source"]
+    src = json.loads((Path(model_dir) / SOURCE_MARKER).read_text())["source"]
     if not Path(src).is_file():
         raise FileNotFoundError(f"GGUF source {src} of {model_dir} is gone; pass the .gguf file again")
     return src
@@ -357,8 +357,6 @@ def _gguf_layer_w4a8(
 ) -> nn.Module | None:
     """w4a8 layer over the file's own Q4_1 / Q8_0 bytes (the same ones llama.cpp reads); None if the parts
     are stored in another type."""
-    from runtime.models.w4a8 import W4A8Linear
-
     blocks = _gguf_fused_blocks(tensors, names, heads, kind)
     if blocks is None:
         return None
@@ -409,10 +407,6 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
             _check_gguf_names(tensors, names)
             layer = _gguf_layer_int4(tensors, names, heads, lin.bias)
             if layer is not None:
-                if (layer.out_features, layer.in_features) != tuple(lin.weight.shape):
-                    raise ValueError(
-                        f"GGUF {names} shape disagrees with the model's {tuple(lin.weight.shape)}"
-                    )
                 return layer
             if all(tensors[n].tensor_type == GGMLQuantizationType.Q8_0 for n in names):
                 # per-block scales do not fit the per-channel kernel: exact dequant (loaded) -> int8/channel
@@ -423,8 +417,6 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
             return DynamicInt8Linear(lin.weight, lin.bias)
     elif method == "w4a8":
-        from runtime.models.w4a8 import W4A8Linear
-
         # the file's own blocks when the model is a GGUF conversion loaded whole, else quantize fp32 weights
         from_file = model_dir is not None and model.tp.size == 1 and is_gguf_conversion(model_dir)
         tensors = _gguf_tensors(model_dir) if from_file else {}
@@ -437,39 +429,41 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
                 layer = _gguf_layer_w4a8(tensors, names, heads, kind, lin.bias)
             if layer is None:
                 layer = W4A8Linear.from_float(kind, lin.weight, lin.bias)
-            if (layer.out_features, layer.in_features) != tuple(lin.weight.shape):
-                raise ValueError(f"GGUF {names} shape disagrees with the model's {tuple(lin.weight.shape)}")
             return layer
     else:
 
         def pick(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
             return QuantizedLinear.from_float(method, lin.weight, lin.bias)
 
-    quantized = _quantized_types()
-    for parent, attr, names, heads in _targets(model):
-        lin = getattr(parent, attr)
+    def replace(lin: nn.Linear, names: list[str], heads: list[int | None]) -> nn.Module:
+        """`pick`'s layer for `lin`, checked against its shape and summing TP partial products like it."""
         new = pick(lin, names, heads)
-        if isinstance(lin, RowParallelLinear) and lin.tp.size > 1 and new is not lin:
+        if new is lin:
+            return lin
+        if (new.out_features, new.in_features) != tuple(lin.weight.shape):  # only GGUF blocks can disagree
+            raise ValueError(f"GGUF {names} shape disagrees with the model's {tuple(lin.weight.shape)}")
+        if isinstance(lin, RowParallelLinear) and lin.tp.size > 1:
             new.reduce_tp = lin.tp  # the replaced layer summed the ranks' partial products: keep doing so
+        return new
+
+    for parent, attr, names, heads in _targets(model):
+        new = replace(getattr(parent, attr), names, heads)
         setattr(parent, attr, new)
-        counts[new.kind if isinstance(new, quantized) else "fp32"] += 1
+        counts[new.kind if isinstance(new, _QUANTIZED) else "fp32"] += 1
     head = model.lm_head
     head_lin = head if head is not None else nn.Linear(1, 1, bias=False)
     if head is None:
         head_lin.weight = model.embed_tokens.weight  # tied: quantize a copy, the lookup keeps fp32 rows
     head_name = "output.weight" if head is not None else "token_embd.weight"
-    new_head = pick(head_lin, [head_name], [None])
-    if isinstance(new_head, quantized):
+    new_head = replace(head_lin, [head_name], [None])
+    if isinstance(new_head, _QUANTIZED):
         model.lm_head = new_head
-    counts[new_head.kind if isinstance(new_head, quantized) else "fp32"] += 1
+    counts[new_head.kind if isinstance(new_head, _QUANTIZED) else "fp32"] += 1
     logger.info("quantization %s: %s", method, counts)
     return counts
 
 
-def _quantized_types() -> tuple[type, ...]:
-    from runtime.models.w4a8 import W4A8Linear
-
-    return (QuantizedLinear, DynamicInt8Linear, W4A8Linear)
+_QUANTIZED = (QuantizedLinear, DynamicInt8Linear, W4A8Linear)
 
 
 _HEAD_NAMES = ("output.weight", "token_embd.weight")

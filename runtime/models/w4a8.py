@@ -85,7 +85,8 @@ def load_kernels() -> Path:
         return _loaded
 
 
-def _compile_command(src: Path, out: Path) -> list[str]:
+def _compile_command() -> list[str]:
+    """The compiler invocation for SOURCE, less its output path (the cache key is derived from it)."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -101,15 +102,15 @@ def _compile_command(src: Path, out: Path) -> list[str]:
         flags.append("-DRADIXLM_PORTABLE")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
-    return [cxx, *flags, *includes, str(src), "-o", str(out), *libs]
+    return [cxx, *flags, *includes, str(SOURCE), *libs]
 
 
 def _build() -> Path:
     root = Path(os.environ.get("RADIXLM_CACHE_DIR") or "~/.cache/radixlm").expanduser() / "kernels"
-    probe = _compile_command(SOURCE, Path("out.so"))
+    command = _compile_command()
     key = hashlib.sha256(
         "\0".join(
-            [SOURCE.read_text(), " ".join(probe[1:]), torch.__version__, " ".join(sorted(cpu_flags()))]
+            [SOURCE.read_text(), " ".join(command[1:]), torch.__version__, " ".join(sorted(cpu_flags()))]
         ).encode()
     ).hexdigest()[:16]
     target = root / f"w4a8_gemm-{key}.so"
@@ -121,9 +122,7 @@ def _build() -> Path:
     os.close(fd)
     logger.info("building the w4a8 CPU kernel (%s), about 10 s", target.name)
     try:
-        done = subprocess.run(
-            _compile_command(SOURCE, Path(tmp)), capture_output=True, text=True, timeout=300
-        )
+        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise KernelUnavailable(
                 f"building the w4a8 kernel failed (exit {done.returncode}): {done.stderr[-2000:]}"
