@@ -7,26 +7,12 @@ from __future__ import annotations
 
 import requests
 
-from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
 from tests.e2e.server_utils import HTTP_TIMEOUT_S, ServerProcess, assert_no_kv_leak, wait_idle
+from tests.unit.test_compiled_decode import greedy_decode
 
 STEPS = 6
 PROMPT = [1, 504, 3458, 282, 4649, 314, 28, 9690, 28, 905, 1351, 314]  # token ids of the default vocabulary
-
-
-def _runner_greedy(model_dir: str, prompt: list[int], steps: int) -> list[int]:
-    runner = ModelRunner(model_dir, max_total_tokens=256, max_running_requests=1, quantization="w4a8")
-    row = runner.req_to_token_pool.alloc()
-    slots = runner.allocator.alloc(len(prompt) + steps)
-    runner.req_to_token_pool.write(row, 0, slots)
-    logits = runner.forward(ForwardBatch.build_extend([prompt], [0], [row], slots[: len(prompt)]))
-    out = [int(logits[-1].argmax())]
-    for step in range(steps - 1):
-        seq = len(prompt) + step + 1
-        logits = runner.forward(ForwardBatch.build_decode(out[-1:], [seq], [row], slots[seq - 1 : seq]))
-        out.append(int(logits[-1].argmax()))
-    return out
 
 
 def test_w4a8_server_matches_the_runner_and_reuses_its_cache(default_model_dir):
@@ -47,7 +33,9 @@ def test_w4a8_server_matches_the_runner_and_reuses_its_cache(default_model_dir):
         log = srv.log()
     assert outs[1]["meta_info"]["cached_tokens"] > 0
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
-    assert outs[0]["output_ids"] == _runner_greedy(default_model_dir, PROMPT, STEPS)
+    runner = ModelRunner(default_model_dir, max_total_tokens=256, max_running_requests=1, quantization="w4a8")
+    want, _ = greedy_decode(runner, [PROMPT], STEPS - 1)  # the extend's token, then STEPS - 1 decode steps
+    assert outs[0]["output_ids"] == [row[0] for row in want]
     assert info["quantization"] == "w4a8"
     # the scheduler really swapped every layer (30 x 4 Q4_1) and the head (Q8_0): w4a8's tokens can equal
     # float32's, so the equality above alone would not show it

@@ -22,7 +22,8 @@ def greedy_decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
     """Prefill every prompt in one extend batch, then `steps` greedy decode steps for all rows together.
 
     Rows have different lengths, so decode batches carry variable seq lens (masked padding inside the
-    bucket) and the KV length grows each step. Returns (tokens per step, logits per step).
+    bucket) and the KV length grows each step. Returns (tokens per step, logits per step), the extend's
+    first: `steps + 1` entries.
     """
     pool, alloc = runner.req_to_token_pool, runner.allocator
     rows = list(range(1, len(prompts) + 1))  # row 0 is the padding row of the compiled runner
@@ -31,7 +32,8 @@ def greedy_decode(runner: ModelRunner, prompts: list[list[int]], steps: int) -> 
         pool.req_to_token[row, : len(s)] = s
     loc = torch.cat([s[: len(p)] for s, p in zip(slots, prompts, strict=True)])
     logits = runner.forward(ForwardBatch.build_extend(prompts, [0] * len(prompts), rows, loc))
-    toks, all_toks, all_logits = logits.argmax(-1).tolist(), [], []
+    toks = logits.argmax(-1).tolist()
+    all_toks, all_logits = [toks], [logits]
     for step in range(steps):
         seq = [len(p) + step + 1 for p in prompts]
         loc = torch.stack([s[n - 1] for s, n in zip(slots, seq, strict=True)])
