@@ -51,7 +51,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 bench: $(BENCH_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --quick
 
-LINT_PATHS := runtime kernels constrained lang tests bench examples
+LINT_PATHS := runtime radixlm_kernels constrained lang tests bench examples
 
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)

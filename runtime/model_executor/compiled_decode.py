@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.base import AttentionBackend, AttentionLayer
+from radixlm_kernels.base import AttentionBackend, AttentionLayer
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from runtime.model_executor.cuda_graph_runner import fill_padded_decode_batch, padded_batch_size
 from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -101,9 +101,10 @@ def _one_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     q [1, H, D]; k, v [1, L, Hkv, D] -> [1, H, D]. Query heads sharing a KV head are rows of one bmm, so K/V
     are not repeated. SDPA's flash kernel costs ~50 us per layer here for a single query row (set-up, not
     arithmetic: L ~100); this is a fraction of it. Plain 3-D bmm, not matmul: inductor's matmul
-    decomposition failed on the broadcast with the dynamic KV length (torch 2.13). It is the one-row case of
-    `kernels.torch_native.decode_attention_matmul`, kept apart because that eager kernel's 4-D matmul is 3x
-    faster than a bmm form at batch 32 (bit-identical outputs; measured 1.15 vs 3.8 ms bf16, 1 thread).
+    decomposition failed on the broadcast with the dynamic KV length (torch 2.13). It is the one-row case
+    of `radixlm_kernels.torch_native.decode_attention_matmul`, kept apart because that eager kernel's 4-D
+    matmul is 3x faster than a bmm form at batch 32 (bit-identical outputs; measured 1.15 vs 3.8 ms bf16,
+    1 thread).
     """
     _, h, d = q.shape
     hkv = k.shape[2]

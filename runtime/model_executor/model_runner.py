@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kernels import create_backend, resolve_backend_name
+from radixlm_kernels import create_backend, resolve_backend_name
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.llama import LlamaForCausalLM

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.base import AttentionBackend, AttentionLayer
+from radixlm_kernels.base import AttentionBackend, AttentionLayer
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import (
     ColumnParallelLinear,

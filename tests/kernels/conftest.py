@@ -1,7 +1,7 @@
 """Kernel tests: random paged-KV cases shared as fixtures, and the Triton interpreter on CPU-only machines.
 
-TRITON_INTERPRET must be set before the kernels are decorated (`kernels.triton_ops` is imported lazily by
-`TritonBackend`), so it is set here, at collection time. With a GPU the real kernels run on CUDA tensors.
+TRITON_INTERPRET must be set before the kernels are decorated (`radixlm_kernels.triton_ops` is imported
+lazily by `TritonBackend`), so it is set here, at collection time. With a GPU the real kernels run on CUDA tensors.
 GPU-only test modules mark themselves `gpu` and skip without CUDA.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.base import AttentionLayer
+from radixlm_kernels.base import AttentionLayer
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from runtime.model_executor.forward_batch import ForwardBatch
 
@@ -110,7 +110,7 @@ def _run_backend(backend, case: Case, write_kv: bool = False) -> torch.Tensor:
 
 def _reference(case: Case) -> torch.Tensor:
     """torch_native in fp32 on a copy of the pool: the oracle for every backend and dtype."""
-    from kernels.torch_native import TorchNativeBackend
+    from radixlm_kernels.torch_native import TorchNativeBackend
 
     ref = TorchNativeBackend(case.pool_copy(torch.float32), case.req_pool)
     q32 = Case(ref.kv_pool, case.req_pool, case.batch, case.layer, case.q.float(), case.k_new, case.v_new)

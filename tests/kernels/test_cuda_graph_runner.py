@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.base import AttentionLayer
-from kernels.torch_native import TorchNativeBackend
-from kernels.triton_backend import TritonBackend
+from radixlm_kernels.base import AttentionLayer
+from radixlm_kernels.torch_native import TorchNativeBackend
+from radixlm_kernels.triton_backend import TritonBackend
 from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, padded_batch_size, supports_cuda_graph
 from runtime.model_executor.forward_batch import ForwardBatch
 
@@ -95,7 +95,7 @@ def test_replay_matches_eager(backend_name, make_case):
     )
     if backend_name == "flashinfer":
         pytest.importorskip("flashinfer")
-        from kernels.flashinfer_backend import FlashInferBackend
+        from radixlm_kernels.flashinfer_backend import FlashInferBackend
 
         backend = FlashInferBackend(case.kv_pool, case.req_pool)
     else:

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from kernels import create_backend
-from kernels.flashinfer_backend import FlashInferBackend, build_paged_kv_csr, import_flashinfer
-from kernels.triton_backend import triton_runs_here
+from radixlm_kernels import create_backend
+from radixlm_kernels.flashinfer_backend import FlashInferBackend, build_paged_kv_csr, import_flashinfer
+from radixlm_kernels.triton_backend import triton_runs_here
 from runtime.model_executor.forward_batch import ForwardBatch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.torch_native import TorchNativeBackend, attend_prefix_then_causal
+from radixlm_kernels.torch_native import TorchNativeBackend, attend_prefix_then_causal
 
 
 def masked_softmax_attention(case) -> torch.Tensor:

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels import create_backend
-from kernels.base import AttentionLayer
-from kernels.torch_native import TorchNativeBackend
-from kernels.triton_backend import TritonBackend, triton_runs_here
+from radixlm_kernels import create_backend
+from radixlm_kernels.base import AttentionLayer
+from radixlm_kernels.torch_native import TorchNativeBackend
+from radixlm_kernels.triton_backend import TritonBackend, triton_runs_here
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 

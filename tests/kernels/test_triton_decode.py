@@ -7,8 +7,8 @@ tiny sequences still cross chunk and tile boundaries (and leave an empty chunk i
 import pytest
 import torch
 
-from kernels.triton_backend import TritonBackend, triton_runs_here
-from kernels.triton_ops import decode_grid_splits
+from radixlm_kernels.triton_backend import TritonBackend, triton_runs_here
+from radixlm_kernels.triton_ops import decode_grid_splits
 from runtime.model_executor.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="triton cannot run here")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.triton_backend import TritonBackend, triton_runs_here
+from radixlm_kernels.triton_backend import TritonBackend, triton_runs_here
 
 pytestmark = pytest.mark.skipif(not triton_runs_here(), reason="triton cannot run here")
 

@@ -5,12 +5,12 @@ Layers, top to bottom (a layer may import itself and anything below it, never ab
     runtime.entrypoints (+ runtime.engine, runtime.launch_server, the `runtime` package facade)
     runtime.managers
     runtime.model_executor
-    runtime.models, runtime.mem_cache, kernels
+    runtime.models, runtime.mem_cache, radixlm_kernels
     shared top-level runtime modules: server_args, sampling_params, messages, ipc, errors
 
 plus these package rules: `constrained` imports nothing of ours (any runtime layer may use it);
-`runtime.mem_cache` imports only the standard library and torch; `kernels` imports nothing of `runtime`;
-`lang` imports only `runtime.sampling_params` of ours; no package imports `bench` or `tests`.
+`runtime.mem_cache` imports only the standard library and torch; `radixlm_kernels` imports nothing of
+`runtime`; `lang` imports only `runtime.sampling_params` of ours; no package imports `bench` or `tests`.
 
 Rules are per package, so a new module in an existing subpackage falls under them without editing this
 file; a new top-level `runtime/*.py` module must be placed in LAYER_OF below. Imports under
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("runtime", "kernels", "constrained", "lang")
+PACKAGES = ("runtime", "radixlm_kernels", "constrained", "lang")
 OURS = (*PACKAGES, "bench", "tests")
 
 SHARED = ("server_args", "sampling_params", "messages", "ipc", "errors")
@@ -51,16 +51,24 @@ ALLOWED = {
         "model_executor",
         "models",
         "mem_cache",
-        "kernels",
+        "radixlm_kernels",
         "shared",
         "constrained",
     },
-    "managers": {"managers", "model_executor", "models", "mem_cache", "kernels", "shared", "constrained"},
-    "model_executor": {"model_executor", "models", "mem_cache", "kernels", "shared", "constrained"},
-    "models": {"models", "mem_cache", "kernels", "shared", "constrained"},
+    "managers": {
+        "managers",
+        "model_executor",
+        "models",
+        "mem_cache",
+        "radixlm_kernels",
+        "shared",
+        "constrained",
+    },
+    "model_executor": {"model_executor", "models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
+    "models": {"models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
     "mem_cache": {"mem_cache"},
     "shared": {"shared"},
-    "kernels": {"kernels"},
+    "radixlm_kernels": {"radixlm_kernels"},
     "constrained": {"constrained"},
     "lang": {"lang", "runtime.sampling_params"},
 }
@@ -80,7 +88,7 @@ class Violation:
 
 
 def component(module: str) -> str | None:
-    """The rule group of one of our modules ('managers', 'kernels', ...); None for third-party modules."""
+    """The rule group of one of our modules ('managers', 'constrained', ...); None for third-party ones."""
     top, _, rest = module.partition(".")
     if top != "runtime":
         return top if top in OURS else None
@@ -167,7 +175,13 @@ def package_files() -> list[Path]:
 
 def test_package_files_found():
     files = {str(p.relative_to(ROOT)) for p in package_files()}
-    assert {"runtime/managers/scheduler.py", "kernels/base.py", "constrained/spec.py", "lang/api.py"} <= files
+    expected = {
+        "runtime/managers/scheduler.py",
+        "radixlm_kernels/base.py",
+        "constrained/spec.py",
+        "lang/api.py",
+    }
+    assert expected <= files
 
 
 def test_imports_point_one_way():
@@ -193,7 +207,7 @@ def _check(rel: str, source: str) -> list[str]:
         ("runtime/managers/x.py", "def f():\n    from runtime.entrypoints import server\n", "managers"),
         ("runtime/mem_cache/x.py", "import numpy", "mem_cache may import only stdlib + torch"),
         ("runtime/mem_cache/x.py", "from runtime.managers.req import Req", "mem_cache"),
-        ("kernels/x.py", "from runtime.mem_cache.memory_pool import KVPool", "kernels"),
+        ("radixlm_kernels/x.py", "from runtime.mem_cache.memory_pool import KVPool", "radixlm_kernels"),
         ("constrained/x.py", "import runtime.sampling_params", "constrained"),
         ("lang/x.py", "from runtime.engine import Engine", "lang"),
         ("runtime/sampling_params.py", "from runtime.managers import req", "shared"),
@@ -219,7 +233,7 @@ def test_checker_flags_forbidden_edges(rel, source, edge):
         ("runtime/mem_cache/x.py", "import heapq\nimport torch\nfrom runtime.mem_cache import memory_pool"),
         ("lang/x.py", "from runtime.sampling_params import SamplingParams"),
         ("runtime/engine.py", "from runtime.entrypoints.generate_input import parse_generate_body"),
-        ("runtime/models/x.py", "from kernels.base import AttentionBackend\nimport constrained"),
+        ("runtime/models/x.py", "from radixlm_kernels.base import AttentionBackend\nimport constrained"),
     ],
 )
 def test_checker_allows_permitted_edges(rel, source):
@@ -238,10 +252,11 @@ def test_unplaced_top_level_runtime_module_is_an_error():
 
 
 def test_runtime_types_satisfy_the_kernel_protocols():
-    """kernels/base.py spells out what backends read of runtime's objects; these must keep providing it."""
+    """radixlm_kernels/base.py spells out what backends read of runtime's objects; these must keep
+    providing it."""
     import torch
 
-    from kernels.base import AttentionBatch, PagedKV, ReqToTokenTable
+    from radixlm_kernels.base import AttentionBatch, PagedKV, ReqToTokenTable
     from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
     from runtime.model_executor.forward_batch import ForwardBatch
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer, PagedKV, ReqToTokenTable
+from radixlm_kernels.base import AttentionBackend, AttentionBatch, AttentionLayer, PagedKV, ReqToTokenTable
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partials)
 _TENSOR_CORE_MIN_GROUP = 4  # GQA groups this large decode faster with the prefill (tensor-core) kernels

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops.common import block_d, cdiv, dot_precision, log2_scale
+from radixlm_kernels.triton_ops.common import block_d, cdiv, dot_precision, log2_scale
 
 
 @triton.jit

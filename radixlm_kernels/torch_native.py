@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer
+from radixlm_kernels.base import AttentionBackend, AttentionBatch, AttentionLayer
 
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

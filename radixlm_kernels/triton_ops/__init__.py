@@ -7,7 +7,7 @@ and, for tests, on CPU tensors under `TRITON_INTERPRET=1` (which must be set bef
 `triton.jit` picks the interpreter when the kernels are decorated).
 """
 
-from kernels.triton_ops.decode import decode_attention, decode_grid_splits
-from kernels.triton_ops.extend import extend_attention
+from radixlm_kernels.triton_ops.decode import decode_attention, decode_grid_splits
+from radixlm_kernels.triton_ops.extend import extend_attention
 
 __all__ = ["decode_attention", "decode_grid_splits", "extend_attention"]

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from kernels.base import AttentionBackend, AttentionBatch, AttentionLayer, PagedKV, ReqToTokenTable
+from radixlm_kernels.base import AttentionBackend, AttentionBatch, AttentionLayer, PagedKV, ReqToTokenTable
 
 
 def _interpreting() -> bool:
@@ -33,7 +33,7 @@ def triton_runs_here() -> bool:
 
 
 class TritonBackend(AttentionBackend):
-    """Attention with the kernels in `kernels.triton_ops`.
+    """Attention with the kernels in `radixlm_kernels.triton_ops`.
 
     Tuning knobs (defaults fit a GPU; tests pass small values to exercise splitting on tiny inputs):
     `max_kv_splits` / `min_split_len` bound how a decode request's KV is split across programs;
@@ -74,14 +74,14 @@ class TritonBackend(AttentionBackend):
         if max_kv_splits < 1 or min_split_len < 1:
             raise ValueError("max_kv_splits and min_split_len must be >= 1")
         # Imported here, not at module import: the kernels must be decorated after TRITON_INTERPRET is set.
-        from kernels import triton_ops
+        from radixlm_kernels import triton_ops
 
         if (
             device.type != "cuda"
             and type(triton_ops.decode._decode_split_kernel).__name__ != "InterpretedFunction"
         ):
             raise RuntimeError(
-                "kernels.triton_ops was imported before TRITON_INTERPRET=1 was set; set it before "
+                "radixlm_kernels.triton_ops was imported before TRITON_INTERPRET=1 was set; set it before "
                 "the first import (e.g. at the top of conftest.py)"
             )
         self._ops = triton_ops

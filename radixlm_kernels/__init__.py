@@ -1,4 +1,4 @@
-"""Attention backends behind one interface (`kernels.base.AttentionBackend`), chosen by name.
+"""Attention backends behind one interface (`radixlm_kernels.base.AttentionBackend`), chosen by name.
 
 `create_backend(name, ...)` resolves "auto" to the best backend available on this machine and raises a
 clear error when an explicitly requested backend cannot run here.
@@ -16,7 +16,7 @@ BACKENDS = ("torch_native", "triton", "flashinfer")
 def available_backends() -> list[str]:
     names = ["torch_native"]
     if importlib.util.find_spec("triton") is not None:
-        from kernels.triton_backend import triton_runs_here
+        from radixlm_kernels.triton_backend import triton_runs_here
 
         if triton_runs_here():
             names.append("triton")
@@ -57,15 +57,15 @@ def resolve_backend_name(name: str, device: str) -> str:
 
 def create_backend(name: str, kv_pool, req_to_token_pool):
     if name == "torch_native":
-        from kernels.torch_native import TorchNativeBackend
+        from radixlm_kernels.torch_native import TorchNativeBackend
 
         return TorchNativeBackend(kv_pool, req_to_token_pool)
     if name == "triton":
-        from kernels.triton_backend import TritonBackend
+        from radixlm_kernels.triton_backend import TritonBackend
 
         return TritonBackend(kv_pool, req_to_token_pool)
     if name == "flashinfer":
-        from kernels.flashinfer_backend import FlashInferBackend
+        from radixlm_kernels.flashinfer_backend import FlashInferBackend
 
         return FlashInferBackend(kv_pool, req_to_token_pool)
     raise ValueError(f"unknown attention backend {name!r}")
