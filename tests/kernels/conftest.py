@@ -1,7 +1,8 @@
 """Kernel tests: random paged-KV cases shared as fixtures, and the Triton interpreter on CPU-only machines.
 
 TRITON_INTERPRET must be set before the kernels are decorated (`radixlm_kernels.triton_ops` is imported
-lazily by `TritonBackend`), so it is set here, at collection time. With a GPU the real kernels run on CUDA tensors.
+lazily by `TritonBackend`), so it is set here, at collection time.
+With a GPU the real kernels run on CUDA tensors.
 GPU-only test modules mark themselves `gpu` and skip without CUDA.
 """
 
