@@ -28,6 +28,7 @@ class TokenizedGenerateReq(Message):
     logprob_start_len: int = -1  # -1: no prompt logprobs
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    timeout_s: float | None = None  # the request's own deadline in seconds (None: the server's)
 
 
 class AbortReq(Message):

@@ -120,6 +120,14 @@ class ServerArgs:
         ("cache_aware", "round_robin", "random"),
     )
 
+    # ---- per-request failure boundary ----
+    request_timeout_s: float | None = _opt(
+        1800.0,
+        "seconds a request may take from reaching the scheduler to its last token; past it the request is "
+        "aborted, its KV freed, and the client gets 504 (a request's own `timeout` may only shorten it; "
+        "0 or less: no deadline)",
+    )
+
     def __post_init__(self) -> None:
         self._check_parallel()
         if not 0 < self.port < 65536:

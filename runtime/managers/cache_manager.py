@@ -61,15 +61,18 @@ class CacheManager:
         self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
         req.kv_len += slots.numel()
 
-    def truncate(self, req: Req, new_kv_len: int) -> bool:
-        """Drop KV past `new_kv_len` (jump-forward rewrote those tokens). False if that would cut into
-        cache-owned slots; the caller then releases the request instead."""
-        if new_kv_len < req.cached_len:
-            return False
-        if new_kv_len < req.kv_len:
-            self.allocator.free(self.req_pool.read(req.req_pool_idx, req.kv_len, new_kv_len).clone())
-            req.kv_len = new_kv_len
-        return True
+    def drop_kv_from(self, req: Req, pos: int) -> None:
+        """The tokens from position `pos` on are about to be rewritten (jump-forward): free the request's own
+        KV for them. Where that would cut into cache-owned slots the request gives all its KV back (it is
+        recomputed over the cache's prefix at the next admission). Afterwards every KV slot the request
+        holds belongs to a token it keeps, so releasing or caching it later is sound."""
+        if req.req_pool_idx is None or pos >= req.kv_len:
+            return
+        if pos < req.cached_len:
+            self.release(req, cache_tokens=False)
+            return
+        self.allocator.free(self.req_pool.read(req.req_pool_idx, req.kv_len, pos).clone())
+        req.kv_len = pos
 
     def cache_prefix(self, req: Req) -> None:
         """Publish a running request's computed tokens to the cache so later requests can share them while

@@ -31,6 +31,7 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() past which the request is aborted (504)
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING
@@ -52,7 +53,9 @@ class Req:
     # ---- outputs not yet sent ----
     sent_output_len: int = 0
     replaced_since_send: int = 0
-    pending_input_logprobs: list[list[Any]] | None = None
+    # prompt logprob entries computed chunk by chunk ([logprob, token_id, top | None]), not yet sent
+    pending_input_logprobs: list[list[Any]] = field(default_factory=list)
+    input_logprobs_done: bool = False  # every requested prompt position has its entry
     pending_output_logprobs: list[list[Any]] = field(default_factory=list)
     first_chunk_sent: bool = False
 
@@ -62,8 +65,13 @@ class Req:
     retractions: int = 0
 
     @classmethod
-    def from_message(cls, msg: TokenizedGenerateReq) -> Req:
+    def from_message(cls, msg: TokenizedGenerateReq, timeout_s: float | None = None) -> Req:
+        """`timeout_s`: the server's --request-timeout-s; the message's `timeout_s` can only shorten it."""
+        limits = [t for t in (timeout_s, msg.timeout_s) if t is not None]
+        arrival = time.monotonic()
         return cls(
+            arrival=arrival,
+            deadline=arrival + min(limits) if limits else None,
             rid=msg.rid,
             prompt_ids=list(msg.input_ids),
             params=msg.sampling_params,
@@ -94,7 +102,7 @@ class Req:
         return (
             self.return_logprob
             and self.logprob_start_len >= 0
-            and self.pending_input_logprobs is None
+            and not self.input_logprobs_done
             and not self.output_ids
         )
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,7 +22,7 @@ from runtime.managers.batch_builder import build_decode_batch, build_extend_batc
 from runtime.managers.cache_manager import CacheManager
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.req import Req, ReqStatus
-from runtime.managers.schedule_policy import AddResult, PrefillAdder, order_waiting
+from runtime.managers.schedule_policy import AddOutcome, AddResult, PrefillAdder, order_waiting
 from runtime.managers.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
@@ -39,6 +42,10 @@ from runtime.sampling_params import TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.scheduler")
+
+
+class RequestFailed(Exception):
+    """Raised inside `Scheduler._isolated` once the request has been failed; the caller skips it."""
 
 
 class Scheduler:
@@ -87,6 +94,8 @@ class Scheduler:
             jump_forward_tokens=0,
             requests_finished=0,
             requests_aborted=0,
+            requests_timed_out=0,
+            requests_failed_internal=0,
         )
         self._last_log = time.monotonic()
         self._gen_tokens_at_log = 0
@@ -95,7 +104,7 @@ class Scheduler:
     def handle(self, msg: Message) -> Message | None:
         """Apply one incoming message; returns a control reply when the message asks for one."""
         if isinstance(msg, TokenizedGenerateReq):
-            self.add_request(msg)
+            self._add_isolated(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
@@ -107,8 +116,22 @@ class Scheduler:
             raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         return None
 
+    def _add_isolated(self, msg: TokenizedGenerateReq) -> None:
+        """`add_request`, except that a failure fails this request alone (500 with an error id) instead of
+        escaping into the receive loop, where the client would wait for an answer forever."""
+        try:
+            self.add_request(msg)
+        except Exception:
+            req = next((r for r in self._all_queued() if r.rid == msg.rid), None)
+            if req is None:
+                req = Req(rid=msg.rid, prompt_ids=[], params=msg.sampling_params)
+            else:
+                self._dequeue(req)
+            self._fail_internal(req, "admitting")
+
     def add_request(self, msg: TokenizedGenerateReq) -> None:
-        req = Req.from_message(msg)
+        timeout = self.args.request_timeout_s
+        req = Req.from_message(msg, timeout if timeout and timeout > 0 else None)
         problem = self._validate(req)
         if problem:
             self._fail(req, problem, 400)
@@ -132,6 +155,9 @@ class Scheduler:
             return f"input token ids must be in [0, {r.vocab_size})"
         if req.logprob_start_len >= n:
             return f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({n})"
+        bad_stops = [t for t in req.params.stop_token_ids if t >= r.vocab_size]
+        if bad_stops:
+            return f"stop_token_ids must be in [0, {r.vocab_size}) (the vocabulary), got {bad_stops[:5]}"
         return None
 
     def abort(self, rid: str) -> None:
@@ -144,6 +170,20 @@ class Scheduler:
         req.finish({"type": "abort", "message": "request aborted"})
         self._retire(req)
         self.stats["requests_aborted"] += 1
+
+    def _expire_deadlines(self) -> None:
+        """Abort every queued or running request past its deadline: KV freed (and cached), client told 504."""
+        now = time.monotonic()
+        for req in [r for r in self._all_queued() if r.deadline is not None and now > r.deadline]:
+            self._dequeue(req)
+            waited = now - req.arrival
+            self._fail(
+                req,
+                f"request timed out after {waited:.1f} s (deadline: --request-timeout-s or the request's "
+                "`timeout`); it was aborted and its partial output discarded",
+                504,
+            )
+            self.stats["requests_timed_out"] += 1
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -160,7 +200,14 @@ class Scheduler:
         return bool(self.waiting or self.reextend or self.running)
 
     def step(self) -> list[ReqOutput]:
-        """Run at most one forward pass; return the outputs to send."""
+        """Run at most one forward pass; return the outputs to send.
+
+        Failure boundary: an exception raised for one request (admission, grammar, sampling, output) fails
+        that request alone with a 500 naming an error id (the traceback is logged under it); a failed
+        forward fails the requests of its batch. Their KV is freed without caching, so the accounting
+        invariant still holds and every other request goes on.
+        """
+        self._expire_deadlines()
         self._poll_grammars()
         admitted = self._schedule_extend()
         if admitted:
@@ -169,6 +216,51 @@ class Scheduler:
             self._run_decode()
         self._maybe_log()
         return self._collect_outputs()
+
+    # ---- failure boundary ----------------------------------------------------------------------------------
+    @contextmanager
+    def _isolated(self, req: Req, stage: str) -> Iterator[None]:
+        """Run one request's part of a step; an exception fails that request (see `step`) and is re-raised as
+        `RequestFailed` only where the caller must skip the rest of that request's work."""
+        try:
+            yield
+        except RequestFailed:
+            raise
+        except Exception:
+            self._dequeue(req)
+            self._fail_internal(req, stage)
+            raise RequestFailed(req.rid) from None
+
+    def _fail_internal(self, req: Req, stage: str) -> None:
+        """Fail `req` after a bug or a fault on our side: the client gets 500 with an error id, never the
+        exception text; the traceback goes to the log under that id. Its KV is freed without caching (its
+        contents may not match its tokens)."""
+        error_id = f"err-{uuid.uuid4().hex[:12]}"
+        logger.exception("request %s failed while %s (error id %s)", req.rid[:256], stage, error_id)
+        self.stats["requests_failed_internal"] += 1
+        try:
+            self.cm.release(req, cache_tokens=False)
+        except Exception:  # the pool is now suspect: the idle accounting check decides whether we go on
+            logger.exception("freeing the KV of failed request %s (error id %s)", req.rid[:256], error_id)
+            req.req_pool_idx = None
+        self._fail(req, f"internal error while {stage} this request (error id {error_id})", 500)
+
+    def recover(self) -> list[ReqOutput]:
+        """After an exception that escaped `step` (a bug outside any one request): fail every live request
+        (500, error ids) and return their outputs. The caller then checks the KV accounting, which decides
+        whether the process may go on."""
+        for req in self._all_queued():
+            self._dequeue(req)
+            self._fail_internal(req, "scheduling")
+        return self._collect_outputs()
+
+    def _all_queued(self) -> list[Req]:
+        return [*self.grammar_wait, *self.waiting, *self.reextend, *self.running]
+
+    def _dequeue(self, req: Req) -> None:
+        for queue in (self.grammar_wait, self.waiting, self.reextend, self.running):
+            if req in queue:
+                queue.remove(req)
 
     def _poll_grammars(self) -> None:
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
@@ -199,18 +291,21 @@ class Scheduler:
         held = list(self.reextend)  # a request mid chunked prefill is first (see the end of this method)
         held_admitted = 0
         for req in held:
-            out = adder.add(req, req.seq_len - req.kv_len, chunkable=not req.wants_input_logprobs)
+            out = adder.add(req, req.seq_len - req.kv_len)
             held_admitted += out.tokens > 0
             if out.result is not AddResult.CONTINUE:
                 break
         started: list[Req] = []
         if held_admitted == len(held):
             for req in order_waiting(a.schedule_policy, self.waiting, self.cm, self.rng):
-                out = adder.add(req, req.seq_len - req.match_len, chunkable=not req.wants_input_logprobs)
+                try:
+                    with self._isolated(req, "scheduling"):
+                        out = self._offer(adder, req)
+                except RequestFailed:
+                    continue
+                if out is None:  # no free request row
+                    break
                 if out.tokens:
-                    if not self.cm.start(req):
-                        adder.withdraw_last()
-                        break
                     started.append(req)
                 if out.result is not AddResult.CONTINUE:
                     break
@@ -240,15 +335,53 @@ class Scheduler:
                 self.reextend.insert(0, req)
         return admitted
 
+    def _offer(self, adder: PrefillAdder, req: Req) -> AddOutcome | None:
+        """Offer a waiting request to the batch; start it (row + cached prefix) when admitted. None: no free
+        request row (the adder's budget for it stays consumed, so the caller stops filling the batch)."""
+        out = adder.add(req, req.seq_len - req.match_len)
+        if out.tokens:
+            try:
+                started = self.cm.start(req)
+            except BaseException:
+                adder.withdraw_last()
+                raise
+            if not started:
+                adder.withdraw_last()
+                return None
+        return out
+
+    def _forward(self, reqs: list[Req], build, what: str) -> torch.Tensor | None:
+        """Build and run one batch; if that raises, every request of the batch fails (500, error id) and
+        None is returned: a failed forward cannot be blamed on one request."""
+        try:
+            return self.runner.forward(build().batch)
+        except Exception:
+            for req in reqs:
+                self._dequeue(req)
+                self._fail_internal(req, what)
+            return None
+
     def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:
-        built = build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device)
-        logits = self.runner.forward(built.batch)
+        built = None
+
+        def build():
+            nonlocal built
+            built = build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device)
+            return built
+
+        logits = self._forward([r for r, _ in admitted], build, "prefilling")
+        if logits is None:
+            return
         self.stats["extend_steps"] += 1
 
         last_rows, done = [], []
         for (req, _), rows in zip(admitted, built.logit_rows):
-            if req.wants_input_logprobs:
-                self._record_input_logprobs(req, logits[rows.start : rows.stop])
+            try:
+                with self._isolated(req, "computing prompt logprobs for"):
+                    if req.wants_input_logprobs:
+                        self._record_input_logprobs(req, logits[rows.start : rows.stop])
+            except RequestFailed:
+                continue
             if req.kv_len == req.seq_len:  # prompt (or re-extend) complete: its last logits pick a token
                 last_rows.append(rows[-1])
                 done.append(req)
@@ -259,9 +392,13 @@ class Scheduler:
         if wanting:
             self._sample_and_advance([r for r, _ in wanting], logits[[i for _, i in wanting]])
         for req in done:
-            if not req.finished and req.req_pool_idx is not None:
-                self.cm.cache_prefix(req)
-            self._place(req)
+            try:
+                with self._isolated(req, "caching the prefix of"):
+                    if not req.finished and req.req_pool_idx is not None:
+                        self.cm.cache_prefix(req)
+                    self._place(req)
+            except RequestFailed:
+                continue
         for req, _ in admitted:
             self.touched[req.rid] = req
 
@@ -275,7 +412,11 @@ class Scheduler:
         reqs = list(self.running)
         for i, req in enumerate(reqs):
             self.cm.append_slots(req, slots[i : i + 1])
-        logits = self.runner.forward(build_decode_batch(reqs, slots, device=self.runner.device).batch)
+        logits = self._forward(
+            reqs, lambda: build_decode_batch(reqs, slots, device=self.runner.device), "decoding"
+        )
+        if logits is None:
+            return
         self.stats["decode_steps"] += 1
         self.running = []
         self._sample_and_advance(reqs, logits)
@@ -312,11 +453,33 @@ class Scheduler:
 
     # ---- sampling and per-token bookkeeping ----------------------------------------------------------------
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Sample one token per request (logits [len(reqs), vocab]) and apply it. If the batched sampler
+        raises, each request is sampled alone, so only the request at fault fails."""
+        try:
+            out = self._sample(reqs, logits)
+        except Exception:
+            if len(reqs) == 1:
+                self._dequeue(reqs[0])
+                self._fail_internal(reqs[0], "sampling the next token of")
+                return
+            for i, req in enumerate(reqs):
+                self._sample_and_advance([req], logits[i : i + 1])
+            return
+        next_ids = out.next_token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        for i, req in enumerate(reqs):
+            try:
+                with self._isolated(req, "advancing"):
+                    self._advance(req, out, i, next_ids[i], logprobs[i])
+            except RequestFailed:
+                continue
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor):
         info = SamplingBatchInfo.from_requests([r.params for r in reqs], logits.shape[-1], logits.device)
         mask = self.grammars.vocab_mask(reqs, logits.shape[-1], logits.device)
         banned = [self.stop.banned_ids(r) for r in reqs]
         tops = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-        out = self.sampler(
+        return self.sampler(
             logits,
             info,
             [r.output_ids for r in reqs],
@@ -326,27 +489,24 @@ class Scheduler:
             top_logprobs_nums=tops if any(tops) else None,
             generators=[r.generator for r in reqs],
         )
-        next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        for i, req in enumerate(reqs):
-            tok = next_ids[i]
-            req.output_ids.append(tok)
-            self.stats["generated_tokens"] += 1
-            if req.return_logprob:
-                top = out.top_logprobs[i] if out.top_logprobs is not None and tops[i] else None
-                req.pending_output_logprobs.append(
-                    [logprobs[i], tok, [[lp, t] for lp, t in top] if top else None]
-                )
-            if req.grammar is not None:
-                if out.no_allowed_token is not None and bool(out.no_allowed_token[i]):
-                    req.finish({"type": "abort", "message": "grammar allows no further token"})
-                    continue
-                req.grammar.accept_token(tok)
-            reason = self.stop.check(req)
-            if reason:
-                req.finish(reason)
-            elif req.grammar is not None and self.grammars.jump_forward and not req.return_logprob:
-                self._jump_forward(req)
+
+    def _advance(self, req: Req, out, i: int, tok: int, logprob: float) -> None:
+        """Apply row `i` of the sampler's output to `req`: token, logprobs, grammar, stop checks, jump."""
+        req.output_ids.append(tok)
+        self.stats["generated_tokens"] += 1
+        if req.return_logprob:
+            top = out.top_logprobs[i] if out.top_logprobs is not None and req.top_logprobs_num else None
+            req.pending_output_logprobs.append([logprob, tok, [[lp, t] for lp, t in top] if top else None])
+        if req.grammar is not None:
+            if out.no_allowed_token is not None and bool(out.no_allowed_token[i]):
+                req.finish({"type": "abort", "message": "grammar allows no further token"})
+                return
+            req.grammar.accept_token(tok)
+        reason = self.stop.check(req)
+        if reason:
+            req.finish(reason)
+        elif req.grammar is not None and self.grammars.jump_forward and not req.return_logprob:
+            self._jump_forward(req)
 
     def _jump_forward(self, req: Req) -> None:
         plan = self.grammars.plan_jump(req)
@@ -354,6 +514,9 @@ class Scheduler:
             return
         keep, new_ids = plan
         old_len = len(req.output_ids)
+        # KV first: positions from the first rewritten token on hold the old tokens' KV, which must never
+        # reach the radix cache under the new tokens (that re-used a cache-owned slot in a second node).
+        self.cm.drop_kv_from(req, len(req.prompt_ids) + keep)
         req.output_ids = req.output_ids[:keep] + new_ids
         if req.sent_output_len > keep:
             req.replaced_since_send += req.sent_output_len - keep
@@ -364,31 +527,35 @@ class Scheduler:
             req.output_ids = req.output_ids[: req.params.max_new_tokens]
             req.grammar.reset_to(req.output_ids)
             req.finish({"type": "length", "length": req.params.max_new_tokens})
-            return
-        if req.grammar.is_terminated():
+        elif req.grammar.is_terminated():
             req.finish({"type": "stop", "matched": None})
-            return
-        if not self.cm.truncate(req, min(req.kv_len, len(req.prompt_ids) + keep)):
-            self.cm.release(req, cache_tokens=False)
 
     def _record_input_logprobs(self, req: Req, logits: torch.Tensor) -> None:
-        """logits: rows for positions max(start-1, kv_start) .. seq_len-1 of the prompt."""
-        start = req.logprob_start_len
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        """Prompt logprobs of one extend chunk. logits: [rows, vocab], one row per position
+        max(logprob_start_len - 1, chunk start) .. kv_len - 1; row of position p scores token p + 1.
+
+        Only what was asked is kept (the prompt token's logprob and the top-k), so a long prompt costs
+        memory linear in k; the full-vocabulary rows live for this chunk only.
+        """
         ids = req.prompt_ids
         first_pos = req.kv_len - logits.shape[0]  # position of row 0
-        entries: list[list[Any]] = []
-        for p in range(start, len(ids)):
-            if p == 0:
-                entries.append([None, ids[0], None])
-                continue
-            r = p - 1 - first_pos
-            top = None
+        start = req.logprob_start_len
+        if start == 0 and first_pos == 0:  # the first token has no logprob
+            req.pending_input_logprobs.append([None, ids[0], None])
+        # tokens scored by this chunk's rows, inside the prompt and at or after logprob_start_len
+        targets = range(max(first_pos + 1, start, 1), min(req.kv_len, len(ids) - 1) + 1)
+        if len(targets):
+            rows = torch.tensor([p - 1 - first_pos for p in targets])
+            lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [len(targets), vocab]
+            chosen = lp.gather(1, torch.tensor([ids[p] for p in targets]).unsqueeze(1)).squeeze(1)
+            tops = None
             if req.top_logprobs_num:
-                v, t = lp[r].topk(req.top_logprobs_num)
-                top = [[float(a), int(b)] for a, b in zip(v.tolist(), t.tolist())]
-            entries.append([float(lp[r, ids[p]]), ids[p], top])
-        req.pending_input_logprobs = entries
+                v, t = lp.topk(req.top_logprobs_num, dim=-1)
+                tops = [[[a, b] for a, b in zip(vs, ts)] for vs, ts in zip(v.tolist(), t.tolist())]
+            for j, (p, value) in enumerate(zip(targets, chosen.tolist())):
+                req.pending_input_logprobs.append([value, ids[p], tops[j] if tops else None])
+        if req.kv_len >= len(ids):
+            req.input_logprobs_done = True
 
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:
@@ -406,40 +573,55 @@ class Scheduler:
 
     def _collect_outputs(self) -> list[ReqOutput]:
         outs = []
-        for req in self.touched.values():
-            n_new = len(req.output_ids) - req.sent_output_len
-            if not req.finished:
-                if not req.stream or n_new < self.args.stream_interval and req.first_chunk_sent:
-                    continue
-            out = ReqOutput(
-                rid=req.rid,
-                new_token_ids=req.output_ids[req.sent_output_len :],
-                replaced_tokens=req.replaced_since_send,
-                finished_reason=req.finished_reason,
-                prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens,
-                error=req.error,
-                error_status=req.error_status,
-            )
-            if not req.first_chunk_sent:
-                p = req.params
-                out.skip_special_tokens = p.skip_special_tokens
-                out.spaces_between_special_tokens = p.spaces_between_special_tokens
-                out.stop_strings = p.stop or None
-                out.no_stop_trim = p.no_stop_trim
-                req.first_chunk_sent = True
-            if req.return_logprob:
-                out.input_token_logprobs = req.pending_input_logprobs
-                out.output_token_logprobs = req.pending_output_logprobs
-                req.pending_output_logprobs = []
-                if req.pending_input_logprobs is not None:
-                    req.pending_input_logprobs = []  # sent once
-            req.sent_output_len = len(req.output_ids)
-            req.replaced_since_send = 0
-            outs.append(out)
+        for req in list(self.touched.values()):
+            try:
+                with self._isolated(req, "sending the output of"):
+                    out = self._output_of(req)
+            except RequestFailed:
+                out = ReqOutput(
+                    rid=req.rid,
+                    new_token_ids=[],
+                    finished_reason=req.finished_reason,
+                    error=req.error,
+                    error_status=req.error_status,
+                )
+            if out is not None:
+                outs.append(out)
         self.touched = {}
         return outs
+
+    def _output_of(self, req: Req) -> ReqOutput | None:
+        """What to send for `req` this step (None: nothing yet); marks it sent."""
+        n_new = len(req.output_ids) - req.sent_output_len
+        if not req.finished:
+            if not req.stream or n_new < self.args.stream_interval and req.first_chunk_sent:
+                return None
+        out = ReqOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[req.sent_output_len :],
+            replaced_tokens=req.replaced_since_send,
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            error=req.error,
+            error_status=req.error_status,
+        )
+        if not req.first_chunk_sent:
+            p = req.params
+            out.skip_special_tokens = p.skip_special_tokens
+            out.spaces_between_special_tokens = p.spaces_between_special_tokens
+            out.stop_strings = p.stop or None
+            out.no_stop_trim = p.no_stop_trim
+            req.first_chunk_sent = True
+        if req.return_logprob:
+            out.input_token_logprobs = req.pending_input_logprobs
+            out.output_token_logprobs = req.pending_output_logprobs
+            req.pending_output_logprobs = []
+            req.pending_input_logprobs = []
+        req.sent_output_len = len(req.output_ids)
+        req.replaced_since_send = 0
+        return out
 
     # ---- introspection -------------------------------------------------------------------------------------
     def live_requests(self) -> list[Req]:

@@ -62,11 +62,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         scheduler.runner.keepalive()  # tensor parallel: idle rank 0 heartbeats to the waiting ranks
         if not scheduler.has_work():
             if was_busy:
-                try:
-                    scheduler.check_accounting()
-                except AssertionError as e:
-                    logger.error("KV accounting invariant broken: %s", e)
-                    os._exit(3)  # a leak is a bug: fail loudly so a supervisor restarts us
+                _check_accounting_or_exit(scheduler, logger)
                 was_busy = False
             poller.poll(timeout=1000)
         elif not scheduler.can_run():
@@ -81,9 +77,23 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
                 ipc.send(reply_sock, reply)
         if scheduler.has_work():
             was_busy = True
-            outputs = scheduler.step()
+            try:
+                outputs = scheduler.step()
+            except Exception:  # not one request's fault (those are failed inside step): fail them all
+                logger.exception("scheduler step failed; failing every live request")
+                outputs = scheduler.recover()
+                _check_accounting_or_exit(scheduler, logger)
             if outputs:
                 ipc.send(detok_sock, BatchTokenIDOut(outputs=outputs))
+
+
+def _check_accounting_or_exit(scheduler, logger: logging.Logger) -> None:
+    """The one failure that stops the process: a KV slot lost or held twice."""
+    try:
+        scheduler.check_accounting()
+    except AssertionError as e:
+        logger.error("KV accounting invariant broken: %s", e)
+        os._exit(3)  # a leak is a bug: fail loudly so a supervisor restarts us
 
 
 def _error_reply(msg):

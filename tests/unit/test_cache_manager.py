@@ -125,17 +125,39 @@ def test_release_without_caching_frees_own_slots_only():
     cm.check_accounting([])
 
 
-def test_truncate_refuses_to_cut_into_cache_owned_slots():
+def test_drop_kv_frees_own_slots_and_never_cuts_into_cache_owned_ones():
     cm = make_cm(16)
     cache_tokens(cm, [1, 2])
     req = make_req([1, 2, 3])
     cm.match(req)
     cm.start(req)
     cm.append_slots(req, cm.alloc_slots(3))  # kv 5: 2 cached + 3 own
-    assert cm.truncate(req, 3) and req.kv_len == 3 and cm.allocator.available() == 13
-    assert not cm.truncate(req, 1) and req.kv_len == 3
+    cm.drop_kv_from(req, 3)
+    assert req.kv_len == 3 and cm.allocator.available() == 13
     cm.check_accounting([req])
-    cm.release(req, cache_tokens=False)
+    cm.drop_kv_from(req, 1)  # inside the cached prefix: the request gives all its KV back instead
+    assert req.req_pool_idx is None and req.kv_len == 0
+    assert (cm.allocator.available(), cm.cache.total_size(), cm.cache.protected_size()) == (14, 2, 0)
+    cm.check_accounting([])
+
+
+def test_jump_forward_rewrite_then_finish_caches_only_kv_of_kept_tokens():
+    """Regression (a JSON Schema through jump-forward killed the server): a request whose cached prefix
+    covers output tokens that jump-forward then rewrites, and which finishes in the same step, must not
+    insert the old tokens' KV under the new tokens (that put one cache-owned slot in two nodes)."""
+    cm = make_cm(32)
+    req = make_req([1, 2, 3])
+    req.output_ids = [4, 5]
+    cm.match(req)
+    cm.start(req)
+    cm.append_slots(req, cm.alloc_slots(4))  # positions 0..3 computed (the last token has no KV yet)
+    cm.cache_prefix(req)  # positions 0..3 now belong to the cache
+    cm.append_slots(req, cm.alloc_slots(1))  # decode step: position 4 (token 5) own
+    cm.drop_kv_from(req, 3 + 0)  # jump-forward keeps 0 output tokens: 4 and 5 are rewritten
+    req.output_ids = [6, 7, 8]
+    cm.release(req, cache_tokens=True)  # finished: whatever KV it still holds goes to the cache
+    cm.check_accounting([])
+    assert cm.cache.match_prefix([1, 2, 3, 6, 7]).indices.numel() == 3
 
 
 def test_accounting_check_catches_a_lost_slot():
