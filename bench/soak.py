@@ -1,10 +1,11 @@
 """Soak test: N minutes of mixed load against a radixlm server, watching for leaks and errors.
 
 Load (seeded): native /generate streaming and not, OpenAI chat streaming and not, n > 1, constrained output
-(when the server accepts it), prompts sharing prefixes (radix cache), clients that vanish mid-stream or
-mid-request, and /abort_request of running requests. A sampler records the RSS of the server and each child
-and /get_server_info over time. At the end the server must be idle with every KV slot free or cached, and a
-flush must free them all.
+(when the server accepts it), prompts sharing prefixes (radix cache), clients that vanish mid-stream or mid-
+request, /abort_request of running requests, and hostile requests (each must get its expected status: bodies
+that once took a server down, oversized fields, a cross-site text/plain abort, a deadline). A sampler records
+the RSS of the server and each child and /get_server_info over time. At the end the server must be idle with
+every KV slot free or cached, and a flush must free them all.
 
     python -m bench.soak --minutes 10               # starts its own server on a free port
     python -m bench.soak --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
@@ -60,7 +61,39 @@ SCHEMA = {
 }
 # request kind -> weight in the mix
 MIX = {"plain": 4, "stream": 3, "chat": 2, "chat_stream": 2, "n_choices": 1, "constrained": 2}
-MIX.update({"drop_stream": 1, "drop_plain": 1, "abort": 1})
+MIX.update({"drop_stream": 1, "drop_plain": 1, "abort": 1, "hostile": 2})
+NULLABLE = {"type": ["string", "null"]}
+ROLE_REF = {"type": "object", "properties": {"apiGroup": NULLABLE, "kind": NULLABLE, "name": NULLABLE},
+            "required": ["apiGroup", "kind", "name"]}  # fmt: skip
+
+
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# (name, path, JSON body or raw bytes, content type, expected status). Raw bytes go as they are.
+HOSTILE = [
+    ("roleref_jump_forward", "/generate", {"text": "JSON: ", "sampling_params": {
+        "max_new_tokens": 64, "temperature": 0, "json_schema": ROLE_REF}}, "application/json", 200),
+    ("oov_stop_ids_min_tokens", "/generate", {"text": "Hi", "sampling_params": {
+        "max_new_tokens": 8, "min_new_tokens": 4, "stop_token_ids": [10**9]}}, "application/json", 400),
+    ("oov_stop_ids_openai", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 8,
+        "min_tokens": 4, "stop_token_ids": [10**9]}, "application/json", 400),
+    ("text_plain_abort_all", "/abort_request", b"{}", "text/plain", 415),
+    ("deep_schema", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4,
+        "json_schema": _deep_schema(3000)}}, "application/json", 400),
+    ("huge_stop_string", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4,
+        "stop": ["s" * 100_000]}}, "application/json", 400),
+    ("long_rid", "/generate", {"text": "x", "rid": "r" * 100_000, "sampling_params": {
+        "max_new_tokens": 2}}, "application/json", 400),
+    ("n_seed_int64_max", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2,
+        "temperature": 0.8, "seed": 2**63 - 1}}, "application/json", 200),
+    ("deadline", "/generate", {"text": "A long story:", "timeout": 0.3, "sampling_params": {
+        "max_new_tokens": 4000, "ignore_eos": True}}, "application/json", 504),
+]  # fmt: skip
 INFO_KEYS = ("num_running_reqs", "num_queued_reqs", "requests_in_flight", "free_slots", "cache_tokens")
 FINAL_KEYS = ("free_slots", "cache_tokens", "request_held_tokens", "max_total_tokens", "requests_aborted")
 
@@ -73,6 +106,7 @@ class Record:
     status: int  # HTTP status; 0 = no response (the client left on purpose, or a transport error)
     tokens: int
     error: str = ""
+    expected: int = 0  # hostile requests: the status they must get (0: any success)
 
 
 # ---- the server process ----------------------------------------------------------------------------------
@@ -170,13 +204,17 @@ class Load:
         while time.monotonic() < deadline:
             kind = first_pass.pop(0) if first_pass else rng.choices(kinds, [MIX[k] for k in kinds])[0]
             start = time.monotonic()
+            expected = 0
             try:
-                (status, tokens), err = getattr(self, "do_" + kind)(rng), ""
+                if kind == "hostile":
+                    (status, tokens, expected), err = self.do_hostile(rng), ""
+                else:
+                    (status, tokens), err = getattr(self, "do_" + kind)(rng), ""
             except requests.RequestException as e:
                 status, tokens, err = 0, 0, f"{type(e).__name__}: {e}"[:200]
             with self.lock:
                 self.records.append(
-                    Record(start - self.t0, kind, time.monotonic() - start, status, tokens, err)
+                    Record(start - self.t0, kind, time.monotonic() - start, status, tokens, err, expected)
                 )
 
     # -- building blocks
@@ -267,6 +305,12 @@ class Load:
             timer.cancel()
         return status, out["meta_info"]["completion_tokens"] if out else 0
 
+    def do_hostile(self, rng) -> tuple[int, int, int]:
+        name, path, body, ctype, expected = rng.choice(HOSTILE)
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = requests.post(self.url + path, data=data, headers={"Content-Type": ctype}, timeout=300)
+        return r.status_code, 0, expected
+
 
 class Sampler(threading.Thread):
     """Every `interval` s: RSS of the server and its children (when we know its pid), /get_server_info."""
@@ -313,6 +357,7 @@ def final_checks(url: str, idle_timeout: float = 300) -> dict:
     out["flush_status"] = requests.post(url + "/flush_cache", timeout=60).status_code
     after = requests.get(url + "/get_server_info", timeout=60).json()
     out["all_free_after_flush"] = after["free_slots"] == after["max_total_tokens"]
+    out["kv_slots_leaked"] = after["max_total_tokens"] - after["free_slots"]
     out["healthy"] = requests.get(url + "/health", timeout=30).status_code == 200
     checks = ("idle", "no_kv_held_by_requests", "free_plus_cache_is_pool", "all_free_after_flush", "healthy")
     out["ok"] = all(out[k] for k in checks) and out["flush_status"] == 200
@@ -335,20 +380,33 @@ def summarize(records: list[Record], wall: float) -> dict:
                        "tokens": sum(r.tokens for r in rs),
                        **{f"p{q}_s": round(pct(lat, q / 100), 3) for q in (50, 90, 99)}}  # fmt: skip
     tokens = sum(r.tokens for r in records)
+    by_status: dict[str, int] = {}
+    for r in records:
+        by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
+    hostile = [r for r in records if r.kind == "hostile"]
+    # a hostile request's expected 5xx (the deadline's 504) is its correct answer, not a server error
+    errors = [r for r in records if r.status >= 500 and r.status != 503 and r.status != r.expected]
     return {"kinds": kinds, "requests": len(records), "tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 2),
-            "server_errors": [asdict(r) for r in records if r.status >= 500 and r.status != 503][:20],
+            "tokens_per_s": round(tokens / wall, 2), "by_status": by_status,
+            "hostile_unexpected": [asdict(r) for r in hostile if r.status != r.expected][:20],
+            "server_errors": [asdict(r) for r in errors][:20],
             "transport_errors": [asdict(r) for r in records if r.status == 0 and r.error][:20]}  # fmt: skip
 
 
-def rss_trend(samples: list[dict]) -> dict:
+def rss_trend(samples: list[dict], roles: dict[str, str] | None = None) -> dict:
     totals = [sum(s["rss_mb"].values()) for s in samples if s.get("rss_mb")]
     if len(totals) < 2:
         return {}
     k = max(1, len(totals) // 5)
     first, last = statistics.mean(totals[:k]), statistics.mean(totals[-k:])
-    return {"total_mb_first_fifth": round(first, 1), "total_mb_last_fifth": round(last, 1),
-            "total_mb_max": round(max(totals), 1), "growth_mb": round(last - first, 1)}  # fmt: skip
+    out = {"total_mb_first_fifth": round(first, 1), "total_mb_last_fifth": round(last, 1),
+           "total_mb_max": round(max(totals), 1), "growth_mb": round(last - first, 1)}  # fmt: skip
+    if roles:  # the scheduler process alone: the one that holds the model, the KV pool and the cache
+        sched = [p for p, role in roles.items() if "scheduler" in role]
+        pts = [s["rss_mb"][sched[0]] for s in samples if sched and sched[0] in s.get("rss_mb", {})]
+        if pts:
+            out["scheduler_mb_start"], out["scheduler_mb_end"] = pts[0], pts[-1]
+    return out
 
 
 def plot(samples: list[dict], roles: dict[str, str], records: list[Record], path: Path) -> None:
@@ -392,6 +450,11 @@ def print_table(summary: dict, checks: dict, trend: dict, wall: float) -> None:
         print(
             f"RSS, server + children: {first:.0f} MiB (first fifth) -> {last:.0f} MiB (last), max {top:.0f}"
         )
+    if "scheduler_mb_start" in trend:
+        print(f"scheduler RSS: {trend['scheduler_mb_start']:.0f} -> {trend['scheduler_mb_end']:.0f} MiB")
+    unexpected = len(summary["hostile_unexpected"])
+    print(f"by status: {json.dumps(summary['by_status'])}; hostile requests with an unexpected status: "
+          f"{unexpected}; KV slots leaked: {checks.get('kv_slots_leaked')}")  # fmt: skip
     print(f"KV accounting and health: {'OK' if checks.get('ok') else 'FAILED'} {json.dumps(checks)}")
 
 
@@ -418,8 +481,10 @@ def run(args: argparse.Namespace, url: str, pid: int | None, server_alive) -> in
     sampler.join(timeout=60)
     with load.lock:
         records = list(load.records)
-    summary, trend = summarize(records, wall), rss_trend(sampler.samples)
-    ok = checks["ok"] and not summary["server_errors"] and server_alive()
+    summary, trend = summarize(records, wall), rss_trend(sampler.samples, sampler.roles)
+    ok = (
+        checks["ok"] and not summary["server_errors"] and not summary["hostile_unexpected"] and server_alive()
+    )
     out = Path(args.out)
     result = {"name": "soak", "ok": ok, "config": vars(args), "constrained": load.constrained,
               "environment": {"python": platform.python_version(), "machine": platform.machine(),
