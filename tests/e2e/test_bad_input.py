@@ -8,6 +8,7 @@ The module runs its own server (not the session one): fuzzing exists to find req
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 
@@ -147,13 +148,61 @@ def _assert_error(r: requests.Response, status: int, fragment: str) -> None:
     assert err["code"] == status
 
 
+NEIGHBOUR_TOKENS = 24
+
+
+class Neighbour:
+    """Another client with a request always running while the hostile cases go in: each of its requests
+    must finish with status 200 and all its tokens."""
+
+    def __init__(self, url: str):
+        self.url, self.results, self.stop = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        body = {
+            "text": "Count slowly: one, two, three,",
+            "sampling_params": {"max_new_tokens": NEIGHBOUR_TOKENS, "temperature": 0, "ignore_eos": True},
+        }
+        while not self.stop.is_set():
+            try:
+                r = requests.post(self.url + "/generate", json=body, timeout=300)
+                tokens = r.json()["meta_info"]["completion_tokens"] if r.status_code == 200 else None
+                self.results.append((r.status_code, tokens))
+            except (requests.RequestException, ValueError) as e:
+                self.results.append((0, f"{type(e).__name__}: {e}"[:200]))
+
+    def failures(self) -> list:
+        return [res for res in self.results if res != (200, NEIGHBOUR_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def neighbour(srv):
+    n = Neighbour(srv.url)
+    n.thread.start()
+    yield n
+    n.stop.set()
+    n.thread.join(timeout=300)
+
+
 @pytest.mark.parametrize(
     ("name", "path", "body", "status", "fragment"),
     CASES,
     ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CASES],
 )
-def test_bad_request_is_rejected_with_a_message(srv, name, path, body, status, fragment):
+def test_bad_request_is_rejected_with_a_message(srv, neighbour, name, path, body, status, fragment):
     _assert_error(_post(srv.url, path, body), status, fragment)
+    assert requests.get(srv.url + "/health", timeout=5).status_code == 200
+    assert not neighbour.failures(), neighbour.results
+
+
+def test_neighbour_finished_every_request_during_the_hostile_cases(neighbour):
+    deadline = time.monotonic() + 300
+    while len(neighbour.results) < 2 and time.monotonic() < deadline:  # at least one spanning the cases
+        time.sleep(0.5)
+    neighbour.stop.set()
+    neighbour.thread.join(timeout=300)
+    assert len(neighbour.results) >= 2 and not neighbour.failures(), neighbour.results
 
 
 @pytest.mark.parametrize(
