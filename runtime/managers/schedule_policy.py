@@ -17,22 +17,25 @@ LPM_MAX_QUEUE = 128
 
 def order_waiting(
     policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None = None
-) -> list[Req]:
-    """Return `waiting` in the order to try admission; fills each request's match_* fields."""
+) -> tuple[list[Req], bool]:
+    """`waiting` in the order to try admission, and whether every request's match_* fields were just
+    filled. Only the orders that need the matches (`lpm`, `dfs-weight`) match the whole queue; for the
+    others `PrefillAdder.add_waiting` matches just the requests it is offered."""
     if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
         policy = "fcfs"
-    for req in waiting:
-        cm.match(req)
+    if policy in ("lpm", "dfs-weight"):
+        for req in waiting:
+            cm.match(req)
     if policy == "lpm":
-        return sorted(waiting, key=lambda r: (-r.match_len, r.arrival))
+        return sorted(waiting, key=lambda r: (-r.match_len, r.arrival)), True
+    if policy == "dfs-weight":
+        return _dfs_weight_order(waiting, cm), True
     if policy == "fcfs":
-        return sorted(waiting, key=lambda r: r.arrival)
+        return sorted(waiting, key=lambda r: r.arrival), False
     if policy == "random":
         out = list(waiting)
         (rng or random).shuffle(out)
-        return out
-    if policy == "dfs-weight":
-        return _dfs_weight_order(waiting, cm)
+        return out, False
     raise ValueError(f"unknown schedule policy {policy!r}")
 
 
@@ -88,6 +91,7 @@ class PrefillAdder:
         new_token_ratio: float,
         max_running: int,
     ):
+        self.cm = cm
         self.ratio = new_token_ratio
         reserved = sum(self._reserve(r) for r in running)
         self.rem_total = cm.available() - reserved
@@ -106,10 +110,10 @@ class PrefillAdder:
             return AddOutcome(AddResult.FULL, 0)
         take = extend_len
         if self.rem_chunk is not None and take > self.rem_chunk:
-            if not chunkable and self.admitted:
+            if chunkable:
+                take = self.rem_chunk
+            elif self.admitted:
                 return AddOutcome(AddResult.FULL, 0)
-        if self.rem_chunk is not None and take > self.rem_chunk and chunkable:
-            take = self.rem_chunk
         if self.admitted and take > self.rem_prefill:
             return AddOutcome(AddResult.FULL, 0)
         if take <= 0:
@@ -127,7 +131,18 @@ class PrefillAdder:
             self.rem_requests -= 1
         return AddOutcome(AddResult.CONTINUE if take == extend_len else AddResult.FULL, take)
 
-    def withdraw_last(self) -> None:
-        """Drop the request admitted last (the caller could not start it: no free req_to_token row). Its
-        budget stays consumed: the caller stops filling the batch there."""
-        self.admitted.pop()
+    def add_waiting(self, req: Req, matched: bool) -> AddOutcome | None:
+        """Offer a request without KV: match its cached prefix (unless `order_waiting` just did), lock it and
+        take a request row (`CacheManager.start`), then `add` it; the KV budget then sees the lock (a locked
+        prefix is no longer evictable), so the slots of everything admitted can always be allocated.
+        Not admitted: the lock and the row are given back. None: no free request row."""
+        if not matched:
+            self.cm.match(req)
+        before = self.cm.available()
+        if not self.cm.start(req):
+            return None
+        self.rem_total -= before - self.cm.available()
+        out = self.add(req, req.seq_len - req.match_len)
+        if not out.tokens:
+            self.cm.release(req, cache_tokens=False)
+        return out

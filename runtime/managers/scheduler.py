@@ -22,7 +22,7 @@ from runtime.managers.batch_builder import build_decode_batch, build_extend_batc
 from runtime.managers.cache_manager import CacheManager
 from runtime.managers.grammar_manager import GrammarManager
 from runtime.managers.req import Req, ReqStatus
-from runtime.managers.schedule_policy import AddOutcome, AddResult, PrefillAdder, order_waiting
+from runtime.managers.schedule_policy import AddResult, PrefillAdder, order_waiting
 from runtime.managers.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
@@ -297,10 +297,11 @@ class Scheduler:
                 break
         started: list[Req] = []
         if held_admitted == len(held):
-            for req in order_waiting(a.schedule_policy, self.waiting, self.cm, self.rng):
+            ordered, matched = order_waiting(a.schedule_policy, self.waiting, self.cm, self.rng)
+            for req in ordered:
                 try:
                     with self._isolated(req, "scheduling"):
-                        out = self._offer(adder, req)
+                        out = adder.add_waiting(req, matched)
                 except RequestFailed:
                     continue
                 if out is None:  # no free request row
@@ -312,7 +313,8 @@ class Scheduler:
         admitted: list[tuple[Req, int]] = []
         for req, take in adder.admitted:
             slots = self.cm.alloc_slots(take)
-            if slots is None:  # evictable prefixes got locked by this batch; retry next step
+            if slots is None:  # not expected (the adder counted every lock it took): wait for the next step
+                logger.warning("no KV slots for %d admitted tokens of %s; it waits", take, req.rid[:256])
                 if req in started:
                     self.cm.release(req, cache_tokens=False)
                     started.remove(req)
@@ -334,21 +336,6 @@ class Scheduler:
                 # first next step; a request that is not admitted simply stays in `reextend`.
                 self.reextend.insert(0, req)
         return admitted
-
-    def _offer(self, adder: PrefillAdder, req: Req) -> AddOutcome | None:
-        """Offer a waiting request to the batch; start it (row + cached prefix) when admitted. None: no free
-        request row (the adder's budget for it stays consumed, so the caller stops filling the batch)."""
-        out = adder.add(req, req.seq_len - req.match_len)
-        if out.tokens:
-            try:
-                started = self.cm.start(req)
-            except BaseException:
-                adder.withdraw_last()
-                raise
-            if not started:
-                adder.withdraw_last()
-                return None
-        return out
 
     def _forward(self, reqs: list[Req], build, what: str) -> torch.Tensor | None:
         """Build and run one batch; if that raises, every request of the batch fails (500, error id) and

@@ -121,12 +121,28 @@ def test_zero_tokens_to_extend_is_not_admitted():
     assert adder().add(req("a", max_new=8), 0) == AddOutcome(FULL, 0)
 
 
-def test_withdraw_last_keeps_the_earlier_admissions():
-    a = adder()
-    a.add(req("a", max_new=0), 10)
-    a.add(req("b", max_new=0), 20)
-    a.withdraw_last()
-    assert [(r.rid, t) for r, t in a.admitted] == [("a", 10)]
+def test_add_waiting_counts_the_prefix_it_locks():
+    """The cached prefix a waiting request locks stops being evictable: the budget sees that at once, so
+    everything admitted can be allocated (before, the adder counted those slots and the scheduler had to
+    back out when the allocation failed)."""
+    cm = cache_manager(pool=100, cached=40)
+    a = adder(cm, ratio=0.0)
+    r = Req(rid="a", prompt_ids=list(range(1000, 1040)) + [7] * 20, params=SamplingParams(max_new_tokens=1))
+    assert a.add_waiting(r, matched=False) == AddOutcome(CONTINUE, 20)  # 40 cached, locked: not evictable
+    assert r.match_len == 40 and a.rem_total == 100 - 40 - 20
+    big = Req(rid="b", prompt_ids=[9] * 50, params=SamplingParams(max_new_tokens=1))
+    assert a.add_waiting(big, matched=False) == AddOutcome(NO_TOKEN, 0)  # 50 > 40 left
+    assert big.req_pool_idx is None and cm.cache.protected_size() == 40  # its row and lock given back
+    for _, take in a.admitted:
+        assert cm.alloc_slots(take) is not None
+
+
+def test_add_waiting_without_a_free_row_is_none():
+    cm = CacheManager(RadixCache(), ReqToTokenPool(1, 64), SlotAllocator(100))
+    a = adder(cm)
+    first = Req(rid="a", prompt_ids=[1, 2], params=SamplingParams(max_new_tokens=1))
+    assert a.add_waiting(first, matched=False).tokens == 2
+    assert a.add_waiting(req("b", max_new=1), matched=False) is None
 
 
 def test_reservation_is_truncated_per_request():
