@@ -97,7 +97,7 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
-            self.abort(msg.rid)
+            self.abort(msg.rid, abort_all=msg.abort_all)
         elif isinstance(msg, FlushCacheReq):
             ok = self.flush_cache()
             return FlushCacheResp(success=ok, message="" if ok else "requests are running; cache not flushed")
@@ -134,9 +134,13 @@ class Scheduler:
             return f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({n})"
         return None
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        """Finish request `rid`, or every request with `abort_all`, as aborted. An empty rid matches none:
+        aborting everything must be asked for explicitly."""
+        if not (rid or abort_all):
+            return
         for queue in (self.grammar_wait, self.waiting, self.reextend, self.running):
-            for req in [r for r in queue if rid in ("", r.rid)]:
+            for req in [r for r in queue if abort_all or r.rid == rid]:
                 queue.remove(req)
                 self._finish_aborted(req)
 
