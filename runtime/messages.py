@@ -32,7 +32,8 @@ class TokenizedGenerateReq(Message):
 
 
 class AbortReq(Message):
-    rid: str  # "" aborts everything
+    rid: str = ""  # the request to abort; "" matches none (aborting everything takes abort_all)
+    abort_all: bool = False  # every request, whatever `rid` says
 
 
 class FlushCacheReq(Message):

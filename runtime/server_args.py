@@ -86,7 +86,11 @@ class ServerArgs:
         "wire format of tool calls in model output; auto picks it from the chat template (hermes if none)",
         ("auto", "hermes", "llama3", "mistral", "qwen"),
     )
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every endpoint but /health")
+    api_key: str | None = _opt(
+        None,
+        "require 'Authorization: Bearer KEY' on every endpoint but /health (or: --api-key-file, "
+        "RADIXLM_API_KEY; both keep the key off the command line)",
+    )
     tp_size: int = _opt(
         1, "tensor-parallel ranks (one process each) the model is sharded over; see README 'Scaling out'"
     )
@@ -128,7 +132,22 @@ class ServerArgs:
         "0 or less: no deadline)",
     )
 
+    # ---- security (keys, admin routes, Host header) ----
+    api_key_file: str | None = _opt(None, "read --api-key from this file (surrounding whitespace stripped)")
+    admin_api_key: str | None = _opt(
+        None,
+        "require 'Authorization: Bearer KEY' for admin routes (/flush_cache, abort_all); --api-key does not "
+        "grant them, this key grants everything (or: --admin-api-key-file, RADIXLM_ADMIN_API_KEY)",
+    )
+    admin_api_key_file: str | None = _opt(None, "read --admin-api-key from this file (whitespace stripped)")
+    allowed_hosts: str | None = _opt(
+        None,
+        "comma-separated names the Host header may carry, '*' for any (DNS-rebinding protection); default: "
+        "the --host address, localhost, 127.0.0.1 and [::1], or any host when --host is 0.0.0.0 or ::",
+    )
+
     def __post_init__(self) -> None:
+        self._check_security()
         self._check_parallel()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
@@ -153,6 +172,29 @@ class ServerArgs:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}")
+
+    def _check_security(self) -> None:
+        for name in ("api_key", "admin_api_key"):
+            key = getattr(self, name)
+            if key is not None and not (key.isascii() and key.isprintable() and key and " " not in key):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be non-empty printable ASCII without spaces "
+                    "(it is sent in an HTTP header)"
+                )
+        if self.api_key is not None and self.api_key == self.admin_api_key:
+            raise ValueError("--admin-api-key must differ from --api-key (else every client is an admin)")
+        if self.allowed_hosts is not None:
+            names = [h.strip() for h in self.allowed_hosts.split(",")]
+            bad = [h for h in names if not h or any(c.isspace() or c in "/@?#" for c in h)]
+            if bad:
+                raise ValueError(
+                    f"--allowed-hosts must be comma-separated host names or '*', got {self.allowed_hosts!r}"
+                )
+            if self.dp_size > 1:
+                raise ValueError(
+                    "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
+                    "port and does not check the Host header (see README 'Security')"
+                )
 
     def _check_data_parallel(self) -> None:
         if self.dp_size < 1:

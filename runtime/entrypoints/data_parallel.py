@@ -16,6 +16,8 @@ Supervision contract:
 - SIGTERM drains: it is forwarded to the router and every replica (each finishes its running requests), then
   exit 0. SIGINT or a second SIGTERM stops now: exit 128 + the signal's number.
 - every child is started with PDEATHSIG, so even kill -9 of this process leaves no replica or router behind.
+- the API keys reach the replicas and the router through their environment, never their command line
+  (which `ps` shows every user); the router is started through `router_main` for that.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -31,6 +34,7 @@ import time
 
 import requests
 
+from runtime.entrypoints.security import ADMIN_API_KEY_ENV, API_KEY_ENV, KEY_SOURCES
 from runtime.managers.child_process import die_with_parent
 from runtime.server_args import ServerArgs, auto_num_threads
 
@@ -48,7 +52,9 @@ ROUTER_HEALTH_INTERVAL_S = 5
 # Our levels -> the router's. Its "info" logs two lines per request; ours does not log requests at info.
 ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
 # Options of the front that replicas do not inherit (each replica is a plain single server on its own port).
-_FRONT_ONLY = {"host", "port", "dp_size", "dp_base_port", "router_policy", "num_threads"}
+_FRONT_ONLY = {"host", "port", "dp_size", "dp_base_port", "router_policy", "num_threads", "allowed_hosts"}
+# Never on a command line: the keys go through the environment (`child_env`).
+_SECRETS = {"api_key", "api_key_file", "admin_api_key", "admin_api_key_file"}
 
 
 class RouterNotInstalled(RuntimeError):
@@ -78,7 +84,7 @@ def replica_cli_args(args: ServerArgs, port: int) -> list[str]:
     out = ["--host", "127.0.0.1", "--port", str(port), "--num-threads", str(replica_threads(args))]
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
-        if f.name in _FRONT_ONLY or value == f.default:
+        if f.name in _FRONT_ONLY or f.name in _SECRETS or value == f.default:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):  # every bool option defaults to False: a set one is a bare flag
@@ -113,9 +119,31 @@ def router_cli_args(args: ServerArgs, worker_urls: list[str], prometheus_port: i
         "--log-level",
         ROUTER_LOG_LEVELS[args.log_level],
     ]
-    if args.api_key:  # the router checks it on every client request and sends it to the replicas
-        out += ["--api-key", args.api_key]
-    return out
+    return out  # the router's --api-key is added by `router_main`, from its environment
+
+
+def child_env(args: ServerArgs, router: bool = False) -> dict[str, str]:
+    """This process's environment with the keys a replica (or, `router`, the router: the API key only)
+    must have, and without those it must not."""
+    env = dict(os.environ)
+    for name, var in KEY_SOURCES:
+        value = getattr(args, name)
+        if value is None or (router and var == ADMIN_API_KEY_ENV):
+            env.pop(var, None)
+        else:
+            env[var] = value
+    return env
+
+
+def router_main(argv: list[str]) -> None:
+    """`python -m runtime.entrypoints.data_parallel ROUTER-ARGS`: sglang-router's launcher, given --api-key
+    from RADIXLM_API_KEY in-process so that the key is in no command line.
+
+    The router checks the key on every client request and sends it to the replicas."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    key = os.environ.pop(API_KEY_ENV, None)
+    launch_router(parse_router_args(argv + (["--api-key", key] if key else [])))
 
 
 def local_url(host: str, port: int) -> str:
@@ -148,9 +176,9 @@ def _free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen:
+def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     # die_with_parent in the child, between fork and exec: no orphan even after kill -9 of this process.
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
 
 
 class DataParallelServer:
@@ -190,7 +218,7 @@ class DataParallelServer:
         args = self.args
         for port in args.dp_replica_ports:
             cmd = [sys.executable, "-m", "runtime.launch_server", *replica_cli_args(args, port)]
-            self.replicas[f"http://127.0.0.1:{port}"] = _spawn(cmd)
+            self.replicas[f"http://127.0.0.1:{port}"] = _spawn(cmd, child_env(args))
         logger.info(
             "starting %d replicas on 127.0.0.1 ports %d..%d (%d threads each)",
             args.dp_size,
@@ -201,7 +229,8 @@ class DataParallelServer:
         self._wait_until(STARTUP_TIMEOUT_S, "replicas healthy", self._replicas_healthy)
         prometheus_port = _free_local_port()
         router_args = router_cli_args(args, list(self.replicas), prometheus_port)
-        self.router = _spawn([sys.executable, "-m", "sglang_router.launch_router", *router_args])
+        cmd = [sys.executable, "-m", "runtime.entrypoints.data_parallel", *router_args]
+        self.router = _spawn(cmd, child_env(args, router=True))
         self._wait_until(ROUTER_READY_TIMEOUT_S, "router ready", self._router_ready)
         logger.info(
             "serving %s on %s: sglang-router (policy %s, metrics on 127.0.0.1:%d) over %d replicas",
@@ -341,4 +370,17 @@ def run_data_parallel(args: ServerArgs) -> int:
     except RouterNotInstalled as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    logger.warning(
+        "--dp-size: sglang-router serves %s:%d and does not check the Host header (no DNS-rebinding "
+        "protection there)%s",
+        args.host,
+        args.port,
+        "; it forwards /flush_cache with --api-key, which the replicas refuse as not the admin key"
+        if args.admin_api_key
+        else "",
+    )
     return DataParallelServer(args).run()
+
+
+if __name__ == "__main__":
+    router_main(sys.argv[1:])

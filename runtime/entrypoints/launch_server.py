@@ -70,10 +70,14 @@ class _Server(uvicorn.Server):
 
 
 def parse_args(argv: list[str] | None = None, prog: str = "radixlm serve") -> ServerArgs:
+    """The options, with the API keys read from their files or environment variables (which are then
+    removed from this process's environment, so its children never see them)."""
+    from runtime.entrypoints.security import load_keys
+
     parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (native + OpenAI API).")
     ServerArgs.add_cli_args(parser)
     try:
-        return ServerArgs.from_cli_args(parser.parse_args(argv))
+        return load_keys(ServerArgs.from_cli_args(parser.parse_args(argv)))
     except ValueError as e:
         parser.error(str(e))
         raise
@@ -84,6 +88,7 @@ def run_server(args: ServerArgs) -> int:
         from runtime.entrypoints.data_parallel import run_data_parallel
 
         return run_data_parallel(args)
+    from runtime.entrypoints.security import allowed_hosts
     from runtime.entrypoints.server import create_app
     from runtime.managers.tokenizer_manager import TokenizerManager
     from runtime.models.model_loader import resolve_model_path
@@ -95,6 +100,12 @@ def run_server(args: ServerArgs) -> int:
     model_dir = resolve_model_path(args.model)
     if args.node_rank > 0:
         return run_worker_node(args, model_dir)
+    if args.allowed_hosts is None and allowed_hosts(args) is None:
+        logger.warning(
+            "--host %s: any Host header is accepted, so a web page can reach this server by DNS rebinding; "
+            "set --allowed-hosts to the names clients use",
+            args.host or "''",
+        )
     state = {"dead": None}
     server_box: list[_Server] = []
 

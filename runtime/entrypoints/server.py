@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import os
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,7 @@ from runtime.entrypoints.http_common import (
     sse,
 )
 from runtime.entrypoints.metrics import Metrics
+from runtime.entrypoints.security import Guard, require_admin
 from runtime.entrypoints.streaming import stream_response
 from runtime.errors import RequestError
 from runtime.managers.tokenizer_manager import TokenizerManager
@@ -55,8 +56,15 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
 
 
+MAX_RID_CHARS = 256
+
+
 class AbortRequest(BaseModel):
-    rid: str = ""
+    """One request by its rid, or (an admin operation) every request with `abort_all`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: str | None = None
+    abort_all: bool = False
 
 
 def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
@@ -67,27 +75,8 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     metrics = Metrics()
     tm.metrics = metrics
 
-    @app.exception_handler(RequestError)
-    async def _request_error(_: Request, e: RequestError):
-        return error_response(e.status, e.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        return error_response(400, _describe_validation(e))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        """Routing errors (404, 405) and body decode failures, in the same error object as everything else."""
-        return error_response(e.status_code, _describe_http_error(request, e), headers=e.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        """A bug on our side: still the error object (Starlette logs the traceback after this answers)."""
-        return error_response(
-            500, f"internal server error while serving {request.url.path}: {type(e).__name__}: {e}"
-        )
-
-    app.add_middleware(_Guard, args=args)
+    add_error_handlers(app)
+    app.add_middleware(Guard, args=args)
 
     # ---- native API ---------------------------------------------------------------------------------------
     @app.post("/generate")
@@ -150,8 +139,9 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     async def server_info():
         info = await tm.server_info()
         server_args = dataclasses.asdict(args)
-        if server_args.get("api_key"):
-            server_args["api_key"] = "***"
+        for name in ("api_key", "admin_api_key"):
+            if server_args.get(name):
+                server_args[name] = "***"
         # The name sglang-router registers this worker under (its /v1/models answer, as ours).
         server_args["served_model_name"] = args.model_name
         return {
@@ -163,14 +153,31 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         }
 
     @app.post("/flush_cache")
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        require_admin(request, args, "/flush_cache")
         resp = await tm.flush_cache()
         if not resp.success:
             return error_response(400, f"cache not flushed: {resp.message}")
         return PlainTextResponse("Cache flushed.")
 
     @app.post("/abort_request")
-    async def abort_request(body: AbortRequest):
+    async def abort_request(request: Request, body: AbortRequest):
+        if body.abort_all:
+            if body.rid is not None:
+                raise RequestError("give either 'rid' or 'abort_all', not both", 400)
+            require_admin(request, args, "abort_all")
+            logger.warning("abort_all: aborting %d request(s) in flight", tm.num_in_flight())
+            tm.abort(abort_all=True)
+            return {"success": True}
+        if not body.rid:
+            raise RequestError(
+                "'rid' is required: the non-empty id of the request to abort (to abort every request, an "
+                'admin sends {"abort_all": true})',
+                400,
+            )
+        if len(body.rid) > MAX_RID_CHARS:
+            too_long = f"'rid' is too long ({len(body.rid)} characters; at most {MAX_RID_CHARS})"
+            raise RequestError(too_long, 400)
         try:
             check_unicode({"rid": body.rid})  # the IPC encoder cannot carry a lone surrogate
         except ValueError as e:
@@ -192,57 +199,30 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     return app
 
 
-class _Guard:
-    """Pure ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the handlers):
-    API key, JSON content type, body size limit."""
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the client's, as OpenAI's error object."""
 
-    def __init__(self, app, args: ServerArgs):
-        self.app, self.args = app, args
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, e: RequestError):
+        return error_response(e.status, e.message)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        args = self.args
-        headers = {k.lower(): v for k, v in scope["headers"]}
-        if args.api_key and scope["path"] != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {args.api_key}".encode()):
-                resp = error_response(401, "missing or invalid API key (use 'Authorization: Bearer KEY')")
-                return await resp(scope, receive, send)
-        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
-            scope["headers"] = [
-                *((k, v) for k, v in scope["headers"] if k != b"content-type"),
-                (b"content-type", b"application/json"),
-            ]
-        length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await error_response(400, "invalid Content-Length header")(scope, receive, send)
-            if int(length) > args.max_request_bytes:
-                msg = f"request body too large ({int(length)} bytes; limit {args.max_request_bytes})"
-                return await error_response(413, msg)(scope, receive, send)
-        elif scope["method"] == "POST" and headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            body = b""
-            while True:
-                msg = await receive()
-                if msg["type"] != "http.request":
-                    return
-                body += msg.get("body", b"")
-                if len(body) > args.max_request_bytes:
-                    msg = f"request body too large (limit {args.max_request_bytes} bytes)"
-                    return await error_response(413, msg)(scope, receive, send)
-                if not msg.get("more_body"):
-                    break
-            replayed = False
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        return error_response(400, _describe_validation(e))
 
-            async def replay():
-                nonlocal replayed
-                if not replayed:
-                    replayed = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                return await receive()  # after the body: disconnect detection still works
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        """Routing errors (404, 405) and body decode failures, in the same error object as everything else."""
+        return error_response(e.status_code, _describe_http_error(request, e), headers=e.headers)
 
-            return await self.app(scope, replay, send)
-        return await self.app(scope, receive, send)
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        """A bug on our side. The client gets an id to quote, never the exception text (it can carry paths,
+        configuration or other clients' data); the log gets the id with the traceback."""
+        error_id = "err-" + secrets.token_hex(6)
+        path = request.url.path
+        logger.error("internal server error %s on %s %s", error_id, request.method, path, exc_info=e)
+        return error_response(500, f"internal server error (id {error_id}); see the server log")
 
 
 class _NativeFormatter:

@@ -106,7 +106,7 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             self._add_isolated(msg)
         elif isinstance(msg, AbortReq):
-            self.abort(msg.rid)
+            self.abort(msg.rid, abort_all=msg.abort_all)
         elif isinstance(msg, FlushCacheReq):
             ok = self.flush_cache()
             return FlushCacheResp(success=ok, message="" if ok else "requests are running; cache not flushed")
@@ -160,9 +160,13 @@ class Scheduler:
             return f"stop_token_ids must be in [0, {r.vocab_size}) (the vocabulary), got {bad_stops[:5]}"
         return None
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        """Finish request `rid`, or every request with `abort_all`, as aborted. An empty rid matches none:
+        aborting everything must be asked for explicitly."""
+        if not (rid or abort_all):
+            return
         for queue in (self.grammar_wait, self.waiting, self.reextend, self.running):
-            for req in [r for r in queue if rid in ("", r.rid)]:
+            for req in [r for r in queue if abort_all or r.rid == rid]:
                 queue.remove(req)
                 self._finish_aborted(req)
 

@@ -342,8 +342,9 @@ class TokenizerManager:
         )
         return dataclasses.replace(r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False)
 
-    def abort(self, rid: str) -> None:
-        ipc.send(self._send_sock, AbortReq(rid=rid))
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort request `rid` in the scheduler, or every request with `abort_all` ("" alone aborts none)."""
+        ipc.send(self._send_sock, AbortReq(rid=rid, abort_all=abort_all))
 
     # ---- control ---------------------------------------------------------------------------------------
     async def _control(self, msg, resp_type: type, timeout: float = 30.0):

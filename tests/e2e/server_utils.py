@@ -305,10 +305,11 @@ def kick(url: str, headers: dict | None = None) -> None:
 
 def unstick(url: str, headers: dict | None = None) -> None:
     """Best-effort cleanup after a failed test left requests behind:
-    abort everything (rid ""), flush outputs.
+    abort everything (abort_all: an admin call when the server has --admin-api-key), flush outputs.
     """
     try:
-        requests.post(url + "/abort_request", json={"rid": ""}, headers=headers, timeout=HTTP_TIMEOUT_S)
+        body = {"abort_all": True}
+        requests.post(url + "/abort_request", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
         kick(url, headers)
         wait_idle(url, timeout=30, headers=headers)
     except (requests.RequestException, AssertionError):

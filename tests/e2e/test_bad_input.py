@@ -255,7 +255,7 @@ def test_rejected_batch_leaves_nothing_running(srv):
         if info["requests_in_flight"] == 0 and info["num_running_reqs"] == 0:
             break
         if time.monotonic() > deadline:
-            requests.post(srv.url + "/abort_request", json={"rid": ""}, timeout=30)
+            requests.post(srv.url + "/abort_request", json={"abort_all": True}, timeout=30)
             raise AssertionError(f"the accepted half of a rejected batch kept running: {info}")
         time.sleep(0.2)
 

@@ -135,7 +135,7 @@ def _run_waves(server, episodes: list[Episode], width: int = 4) -> None:
 
 
 def _abort_all(url: str) -> None:
-    requests.post(url + "/abort_request", json={"rid": ""}, timeout=30)
+    requests.post(url + "/abort_request", json={"abort_all": True}, timeout=30)
     _wait_idle(url, 120)
 
 

@@ -4,6 +4,7 @@ sglang-router adds to the requests it forwards (accepted when off, refused by na
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 
 import pytest
@@ -53,9 +54,9 @@ def test_bad_dp_options_are_named(kwargs, message):
         ServerArgs(**kwargs)
 
 
-def test_replica_command_round_trips_every_user_option():
+def test_replica_command_round_trips_every_user_option(monkeypatch):
     """A replica gets every option the user set (parsed back to the same values), on its own port, with
-    the front-only options reset."""
+    the front-only options reset; the keys come through its environment, not its command line."""
     front = parse_args(
         [
             "--port", "31000", "--host", "0.0.0.0", "--dp-size", "2", "--router-policy", "round_robin",
@@ -63,7 +64,10 @@ def test_replica_command_round_trips_every_user_option():
             "--new-token-ratio", "0.25", "--api-key", "k", "--num-threads", "3",
         ]
     )  # fmt: skip
-    replica = parse_args(dp.replica_cli_args(front, 31002))
+    argv = dp.replica_cli_args(front, 31002)
+    assert "k" not in argv
+    monkeypatch.setattr(os, "environ", dp.child_env(front))
+    replica = parse_args(argv)
     expected = dataclasses.replace(
         front, host="127.0.0.1", port=31002, dp_size=1, router_policy="cache_aware"
     )
@@ -87,7 +91,8 @@ def test_router_command_parses_with_the_routers_own_parser():
     assert parsed.worker_urls == urls
     assert (parsed.host, parsed.port, parsed.policy) == ("127.0.0.1", 31000, "round_robin")
     assert (parsed.prometheus_host, parsed.prometheus_port) == ("127.0.0.1", 31999)  # never 0.0.0.0
-    assert parsed.api_key == "k"
+    assert parsed.api_key is None  # not on its command line: `router_main` adds it from the environment
+    assert dp.child_env(args, router=True)["RADIXLM_API_KEY"] == "k"
     assert parsed.max_payload_size == args.max_request_bytes
 
 
