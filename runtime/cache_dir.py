@@ -80,10 +80,21 @@ def unsafe_reason(st: os.stat_result, want_dir: bool = False) -> str | None:
 
 
 def use_private_inductor_cache() -> Path | None:
-    """Point inductor's cache (default /tmp/torchinductor_<user>: shared /tmp, loads .so files from it) at
-    `<cache root>/inductor`, unless the user set TORCHINDUCTOR_CACHE_DIR. Call before inductor compiles."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    """Point inductor's cache (it loads .so files from it) at `<cache root>/inductor` unless the user chose
+    one with TORCHINDUCTOR_CACHE_DIR. Inductor's default, /tmp/torchinductor_<user>, sits in the shared /tmp,
+    and inductor writes it into the environment itself on first use (transformers' save_pretrained does
+    that), so that value counts as not chosen. Call before inductor compiles."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current and os.path.abspath(current) != _inductor_default():
         return None
     path = cache_subdir("inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
+
+
+def _inductor_default() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # another torch layout: only an unset variable counts as not chosen
+        return None
+    return os.path.abspath(default_cache_dir())

@@ -16,7 +16,7 @@ slot list, exactly as the torch_native backend's decode does, and masks the padd
 boolean mask; the KV write is an index_copy_ into the pool, which inductor keeps in place.
 
 Inductor's cache (compiled .so files it loads back) goes to $RADIXLM_CACHE_DIR/inductor, a 0700 directory,
-instead of its default /tmp/torchinductor_<user>, unless TORCHINDUCTOR_CACHE_DIR is set.
+instead of its default /tmp/torchinductor_<user>, unless the user set TORCHINDUCTOR_CACHE_DIR.
 """
 
 from __future__ import annotations

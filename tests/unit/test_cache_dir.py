@@ -85,6 +85,19 @@ def test_inductor_cache_goes_under_the_cache_dir(tmp_path, monkeypatch, loose_um
     assert inductor_cache_dir() == str(tmp_path / "c" / "inductor")  # what inductor itself will use
 
 
+def test_inductors_own_default_in_the_env_is_replaced(tmp_path, monkeypatch):
+    """Inductor writes its /tmp default into the environment on first use (transformers' save_pretrained
+    triggers it), which must not pass for a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    default = inductor_cache_dir()  # sets the variable to the /tmp default, as inductor's first use does
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default != str(tmp_path / "c" / "inductor")
+    assert use_private_inductor_cache() == tmp_path / "c" / "inductor"
+    assert inductor_cache_dir() == str(tmp_path / "c" / "inductor")
+
+
 def test_a_users_inductor_cache_dir_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
