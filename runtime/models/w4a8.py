@@ -13,7 +13,9 @@ Activations: per row and block of 32, a = qa * da with da = max|a| / 127, qa rou
 
 The kernel is built on first use with the system C++ compiler (`$CXX`, else `c++`) against torch's headers
 (~10 s on 2 cores) and cached under $RADIXLM_CACHE_DIR/kernels (default ~/.cache/radixlm/kernels), keyed by
-the source, the flags, torch's version and the CPU's flags (it is built with -march=native).
+the source, the flags, torch's version and the CPU's flags (it is built with -march=native). The directory is
+0700 and a cached .so is loaded only when this user owns it and nobody else can write to it; otherwise it is
+rebuilt (see runtime/cache_dir.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.cache_dir import UnsafeCacheDir, cache_subdir, unsafe_reason
 from runtime.models.parallel import TensorParallel
 from runtime.server_args import cpu_flags
 
@@ -71,6 +75,9 @@ def load_kernels() -> Path:
     with _load_lock:
         if _loaded is None:
             path = _build()
+            reason = _untrusted(path)  # checked again right before loading: it is what gets executed
+            if reason:
+                raise KernelUnavailable(f"refusing to load the w4a8 kernel {path}: it {reason}")
             try:
                 torch.ops.load_library(str(path))
             except OSError as e:  # a damaged cache entry: say which file to delete
@@ -106,7 +113,12 @@ def _compile_command() -> list[str]:
 
 
 def _build() -> Path:
-    root = Path(os.environ.get("RADIXLM_CACHE_DIR") or "~/.cache/radixlm").expanduser() / "kernels"
+    """The cached library for this source/flags/torch/CPU, built (atomically, mode 0700) when missing or
+    when the cached file is not safe to load (not ours, or writable by others: see `_untrusted`)."""
+    try:
+        root = cache_subdir("kernels")
+    except UnsafeCacheDir as e:
+        raise KernelUnavailable(str(e)) from e
     command = _compile_command()
     key = hashlib.sha256(
         "\0".join(
@@ -114,9 +126,11 @@ def _build() -> Path:
         ).encode()
     ).hexdigest()[:16]
     target = root / f"w4a8_gemm-{key}.so"
-    if target.is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(target):
+        reason = _untrusted(target)
+        if reason is None:
+            return target
+        logger.warning("the cached w4a8 kernel %s %s: not loading it, building a fresh one", target, reason)
     # build beside the target and rename: processes starting together never load a half-written file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
     os.close(fd)
@@ -127,7 +141,7 @@ def _build() -> Path:
             raise KernelUnavailable(
                 f"building the w4a8 kernel failed (exit {done.returncode}): {done.stderr[-2000:]}"
             )
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o700)
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as e:
         raise KernelUnavailable("building the w4a8 kernel took over 300 s") from e
@@ -140,6 +154,18 @@ def _build() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why the library at `path` must not be loaded (None when it may): dlopen runs its code, so it must be
+    a regular file (not a symlink) owned by this user and not group- or world-writable."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    return unsafe_reason(st)
 
 
 # ----------------------------------------------------------------------------------------------- quantizers

@@ -6,7 +6,7 @@ Layers, top to bottom (a layer may import itself and anything below it, never ab
     runtime.managers
     runtime.model_executor
     runtime.models, runtime.mem_cache, radixlm_kernels
-    shared top-level runtime modules: server_args, sampling_params, messages, ipc, errors
+    shared top-level runtime modules: server_args, sampling_params, messages, ipc, errors, cache_dir
 
 plus these package rules: `constrained` imports nothing of ours (any runtime layer may use it);
 `runtime.mem_cache` imports only the standard library and torch; `radixlm_kernels` imports nothing of
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("runtime", "radixlm_kernels", "constrained", "lang")
 OURS = (*PACKAGES, "bench", "tests")
 
-SHARED = ("server_args", "sampling_params", "messages", "ipc", "errors")
+SHARED = ("server_args", "sampling_params", "messages", "ipc", "errors", "cache_dir")
 # component of a `runtime` module, by its first name below `runtime`
 LAYER_OF = {
     "entrypoints": "entrypoints",

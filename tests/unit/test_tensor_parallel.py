@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU: 2 spawned gloo ranks give the logits of one process, within fp32 round-off.
 
 Rank 0 drives the real `ModelRunner.forward` (which broadcasts each batch) through an extend over a cached
-prefix and decode steps; rank 1 runs the real worker loop body (`receive_forward` + `forward_local`). The
+prefix and decode steps; rank 1 runs the real worker loop (`serve_forwards`). Neither rank may unpickle
+anything once loaded (the rendezvous is unauthenticated: control data are typed tensors, `batch_wire`). The
 same batches run through a TP=1 runner in the test process as the reference. Two models: the shared tiny one
 (4 heads / 2 KV heads, everything divides) and an uneven one (3 KV heads on 2 ranks, odd vocabulary, odd
 MLP width, tied embeddings), which is how SmolLM2-135M (9 heads / 3 KV heads) splits. Also: int8, w8a8
@@ -62,30 +63,51 @@ def _drive(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
+def _forbid_pickle() -> None:
+    """Make every unpickling entry point (and torch's object collectives) raise in this rank process."""
+    import pickle
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used on the tensor-parallel path")
+
+    for mod, name in [(pickle, "loads"), (pickle, "load"), (pickle, "Unpickler"), (c10d, "_unpickler")]:
+        setattr(mod, name, refuse)
+    for name in ("broadcast_object_list", "_tensor_to_object", "_object_to_tensor"):
+        setattr(c10d, name, refuse)
+        if hasattr(dist, name):
+            setattr(dist, name, refuse)
+
+
 def _rank_main(rank: int, args: ServerArgs, model_dir: str, results, quantization: str = "none") -> None:
     try:
-        from runtime.model_executor.distributed import BatchChannel, init_tensor_parallel, receive_forward
+        from runtime.managers.tp_worker import serve_forwards
+        from runtime.model_executor import distributed
+        from runtime.model_executor.batch_wire import HEADER_LEN, MalformedMessage
 
         torch.set_num_threads(1)
-        tp = init_tensor_parallel(args, rank)
+        tp = distributed.init_tensor_parallel(args, rank)
         runner = ModelRunner(model_dir, tp=tp, quantization=quantization, **POOL)
+        _forbid_pickle()  # from here on (every forward and control message) nothing may unpickle
         if rank == 0:
             # numpy, not tensors: a queued tensor is shared memory that dies with this process
             results.put(("logits", [t.numpy() for t in _drive(runner)]))
-            runner.channel._broadcast(("noop",))  # a heartbeat is received and ignored
-            runner.channel._broadcast(("stop",))
+            distributed.HEARTBEAT_S = 0.0
+            runner.channel.keepalive()  # a heartbeat is received and ignored
+            runner.channel.send_stop()
+            # then a header that is not one of ours (a stranger on the rendezvous): refused, not run
+            torch.distributed.broadcast(torch.arange(HEADER_LEN), src=0, group=tp.control_group)
         else:
-            channel = BatchChannel(tp)
-            while True:
-                msg = channel.recv()
-                if msg[0] == "stop":
-                    break
-                got = receive_forward(msg, runner.device)
-                if got is not None:
-                    batch, rows = got
-                    runner.req_to_token_pool.req_to_token[batch.req_pool_indices, : rows.shape[1]] = rows
-                    runner.forward_local(batch)
+            channel = distributed.BatchChannel(tp)
+            serve_forwards(runner, channel)  # the worker process's real loop, until STOP
             results.put(("kv_heads", runner.kv_pool.num_kv_heads))
+            try:
+                serve_forwards(runner, channel)
+                results.put(("error", "rank 1 accepted a malformed header"))
+            except MalformedMessage as e:
+                results.put(("malformed", str(e)))
     except BaseException:
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
@@ -98,13 +120,17 @@ def _run_tp2(model_dir: str, quantization: str = "none") -> tuple[list[torch.Ten
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=300) for _ in procs)
+        got = {}
+        while len(got) < 3 and "error" not in got:  # logits, kv_heads, malformed (or the first error)
+            key, value = results.get(timeout=300)
+            got[key] = value
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
     assert "error" not in got, got["error"]
+    assert got["malformed"] == "bad magic 0x0 (not a radixlm tensor-parallel message)"
     return [torch.from_numpy(a) for a in got["logits"]], got["kv_heads"]
 
 
