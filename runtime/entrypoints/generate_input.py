@@ -89,10 +89,11 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     if stream and is_batch:
         raise ValueError("streaming is supported for a single prompt only")
     reqs = []
-    for (t, i), p, r in zip(prompts, params, rids):
+    auto = uuid.uuid4().hex  # one random id per body (uuid4 per prompt was most of a big batch's parse)
+    for k, ((t, i), p, r) in enumerate(zip(prompts, params, rids)):
         reqs.append(
             SingleRequest(
-                rid=r or uuid.uuid4().hex,
+                rid=r or (f"{auto}-{k}" if is_batch else auto),
                 text=t,
                 input_ids=i,
                 params=p,
