@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Upper bounds that keep a single request from monopolising the server; bigger values are
-# almost always client bugs (e.g. max_tokens=1e9).
+# almost always client bugs (e.g. max_tokens=1e9). The stop strings' bounds are server options
+# (--max-stop-strings, --max-stop-chars), checked by the tokenizer manager.
 MAX_NEW_TOKENS_LIMIT = 1 << 20
-MAX_STOP_STRINGS = 64
 MAX_N = 64
 # Integers cross process boundaries as MessagePack and end up in int64 tensors: anything wider is refused
 # here.
@@ -107,8 +107,6 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError("stop must be a string or a list of strings")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if not isinstance(self.stop_token_ids, list) or not all(

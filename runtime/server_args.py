@@ -146,6 +146,23 @@ class ServerArgs:
         "the --host address, localhost, 127.0.0.1 and [::1], or any host when --host is 0.0.0.0 or ::",
     )
 
+    # ---- request bounds ----
+    max_stop_strings: int = _opt(64, "most stop strings one request may give; past it: HTTP 400")
+    max_stop_chars: int = _opt(
+        4096,
+        "most characters of one request's stop strings together (the stop check's work per token grows "
+        "with them); past it: HTTP 400",
+    )
+    max_rid_length: int = _opt(256, "longest request id ('rid') in characters; past it: HTTP 400")
+    max_prompts_per_request: int = _opt(
+        1024, "most sequences one request may start (prompts x n choices); past it: HTTP 400"
+    )
+    max_prompt_chars: int = _opt(
+        1_000_000,
+        "most characters of prompt text in one request (all prompts, or all chat messages, together), "
+        "checked before tokenizing; past it: HTTP 400",
+    )
+
     def __post_init__(self) -> None:
         self._check_security()
         self._check_parallel()
@@ -168,6 +185,7 @@ class ServerArgs:
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError("--new-token-ratio must be in [0, 1]")
         self._check_data_parallel()
+        self._check_request_bounds()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -195,6 +213,17 @@ class ServerArgs:
                     "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
                     "port and does not check the Host header (see README 'Security')"
                 )
+
+    def _check_request_bounds(self) -> None:
+        for name in (
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_rid_length",
+            "max_prompts_per_request",
+            "max_prompt_chars",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
     def _check_data_parallel(self) -> None:
         if self.dp_size < 1:

@@ -12,7 +12,6 @@ from typing import Any
 from runtime.managers.generate_request import SingleRequest
 from runtime.sampling_params import SamplingParams
 
-MAX_BATCH = 1024
 ALLOWED_FIELDS = {
     "text",
     "input_ids",
@@ -31,8 +30,11 @@ ROUTER_LOG_HINTS = {"log_metrics", "no_logs"}
 ROUTER_OFF_ONLY = {"return_hidden_states", "background", "return_bytes", "return_entropy"}
 
 
-def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
-    """Returns (requests, is_batch)."""
+def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list[SingleRequest], bool]:
+    """Returns (requests, is_batch).
+
+    `max_prompts` (the server's --max-prompts-per-request) is checked before any per-prompt work; the
+    tokenizer manager checks it again with n counted."""
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     check_unicode(body)
@@ -62,14 +64,18 @@ def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
         prompts = [(None, s) for s in seqs]
     if is_batch and not prompts:
         raise ValueError("batch input must not be empty")
-    if len(prompts) > MAX_BATCH:
-        raise ValueError(f"at most {MAX_BATCH} prompts per request, got {len(prompts)}")
+    if max_prompts is not None and len(prompts) > max_prompts:
+        raise ValueError(
+            f"the request has {len(prompts)} prompts, more than --max-prompts-per-request ({max_prompts})"
+        )
 
     sp = body.get("sampling_params")
-    sp_list = sp if isinstance(sp, list) else [sp] * len(prompts)
-    if len(sp_list) != len(prompts):
-        raise ValueError("'sampling_params' list must have one entry per prompt")
-    params = [SamplingParams.from_dict(p) for p in sp_list]
+    if isinstance(sp, list):
+        if len(sp) != len(prompts):
+            raise ValueError("'sampling_params' list must have one entry per prompt")
+        params = [SamplingParams.from_dict(p) for p in sp]
+    else:  # one object for every prompt: parsed once (requests never modify their params)
+        params = [SamplingParams.from_dict(sp)] * len(prompts)
 
     stream = _bool(body, "stream")
     return_logprob = _bool(body, "return_logprob")
@@ -83,10 +89,11 @@ def parse_generate_body(body: Any) -> tuple[list[SingleRequest], bool]:
     if stream and is_batch:
         raise ValueError("streaming is supported for a single prompt only")
     reqs = []
-    for (t, i), p, r in zip(prompts, params, rids):
+    auto = uuid.uuid4().hex  # one random id per body (uuid4 per prompt was most of a big batch's parse)
+    for k, ((t, i), p, r) in enumerate(zip(prompts, params, rids)):
         reqs.append(
             SingleRequest(
-                rid=r or uuid.uuid4().hex,
+                rid=r or (f"{auto}-{k}" if is_batch else auto),
                 text=t,
                 input_ids=i,
                 params=p,

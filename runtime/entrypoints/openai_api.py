@@ -145,6 +145,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             {"role": m.role if m.role != "developer" else "system", "content": _content_text(m.content)}
             for m in body.messages
         ]
+        # Bounds and admission before the template is rendered and the prompt tokenized.
+        tm.check_prompt_chars(sum(len(m["content"]) for m in msgs))
+        _check_bounds(tm, body, 1)
         # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
         try:
             plan = await plan_chat(
@@ -162,7 +165,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             if grammar:
                 raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
             grammar = {"regex": plan.regex}
-        ids = tm.tokenizer.encode(plan.prompt, add_special_tokens=False)
+        ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
         # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
@@ -199,24 +202,24 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             raise RequestError("'suffix' is not supported", 400)
         if body.best_of not in (None, 1, body.n):
             raise RequestError("'best_of' other than n is not supported", 400)
-        prompts = _completion_prompts(tm, body.prompt)
-        if body.stream and len(prompts) > 1:
+        texts, id_lists = _completion_prompts(body.prompt)
+        if body.stream and len(texts) + len(id_lists) > 1:
             raise RequestError("streaming supports a single prompt", 400)
+        # Bounds and admission before tokenizing: a refused request costs no tokenizer time.
+        tm.check_prompt_chars(sum(len(t) for t in texts))
+        _check_bounds(tm, body, len(texts) + len(id_lists))
+        prompts = await tm.encode(texts) if texts else id_lists
         top = body.logprobs
         rid = "cmpl-" + uuid.uuid4().hex
-        reqs, echo_texts = [], []
-        for ids in prompts:
-            params = _sampling_params(
-                body,
-                body.max_tokens if body.max_tokens is not None else 16,
-                len(ids),
-                tm.context_length,
-                _grammar(body),
-            )
-            # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
-            start = 0 if body.echo and top is not None else -1
-            reqs.append(_request(ids, params, top is not None, top or 0, body.stream, start))
-            echo_texts.append(tm.tokenizer.decode(ids) if body.echo else "")
+        # max_tokens is always set here (OpenAI's default is 16), so one SamplingParams serves every prompt.
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = _sampling_params(body, max_tokens, 0, tm.context_length, _grammar(body))
+        # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
+        start = 0 if body.echo and top is not None else -1
+        reqs = [_request(ids, params, top is not None, top or 0, body.stream, start) for ids in prompts]
+        echo_texts = [""] * len(prompts)
+        if body.echo:
+            echo_texts = await tm.run_in_tokenizer(lambda: [tm.tokenizer.decode(ids) for ids in prompts])
         if body.stream:
             fmt = _CompletionFormatter(rid, args.model_name, tm, body, echo_texts[0])
             return await stream_response(tm, reqs, fmt)
@@ -337,16 +340,26 @@ def _request(
     )
 
 
-def _completion_prompts(tm: TokenizerManager, prompt) -> list[list[int]]:
+def _completion_prompts(prompt) -> tuple[list[str], list[list[int]]]:
+    """(texts to tokenize, token id lists): one of the two is empty."""
     if isinstance(prompt, str):
-        return [tm.tokenizer.encode(prompt)]
+        return [prompt], []
     if not prompt:
         raise RequestError("'prompt' must not be empty", 400)
     if all(isinstance(p, str) for p in prompt):
-        return [tm.tokenizer.encode(p) for p in prompt]
+        return list(prompt), []
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return [list(p) for p in prompt]
+        return [], [list(prompt)]
+    return [], [list(p) for p in prompt]
+
+
+def _check_bounds(tm: TokenizerManager, body: _Common, num_prompts: int) -> None:
+    """The request bounds the tokenizer manager checks again later, and admission, checked while the
+    request is still cheap to refuse."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    tm.check_stop(stop)
+    tm.check_prompt_count(num_prompts * body.n)
+    tm.check_admission(num_prompts * body.n)
 
 
 def _finish(result: dict[str, Any]) -> str:

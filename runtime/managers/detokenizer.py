@@ -2,7 +2,8 @@
 
 Per request it keeps the ids and the text already sent. New text is what the decoded ids add beyond the sent
 text, held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a stop string,
-so a stream never shows text that a later stop-string trim would take back.
+so a stream never shows text that a later stop-string trim would take back. Decoding and stop matching are
+incremental (runtime.managers.stop_checker): a step's work does not grow with the output.
 """
 
 from __future__ import annotations
@@ -15,77 +16,73 @@ from dataclasses import dataclass, field
 import zmq
 
 from runtime import ipc
+from runtime.managers.stop_checker import IncrementalText, StopMatcher
 from runtime.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, ReqTextOutput, decode
 from runtime.server_args import ServerArgs
-
-# After a jump-forward rewrite, restart incremental decoding this many tokens back.
-SURROUNDING_TOKENS = 6
 
 
 @dataclass
 class DecodeState:
+    text: IncrementalText  # the committed text's decoding position
     ids: list[int] = field(default_factory=list)
-    text: str = ""  # full decoded text so far (committed part)
-    sent: int = 0  # characters of `text` already sent
-    surr: int = 0  # ids[surr:read] decode to text[-len(surr_text):]
-    read: int = 0
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    stop: list[str] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # committed text, one piece per `text.marks` entry
+    sent: int = 0  # characters already sent
     no_stop_trim: bool = False
+    stops: list[str] = field(default_factory=list)  # trimmed stop strings (none with no_stop_trim)
+    matcher: StopMatcher | None = None
+    cut: tuple[int, int] | None = None  # (start, end) of the first stop string found: text ends there
 
 
 class IncrementalDetokenizer:
+    """Per step, work bounded by the new tokens and the stop strings' length: the new tokens are decoded
+    with a few tokens of context, the stop matcher sees only the new characters, and only unsent text is
+    sliced out of the committed pieces."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
 
-    def _decode(self, st: DecodeState, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=st.skip_special_tokens,
-            spaces_between_special_tokens=st.spaces_between_special_tokens,
+    def _new_state(self, out: ReqOutput) -> DecodeState:
+        skip, spaces = out.skip_special_tokens, out.spaces_between_special_tokens
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+
+        stops = [] if out.no_stop_trim else list(out.stop_strings or [])
+        return DecodeState(
+            text=IncrementalText(decode, track_marks=True),
+            no_stop_trim=out.no_stop_trim,
+            stops=stops,
+            matcher=StopMatcher(stops) if stops else None,
         )
 
     def process(self, out: ReqOutput) -> ReqTextOutput:
         st = self.states.get(out.rid)
         if st is None:
-            st = self.states[out.rid] = DecodeState(
-                skip_special_tokens=out.skip_special_tokens,
-                spaces_between_special_tokens=out.spaces_between_special_tokens,
-                stop=list(out.stop_strings or []),
-                no_stop_trim=out.no_stop_trim,
-            )
+            st = self.states[out.rid] = self._new_state(out)
+        finished = out.finished_reason is not None
         new_ids = out.new_token_ids
         if _ends_on_stop_token(out) and not st.no_stop_trim:
             new_ids = new_ids[:-1]  # like a stop string, the matched stop token is not part of the text
         if out.replaced_tokens:
-            # Jump-forward rewrote the tail; the decoded text of the kept prefix is unchanged, so rebuild the
-            # text from scratch and keep what was already sent.
-            del st.ids[len(st.ids) - out.replaced_tokens :]
-            st.ids.extend(new_ids)
-            st.text = self._decode(st, st.ids)
-            st.read = len(st.ids)
-            st.surr = max(0, st.read - SURROUNDING_TOKENS)
-        else:
-            st.ids.extend(new_ids)
-            if len(st.ids) > st.read:
-                prefix_text = self._decode(st, st.ids[st.surr : st.read])
-                new_text = self._decode(st, st.ids[st.surr :])
-                complete = not new_text.endswith("\ufffd") or out.finished_reason is not None
-                if len(new_text) > len(prefix_text) and complete:
-                    st.text += new_text[len(prefix_text) :]
-                    st.surr, st.read = st.read, len(st.ids)
-        finished = out.finished_reason is not None
-        visible = st.text
-        if st.stop and not st.no_stop_trim:
-            cut = _first_stop(visible, st.stop)
-            if cut is not None:
-                visible = visible[:cut]
-            elif not finished:
-                visible = visible[: len(visible) - _stop_prefix_overlap(visible, st.stop)]
-        delta = visible[st.sent :] if len(visible) > st.sent else ""
-        st.sent = max(st.sent, len(visible))
+            self._rewind(st, len(st.ids) - out.replaced_tokens)
+        st.ids.extend(new_ids)
+        new = st.text.advance(st.ids, final=finished)
+        if new:
+            st.pieces.append(new)
+            if st.matcher is not None and st.cut is None:
+                hit = st.matcher.feed(new)
+                if hit is not None:
+                    st.cut = (hit[0], hit[0] + len(hit[1]))
+        limit = st.text.chars
+        if st.cut is not None:
+            limit = st.cut[0]
+        elif st.matcher is not None and not finished:
+            limit -= st.matcher.overlap  # could be the start of a stop string: held back
+        delta = ""
+        if limit > st.sent:
+            delta = _text_from(st, st.sent)[: limit - st.sent]
+            st.sent = limit
         if finished:
             del self.states[out.rid]
         return ReqTextOutput(
@@ -103,6 +100,32 @@ class IncrementalDetokenizer:
             error_status=out.error_status,
         )
 
+    @staticmethod
+    def _rewind(st: DecodeState, kept_tokens: int) -> None:
+        """Jump-forward rewrote the tokens from `kept_tokens` on. The text of the kept ones is unchanged, so
+        decoding restarts at the last commit within them; text already sent stays sent."""
+        del st.ids[kept_tokens:]
+        kept = st.text.rewind(kept_tokens)
+        del st.pieces[len(st.text.marks) :]
+        if st.cut is not None and st.cut[1] <= kept:
+            return
+        st.cut = None
+        if st.stops:  # the matcher restarts on the kept text's end, all a match could start in
+            st.matcher = StopMatcher(st.stops)
+            window = _text_from(st, max(0, kept - st.matcher.max_len + 1))
+            st.matcher.fed = kept - len(window)
+            st.matcher.feed(window)
+
+
+def _text_from(st: DecodeState, pos: int) -> str:
+    """Committed text from character `pos` on, joined from the last pieces only."""
+    parts, start, i = [], st.text.chars, len(st.pieces) - 1
+    while i >= 0 and start > pos:
+        parts.append(st.pieces[i])
+        start -= len(st.pieces[i])
+        i -= 1
+    return "".join(reversed(parts))[max(0, pos - start) :]
+
 
 def _ends_on_stop_token(out: ReqOutput) -> bool:
     reason = out.finished_reason
@@ -113,22 +136,6 @@ def _ends_on_stop_token(out: ReqOutput) -> bool:
         and bool(out.new_token_ids)
         and out.new_token_ids[-1] == matched
     )
-
-
-def _first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 def run_detokenizer_process(

@@ -1,10 +1,136 @@
-"""Finish conditions checked after every new token: length, EOS, stop token ids, stop strings."""
+"""Finish conditions checked after every new token: length, EOS, stop token ids, stop strings.
+
+Stop strings are matched incrementally: each step decodes only the new tokens (with a few tokens of context)
+and feeds the new characters to a `StopMatcher`, so the work per token is bounded by the stop strings'
+length, never by the output's. The detokenizer uses the same two pieces for its stop-string trim.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from runtime.managers.req import Req
+if TYPE_CHECKING:  # the detokenizer process imports this module and needs no torch
+    from runtime.managers.req import Req
+
+# Tokens of already committed text decoded again before new ones, so that a token's text comes out as it
+# does in context (a leading space, a multi-byte character split over tokens).
+SURROUNDING_TOKENS = 6
+# Undecodable tail tokens (text ending in U+FFFD) wait at most this many tokens for the rest of their
+# character: any UTF-8 character has at most 4 bytes, so more is garbage and is committed as it is.
+MAX_PENDING_TOKENS = 16
+
+
+class StopMatcher:
+    """Finds stop strings in text fed piece by piece (one Knuth-Morris-Pratt automaton per stop string).
+
+    `feed` costs O(len(piece) + len(stop)) per stop string at worst, amortized O(len(piece)); `overlap` is
+    the longest end of the text fed so far that is a proper prefix of a stop string (text a stream must
+    hold back), known without rescanning.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = list(stops)
+        self.fail = [_failure(s) for s in self.stops]
+        self.state = [0] * len(self.stops)  # characters of stop i matched at the end of the text
+        self.fed = 0  # characters fed so far
+
+    def feed(self, piece: str) -> tuple[int, str] | None:
+        """Feed the next characters. On a match: (start offset of the earliest-starting match that ends in
+        `piece`, in characters of all text fed, and its stop string); the state is then spent."""
+        best: tuple[int, str] | None = None
+        for i, s in enumerate(self.stops):
+            k, fail, n = self.state[i], self.fail[i], len(s)
+            for j, ch in enumerate(piece):
+                while k and s[k] != ch:
+                    k = fail[k - 1]
+                if s[k] == ch:
+                    k += 1
+                if k == n:
+                    start = self.fed + j + 1 - n
+                    if best is None or start < best[0]:
+                        best = (start, s)
+                    k = fail[k - 1]
+                    break
+            self.state[i] = k
+        self.fed += len(piece)
+        return best
+
+    @property
+    def overlap(self) -> int:
+        return max(self.state, default=0)
+
+    @property
+    def max_len(self) -> int:
+        return max((len(s) for s in self.stops), default=0)
+
+
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper border of s[: i + 1]."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
+
+
+@dataclass
+class IncrementalText:
+    """Text of a growing token list, decoded a few tokens at a time (`ids[surr:]` against `ids[surr:read]`).
+
+    `advance` returns the characters the tokens from `read` on add, or "" while they end in an incomplete
+    character (held at most MAX_PENDING_TOKENS tokens, or until `final`).
+    """
+
+    decode: Any  # ids -> str
+    surr: int = 0
+    read: int = 0
+    chars: int = 0  # characters committed
+    track_marks: bool = False  # keep `marks`, which `rewind` needs
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (read, chars) after each commit
+
+    def advance(self, ids: list[int], final: bool = False) -> str:
+        if len(ids) <= self.read:
+            return ""
+        prefix = self.decode(ids[self.surr : self.read]) if self.read > self.surr else ""
+        full = self.decode(ids[self.surr :])
+        overdue = final or len(ids) - self.read >= MAX_PENDING_TOKENS
+        if full.endswith("\ufffd") and not overdue:
+            return ""
+        if len(full) <= len(prefix):  # the tokens add no text (e.g. skipped special tokens)
+            if overdue:  # move on: decoding must not grow with a run of such tokens
+                self.surr, self.read = max(self.surr, len(ids) - SURROUNDING_TOKENS), len(ids)
+            return ""
+        new = full[len(prefix) :]
+        # context for the next step: the last few committed tokens, not the whole last chunk
+        self.surr, self.read = max(self.read, len(ids) - SURROUNDING_TOKENS), len(ids)
+        self.chars += len(new)
+        if self.track_marks:
+            self.marks.append((self.read, self.chars))
+        return new
+
+    def rewind(self, tokens: int) -> int:
+        """Forget the text of tokens from `tokens` on (they were rewritten); returns the characters kept,
+        those of the last commit at or before `tokens`."""
+        while self.marks and self.marks[-1][0] > tokens:
+            self.marks.pop()
+        self.read, self.chars = self.marks[-1] if self.marks else (0, 0)
+        self.surr = max(0, self.read - SURROUNDING_TOKENS)
+        return self.chars
+
+
+@dataclass
+class StopScan:
+    """A request's stop-string scan state (`Req.stop_scan`): what was decoded and fed so far."""
+
+    ids: list[int]  # the output list scanned (a rewrite replaces the list: the scan starts again)
+    snapshot: list[int]  # its last tokens up to `text.read`, to notice an in-place rewrite
+    text: IncrementalText
+    matcher: StopMatcher
 
 
 class StopChecker:
@@ -33,12 +159,44 @@ class StopChecker:
             if tok in p.stop_token_ids:
                 return {"type": "stop", "matched": tok}
             if p.stop:
-                # Each token decodes to >= 1 character, so the last max_len + 1 tokens hold any fresh match.
-                span = max(len(s) for s in p.stop) + 1
-                tail = self.tokenizer.decode(out[-span:], skip_special_tokens=p.skip_special_tokens)
-                for s in p.stop:
-                    if s in tail:
-                        return {"type": "stop", "matched": s}
+                matched = self._scan_stop_strings(req)
+                if matched is not None:
+                    return {"type": "stop", "matched": matched}
         if len(out) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         return None
+
+    def _scan_stop_strings(self, req: Req) -> str | None:
+        out, scan = req.output_ids, req.stop_scan
+        if (
+            scan is None
+            or scan.ids is not out
+            or len(out) < scan.text.read
+            or out[max(0, scan.text.read - len(scan.snapshot)) : scan.text.read] != scan.snapshot
+        ):
+            scan = req.stop_scan = self._start_scan(req)
+        new = scan.text.advance(out)
+        if not new:
+            return None
+        scan.snapshot = out[max(0, scan.text.read - 8) : scan.text.read]
+        hit = scan.matcher.feed(new)
+        return hit[1] if hit else None
+
+    def _start_scan(self, req: Req) -> StopScan:
+        """A scan from a few tokens before the end: enough of them for the longest stop string (so a stop
+        string that ended in tokens generated before min_new_tokens, or before a rewrite, still counts)."""
+        out, p = req.output_ids, req.params
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+
+        matcher = StopMatcher(p.stop)
+        # Each token decodes to >= 1 character except for multi-byte characters and skipped special
+        # tokens: start max_len tokens back, and further back (at most 4x) while that holds fewer chars.
+        back = matcher.max_len + 1
+        start = max(0, len(out) - back)
+        while start > 0 and back < 4 * (matcher.max_len + 1) and len(decode(out[start:])) < matcher.max_len:
+            back *= 2
+            start = max(0, len(out) - back)
+        text = IncrementalText(decode, surr=start, read=start)
+        return StopScan(ids=out, snapshot=[], text=text, matcher=matcher)

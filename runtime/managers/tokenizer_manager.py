@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +35,14 @@ from runtime.messages import (
     TokenizedGenerateReq,
     decode,
 )
-from runtime.sampling_params import SamplingParams, TokenBudgetError, check_token_budget
+from runtime.sampling_params import INT64_MAX, SamplingParams, TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.tokenizer_manager")
+
+# Prompts per tokenizer call: a batch of many prompts is encoded in slices, so other requests' tokenization
+# (and nothing on the event loop) waits behind one slice at most.
+ENCODE_SLICE = 64
 
 
 @dataclass
@@ -74,6 +79,9 @@ class TokenizerManager:
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
         self.grammar_validator = GrammarValidator(memory_mb=args.grammar_memory_mb)
+        # Tokenization runs here, never on the event loop: a large prompt would otherwise keep /health and
+        # every stream waiting. One worker: prompts are tokenized in arrival order, in slices of ENCODE_SLICE.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-tokenize")
         self.supervisor = Supervisor(args, model_dir, self.endpoints)
         try:
             self.info = self.supervisor.start()  # children already stopped if this raises
@@ -95,6 +103,8 @@ class TokenizerManager:
         ]
 
     def shutdown(self) -> None:
+        if hasattr(self, "tokenize_pool"):
+            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "grammar_validator"):
             self.grammar_validator.close()
         if hasattr(self, "supervisor"):
@@ -171,10 +181,84 @@ class TokenizerManager:
                 f"server overloaded: {len(self.states)} requests in flight (limit {limit})", 503
             )
 
-    def tokenize(self, req: SingleRequest) -> list[int]:
-        if req.input_ids is not None:
-            return req.input_ids
-        return self.tokenizer.encode(req.text)
+    # ---- request bounds (ServerArgs "request bounds"), checked before anything expensive ------------------
+    def check_prompt_count(self, sequences: int) -> None:
+        """`sequences`: prompts x n choices, every sequence the request would start."""
+        limit = self.args.max_prompts_per_request
+        if sequences > limit:
+            raise RequestError(
+                f"the request starts {sequences} sequences (prompts x n), more than "
+                f"--max-prompts-per-request ({limit})",
+                400,
+            )
+
+    def check_prompt_chars(self, chars: int) -> None:
+        limit = self.args.max_prompt_chars
+        if chars > limit:
+            raise RequestError(
+                f"the prompt text has {chars} characters, more than --max-prompt-chars ({limit})", 400
+            )
+
+    def check_stop(self, stop: list[str]) -> None:
+        if len(stop) > self.args.max_stop_strings:
+            raise RequestError(
+                f"{len(stop)} stop strings, more than --max-stop-strings ({self.args.max_stop_strings})", 400
+            )
+        chars = sum(len(s) for s in stop)
+        if chars > self.args.max_stop_chars:
+            raise RequestError(
+                f"the stop strings have {chars} characters together, more than --max-stop-chars "
+                f"({self.args.max_stop_chars})",
+                400,
+            )
+
+    def check_rid(self, rid: str) -> None:
+        """A rid travels in every message of its request and in log lines: short, and printable."""
+        if len(rid) > self.args.max_rid_length:
+            raise RequestError(
+                f"'rid' has {len(rid)} characters, more than --max-rid-length ({self.args.max_rid_length})",
+                400,
+            )
+        if not rid.isprintable():
+            raise RequestError("'rid' must contain only printable characters (no control characters)", 400)
+
+    def check_bounds(self, reqs: list[SingleRequest]) -> None:
+        self.check_prompt_count(sum(r.params.n for r in reqs))
+        self.check_prompt_chars(sum(len(r.text) for r in reqs if r.text is not None))
+        for r in reqs:
+            self.check_rid(r.rid)
+            self.check_stop(r.params.stop)
+
+    # ---- tokenization (in `tokenize_pool`) -------------------------------------------------------------
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, as `tokenizer.encode` gives them, computed off the event loop."""
+        loop = asyncio.get_running_loop()
+        out: list[list[int]] = []
+        for i in range(0, len(texts), ENCODE_SLICE):
+            part = texts[i : i + ENCODE_SLICE]
+            out.extend(await loop.run_in_executor(self.tokenize_pool, self._encode, part, add_special_tokens))
+        return out
+
+    def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # the Rust tokenizer's batch call lets go of the GIL while it encodes
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+
+    async def run_in_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run other tokenizer work (e.g. decoding echoed prompts) on the tokenization thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def tokenize_texts(self, reqs: list[SingleRequest]) -> list[SingleRequest]:
+        """`reqs` with every text prompt replaced by its token ids (one tokenizer pass per prompt)."""
+        texts = [r.text for r in reqs if r.input_ids is None]
+        if not texts:
+            return reqs
+        ids = iter(await self.encode(texts))
+        return [
+            r if r.input_ids is not None else dataclasses.replace(r, text=None, input_ids=next(ids))
+            for r in reqs
+        ]
 
     async def validate_grammar(self, params: SamplingParams) -> None:
         if not params.has_grammar:
@@ -192,7 +276,7 @@ class TokenizerManager:
         Closing the iterator early (client disconnect) aborts the request in the scheduler at once.
         """
         self.check_admission()
-        ids = self.tokenize(req)
+        ids = req.input_ids if req.input_ids is not None else (await self.encode([req.text]))[0]
         vocab_size = self.info.get("vocab_size")
         if req.input_ids is not None and vocab_size and not all(0 <= t < vocab_size for t in ids):
             # Checked here, not only in the scheduler: an id beyond 64 bits could not even be sent there.
@@ -302,9 +386,14 @@ class TokenizerManager:
     async def prepare_choices(self, reqs: list[SingleRequest]) -> list[SingleRequest]:
         """Expand `n > 1` into n choices and prefill each such prompt once first, so the n choices share its
         KV through the radix cache instead of computing it n times. Admission counts every choice. The one
-        place this rule lives: `generate_all` and the streaming loop both start here."""
+        place this rule lives: `generate_all` and the streaming loop both start here.
+
+        The bounds and admission are checked before tokenizing: a request refused anyway costs no tokenizer
+        time; each prompt is tokenized once, not once per choice."""
+        self.check_bounds(reqs)
+        self.check_admission(sum(r.params.n for r in reqs))
+        reqs = await self.tokenize_texts(reqs)
         expanded = self.expand_n(reqs)
-        self.check_admission(len(expanded))
         warm = [self.prefill_only(r) for r in reqs if r.params.n > 1]
         if warm:
             await gather_or_cancel(*(self.final(w) for w in warm))
@@ -330,8 +419,8 @@ class TokenizerManager:
                 continue
             for i in range(r.params.n):
                 p = dataclasses.replace(r.params, n=1)
-                if p.seed is not None:
-                    p = dataclasses.replace(p, seed=p.seed + i)  # distinct samples, still reproducible
+                if p.seed is not None:  # distinct samples, still reproducible
+                    p = dataclasses.replace(p, seed=choice_seed(p.seed, i))
                 out.append(dataclasses.replace(r, rid=f"{r.rid}-{i}", params=p))
         return out
 
@@ -361,6 +450,13 @@ class TokenizerManager:
     async def server_info(self) -> dict[str, Any]:
         resp = await self._control(GetServerInfoReq(), ServerInfoResp)
         return resp.info
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice `i` of a request seeded `seed`: seed + i, wrapped to stay a signed 64-bit integer
+    (near INT64_MAX it continues at 0, so the n choices still get n different seeds)."""
+    s = seed + i
+    return s if s <= INT64_MAX else s - (1 << 63)
 
 
 async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:

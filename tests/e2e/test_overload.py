@@ -175,3 +175,28 @@ def test_n_choices_count_against_the_limit(srv):
     assert len(ok.json()) == MAX_RUNNING
     info = _wait_idle(srv.url)
     assert info["request_held_tokens"] == 0, info
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_refused_request_is_not_tokenized_first(srv, route):
+    """Admission is checked before the prompt is tokenized: a request refused with 503 (n choices above the
+    in-flight limit) answers at once, not after the second it takes to tokenize its 1 MB prompt."""
+    _wait_idle(srv.url)
+    big = "hello world " * 83_000  # just under --max-prompt-chars' default (1,000,000)
+
+    def timed(n: int) -> tuple[requests.Response, float]:
+        body = {"model": "default", "max_tokens": 100_000, "n": n}
+        if route == "/v1/completions":
+            body["prompt"] = big
+        else:
+            body["messages"] = [{"role": "user", "content": big}]
+        t0 = time.perf_counter()
+        r = requests.post(srv.url + route, json=body, timeout=300)
+        return r, time.perf_counter() - t0
+
+    tokenized, t_tokenized = timed(1)  # admitted, tokenized, then too long for the context
+    assert tokenized.status_code == 400, tokenized.text[:300]
+    assert "context length" in tokenized.json()["error"]["message"]
+    refused, t_refused = timed(MAX_RUNNING + MAX_QUEUED + 1)
+    assert refused.status_code == 503, refused.text[:300]
+    assert t_refused < t_tokenized / 3, (t_refused, t_tokenized)

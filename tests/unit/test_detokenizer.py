@@ -74,3 +74,81 @@ def test_eos_text_is_trimmed_even_when_special_tokens_are_shown(tok):
         skip_special_tokens=False,
     )
     assert "".join(deltas) == "done"
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording how many tokens each decode call was given."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.calls: list[int] = []
+
+    def decode(self, ids, **kw):
+        self.calls.append(len(ids))
+        return self.tok.decode(ids, **kw)
+
+
+def _per_step_decode(tok, ids: list[int], **first) -> tuple[list[int], str]:
+    """Stream `ids` one per step; (tokens decoded per step, the text)."""
+    counting = CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting)
+    per_step, text = [], ""
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        out = ReqOutput(
+            rid="r",
+            new_token_ids=[t],
+            finished_reason={"type": "length", "length": len(ids)} if last else None,
+            **(first if i == 0 else {}),
+        )
+        counting.calls.clear()
+        text += detok.process(out).text_delta
+        per_step.append(sum(counting.calls))
+    return per_step, text
+
+
+def test_stop_string_split_over_tokens_is_trimmed_from_the_stream(tok):
+    ids = tok.encode("hello there xyzzyq and more", add_special_tokens=False)
+    ids = ids[:5]  # the scheduler finishes on the token that completes the stop string
+    deltas = _stream(
+        IncrementalDetokenizer(tok), ids, {"type": "stop", "matched": "xyzzyq"}, stop_strings=["xyzzyq", "@"]
+    )
+    assert "".join(deltas) == "hello there "
+    assert not any("xy" in d for d in deltas)  # held back while it could be the stop string's start
+
+
+def test_decode_work_per_token_does_not_grow_with_the_output(tok):
+    """2,000 tokens with stop strings that never match: each step decodes a few tokens, as many at the end
+    as at the start."""
+    ids = (tok.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False) * 300)[:2000]
+    per_step, text = _per_step_decode(tok, ids, stop_strings=["z" * 300, "@@"])
+    assert text == tok.decode(ids)
+    assert max(per_step) <= 2 * (6 + 1), max(per_step)
+
+
+def test_undecodable_output_does_not_make_decoding_grow(tok):
+    """A model that emits only lead bytes of multi-byte characters: the text never completes, and the old
+    detokenizer decoded every pending token again at each step (2,000 tokens: 2 million decoded)."""
+    lead = tok.convert_tokens_to_ids("ð")  # byte 0xF0 alone
+    assert tok.decode([lead]) == "\ufffd"
+    per_step, text = _per_step_decode(tok, [lead] * 2000)
+    assert max(per_step) <= 2 * (16 + 6), max(per_step)
+    assert text == "\ufffd" * 2000
+
+
+def test_rewritten_tail_keeps_sent_text_and_finds_stop(tok):
+    """Jump-forward: the last tokens are replaced (`replaced_tokens`); text already sent stays sent and a
+    stop string in the new tokens is still trimmed."""
+    detok = IncrementalDetokenizer(tok)
+    first = tok.encode("alpha beta gamma", add_special_tokens=False)
+    got = ""
+    for i, t in enumerate(first):
+        kw = {"stop_strings": ["END"]} if i == 0 else {}
+        got += detok.process(ReqOutput(rid="r", new_token_ids=[t], **kw)).text_delta
+    assert got == "alpha beta gamma"
+    new = tok.encode(" gamma delta END x", add_special_tokens=False)
+    out = ReqOutput(
+        rid="r", new_token_ids=new, replaced_tokens=1, finished_reason={"type": "stop", "matched": "END"}
+    )
+    got += detok.process(out).text_delta
+    assert got == "alpha beta gamma delta "

@@ -80,7 +80,8 @@ async def plan_chat(
     if tool_arg:
         kwargs["tools"] = tool_arg
     try:
-        prompt = tokenizer.apply_chat_template(rendered, **kwargs)
+        # Off the event loop: rendering a long conversation takes a while.
+        prompt = await asyncio.to_thread(tokenizer.apply_chat_template, rendered, **kwargs)
     except Exception as e:  # template errors are the request's fault (e.g. role order)
         raise ToolRequestError(f"cannot apply the chat template: {e}") from None
     regex = None
