@@ -23,7 +23,10 @@ ALLOWED_FIELDS = {
     "return_text_in_logprobs",
     "rid",
     "model",
+    "timeout",
 }
+# A request's own deadline, in seconds: positive and finite (it can only shorten --request-timeout-s).
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # Fields sglang-router (`--dp-size`) adds to every /generate body it forwards, with its defaults. Logging
 # hints are accepted and change nothing; features radixlm does not have are accepted only when off.
 ROUTER_LOG_HINTS = {"log_metrics", "no_logs"}
@@ -82,6 +85,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     text_in_lp = _bool(body, "return_text_in_logprobs")
     start = _int(body, "logprob_start_len", -1, low=-1)
     top_n = _int(body, "top_logprobs_num", 0, low=0, high=20)
+    timeout = parse_timeout(body.get("timeout"))
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
@@ -102,9 +106,21 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
                 logprob_start_len=start,
                 top_logprobs_num=top_n,
                 return_text_in_logprobs=text_in_lp,
+                timeout_s=timeout,
             )
         )
     return reqs, is_batch
+
+
+def parse_timeout(value: Any) -> float | None:
+    """A request's `timeout` field (seconds; None: the server's --request-timeout-s alone)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("'timeout' must be a number of seconds")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds, got {value}")
+    return float(value)
 
 
 def _bool(body: dict, name: str) -> bool:

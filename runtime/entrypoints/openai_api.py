@@ -14,7 +14,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from runtime.entrypoints.generate_input import check_unicode
+from runtime.entrypoints.generate_input import MAX_TIMEOUT_S, check_unicode
 from runtime.entrypoints.http_common import (
     FastJSONResponse,
     run_unless_disconnected,
@@ -71,6 +71,7 @@ class _Common(BaseModel):
     json_schema: dict[str, Any] | str | None = None
     stop_token_ids: list[int] | None = None
     no_stop_trim: StrictBool = False
+    timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # seconds; shortens the server's
     # sglang-router (`--dp-size`) sends these with every request it forwards. Reasoning is never separated
     # (radixlm has no reasoning parser), so the two reasoning flags change nothing; hidden states only off.
     separate_reasoning: StrictBool = True
@@ -170,7 +171,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = _sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
         top = body.top_logprobs or 0
-        req = _request(ids, params, body.logprobs or top > 0, top, body.stream)
+        req = _request(ids, params, body.logprobs or top > 0, top, body.stream, timeout_s=body.timeout)
         rid = "chatcmpl-" + req.rid
         if body.stream:
             return await stream_response(tm, [req], _ChatFormatter(rid, args.model_name, tm, body, plan))
@@ -216,7 +217,10 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         params = _sampling_params(body, max_tokens, 0, tm.context_length, _grammar(body))
         # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
         start = 0 if body.echo and top is not None else -1
-        reqs = [_request(ids, params, top is not None, top or 0, body.stream, start) for ids in prompts]
+        reqs = [
+            _request(ids, params, top is not None, top or 0, body.stream, start, timeout_s=body.timeout)
+            for ids in prompts
+        ]
         echo_texts = [""] * len(prompts)
         if body.echo:
             echo_texts = await tm.run_in_tokenizer(lambda: [tm.tokenizer.decode(ids) for ids in prompts])
@@ -325,6 +329,7 @@ def _request(
     top: int,
     stream: bool,
     logprob_start_len: int = -1,
+    timeout_s: float | None = None,
 ) -> SingleRequest:
     """One request for all n choices: the tokenizer manager expands it (`prepare_choices`)."""
     return SingleRequest(
@@ -337,6 +342,7 @@ def _request(
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
         logprob_start_len=logprob_start_len,
+        timeout_s=timeout_s,
     )
 
 

@@ -54,9 +54,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
-
-
-MAX_RID_CHARS = 256
+    timeout: float | None = None  # seconds; only shortens --request-timeout-s
 
 
 class AbortRequest(BaseModel):
@@ -82,7 +80,9 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request, body: GenerateRequest):
         try:
-            reqs, is_batch = parse_generate_body(body.model_dump(exclude_unset=True))
+            reqs, is_batch = parse_generate_body(
+                body.model_dump(exclude_unset=True), max_prompts=args.max_prompts_per_request
+            )
         except ValueError as e:
             raise RequestError(str(e), 400) from None
         if reqs[0].stream:
@@ -175,8 +175,10 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
                 'admin sends {"abort_all": true})',
                 400,
             )
-        if len(body.rid) > MAX_RID_CHARS:
-            too_long = f"'rid' is too long ({len(body.rid)} characters; at most {MAX_RID_CHARS})"
+        if len(body.rid) > args.max_rid_length:
+            too_long = (
+                f"'rid' is too long ({len(body.rid)} characters; --max-rid-length {args.max_rid_length})"
+            )
             raise RequestError(too_long, 400)
         try:
             check_unicode({"rid": body.rid})  # the IPC encoder cannot carry a lone surrogate

@@ -22,3 +22,7 @@ class SingleRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    timeout_s: float | None = None  # the client's own deadline (the server's --request-timeout-s caps it)
+    client_rid: str | None = (
+        None  # the rid the client gave, when this is one of its n choices (or their prefill)
+    )

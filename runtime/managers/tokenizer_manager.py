@@ -50,6 +50,7 @@ class ReqState:
     rid: str
     prompt_tokens: int
     return_text_in_logprobs: bool
+    client_rid: str | None = None  # set on the n choices of one client request: aborting it aborts them
     created: float = field(default_factory=time.perf_counter)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -303,8 +304,9 @@ class TokenizerManager:
             logprob_start_len=req.logprob_start_len,
             top_logprobs_num=req.top_logprobs_num,
             return_text_in_logprobs=req.return_text_in_logprobs,
+            timeout_s=req.timeout_s,
         )
-        st = ReqState(req.rid, len(ids), req.return_text_in_logprobs)
+        st = ReqState(req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid)
         # Nothing may run between registering the state and entering the try: a state that outlives its
         # request is a permanent in-flight slot (and blocks the SIGTERM drain).
         self.states[req.rid] = st
@@ -421,7 +423,7 @@ class TokenizerManager:
                 p = dataclasses.replace(r.params, n=1)
                 if p.seed is not None:  # distinct samples, still reproducible
                     p = dataclasses.replace(p, seed=choice_seed(p.seed, i))
-                out.append(dataclasses.replace(r, rid=f"{r.rid}-{i}", params=p))
+                out.append(dataclasses.replace(r, rid=f"{r.rid}-{i}", params=p, client_rid=r.rid))
         return out
 
     @staticmethod
@@ -429,11 +431,17 @@ class TokenizerManager:
         p = dataclasses.replace(
             r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None
         )
-        return dataclasses.replace(r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False)
+        return dataclasses.replace(
+            r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False, client_rid=r.rid
+        )
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
-        """Abort request `rid` in the scheduler, or every request with `abort_all` ("" alone aborts none)."""
+        """Abort request `rid` in the scheduler (with the n choices a client request of that rid became), or
+        every request with `abort_all` ("" alone aborts none)."""
         ipc.send(self._send_sock, AbortReq(rid=rid, abort_all=abort_all))
+        if rid and not abort_all:
+            for st in [s for s in self.states.values() if s.client_rid == rid]:
+                ipc.send(self._send_sock, AbortReq(rid=st.rid))
 
     # ---- control ---------------------------------------------------------------------------------------
     async def _control(self, msg, resp_type: type, timeout: float = 30.0):

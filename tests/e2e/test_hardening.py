@@ -14,6 +14,7 @@ import json
 import os
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -124,4 +125,32 @@ def test_request_timeout_is_a_504_and_frees_its_kv(srv):
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"], r.text
     r = generate(srv.url, {**body, "timeout": "soon"})
     assert r.status_code == 400 and "timeout" in r.json()["error"]["message"], r.text
+    assert_healthy_and_exact(srv.url)
+
+
+def test_abort_by_client_rid_reaches_every_choice_of_n(srv):
+    """A request with n > 1 runs as n choices with derived ids; aborting the id the client gave must end
+    all of them (it matched none before)."""
+    result: dict = {}
+    body = {
+        "text": "Once upon a time",
+        "rid": "client-rid-n3",
+        "sampling_params": {"max_new_tokens": 1500, "n": 3, "temperature": 0.8, "ignore_eos": True},
+    }
+    t = threading.Thread(target=lambda: result.update(r=generate(srv.url, body)))
+    t.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until the choices decode
+        info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+        if info["num_running_reqs"] >= 3:
+            break
+        time.sleep(0.2)
+    r = requests.post(srv.url + "/abort_request", json={"rid": "client-rid-n3"}, timeout=30)
+    assert r.status_code == 200, r.text
+    t.join(timeout=120)
+    assert not t.is_alive(), "the aborted choices kept generating"
+    out = result["r"]
+    assert out.status_code == 200, out.text
+    choices = out.json()
+    assert len(choices) == 3 and all(c["meta_info"]["finish_reason"]["type"] == "abort" for c in choices)
     assert_healthy_and_exact(srv.url)
