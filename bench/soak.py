@@ -80,7 +80,7 @@ HOSTILE = [
         "max_new_tokens": 64, "temperature": 0, "json_schema": ROLE_REF}}, "application/json", 200),
     ("oov_stop_ids_min_tokens", "/generate", {"text": "Hi", "sampling_params": {
         "max_new_tokens": 8, "min_new_tokens": 4, "stop_token_ids": [10**9]}}, "application/json", 400),
-    ("oov_stop_ids_openai", "/v1/completions", {"model": "x", "prompt": "Hi", "max_tokens": 8,
+    ("oov_stop_ids_openai", "/v1/completions", {"model": "default", "prompt": "Hi", "max_tokens": 8,
         "min_tokens": 4, "stop_token_ids": [10**9]}, "application/json", 400),
     ("text_plain_abort_all", "/abort_request", b"{}", "text/plain", 415),
     ("deep_schema", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4,

@@ -106,7 +106,7 @@ def test_out_of_vocabulary_stop_ids_are_a_400_and_others_finish(srv):
     assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"], r.text
     r = requests.post(
         srv.url + "/v1/completions",
-        json={"model": "x", "prompt": "Hi", "max_tokens": 8, "min_tokens": 4, "stop_token_ids": [huge]},
+        json={"model": "default", "prompt": "Hi", "max_tokens": 8, "min_tokens": 4, "stop_token_ids": [huge]},
         timeout=HTTP_TIMEOUT_S,
     )
     assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"], r.text
