@@ -73,7 +73,7 @@ class TokenizerManager:
         self.draining = False
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
-        self.grammar_validator = GrammarValidator(memory_mb=args.grammar_memory_mb)
+        self.grammar_validator = GrammarValidator(args)  # spec checks: capped workers, --grammar-* limits
         self.supervisor = Supervisor(args, model_dir, self.endpoints)
         try:
             self.info = self.supervisor.start()  # children already stopped if this raises
@@ -182,7 +182,7 @@ class TokenizerManager:
         kind, spec = (
             ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
         )
-        problem = await self.grammar_validator.validate(kind, spec)
+        problem = await self.grammar_validator.validate(kind, spec)  # RequestError 503 when busy
         if problem:
             raise RequestError(f"invalid {kind}: {problem}", 400)
 
