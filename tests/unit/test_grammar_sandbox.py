@@ -277,3 +277,34 @@ def test_a_check_past_the_wait_limit_is_a_503_and_leaves_the_queue():
         asyncio.run(run())
     finally:
         validator.close()
+
+
+def test_the_scheduler_side_fails_an_overdue_wait_with_a_503_error_and_drops_an_aborted_compile(
+    default_tokenizer,
+):
+    from runtime.managers.grammar_manager import GrammarManager
+
+    manager = GrammarManager(
+        default_tokenizer, 49152, ServerArgs(grammar_workers=1, grammar_queue_timeout_s=3600)
+    )
+    pool = manager.compiler._pool
+    try:
+        manager.compile_async(SamplingParams(regex="[0-9]")).result(timeout=120)  # the worker is up
+        slow = manager.compile_async(SamplingParams(regex="[a-z ]{0,400}"))
+        _wait(lambda: pool.stats()["running"] == 1)
+        overdue = manager.compile_async(SamplingParams(regex="[a-z]{2}"))
+        aborted = manager.compile_async(SamplingParams(regex="[a-z]{3}"))
+        assert manager.stats()["queued"] == 2
+        manager.expire([slow, overdue, aborted])  # nothing is due yet
+        assert not overdue.done() and manager.stats()["expired"] == 0
+        overdue.deadline = time.monotonic() - 1  # as if --grammar-queue-timeout-s had passed
+        manager.expire([slow, overdue, aborted])
+        with pytest.raises(GrammarUnavailable, match="--grammar-queue-timeout-s.*retry"):
+            overdue.result(timeout=0)
+        manager.cancel(aborted)  # what Scheduler._finish_aborted does
+        s = manager.stats()
+        assert s["queued"] == 0 and s["cancelled"] == 2 and s["expired"] == 1 and not slow.done()
+        assert slow.result(timeout=300).index_bytes > 0
+        assert manager.stats()["inflight"] == 0
+    finally:
+        manager.shutdown()
