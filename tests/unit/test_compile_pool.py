@@ -14,8 +14,8 @@ import outlines_core
 import pytest
 
 from constrained import GrammarError
-from constrained.errors import GrammarTimeout
 from constrained.compile_pool import CompilePool
+from constrained.errors import GrammarTimeout
 
 # ~80k DFA states x ~200 byte transitions: far over a 32 MB cap, reached in well under a second
 HUGE = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt]){0,8192}'
