@@ -4,13 +4,13 @@ validates.
 For each subset of bench/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K; a byte-identical copy
 of the public JSONSchemaBench files) a seeded sample of schemas goes through the server's own path:
 
-1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in a
-   helper process, VALIDATION_TIMEOUT_S) and then the scheduler's compile (`constrained.GrammarCompiler` over
-   a `constrained.compile_pool.CompilePool`: worker processes with the server's --grammar-workers,
-   --grammar-memory-mb and --grammar-timeout-s, or `--compile-*`), each schema compiled cold, all submitted
-   at once. Compile time is the worker's (queue wait excluded, as the server counts it); a schema past a
-   limit counts as `timeout` or `memory`, never as compiled. Peak RSS of this process and all its children
-   is sampled during each stage.
+1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in
+   the capped worker pool, the server's limits) and then the scheduler's compile
+   (`constrained.GrammarCompiler` over a `constrained.compile_pool.CompilePool`: worker processes with the
+   server's --grammar-workers, --grammar-memory-mb and --grammar-timeout-s, or `--compile-*`), each schema
+   compiled cold, all submitted at once. Compile time is the worker's (queue wait excluded, as the server
+   counts it); a schema past a limit counts as `timeout` or `memory`, never as compiled. Peak RSS of this
+   process and all its children is sampled during each stage.
 2. generate: every schema that compiled is sent through `runtime.Engine` (default model, greedy,
    `--max-new-tokens`), all at once. An output that ends by the grammar is `valid` or `invalid` under the
    `jsonschema` package (the schema's own draft; `format` is an annotation, not checked); an output cut by
@@ -210,9 +210,10 @@ def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
     reason.
     """
     from runtime.managers.grammar_validator import GrammarValidator
+    from runtime.server_args import ServerArgs
 
     async def run() -> list[tuple[str | None, float]]:
-        validator = GrammarValidator()
+        validator = GrammarValidator(ServerArgs())  # the server's limits
         out = []
         try:
             # the first check starts the checker's process: a one-off cost, not a check's
@@ -248,7 +249,10 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
             todo.append(rec)
     vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     limits = dict(
-        workers=args.compile_workers, memory_mb=args.compile_memory_mb, timeout_s=args.compile_timeout
+        workers=args.compile_workers,
+        memory_mb=args.compile_memory_mb,
+        timeout_s=args.compile_timeout,
+        queue_size=max(len(todo), 1),  # all submitted at once
     )
     compiler = GrammarCompiler(load_tokenizer(model_dir), vocab_size, pool_limits=limits)
     try:
@@ -358,11 +362,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.per_subset, args.max_new_tokens, args.batch_size = 3, 48, 4
-    from runtime.managers.grammar_manager import COMPILE_MEMORY_MB, COMPILE_TIMEOUT_S, COMPILE_WORKERS
+    from runtime.server_args import ServerArgs
 
-    args.compile_workers = args.compile_workers or COMPILE_WORKERS
-    args.compile_timeout = args.compile_timeout or COMPILE_TIMEOUT_S
-    args.compile_memory_mb = args.compile_memory_mb or COMPILE_MEMORY_MB
+    server = ServerArgs()  # the server's defaults
+    args.compile_workers = args.compile_workers or server.grammar_workers
+    args.compile_timeout = args.compile_timeout or server.grammar_timeout_s
+    args.compile_memory_mb = args.compile_memory_mb or server.grammar_memory_mb
     return args
 
 
@@ -376,7 +381,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return run_mask_overhead(args, env)
     from constrained import DEFAULT_WHITESPACE
-    from runtime.managers.grammar_validator import VALIDATION_TIMEOUT_S
     from runtime.models.model_loader import resolve_model_path
 
     subsets = common.csv_list(args.subsets)
@@ -428,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": "default",
         "greedy": True,
         "whitespace_pattern": DEFAULT_WHITESPACE,
-        "validation_timeout_s": VALIDATION_TIMEOUT_S,
+        "validation_timeout_s": args.compile_timeout,  # the server checks specs under --grammar-timeout-s
         "compile_timeout_s": args.compile_timeout,
         "compile_workers": args.compile_workers,
         "compile_memory_mb": args.compile_memory_mb,

@@ -1,18 +1,24 @@
-"""Grammar compilation in worker processes, each capped in memory and in compile time.
+"""The grammar sandbox: checks and compiles in worker processes, each capped in memory and in compile time.
 
 outlines-core's Index construction can need tens of GB and minutes for an innocent-looking schema (a 1 KB
 schema with ``maxLength: 8192`` strings took a scheduler to 23 GB and the OOM killer). A thread cannot be
-stopped nor its memory bounded, so every compile runs in a worker process:
+stopped nor its memory bounded, so every job runs in a worker process. One implementation serves both users:
+the HTTP process checks specs (``check=True``: ``validate_spec`` only, no vocabulary) and the scheduler
+compiles them (the Index over the model's vocabulary). Limits are parameters (the server passes its
+ServerArgs: --grammar-workers, --grammar-memory-mb, --grammar-timeout-s, --grammar-queue-size):
 
 * memory: the worker sets RLIMIT_AS to (its address space after start-up) + ``memory_mb``; an allocation past
-  it fails inside the worker (a Python MemoryError, or a Rust allocation abort), never in the scheduler;
+  it fails inside the worker (a Python MemoryError, or a Rust allocation abort), never in the caller;
 * time: the clock starts when a worker takes the job (queue wait is not counted); past ``timeout_s`` the
-  worker is SIGKILLed, so a timed-out compile stops consuming CPU at once;
-* a breached or crashed worker is replaced on the next job; the job's future fails with a GrammarError that
-  names the limit (the server answers 400);
+  worker is SIGKILLed, so a timed-out compile stops consuming CPU at once (``GrammarTimeout``);
+* queue: at most ``queue_size`` jobs wait for a worker; one more fails at once with ``GrammarUnavailable``
+  (HTTP 503). A job cancelled (``future.cancel()``) before a worker takes it leaves the queue at once;
+* a breached or crashed worker is replaced on the next job. A death by SIGABRT/SIGSEGV (what an allocation
+  past RLIMIT_AS ends in) is the spec's fault (GrammarError naming the memory limit); any other death
+  (SIGKILL from the OOM killer, say) is transient (GrammarUnavailable);
 * the Index comes back pickled through the pipe (outlines-core's ``__reduce__``: a flat serialization of the
-  transition table, ~10-30 ms for a large schema) and the compile cache stays in the parent
-  (``GrammarCompiler``), so it survives worker restarts.
+  transition table, ~10-30 ms for a large schema); its pickled size is reported as the entry's size estimate
+  for the compiled-grammar cache, which lives in the caller (``grammar_cache``), so it survives restarts.
 
 Workers are plain ``python -c`` subprocesses talking over a socketpair wrapped as a multiprocessing
 ``Connection``, not ``multiprocessing`` spawns: a spawn re-runs the parent's main script (a server entry point
@@ -22,9 +28,10 @@ imports only the standard library at the top for the same reason (see ``constrai
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
-import queue
+import pickle
 import resource
 import signal
 import socket
@@ -35,51 +42,63 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-DEFAULT_MEMORY_MB = 2048  # per worker; jsonschemabench's heaviest compiling schemas peak near 1 GB
-DEFAULT_TIMEOUT_S = 120.0  # compile time only; the slowest compiling jsonschemabench schemas take ~90 s
+from constrained.errors import GrammarError, GrammarTimeout, GrammarUnavailable
+
 STARTUP_TIMEOUT_S = 120.0  # a worker's imports (numpy, outlines-core): ~1 s, much more on a loaded machine
 PROC_TITLE = "radixlm::grammar"
+# a worker dying of these under RLIMIT_AS ran out of memory (Rust aborts on a failed allocation; a stack
+# that cannot grow faults): the spec's fault, cached as a 400
+_MEMORY_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
 
 
 @dataclass(frozen=True)
 class CompileResult:
-    """What a worker sends back: the regex compiled (for diagnostics) and its Index (end marker included)."""
+    """What a worker sends back for one job."""
 
-    regex: str
-    index: object  # outlines_core.Index
-    seconds: float  # compile time inside the worker (the spec check and the Index build)
+    regex: str  # the regex compiled (for diagnostics)
+    index: object  # outlines_core.Index (end marker included); None for a check
+    seconds: float  # time inside the worker (the spec check and the Index build)
+    started: float = 0.0  # time.monotonic() when the worker began the job (system-wide clock)
+    nbytes: int = 0  # size of the pickled reply: the cache's estimate of what the Index holds
 
 
 class CompilePool:
-    """``submit(kind, spec)`` -> Future[CompileResult]; at most ``workers`` compiles run at once.
+    """``submit(kind, spec)`` -> Future[CompileResult]; at most ``workers`` jobs run at once and at most
+    ``queue_size`` wait. ``vocab=None``: a pool for checks only (``submit(..., check=True)``).
 
-    The future fails with ``constrained.errors.GrammarError`` for an unusable spec, a compile over the time
-    limit, or one over the memory limit. Thread-safe.
+    The future fails with ``GrammarError`` (unusable spec, over the memory limit), ``GrammarTimeout`` (over
+    the time limit) or ``GrammarUnavailable`` (queue full, worker crashed or failed to start, shut down).
+    Thread-safe.
     """
 
     def __init__(
         self,
-        vocab,  # constrained.vocab.TokenVocabulary
+        vocab,  # constrained.vocab.TokenVocabulary, or None for a check-only pool
         whitespace_pattern: str,
-        workers: int = 2,
-        memory_mb: int = DEFAULT_MEMORY_MB,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        workers: int,
+        memory_mb: int,
+        timeout_s: float,
+        queue_size: int,
     ):
-        if workers < 1 or memory_mb < 16 or timeout_s <= 0:
+        if workers < 1 or memory_mb < 16 or timeout_s <= 0 or queue_size < 1:
             raise ValueError(
-                f"bad compile pool limits: workers={workers} memory_mb={memory_mb} timeout_s={timeout_s}"
+                f"bad grammar pool limits: workers={workers} memory_mb={memory_mb} timeout_s={timeout_s} "
+                f"queue_size={queue_size}"
             )
-        import pickle
-
-        self._vocab_blob = pickle.dumps(vocab.outlines)  # sent to every (re)started worker
+        # sent to every (re)started worker
+        self._vocab_blob = pickle.dumps(vocab.outlines) if vocab is not None else None
         self.whitespace_pattern = whitespace_pattern
         self.memory_mb = memory_mb
         self.timeout_s = timeout_s
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
+        self.queue_size = queue_size
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[str, str, bool, Future]] = collections.deque()
         self._procs: list[subprocess.Popen | None] = [None] * workers
         self._closed = False
         self.restarts = 0  # workers killed or found dead, then replaced
+        self.rejected = 0  # jobs refused because the queue was full
+        self.running = 0
         self._threads = [
             threading.Thread(target=self._slot, args=(i,), name=f"grammar-slot-{i}", daemon=True)
             for i in range(workers)
@@ -87,31 +106,69 @@ class CompilePool:
         for t in self._threads:
             t.start()
 
-    def submit(self, kind: str, spec: str) -> Future:
+    def submit(self, kind: str, spec: str, check: bool = False) -> Future:
+        """Queue one job. ``check``: only ``validate_spec`` (the result's index is None)."""
         future: Future = Future()
-        if self._closed:
-            future.set_exception(RuntimeError("grammar compile pool is shut down"))
+        if not check and self._vocab_blob is None:
+            raise ValueError("this grammar pool has no vocabulary: it can only check specs")
+        with self._cond:
+            if self._closed:
+                error = GrammarUnavailable("the grammar pool is shut down")
+            elif len(self._queue) >= self.queue_size:
+                self.rejected += 1
+                error = GrammarUnavailable(
+                    f"too many grammars waiting to be {'checked' if check else 'compiled'} "
+                    f"({len(self._queue)}, the limit of --grammar-queue-size): the server is busy, "
+                    "retry later"
+                )
+            else:
+                error = None
+                self._queue.append((kind, spec, check, future))
+                self._cond.notify()
+        if error is not None:
+            future.set_exception(error)
             return future
-        self._jobs.put((kind, spec, future))
+        future.add_done_callback(self._discard_if_cancelled)
         return future
 
+    def _discard_if_cancelled(self, future: Future) -> None:
+        """A job cancelled before a worker took it leaves the queue now (its slot is free for another)."""
+        if not future.cancelled():
+            return
+        with self._cond:
+            for job in self._queue:
+                if job[3] is future:
+                    self._queue.remove(job)
+                    break
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
     def worker_pids(self) -> list[int]:
-        with self._lock:
+        with self._cond:
             return [p.pid for p in self._procs if p is not None and p.poll() is None]
 
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "queued": len(self._queue),
+                "running": self.running,
+                "rejected": self.rejected,
+                "worker_restarts": self.restarts,
+            }
+
     def shutdown(self) -> None:
-        self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._cond:
+            self._closed = True
+            left = list(self._queue)  # jobs nobody will take
+            self._queue.clear()
+            self._cond.notify_all()
         for t in self._threads:
             t.join(timeout=5)
-        while True:  # jobs nobody will take
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job[2].set_exception(RuntimeError("grammar compile pool is shut down"))
+        for *_, future in left:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(GrammarUnavailable("the grammar pool is shut down"))
 
     # ---- one slot: a thread that owns (at most) one worker process ---------------------------------------
     # The slot thread starts its worker and lives as long as the pool: PR_SET_PDEATHSIG fires when the
@@ -119,61 +176,72 @@ class CompilePool:
     def _slot(self, slot: int) -> None:
         proc, conn = None, None
         while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            kind, spec, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                kind, spec, check, future = self._queue.popleft()
+                self.running += 1
             try:
-                if proc is None or proc.poll() is not None:
-                    proc, conn = self._start(slot, conn)
-                outcome = self._run(proc, conn, kind, spec)
-            except Exception as err:  # a failed start (spawn error): report it, keep the slot alive
-                outcome = err
-                proc = None
-            if isinstance(outcome, _Breach):
-                self._kill(slot, proc)
-                proc = None
-                outcome = outcome.error
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
-        self._kill(slot, proc)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if proc is None or proc.poll() is not None:
+                        proc, conn = self._start(slot, conn)
+                    outcome = self._run(proc, conn, kind, spec, check)
+                except Exception as err:  # a failed start (spawn error): report it, keep the slot alive
+                    outcome = GrammarUnavailable(f"grammar worker unavailable: {err}")
+                    proc = None
+                if isinstance(outcome, _Breach):
+                    self._kill(proc)
+                    proc = None
+                    outcome = outcome.error
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+            finally:
+                with self._cond:
+                    self.running -= 1
+        self._kill(proc)
         if conn is not None:
             conn.close()
 
-    def _run(self, proc: subprocess.Popen, conn, kind: str, spec: str):
-        from constrained.errors import GrammarError
-
-        conn.send((kind, spec))
+    def _run(self, proc: subprocess.Popen, conn, kind: str, spec: str, check: bool):
+        what = "checking" if check else "compiling"
+        conn.send((kind, spec, check))
         # the compile clock starts here: the job waited in the queue until this worker was free
         if not conn.poll(self.timeout_s):
             return _Breach(
-                GrammarError(
-                    f"{kind} is too complex: compiling it took longer than the limit of {self.timeout_s:g} s "
+                GrammarTimeout(
+                    f"{kind} is too complex: {what} it took longer than the limit of {self.timeout_s:g} s "
                     "(--grammar-timeout-s)"
                 )
             )
         try:
-            reply = conn.recv()
-        except (
-            EOFError,
-            OSError,
-        ):  # the worker died mid-compile: an allocation abort past RLIMIT_AS, or worse
+            blob = conn.recv_bytes()
+        except (EOFError, OSError):  # the worker died mid-job: an allocation abort past RLIMIT_AS, or worse
             _reap(proc)
-            return _Breach(GrammarError(self._memory_message(kind, f"the compile worker died: {_how(proc)}")))
+            if proc.returncode is not None and -proc.returncode in _MEMORY_SIGNALS:
+                detail = f"the worker died: {_how(proc)}"
+                return _Breach(GrammarError(self._memory_message(kind, what, detail)))
+            return _Breach(
+                GrammarUnavailable(f"the grammar worker {what} the {kind} crashed ({_how(proc)}); retry")
+            )
+        reply = pickle.loads(blob)
         status = reply[0]
         if status == "ok":
-            return CompileResult(regex=reply[1], index=reply[2], seconds=reply[3])
+            return CompileResult(
+                regex=reply[1], index=reply[2], seconds=reply[3], started=reply[4], nbytes=len(blob)
+            )
         if status == "memory":
-            return _Breach(GrammarError(self._memory_message(kind, "out of memory")))
+            return _Breach(GrammarError(self._memory_message(kind, what, "out of memory")))
         return GrammarError(reply[1])
 
-    def _memory_message(self, kind: str, detail: str) -> str:
+    def _memory_message(self, kind: str, what: str, detail: str) -> str:
         return (
-            f"{kind} is too complex: compiling it needs more memory than the limit of {self.memory_mb} MB "
+            f"{kind} is too complex: {what} it needs more memory than the limit of {self.memory_mb} MB "
             f"(--grammar-memory-mb; {detail})"
         )
 
@@ -211,14 +279,14 @@ class CompilePool:
             proc.kill()
             _reap(proc)
             conn.close()
-            raise RuntimeError(f"grammar compile worker failed to start ({_how(proc)}; see the log)")
-        with self._lock:
+            raise RuntimeError(f"it failed to start ({_how(proc)}; see the log)")
+        with self._cond:
             if self._procs[slot] is not None:
                 self.restarts += 1
             self._procs[slot] = proc
         return proc, conn
 
-    def _kill(self, slot: int, proc: subprocess.Popen | None) -> None:
+    def _kill(self, proc: subprocess.Popen | None) -> None:
         if proc is None:
             return
         if proc.poll() is None:
@@ -257,8 +325,9 @@ def _address_space_bytes() -> int:
 
 
 def _worker_main(fd: int) -> None:
-    """Worker loop over the connection on ``fd``: first (vocabulary pickle, whitespace pattern, memory_mb),
-    then (kind, spec) -> ("ok", regex, index, seconds) | ("error", message) | ("memory",)."""
+    """Worker loop over the connection on ``fd``: first (vocabulary pickle or None, whitespace pattern,
+    memory_mb), then (kind, spec, check) -> ("ok", regex, index, seconds, started) | ("error", message) |
+    ("memory",)."""
     from multiprocessing.connection import Connection
 
     conn = Connection(fd)
@@ -272,16 +341,13 @@ def _worker_main(fd: int) -> None:
         setproctitle.setproctitle(PROC_TITLE)
     except ImportError:
         pass
-    import pickle
-
     import outlines_core
 
-    from constrained.errors import GrammarError
     from constrained.spec import validate_spec
     from constrained.vocab import END_MARKER_REGEX
 
     vocab_blob, whitespace_pattern, memory_mb = conn.recv()
-    vocab = pickle.loads(vocab_blob)
+    vocab = pickle.loads(vocab_blob) if vocab_blob is not None else None
     del vocab_blob
     # Address space, not RSS: the only limit the kernel enforces per process without cgroups. Measured from
     # here so imports (numpy, outlines-core: ~150-400 MB of mappings) do not eat the compile's budget.
@@ -290,17 +356,19 @@ def _worker_main(fd: int) -> None:
     conn.send(("ready",))
     while True:
         try:
-            kind, spec = conn.recv()
+            kind, spec, check = conn.recv()
         except (EOFError, OSError):
             return  # the server closed the pipe
-        start = time.perf_counter()
+        started, start = time.monotonic(), time.perf_counter()
         try:
             regex = validate_spec(kind, spec, whitespace_pattern)
-            try:
-                index = outlines_core.Index(f"(?:{regex}){END_MARKER_REGEX}", vocab)
-            except ValueError as err:  # validate_spec passed, so this is a vocabulary problem
-                raise GrammarError(f"cannot compile {kind} for this tokenizer: {err}") from None
-            reply = ("ok", regex, index, time.perf_counter() - start)
+            index = None
+            if not check:
+                try:
+                    index = outlines_core.Index(f"(?:{regex}){END_MARKER_REGEX}", vocab)
+                except ValueError as err:  # validate_spec passed, so this is a vocabulary problem
+                    raise GrammarError(f"cannot compile {kind} for this tokenizer: {err}") from None
+            reply = ("ok", "" if check else regex, index, time.perf_counter() - start, started)
         except GrammarError as err:
             reply = ("error", str(err))
         except MemoryError:

@@ -35,6 +35,7 @@ from constrained.vocab import END_MARKER_REGEX, TokenVocabulary
 
 MAX_JUMP_BYTES = 256  # longest forced string returned at once (a fixed-length pattern could force more)
 MAX_CACHED_STATES = 8192  # per grammar: 8192 * 6 KB = 48 MB at vocab 49152; past it, masks are recomputed
+INDEX_MEMORY_FACTOR = 3  # resident bytes of an Index per byte of its pickle (CompiledGrammar.memory_bytes)
 _MARKER_LEN = 4  # bytes of the end marker: at most 3 states lie strictly inside it
 
 
@@ -76,8 +77,10 @@ class CompiledGrammar:
         vocab: TokenVocabulary,
         vocab_size: int,
         compile_seconds: float = 0.0,
+        index_bytes: int = 0,
     ):
         self.kind, self.spec, self.regex = kind, spec, regex
+        self.index_bytes = index_bytes  # pickled size of the Index: its transition table, roughly
         self.index = index  # from build_index: regex + end marker
         self.vocab = vocab
         self.vocab_size = vocab_size  # model logits width; ids >= num_mask_ids are never allowed
@@ -90,6 +93,16 @@ class CompiledGrammar:
         self._forced: dict[int, str | None] = {}  # state -> forced string from that state
         self._inside_marker: dict[int, bool] = {}
         self._lock = threading.Lock()  # guards the memo dicts' size check, not the (idempotent) values
+
+    def memory_bytes(self) -> int:
+        """Estimated bytes held: the Index (``INDEX_MEMORY_FACTOR`` x its pickled size) plus memoized masks.
+
+        The pickle is outlines-core's flat serialization of the transition table; its in-memory maps cost a
+        few times more. Measured on the default model (vocab 49152, resident growth after compiling one):
+        ``json_object`` 5.3 MB pickled, +24 MB; ``[a-z ]{0,300}`` 58 MB pickled, +165 MB.
+        """
+        mask_bytes = (self.num_mask_ids + 7) // 8
+        return INDEX_MEMORY_FACTOR * self.index_bytes + len(self._masks) * mask_bytes + len(self.regex)
 
     def new_matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self)

@@ -50,6 +50,10 @@ MAX_REGEX_CHARS = 10_000
 MAX_SCHEMA_CHARS = 100_000
 MAX_SCHEMA_ENUM_VALUES = 1_000  # summed over every enum of a schema
 MAX_SCHEMA_PROPERTIES = 200  # summed over every properties map of a schema
+# Nesting of the schema's JSON (objects and arrays): the deepest jsonschemabench schema has 21 levels. The
+# schema compiler recurses per level, so far deeper schemas would end in a RecursionError; Python's json
+# parser itself gives up near 1000 levels.
+MAX_SCHEMA_DEPTH = 64
 
 
 def validate_spec(kind: str, spec: str | dict, whitespace_pattern: str = DEFAULT_WHITESPACE) -> str:
@@ -79,14 +83,18 @@ def check_size_limits(kind: str, spec: str) -> None:
         return
     try:
         schema = json.loads(spec)
-    except (json.JSONDecodeError, RecursionError):
+    except RecursionError:
+        raise GrammarError(depth_message("far deeper than")) from None
+    except json.JSONDecodeError:
         return  # schema_to_regex reports it
     enum_values = properties = 0
-    todo = [schema]
+    todo = [(schema, 1)]
     while todo:  # iterative: a deeply nested schema must not overflow the stack here
-        node = todo.pop()
+        node, depth = todo.pop()
+        if isinstance(node, (list, dict)) and depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(depth_message())
         if isinstance(node, list):
-            todo.extend(node)
+            todo.extend((item, depth + 1) for item in node)
             continue
         if not isinstance(node, dict):
             continue
@@ -101,7 +109,7 @@ def check_size_limits(kind: str, spec: str) -> None:
             )
         # Data (default, examples) is walked too: skipping keys by name would let a property named "default"
         # hide its subschema from the count.
-        todo.extend(node.values())
+        todo.extend((value, depth + 1) for value in node.values())
     if enum_values > MAX_SCHEMA_ENUM_VALUES:
         raise GrammarError(
             f"json_schema has too many enum values ({enum_values}; the limit is {MAX_SCHEMA_ENUM_VALUES})"
@@ -110,6 +118,14 @@ def check_size_limits(kind: str, spec: str) -> None:
         raise GrammarError(
             f"json_schema has too many properties ({properties}; the limit is {MAX_SCHEMA_PROPERTIES})"
         )
+
+
+def depth_message(how: str = "deeper than") -> str:
+    """The 400 for a schema nested past MAX_SCHEMA_DEPTH (also used where its JSON is first parsed)."""
+    return (
+        f"json_schema is nested too deeply: {how} the limit of {MAX_SCHEMA_DEPTH} levels of objects and "
+        "arrays"
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -123,6 +123,18 @@ class ServerArgs:
         "with --dp-size N: how sglang-router picks a replica (cache_aware: longest prefix, load-balanced)",
         ("cache_aware", "round_robin", "random"),
     )
+    # ---- grammar sandbox ----
+    grammar_queue_size: int = _opt(
+        256, "grammars waiting for a worker (checks, and compiles, each per process); past it: HTTP 503"
+    )
+    grammar_queue_timeout_s: float | None = _opt(
+        None,
+        "seconds a request may wait for its grammar check or compile (queue + compile); past it: HTTP 503 "
+        "and a compile no worker has started is cancelled (default: 2 x --grammar-timeout-s)",
+    )
+    grammar_cache_mb: int = _opt(
+        512, "estimated memory the scheduler's compiled-grammar cache may hold; least recently used out first"
+    )
 
     # ---- per-request failure boundary ----
     request_timeout_s: float | None = _opt(
@@ -165,6 +177,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         self._check_security()
+        self._check_grammar_sandbox()
         self._check_parallel()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
@@ -224,6 +237,32 @@ class ServerArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    def _check_grammar_sandbox(self) -> None:
+        if self.grammar_queue_size < 1:
+            raise ValueError(f"--grammar-queue-size must be >= 1, got {self.grammar_queue_size}")
+        if self.grammar_queue_timeout_s is not None and not self.grammar_queue_timeout_s > 0:
+            raise ValueError(f"--grammar-queue-timeout-s must be > 0, got {self.grammar_queue_timeout_s}")
+        if self.grammar_cache_mb < 1:
+            raise ValueError(f"--grammar-cache-mb must be >= 1, got {self.grammar_cache_mb}")
+
+    @property
+    def grammar_wait_s(self) -> float:
+        """How long a request may wait for its grammar (--grammar-queue-timeout-s, default 2 x the compile
+        limit: a compile that starts at once can always finish)."""
+        if self.grammar_queue_timeout_s is not None:
+            return self.grammar_queue_timeout_s
+        return 2 * self.grammar_timeout_s
+
+    @property
+    def grammar_pool_limits(self) -> dict:
+        """The keyword limits of a ``constrained.compile_pool.CompilePool``: the one place they come from."""
+        return dict(
+            workers=self.grammar_workers,
+            memory_mb=self.grammar_memory_mb,
+            timeout_s=self.grammar_timeout_s,
+            queue_size=self.grammar_queue_size,
+        )
 
     def _check_data_parallel(self) -> None:
         if self.dp_size < 1:

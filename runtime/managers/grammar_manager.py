@@ -1,39 +1,35 @@
 """The scheduler's view of constrained decoding: compile off the critical path, masks, jump-forward plans.
 
-Compiles run in capped worker processes (``constrained.compile_pool``): a schema that needs too much memory or
-time fails its own request with a 400 naming the limit, and never touches the scheduler's memory.
+Compiles run in capped worker processes (``constrained.compile_pool``; limits from ServerArgs): a schema that
+needs too much memory or time fails its own request with a 400 naming the limit, and never touches the
+scheduler's memory. A request waits at most ``wait_s`` for its grammar (then 503, and a compile no worker
+has started is dropped), and an aborted request stops waiting at once (``cancel``).
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
 
+from constrained.errors import GrammarUnavailable
 from runtime.managers.req import Req
 from runtime.sampling_params import SamplingParams
-
-# Defaults of --grammar-timeout-s / --grammar-workers / --grammar-memory-mb (outlines-core can take minutes
-# and gigabytes on some real-world schemas). Two workers, so one pathological schema does not stall the rest.
-COMPILE_TIMEOUT_S = 120.0
-COMPILE_WORKERS = 2
-COMPILE_MEMORY_MB = 2048
+from runtime.server_args import ServerArgs
 
 
 class GrammarManager:
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        jump_forward: bool = True,
-        workers: int = COMPILE_WORKERS,
-        memory_mb: int = COMPILE_MEMORY_MB,
-        timeout_s: float = COMPILE_TIMEOUT_S,
-    ):
+    def __init__(self, tokenizer, vocab_size: int, args: ServerArgs | None = None):
+        """``args``: the server's (its --grammar-* limits); None: ServerArgs' defaults."""
+        args = args if args is not None else ServerArgs()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.jump_forward = jump_forward
-        self.limits = dict(workers=workers, memory_mb=memory_mb, timeout_s=timeout_s)
+        self.jump_forward = not args.disable_jump_forward
+        self.limits = args.grammar_pool_limits
+        self.cache_bytes = args.grammar_cache_mb << 20
+        self.wait_s = args.grammar_wait_s
+        self.expired = 0  # requests failed for waiting past wait_s
         self._compiler = None  # built on first use: the vocabulary takes a moment
         self._mask_buf: torch.Tensor | None = None  # [rows, vocab] bool, reused by every step's mask
 
@@ -42,13 +38,40 @@ class GrammarManager:
         if self._compiler is None:
             from constrained import GrammarCompiler
 
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, pool_limits=self.limits)
+            self._compiler = GrammarCompiler(
+                self.tokenizer, self.vocab_size, pool_limits=self.limits, cache_bytes=self.cache_bytes
+            )
         return self._compiler
 
     def compile_async(self, params: SamplingParams) -> Future:
+        """This request's future of its CompiledGrammar. It fails with GrammarError (400) or
+        GrammarUnavailable (503: queue full, worker crashed, or not compiled within ``wait_s``)."""
         if params.regex is not None:
-            return self.compiler.compile_async("regex", params.regex)
-        return self.compiler.compile_async("json_schema", params.json_schema)
+            ticket = self.compiler.compile_async("regex", params.regex)
+        else:
+            ticket = self.compiler.compile_async("json_schema", params.json_schema)
+        ticket.deadline = time.monotonic() + self.wait_s
+        return ticket
+
+    def expire(self, futures: list[Future]) -> None:
+        """Fail the futures whose deadline has passed (GrammarUnavailable), dropping their queued compiles."""
+        now = time.monotonic()
+        for ticket in futures:
+            if not ticket.done() and ticket.deadline is not None and ticket.deadline <= now:
+                self.expired += 1
+                self.compiler.cache.fail(
+                    ticket,
+                    GrammarUnavailable(
+                        f"the grammar was not compiled within {self.wait_s:g} s (--grammar-queue-timeout-s): "
+                        "the grammar workers are busy; this is temporary, retry later"
+                    ),
+                )
+
+    @staticmethod
+    def cancel(future: Future | None) -> None:
+        """The request left (aborted): stop waiting; the last waiter gone drops a compile not yet started."""
+        if future is not None:
+            future.cancel()
 
     def vocab_mask(self, reqs: list[Req], vocab: int, device: torch.device) -> torch.Tensor | None:
         """[bs, vocab] bool, True = allowed; None when no request in the batch is constrained.
@@ -82,7 +105,8 @@ class GrammarManager:
             self._compiler.shutdown(wait=False)
 
     def stats(self) -> dict:
+        """Compile cache and pool counters (``GrammarCompiler.stats``: queued, running, cache_bytes,
+        evictions, ...) plus ``expired``; empty before the first grammar."""
         if self._compiler is None:
             return {}
-        s = getattr(self._compiler, "stats", None)
-        return s() if callable(s) else (dict(s) if s else {})
+        return {**self._compiler.stats(), "expired": self.expired}

@@ -1,102 +1,78 @@
-"""Checks regex / JSON-Schema specs before a request is queued, in a child process with a time limit.
+"""The HTTP process's spec check before a request is queued, as jobs of the grammar sandbox.
 
-Some specs make automaton construction run for minutes and eat gigabytes; a Python thread cannot be stopped,
-so the check runs in a helper process that is killed and replaced when it exceeds its time, and whose
-address space is capped (RLIMIT_AS, the same ``--grammar-memory-mb`` as the compile workers) so a pattern
-whose automaton explodes fails the check instead of growing without bound. Verdicts are cached, so a spec is
-checked once.
+Some specs make automaton construction run for minutes and eat gigabytes, so the check (``validate_spec``:
+size and depth limits, schema keywords, each regex's byte-level automaton) runs in the same capped worker
+pool the scheduler compiles in (``constrained.compile_pool``, check-only: no vocabulary), with the server's
+limits: up to --grammar-workers checks at once, --grammar-queue-size waiting, each past --grammar-timeout-s
+or --grammar-memory-mb refused. Identical specs in flight share one check; verdicts are cached
+(``constrained.grammar_cache``: a timeout only briefly, a queue-full or crash never).
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-from collections import OrderedDict
 
-from runtime.managers.child_process import init_child
+from constrained.errors import GrammarError, GrammarUnavailable
+from runtime.errors import RequestError
+from runtime.server_args import ServerArgs
 
-VALIDATION_TIMEOUT_S = 15.0
-VALIDATION_MEMORY_MB = 2048
-CACHE_SIZE = 512
+VERDICT_CACHE_ENTRIES = 1024  # a verdict is the spec and a short message: ~100 KB at most (MAX_SCHEMA_CHARS)
 
 
 class GrammarValidator:
-    def __init__(self, timeout_s: float = VALIDATION_TIMEOUT_S, memory_mb: int = VALIDATION_MEMORY_MB):
-        self.timeout_s = timeout_s
-        self.memory_mb = memory_mb
-        self._proc: mp.Process | None = None
-        self._conn = None
-        self._lock: asyncio.Lock | None = None
-        self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+    def __init__(self, args: ServerArgs):
+        self.limits = args.grammar_pool_limits
+        self.wait_s = args.grammar_wait_s
+        self.cache_bytes = args.grammar_cache_mb << 20
+        self._pool = None
+        self._cache = None
+
+    def _ensure(self):
+        if self._cache is None:  # on first use: no worker threads for a server that never sees a grammar
+            from constrained.compile_pool import CompilePool
+            from constrained.grammar_cache import GrammarCache
+            from constrained.spec import DEFAULT_WHITESPACE
+
+            self._pool = CompilePool(None, DEFAULT_WHITESPACE, **self.limits)
+            self._cache = GrammarCache(
+                lambda key: self._pool.submit(*key, check=True),
+                lambda key, result: result,
+                lambda key, value: 256 + len(key[1]) + len(str(value)),
+                self.cache_bytes,
+                VERDICT_CACHE_ENTRIES,
+            )
+        return self._cache
+
+    async def check(self, kind: str, spec: str):
+        """The worker's CompileResult (index None) for a usable spec. Raises GrammarError (the spec's fault)
+        or RequestError 503 (queue full, waited past --grammar-queue-timeout-s, worker crashed)."""
+        ticket = self._ensure().get((kind, spec))
+        try:
+            # a cancelled wait (timeout, client gone) cancels the ticket: a check only it waits for is dropped
+            return await asyncio.wait_for(asyncio.wrap_future(ticket), self.wait_s)
+        except asyncio.TimeoutError:
+            raise RequestError(
+                f"the {kind} was not checked within {self.wait_s:g} s (--grammar-queue-timeout-s): the "
+                "grammar workers are busy; this is temporary, retry later",
+                503,
+            ) from None
+        except GrammarUnavailable as e:
+            raise RequestError(str(e), 503) from None
 
     async def validate(self, kind: str, spec: str) -> str | None:
-        """None when the spec is usable, else the reason it is not."""
-        key = (kind, spec)
-        if key in self._verdicts:
-            self._verdicts.move_to_end(key)
-            return self._verdicts[key]
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            verdict = await asyncio.to_thread(self._check, kind, spec)
-        self._verdicts[key] = verdict
-        if len(self._verdicts) > CACHE_SIZE:
-            self._verdicts.popitem(last=False)
-        return verdict
-
-    def _check(self, kind: str, spec: str) -> str | None:
-        if self._proc is None or not self._proc.is_alive():
-            self._start()
-        self._conn.send((kind, spec))
-        if not self._conn.poll(self.timeout_s):
-            self.close()
-            return f"the {kind} is too complex (checking it took longer than {self.timeout_s:.0f}s)"
+        """None when the spec is usable, else the reason it is not (a 400). Raises RequestError 503 when it
+        cannot be checked now."""
         try:
-            return self._conn.recv()
-        except (EOFError, OSError):  # the checker died: crashed, or killed by close() from another thread
-            self.close()
-            return (
-                f"the {kind} is too complex: checking it needs more memory than the limit of "
-                f"{self.memory_mb} MB (--grammar-memory-mb), or the checker crashed"
-            )
+            await self.check(kind, spec)
+        except GrammarError as e:
+            return str(e)
+        return None
 
-    def _start(self) -> None:
-        if self._conn is not None:
-            self._conn.close()  # the previous checker's (killed) pipe; closed here, not in close(), so a
-            # thread still polling it after a kill from another thread sees EOF rather than a closed handle
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve, args=(child, self.memory_mb), name="radixlm-grammar-check", daemon=True
-        )
-        self._proc.start()
-        child.close()  # only the child holds its end: killing it wakes a waiting poll() with EOF at once
-        self._conn = parent
+    def stats(self) -> dict:
+        if self._cache is None:
+            return {}
+        return {**self._cache.stats(), **self._pool.stats()}
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=5)
-        self._proc = None
-
-
-def _serve(conn, memory_mb: int) -> None:
-    init_child("grammar")  # never outlive the server; `radixlm::grammar` in ps
-    import resource
-
-    from constrained.compile_pool import _address_space_bytes
-    from constrained.errors import GrammarError
-    from constrained.spec import validate_spec
-
-    cap = _address_space_bytes() + memory_mb * (1 << 20)  # on top of what the imports already mapped
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
-    while True:
-        kind, spec = conn.recv()
-        try:
-            validate_spec(kind, spec)
-            conn.send(None)
-        except GrammarError as e:
-            conn.send(str(e))
-        except MemoryError:
-            conn.send(f"the {kind} is too complex: checking it needs more memory than {memory_mb} MB")
+        if self._pool is not None:
+            self._pool.shutdown()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from constrained.errors import GrammarUnavailable
 from runtime.managers.batch_builder import build_decode_batch, build_extend_batch
 from runtime.managers.cache_manager import CacheManager
 from runtime.managers.grammar_manager import GrammarManager
@@ -66,14 +67,7 @@ class Scheduler:
         self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator)
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
-        self.grammars = GrammarManager(
-            self.tokenizer,
-            self.runner.vocab_size,
-            jump_forward=not args.disable_jump_forward,
-            workers=args.grammar_workers,
-            memory_mb=args.grammar_memory_mb,
-            timeout_s=args.grammar_timeout_s,
-        )
+        self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
         self.rng = random.Random(args.random_seed)
         torch.manual_seed(args.random_seed)
 
@@ -138,7 +132,7 @@ class Scheduler:
             return
         req.generator = make_generator(req.params.seed)
         if req.params.has_grammar:
-            # no deadline here: the compile pool bounds each compile's own time (queue wait not counted)
+            # waits at most --grammar-queue-timeout-s (then 503); a full compile queue is a 503 at once
             req.grammar_future = self.grammars.compile_async(req.params)
             req.status = ReqStatus.GRAMMAR
             self.grammar_wait.append(req)
@@ -171,6 +165,7 @@ class Scheduler:
                 self._finish_aborted(req)
 
     def _finish_aborted(self, req: Req) -> None:
+        self.grammars.cancel(req.grammar_future)  # a compile only this request waits for leaves the queue
         req.finish({"type": "abort", "message": "request aborted"})
         self._retire(req)
         self.stats["requests_aborted"] += 1
@@ -267,10 +262,14 @@ class Scheduler:
                 queue.remove(req)
 
     def _poll_grammars(self) -> None:
+        self.grammars.expire([r.grammar_future for r in self.grammar_wait])
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:
                 req.grammar = req.grammar_future.result().new_matcher()
+            except GrammarUnavailable as e:  # queue full, waited too long, worker crashed: retry later
+                self._fail(req, str(e), 503)
+                continue
             except ValueError as e:  # GrammarError subclasses ValueError
                 self._fail(req, f"invalid grammar: {e}", 400)
                 continue

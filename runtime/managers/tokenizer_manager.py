@@ -79,7 +79,7 @@ class TokenizerManager:
         self.draining = False
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
         self._tasks: list[asyncio.Task] = []
-        self.grammar_validator = GrammarValidator(memory_mb=args.grammar_memory_mb)
+        self.grammar_validator = GrammarValidator(args)  # spec checks: capped workers, --grammar-* limits
         # Tokenization runs here, never on the event loop: a large prompt would otherwise keep /health and
         # every stream waiting. One worker: prompts are tokenized in arrival order, in slices of ENCODE_SLICE.
         self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixlm-tokenize")
@@ -267,7 +267,7 @@ class TokenizerManager:
         kind, spec = (
             ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
         )
-        problem = await self.grammar_validator.validate(kind, spec)
+        problem = await self.grammar_validator.validate(kind, spec)  # RequestError 503 when busy
         if problem:
             raise RequestError(f"invalid {kind}: {problem}", 400)
 

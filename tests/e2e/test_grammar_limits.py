@@ -20,11 +20,12 @@ from tests.e2e.server_utils import HTTP_TIMEOUT_S, ServerProcess, descendants, s
 MEMORY_MB = 128
 WORKERS = 2
 # Stated bound on the growth of the summed RSS of the server and all its children during the burst: each
-# capped process -- the WORKERS compile workers and the HTTP side's spec checker, which has the same
-# --grammar-memory-mb cap -- may add its cap plus its own start-up (~100-200 MB: Python, numpy,
-# outlines-core, the vocabulary), plus slack for the HTTP side's pending requests. (Counting only the compile
-# workers, 1056 MB, was exceeded once on a loaded machine: 1175 MB, the checker's share.)
-CAPPED_PROCESSES = WORKERS + 1
+# capped process -- the WORKERS compile workers and the HTTP side's WORKERS spec checkers (the same pool
+# implementation, with the same --grammar-memory-mb cap) -- may add its cap plus its own start-up (~100-200
+# MB: Python, numpy, outlines-core, the vocabulary), plus slack for the HTTP side's pending requests.
+# (Counting only the compile workers, 1056 MB, was exceeded once on a loaded machine: 1175 MB, a checker's
+# share.)
+CAPPED_PROCESSES = 2 * WORKERS
 PER_WORKER_SLACK_MB = 250
 OTHER_SLACK_MB = 300
 RSS_BOUND_MB = CAPPED_PROCESSES * (MEMORY_MB + PER_WORKER_SLACK_MB) + OTHER_SLACK_MB

@@ -15,14 +15,15 @@ import pytest
 
 from constrained import GrammarError
 from constrained.compile_pool import CompilePool
+from constrained.errors import GrammarTimeout
 
 # ~80k DFA states x ~200 byte transitions: far over a 32 MB cap, reached in well under a second
 HUGE = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt]){0,8192}'
 
 
-def _pool(**limits) -> CompilePool:
+def _pool(queue_size: int = 64, **limits) -> CompilePool:
     vocab = SimpleNamespace(outlines=outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)}))
-    return CompilePool(vocab, "", **limits)
+    return CompilePool(vocab, "", queue_size=queue_size, **limits)
 
 
 def _gone(pid: int) -> bool:
@@ -57,7 +58,7 @@ def test_timeout_kills_the_compile_so_it_stops_using_cpu():
         pool.submit("regex", "a").result(timeout=60)  # start-up is not a compile: warm the worker first
         (pid,) = pool.worker_pids()
         start = time.monotonic()
-        with pytest.raises(GrammarError, match=r"longer than the limit of 0.5 s \(--grammar-timeout-s\)"):
+        with pytest.raises(GrammarTimeout, match=r"longer than the limit of 0.5 s \(--grammar-timeout-s\)"):
             pool.submit("regex", "[ -~]{0,6000}").result(timeout=60)
         assert time.monotonic() - start < 10
         assert _gone(pid)
