@@ -260,6 +260,7 @@ class Scheduler:
         for queue in (self.grammar_wait, self.waiting, self.reextend, self.running):
             if req in queue:
                 queue.remove(req)
+        self.grammars.cancel(req.grammar_future)  # no-op unless it still waits for a compile
 
     def _poll_grammars(self) -> None:
         self.grammars.expire([r.grammar_future for r in self.grammar_wait])
@@ -272,6 +273,9 @@ class Scheduler:
                 continue
             except ValueError as e:  # GrammarError subclasses ValueError
                 self._fail(req, f"invalid grammar: {e}", 400)
+                continue
+            except Exception:
+                self._fail_internal(req, "starting the grammar of")
                 continue
             req.status = ReqStatus.WAITING
             self.waiting.append(req)
