@@ -442,21 +442,11 @@ def test_internal_error_answer_hides_the_exception(caplog):
 
 # ---- the scheduler: rid "" is no longer "everything" -------------------------------------------------------
 def test_scheduler_aborts_all_only_when_asked(default_model_dir, default_tokenizer):
-    from runtime.managers.scheduler import Scheduler
     from runtime.messages import AbortReq, TokenizedGenerateReq
     from runtime.sampling_params import SamplingParams
-    from runtime.server_args import ServerArgs
+    from tests.scheduler_utils import make_scheduler
 
-    args = ServerArgs(
-        model=default_model_dir,
-        dtype="float32",
-        device="cpu",
-        log_interval=0,
-        attention_backend="torch_native",
-        max_total_tokens=2048,
-        num_threads=1,
-    )
-    sched = Scheduler(args, default_model_dir, tokenizer=default_tokenizer)
+    sched = make_scheduler(default_model_dir, default_tokenizer, max_total_tokens=2048, num_threads=1)
     params = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
     for i in range(3):
         sched.handle(TokenizedGenerateReq(rid=f"r{i}", input_ids=[5 + i, 6, 7], sampling_params=params))

@@ -10,19 +10,7 @@ import pytest
 from runtime.managers.scheduler import Scheduler
 from runtime.messages import AbortReq, TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.server_args import ServerArgs
-
-
-def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:
-    args = ServerArgs(
-        model=model_dir,
-        dtype="float32",
-        device="cpu",
-        log_interval=0,
-        attention_backend="torch_native",
-        **{"max_total_tokens": 8192, **kw},
-    )
-    return Scheduler(args, model_dir, tokenizer=tokenizer)
+from tests.scheduler_utils import make_scheduler
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -15,27 +15,15 @@ from runtime.managers.req import Req
 from runtime.managers.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.server_args import ServerArgs
+from tests.scheduler_utils import make_scheduler
 
 SECRET = "secret-exception-text"
 MAX_NEW = 6
 
 
-def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:
-    args = ServerArgs(
-        model=model_dir,
-        dtype="float32",
-        device="cpu",
-        log_interval=0,
-        attention_backend="torch_native",
-        **{"max_total_tokens": 4096, **kw},
-    )
-    return Scheduler(args, model_dir, tokenizer=tokenizer)
-
-
 @pytest.fixture(scope="module")
 def sched(tiny_model_dir, default_tokenizer) -> Scheduler:
-    return make_scheduler(tiny_model_dir, default_tokenizer)
+    return make_scheduler(tiny_model_dir, default_tokenizer, max_total_tokens=4096)
 
 
 def msg(rid: str, prompt: list[int], **params) -> TokenizedGenerateReq:
