@@ -79,10 +79,7 @@ def _raise_for_victim(fn):
 # Each stage of one request's life, and the scheduler attribute whose call fails for the victim only.
 STAGES = {
     "admission": lambda s: ("_validate", _raise_for_victim(s._validate)),
-    "scheduling": lambda s: (
-        "_offer",
-        lambda adder, req: _raise_for_victim(s.__class__._offer)(s, adder, req),
-    ),
+    "scheduling": lambda s: ("cm.start", _raise_for_victim(s.cm.start)),
     "grammar_mask": lambda s: ("grammars.vocab_mask", _raise_for_victim(s.grammars.vocab_mask)),
     "sampling": lambda s: ("_sample", _raise_for_victim(s._sample)),
     "stop_check": lambda s: ("stop.check", _raise_for_victim(s.stop.check)),
