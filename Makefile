@@ -10,7 +10,7 @@ PORT    ?= 30000
 MODEL   ?= default
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-unit test-kernels test-e2e bench lint clean
+.PHONY: install serve test test-fast test-unit test-kernels test-e2e bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,10 @@ serve: install
 test: install
 	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m pytest tests -q -ra $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The edit-test loop: unit and kernel tests that need no model, tokenizer, compiler or server (under 2 min).
+test-fast: install
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m pytest tests/unit tests/kernels -q -m "not slow and not model" $(PYTEST_ARGS)
 
 test-unit: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit -q $(PYTEST_ARGS)

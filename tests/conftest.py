@@ -12,6 +12,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Fixtures that load the default model's files (its tokenizer, or a model built from it): a test that asks
+# for one is marked `model` and left out of `make test-fast`.
+MODEL_FIXTURES = frozenset({"default_model_dir", "default_tokenizer", "tiny_model_dir"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     from runtime.models.model_loader import resolve_model_path

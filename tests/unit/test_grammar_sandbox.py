@@ -261,10 +261,10 @@ def test_a_full_check_queue_is_a_503():
 
 
 def test_a_check_past_the_wait_limit_is_a_503_and_leaves_the_queue():
-    validator = GrammarValidator(ServerArgs(grammar_workers=1, grammar_queue_timeout_s=1.0))
+    validator = GrammarValidator(ServerArgs(grammar_workers=1, grammar_queue_timeout_s=0.2))
 
     async def run():
-        busy = asyncio.ensure_future(validator.validate("regex", SLOW.format(20000)))
+        busy = asyncio.ensure_future(validator.validate("regex", SLOW.format(30000)))
         await asyncio.to_thread(_wait, lambda: pool.stats()["running"] == 1)
         with pytest.raises(RequestError, match="--grammar-queue-timeout-s") as err:
             await validator.validate("regex", "[0-9]+")
