@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
-PER_SUBSET = int(os.environ.get("RADIXLM_HARDENING_SCHEMAS", "3"))
+PER_SUBSET = int(os.environ.get("RADIXLM_HARDENING_SCHEMAS", "1"))
 ROLE_REF = {
     "type": "object",
     "properties": {
@@ -68,13 +68,10 @@ def sample_schemas() -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize(("name", "schema"), sample_schemas(), ids=[n for n, _ in sample_schemas()])
 def test_json_schema_with_jump_forward_keeps_kv_exact(srv, name, schema):
-    r = generate(
-        srv.url,
-        {
-            "text": "JSON: ",
-            "sampling_params": {"max_new_tokens": 128, "temperature": 0, "json_schema": schema},
-        },
-    )
+    # 128 tokens: the length of the report that found the RoleRef crash; the sampled schemas need fewer
+    max_new = 128 if name == "RoleRef" else 64
+    params = {"max_new_tokens": max_new, "temperature": 0, "json_schema": schema}
+    r = generate(srv.url, {"text": "JSON: ", "sampling_params": params})
     # 400: a schema the grammar layer rejects by name; never a 5xx, never a dead server
     assert r.status_code in (200, 400), (name, r.status_code, r.text[:500])
     if r.status_code == 400:
