@@ -56,7 +56,7 @@ def test_kv_accounting_holds_after_every_step(default_model_dir, default_tokeniz
     rng = random.Random(1234)
     specs = {}
     pending = []
-    for i in range(10):
+    for i in range(8):
         kind = rng.choice(["schema", "regex"])
         spec = rng.choice(SCHEMAS) if kind == "schema" else rng.choice(REGEXES)
         greedy = rng.random() < 0.5
