@@ -67,11 +67,10 @@ ROLE_REF = {"type": "object", "properties": {"apiGroup": NULLABLE, "kind": NULLA
             "required": ["apiGroup", "kind", "name"]}  # fmt: skip
 
 
-def _deep_schema(depth: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
+def _deep_schema_body(depth: int) -> bytes:
+    """A /generate body whose json_schema nests `depth` objects: raw bytes (json.dumps would recurse)."""
+    schema = '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+    return b'{"text": "x", "sampling_params": {"max_new_tokens": 4, "json_schema": ' + schema.encode() + b"}}"
 
 
 # (name, path, JSON body or raw bytes, content type, expected status). Raw bytes go as they are.
@@ -83,8 +82,7 @@ HOSTILE = [
     ("oov_stop_ids_openai", "/v1/completions", {"model": "default", "prompt": "Hi", "max_tokens": 8,
         "min_tokens": 4, "stop_token_ids": [10**9]}, "application/json", 400),
     ("text_plain_abort_all", "/abort_request", b"{}", "text/plain", 415),
-    ("deep_schema", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4,
-        "json_schema": _deep_schema(3000)}}, "application/json", 400),
+    ("deep_schema", "/generate", _deep_schema_body(3000), "application/json", 400),
     ("huge_stop_string", "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4,
         "stop": ["s" * 100_000]}}, "application/json", 400),
     ("long_rid", "/generate", {"text": "x", "rid": "r" * 100_000, "sampling_params": {
