@@ -14,7 +14,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Fixtures that load the default model's files (its tokenizer, or a model built from it): a test that asks
 # for one is marked `model` and left out of `make test-fast`.
-MODEL_FIXTURES = frozenset({"default_model_dir", "default_tokenizer", "tiny_model_dir"})
+MODEL_FIXTURES = frozenset(
+    {
+        "default_model_dir",
+        "default_tokenizer",
+        "tiny_model_dir",
+        "tokenizer",  # test_constrained, test_model_loader: SmolLM2's tokenizer
+        "converted",  # test_model_loader: the converted default model
+        "gguf_reference",
+        "gguf_tensors",  # test_quantization: the GGUF's blocks
+    }
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -69,6 +69,7 @@ UNSATISFIABLE = {
 }
 
 
+@pytest.mark.model  # ~20 s: compiles grammars over the default tokenizer's vocabulary
 def test_forced_calls_validate_for_200_real_schemas():
     parser, rng = get_parser("hermes"), random.Random(0)
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]

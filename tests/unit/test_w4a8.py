@@ -124,6 +124,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.model  # builds the C++ kernel twice
 def test_scalar_build_matches_the_vnni_build(tmp_path):
     """CPUs without AVX512-VNNI run the scalar loop over the same layout: it must give the same numbers."""
     code = """
