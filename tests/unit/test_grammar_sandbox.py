@@ -226,7 +226,7 @@ def test_checks_run_side_by_side_on_two_workers():
 
     async def both():
         return await asyncio.gather(
-            validator.check("regex", SLOW.format(4000)), validator.check("regex", SLOW.format(4001))
+            validator.check("regex", SLOW.format(20000)), validator.check("regex", SLOW.format(20001))
         )
 
     try:
