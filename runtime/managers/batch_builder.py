@@ -34,7 +34,7 @@ def build_extend_batch(
     offset = 0
     for req, take in admitted:
         start = req.kv_len - take
-        tokens.append(req.all_ids[start : req.kv_len])
+        tokens.append(req.token_slice(start, req.kv_len))
         prefix_lens.append(start)
         pool_rows.append(req.req_pool_idx)
         first_row = len(sel)
@@ -58,7 +58,7 @@ def build_decode_batch(
     """One new token per request: its last token, written to `slots[i]` (already appended, so `kv_len`
     counts it)."""
     batch = ForwardBatch.build_decode(
-        [r.all_ids[-1] for r in reqs],
+        [r.last_token_id for r in reqs],
         [r.kv_len for r in reqs],
         [r.req_pool_idx for r in reqs],
         slots,

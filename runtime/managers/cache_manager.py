@@ -1,6 +1,7 @@
 """Moves KV slots between requests, the radix cache and the free list.
 
-A request's row `req_to_token[row, :kv_len]` holds its KV slots. The first `cached_len` of them belong to the
+A request's row `req_to_token[row, :kv_len]` holds its KV slots. The first `cache_owned_len` of them belong
+to the
 radix cache (matched at admission and kept alive by locking `locked_node`); the rest are the request's own.
 When a request leaves (finish, abort, retraction) its tokens are inserted into the cache, duplicates freed and
 the lock dropped, so the accounting invariant holds after every step:
@@ -26,7 +27,7 @@ class CacheManager:
     # ---- lookup ----------------------------------------------------------------------------------------
     def match(self, req: Req) -> int:
         """Record on `req` the longest usable cached prefix (no cache mutation); returns its length."""
-        res = self.cache.match_prefix(req.all_ids[: req.prefix_limit()])
+        res = self.cache.match_prefix(req.token_slice(0, req.prefix_limit()))
         req.match_len, req.match_node, req.match_indices = len(res.indices), res.last_node, res.indices
         return req.match_len
 
@@ -51,7 +52,7 @@ class CacheManager:
         req.req_pool_idx = row
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
-        req.cached_len = req.kv_len = req.match_len
+        req.cache_owned_len = req.kv_len = req.match_len
         if req.match_len:
             self.req_pool.write(row, 0, req.match_indices)
         return True
@@ -68,7 +69,7 @@ class CacheManager:
         holds belongs to a token it keeps, so releasing or caching it later is sound."""
         if req.req_pool_idx is None or pos >= req.kv_len:
             return
-        if pos < req.cached_len:
+        if pos < req.cache_owned_len:
             self.release(req, cache_tokens=False)
             return
         self.allocator.free(self.req_pool.read(req.req_pool_idx, req.kv_len, pos).clone())
@@ -77,18 +78,18 @@ class CacheManager:
     def cache_prefix(self, req: Req) -> None:
         """Publish a running request's computed tokens to the cache so later requests can share them while
         it keeps decoding; the request then holds only a lock on them, no slots of its own."""
-        if not self.cache.enabled or req.kv_len <= req.cached_len:
+        if not self.cache.enabled or req.kv_len <= req.cache_owned_len:
             return
-        key = req.all_ids[: req.kv_len]
+        key = req.token_slice(0, req.kv_len)
         slots = self.req_pool.read(req.req_pool_idx, req.kv_len).clone()
         dup = self.cache.insert(key, slots)
-        self.allocator.free(slots[req.cached_len : max(dup, req.cached_len)])
+        self.allocator.free(slots[req.cache_owned_len : max(dup, req.cache_owned_len)])
         res = self.cache.match_prefix(key)
         assert len(res.indices) == req.kv_len, "a just-inserted prefix must match in full"
         self.req_pool.write(req.req_pool_idx, 0, res.indices)
         self.cache.lock(res.last_node)
         self.cache.unlock(req.locked_node)
-        req.locked_node, req.cached_len = res.last_node, req.kv_len
+        req.locked_node, req.cache_owned_len = res.last_node, req.kv_len
 
     def release(self, req: Req, cache_tokens: bool = True) -> None:
         """Return a request's KV: its tokens go into the cache (duplicates freed), then its lock and row."""
@@ -97,13 +98,13 @@ class CacheManager:
         row = req.req_pool_idx
         slots = self.req_pool.read(row, req.kv_len).clone()
         if cache_tokens and req.kv_len:
-            dup = self.cache.insert(req.all_ids[: req.kv_len], slots)
-            self.allocator.free(slots[req.cached_len : max(dup, req.cached_len)])
+            dup = self.cache.insert(req.token_slice(0, req.kv_len), slots)
+            self.allocator.free(slots[req.cache_owned_len : max(dup, req.cache_owned_len)])
         else:
-            self.allocator.free(slots[req.cached_len :])
+            self.allocator.free(slots[req.cache_owned_len :])
         self.cache.unlock(req.locked_node)
         self.req_pool.free(row)
-        req.req_pool_idx, req.locked_node, req.kv_len, req.cached_len = None, None, 0, 0
+        req.req_pool_idx, req.locked_node, req.kv_len, req.cache_owned_len = None, None, 0, 0
 
     def flush(self) -> bool:
         """Drop the whole cache; only possible while no request holds a lock."""
@@ -116,7 +117,7 @@ class CacheManager:
     def check_accounting(self, live: list[Req]) -> None:
         """Raise AssertionError if any slot is lost or held twice."""
         own = [
-            self.req_pool.read(r.req_pool_idx, r.kv_len, r.cached_len)
+            self.req_pool.read(r.req_pool_idx, r.kv_len, r.cache_owned_len)
             for r in live
             if r.req_pool_idx is not None
         ]

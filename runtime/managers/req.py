@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from runtime.managers.output_stream import SendState
 from runtime.mem_cache.radix_cache import TreeNode
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-
-
-class ReqStatus(enum.Enum):
-    GRAMMAR = "grammar"  # waiting for its grammar to compile
-    WAITING = "waiting"  # queued for prefill
-    RUNNING = "running"  # has KV; in prefill chunks or decoding
-    FINISHED = "finished"
 
 
 @dataclass
@@ -34,7 +27,6 @@ class Req:
     deadline: float | None = None  # time.monotonic() past which the request is aborted (504)
 
     output_ids: list[int] = field(default_factory=list)
-    status: ReqStatus = ReqStatus.WAITING
     finished_reason: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 0
@@ -43,21 +35,14 @@ class Req:
     req_pool_idx: int | None = None
     kv_len: int = 0  # tokens of `all_ids` whose KV is in req_to_token[req_pool_idx, :kv_len]
     locked_node: TreeNode | None = None  # radix node locked for the cached prefix we use
-    cached_len: int = 0  # leading tokens of kv whose slots belong to the radix cache (not to this request)
-    cached_tokens: int = 0  # prefix hit at first admission, reported to the client
+    cache_owned_len: int = 0  # leading tokens of kv whose slots the radix cache owns (not this request)
+    prefix_hit_len: int = 0  # prompt tokens found cached at first admission (the client's cached_tokens)
     # set by the prefill adder: prefix length matched at scheduling time and the node it ends in
     match_len: int = 0
     match_node: TreeNode | None = None
     match_indices: torch.Tensor | None = None
 
-    # ---- outputs not yet sent ----
-    sent_output_len: int = 0
-    replaced_since_send: int = 0
-    # prompt logprob entries computed chunk by chunk ([logprob, token_id, top | None]), not yet sent
-    pending_input_logprobs: list[list[Any]] = field(default_factory=list)
-    input_logprobs_done: bool = False  # every requested prompt position has its entry
-    pending_output_logprobs: list[list[Any]] = field(default_factory=list)
-    first_chunk_sent: bool = False
+    sent: SendState = field(default_factory=SendState)  # what the client has been sent (output_stream)
 
     grammar: Any = None  # constrained.GrammarMatcher
     grammar_future: Any = None
@@ -87,6 +72,20 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_token_id(self) -> int:
+        """The newest token (what a decode step feeds), without building `all_ids`."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`all_ids[start:end]` without concatenating the prompt and the output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
@@ -103,7 +102,7 @@ class Req:
         return (
             self.return_logprob
             and self.logprob_start_len >= 0
-            and not self.input_logprobs_done
+            and not self.sent.input_logprobs_done
             and not self.output_ids
         )
 

@@ -103,17 +103,14 @@ class PrefillAdder:
     def _reserve(self, req: Req) -> int:
         return int(req.remaining_new_tokens * self.ratio)
 
-    def add(self, req: Req, extend_len: int, chunkable: bool = True) -> AddOutcome:
-        """`extend_len`: tokens this request still has to prefill (after its cached prefix). A request that is
-        not `chunkable` (it wants prompt logprobs) is taken whole or not at all."""
+    def add(self, req: Req, extend_len: int) -> AddOutcome:
+        """`extend_len`: tokens this request still has to prefill (after its cached prefix); past the chunk
+        budget it is cut, and the rest runs in later batches."""
         if self.rem_requests <= 0:
             return AddOutcome(AddResult.FULL, 0)
         take = extend_len
-        if self.rem_chunk is not None and take > self.rem_chunk:
-            if chunkable:
-                take = self.rem_chunk
-            elif self.admitted:
-                return AddOutcome(AddResult.FULL, 0)
+        if self.rem_chunk is not None:
+            take = min(take, self.rem_chunk)
         if self.admitted and take > self.rem_prefill:
             return AddOutcome(AddResult.FULL, 0)
         if take <= 0:

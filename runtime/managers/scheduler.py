@@ -12,17 +12,23 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from constrained.errors import GrammarUnavailable
-from runtime.managers.batch_builder import build_decode_batch, build_extend_batch
+from runtime.managers.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
 from runtime.managers.cache_manager import CacheManager
 from runtime.managers.grammar_manager import GrammarManager
-from runtime.managers.req import Req, ReqStatus
+from runtime.managers.output_stream import (
+    OutputStream,
+    record_input_logprobs,
+    record_output_logprob,
+    take_back,
+)
+from runtime.managers.req import Req
 from runtime.managers.schedule_policy import AddResult, PrefillAdder, order_waiting
 from runtime.managers.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
@@ -77,7 +83,7 @@ class Scheduler:
             Req
         ] = []  # hold KV but need more than one token computed (chunked prefill, jump-forward)
         self.running: list[Req] = []  # decoding: kv_len == seq_len - 1
-        self.touched: dict[str, Req] = {}  # requests with output to send this step
+        self.outputs = OutputStream(args.stream_interval)  # what each touched request owes its client
         self.stats: dict[str, float] = dict(
             prompt_tokens=0,
             cached_tokens=0,
@@ -134,7 +140,6 @@ class Scheduler:
         if req.params.has_grammar:
             # waits at most --grammar-queue-timeout-s (then 503); a full compile queue is a 503 at once
             req.grammar_future = self.grammars.compile_async(req.params)
-            req.status = ReqStatus.GRAMMAR
             self.grammar_wait.append(req)
         else:
             self.waiting.append(req)
@@ -191,8 +196,8 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        # `touched`: outputs still to send (a request rejected or aborted while nothing else runs).
-        return bool(self.grammar_wait or self.waiting or self.reextend or self.running or self.touched)
+        queued = self.grammar_wait or self.waiting or self.reextend or self.running
+        return bool(queued or self.outputs.pending())  # outputs: e.g. a request rejected while idle
 
     def can_run(self) -> bool:
         """Work that needs a forward pass (not just grammars compiling in the background)."""
@@ -277,7 +282,6 @@ class Scheduler:
             except Exception:
                 self._fail_internal(req, "starting the grammar of")
                 continue
-            req.status = ReqStatus.WAITING
             self.waiting.append(req)
 
     def _schedule_extend(self) -> list[tuple[Req, int]]:
@@ -330,9 +334,8 @@ class Scheduler:
             admitted.append((req, take))
         for req in started:
             self.waiting.remove(req)
-            req.status = ReqStatus.RUNNING
             if req.retractions == 0 and not req.output_ids:
-                req.cached_tokens = req.match_len
+                req.prefix_hit_len = req.match_len
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
                 self.stats["cached_tokens"] += req.match_len
         for req, _ in admitted:
@@ -344,11 +347,12 @@ class Scheduler:
                 self.reextend.insert(0, req)
         return admitted
 
-    def _forward(self, reqs: list[Req], build, what: str) -> torch.Tensor | None:
-        """Build and run one batch; if that raises, every request of the batch fails (500, error id) and
-        None is returned: a failed forward cannot be blamed on one request."""
+    def _forward(self, reqs: list[Req], build: Callable[[], BuiltBatch], what: str):
+        """Build and run one batch: (the built batch, logits). If either raises, every request of the batch
+        fails (500, error id) and None is returned: a failed forward cannot be blamed on one request."""
         try:
-            return self.runner.forward(build().batch)
+            built = build()
+            return built, self.runner.forward(built.batch)
         except Exception:
             for req in reqs:
                 self._dequeue(req)
@@ -356,16 +360,14 @@ class Scheduler:
             return None
 
     def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:
-        built = None
-
-        def build():
-            nonlocal built
-            built = build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device)
-            return built
-
-        logits = self._forward([r for r, _ in admitted], build, "prefilling")
-        if logits is None:
+        ran = self._forward(
+            [r for r, _ in admitted],
+            lambda: build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device),
+            "prefilling",
+        )
+        if ran is None:
             return
+        built, logits = ran
         self.stats["extend_steps"] += 1
 
         last_rows, done = [], []
@@ -373,7 +375,7 @@ class Scheduler:
             try:
                 with self._isolated(req, "computing prompt logprobs for"):
                     if req.wants_input_logprobs:
-                        self._record_input_logprobs(req, logits[rows.start : rows.stop])
+                        record_input_logprobs(req, logits[rows.start : rows.stop])
             except RequestFailed:
                 continue
             if req.kv_len == req.seq_len:  # prompt (or re-extend) complete: its last logits pick a token
@@ -394,7 +396,7 @@ class Scheduler:
             except RequestFailed:
                 continue
         for req, _ in admitted:
-            self.touched[req.rid] = req
+            self.outputs.touch(req)
 
     def _run_decode(self) -> None:
         slots = self.cm.alloc_slots(len(self.running))
@@ -406,16 +408,17 @@ class Scheduler:
         reqs = list(self.running)
         for i, req in enumerate(reqs):
             self.cm.append_slots(req, slots[i : i + 1])
-        logits = self._forward(
+        ran = self._forward(
             reqs, lambda: build_decode_batch(reqs, slots, device=self.runner.device), "decoding"
         )
-        if logits is None:
+        if ran is None:
             return
+        logits = ran[1]
         self.stats["decode_steps"] += 1
         self.running = []
         self._sample_and_advance(reqs, logits)
         for req in reqs:
-            self.touched[req.rid] = req
+            self.outputs.touch(req)
             self._place(req)
 
     def _place(self, req: Req) -> None:
@@ -423,7 +426,6 @@ class Scheduler:
         if req.finished:
             self._retire(req)
         elif req.req_pool_idx is None:  # its KV was given back (jump-forward rewrote cached tokens)
-            req.status = ReqStatus.WAITING
             self.waiting.append(req)
         elif req.kv_len == req.seq_len - 1:
             self.running.append(req)
@@ -437,7 +439,6 @@ class Scheduler:
         victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
         self.running.remove(victim)
         self.cm.release(victim, cache_tokens=True)
-        victim.status = ReqStatus.WAITING
         victim.retractions += 1
         self.stats["retractions"] += 1
         self.waiting.append(victim)
@@ -490,7 +491,7 @@ class Scheduler:
         self.stats["generated_tokens"] += 1
         if req.return_logprob:
             top = out.top_logprobs[i] if out.top_logprobs is not None and req.top_logprobs_num else None
-            req.pending_output_logprobs.append([logprob, tok, [[lp, t] for lp, t in top] if top else None])
+            record_output_logprob(req, logprob, tok, top)
         if req.grammar is not None:
             if out.no_allowed_token is not None and bool(out.no_allowed_token[i]):
                 req.finish({"type": "abort", "message": "grammar allows no further token"})
@@ -512,9 +513,7 @@ class Scheduler:
         # reach the radix cache under the new tokens (that re-used a cache-owned slot in a second node).
         self.cm.drop_kv_from(req, len(req.prompt_ids) + keep)
         req.output_ids = req.output_ids[:keep] + new_ids
-        if req.sent_output_len > keep:
-            req.replaced_since_send += req.sent_output_len - keep
-            req.sent_output_len = keep
+        take_back(req, keep)
         self.stats["jump_forward_tokens"] += len(new_ids) - (old_len - keep)
         req.grammar.reset_to(req.output_ids)
         if len(req.output_ids) >= req.params.max_new_tokens:
@@ -524,39 +523,11 @@ class Scheduler:
         elif req.grammar.is_terminated():
             req.finish({"type": "stop", "matched": None})
 
-    def _record_input_logprobs(self, req: Req, logits: torch.Tensor) -> None:
-        """Prompt logprobs of one extend chunk. logits: [rows, vocab], one row per position
-        max(logprob_start_len - 1, chunk start) .. kv_len - 1; row of position p scores token p + 1.
-
-        Only what was asked is kept (the prompt token's logprob and the top-k), so a long prompt costs
-        memory linear in k; the full-vocabulary rows live for this chunk only.
-        """
-        ids = req.prompt_ids
-        first_pos = req.kv_len - logits.shape[0]  # position of row 0
-        start = req.logprob_start_len
-        if start == 0 and first_pos == 0:  # the first token has no logprob
-            req.pending_input_logprobs.append([None, ids[0], None])
-        # tokens scored by this chunk's rows, inside the prompt and at or after logprob_start_len
-        targets = range(max(first_pos + 1, start, 1), min(req.kv_len, len(ids) - 1) + 1)
-        if len(targets):
-            rows = torch.tensor([p - 1 - first_pos for p in targets])
-            lp = torch.log_softmax(logits[rows].float(), dim=-1)  # [len(targets), vocab]
-            chosen = lp.gather(1, torch.tensor([ids[p] for p in targets]).unsqueeze(1)).squeeze(1)
-            tops = None
-            if req.top_logprobs_num:
-                v, t = lp.topk(req.top_logprobs_num, dim=-1)
-                tops = [[[a, b] for a, b in zip(vs, ts)] for vs, ts in zip(v.tolist(), t.tolist())]
-            for j, (p, value) in enumerate(zip(targets, chosen.tolist())):
-                req.pending_input_logprobs.append([value, ids[p], tops[j] if tops else None])
-        if req.kv_len >= len(ids):
-            req.input_logprobs_done = True
-
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:
         if req.req_pool_idx is not None:
             self.cm.release(req, cache_tokens=True)
-        req.status = ReqStatus.FINISHED
-        self.touched[req.rid] = req
+        self.outputs.touch(req)
         if req.finished_reason and req.finished_reason.get("type") != "abort":
             self.stats["requests_finished"] += 1
 
@@ -566,56 +537,7 @@ class Scheduler:
         self._retire(req)
 
     def _collect_outputs(self) -> list[ReqOutput]:
-        outs = []
-        for req in list(self.touched.values()):
-            try:
-                with self._isolated(req, "sending the output of"):
-                    out = self._output_of(req)
-            except RequestFailed:
-                out = ReqOutput(
-                    rid=req.rid,
-                    new_token_ids=[],
-                    finished_reason=req.finished_reason,
-                    error=req.error,
-                    error_status=req.error_status,
-                )
-            if out is not None:
-                outs.append(out)
-        self.touched = {}
-        return outs
-
-    def _output_of(self, req: Req) -> ReqOutput | None:
-        """What to send for `req` this step (None: nothing yet); marks it sent."""
-        n_new = len(req.output_ids) - req.sent_output_len
-        if not req.finished:
-            if not req.stream or n_new < self.args.stream_interval and req.first_chunk_sent:
-                return None
-        out = ReqOutput(
-            rid=req.rid,
-            new_token_ids=req.output_ids[req.sent_output_len :],
-            replaced_tokens=req.replaced_since_send,
-            finished_reason=req.finished_reason,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            error=req.error,
-            error_status=req.error_status,
-        )
-        if not req.first_chunk_sent:
-            p = req.params
-            out.skip_special_tokens = p.skip_special_tokens
-            out.spaces_between_special_tokens = p.spaces_between_special_tokens
-            out.stop_strings = p.stop or None
-            out.no_stop_trim = p.no_stop_trim
-            req.first_chunk_sent = True
-        if req.return_logprob:
-            out.input_token_logprobs = req.pending_input_logprobs
-            out.output_token_logprobs = req.pending_output_logprobs
-            req.pending_output_logprobs = []
-            req.pending_input_logprobs = []
-        req.sent_output_len = len(req.output_ids)
-        req.replaced_since_send = 0
-        return out
+        return self.outputs.collect(lambda req: self._isolated(req, "sending the output of"))
 
     # ---- introspection -------------------------------------------------------------------------------------
     def live_requests(self) -> list[Req]:

@@ -78,14 +78,14 @@ def test_request_lifecycle_keeps_the_invariant_with_exact_counts():
     req = make_req([1, 2, 3, 4, 5])
     assert cm.match(req) == 3 and req.match_indices.tolist() == shared
     assert cm.start(req)
-    assert (req.kv_len, req.cached_len, cm.cache.protected_size(), cm.available()) == (3, 3, 3, 13)
+    assert (req.kv_len, req.cache_owned_len, cm.cache.protected_size(), cm.available()) == (3, 3, 3, 13)
     cm.append_slots(req, cm.alloc_slots(2))  # the 2 prompt tokens not cached
     assert req.kv_len == 5 and cm.allocator.available() == 11
     assert cm.req_pool.read(req.req_pool_idx, 5).tolist()[:3] == shared
     cm.check_accounting([req])
 
     cm.cache_prefix(req)  # publish all 5: the request keeps only a lock, no slots of its own
-    assert (req.cached_len, cm.cache.total_size(), cm.cache.protected_size()) == (5, 5, 5)
+    assert (req.cache_owned_len, cm.cache.total_size(), cm.cache.protected_size()) == (5, 5, 5)
     cm.check_accounting([req])
 
     req.output_ids = [6]
@@ -94,7 +94,7 @@ def test_request_lifecycle_keeps_the_invariant_with_exact_counts():
     cm.check_accounting([req])
 
     cm.release(req)  # its 6 tokens go to the cache, the lock and the row are dropped
-    assert req.req_pool_idx is None and (req.kv_len, req.cached_len) == (0, 0)
+    assert req.req_pool_idx is None and (req.kv_len, req.cache_owned_len) == (0, 0)
     assert (cm.allocator.available(), cm.cache.total_size(), cm.cache.evictable_size()) == (10, 6, 6)
     assert cm.req_pool.available() == 4
     cm.check_accounting([])

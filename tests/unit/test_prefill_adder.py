@@ -107,16 +107,6 @@ def test_long_first_request_is_chunked_to_the_chunk_size():
     assert a.rem_total == 84
 
 
-def test_unchunkable_request_is_taken_whole_or_not_at_all():
-    a = adder(chunk=16)
-    assert a.add(req("a", max_new=8), 40, chunkable=False) == AddOutcome(CONTINUE, 40)  # first: whole
-    assert a.rem_chunk == -24
-    assert a.add(req("b", max_new=8), 4) == AddOutcome(FULL, 0)  # no chunk budget left
-    a = adder(chunk=16)
-    assert a.add(req("a", max_new=8), 10) == AddOutcome(CONTINUE, 10)
-    assert a.add(req("b", max_new=8), 20, chunkable=False) == AddOutcome(FULL, 0)
-
-
 def test_zero_tokens_to_extend_is_not_admitted():
     assert adder().add(req("a", max_new=8), 0) == AddOutcome(FULL, 0)
 

@@ -83,7 +83,7 @@ STAGES = {
     "grammar_mask": lambda s: ("grammars.vocab_mask", _raise_for_victim(s.grammars.vocab_mask)),
     "sampling": lambda s: ("_sample", _raise_for_victim(s._sample)),
     "stop_check": lambda s: ("stop.check", _raise_for_victim(s.stop.check)),
-    "output": lambda s: ("_output_of", _raise_for_victim(s._output_of)),
+    "output": lambda s: ("outputs.output_of", _raise_for_victim(s.outputs.output_of)),
 }
 
 
