@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not argv or argv[0] not in ("serve",):
         parser.parse_args(argv[:1])
-    from runtime.entrypoints.launch_server import parse_args, run_server
+    from runtime.launch_server import parse_args, run_server
 
     sys.exit(run_server(parse_args(argv[1:])))
 

@@ -195,7 +195,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
             info = None
         return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
 
-    from runtime.entrypoints.openai_api import register_openai_routes
+    from runtime.entrypoints.openai import register_openai_routes
 
     register_openai_routes(app, tm, args)
     return app

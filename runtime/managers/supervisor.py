@@ -51,7 +51,7 @@ class Supervisor:
         """
         from runtime.managers.detokenizer import run_detokenizer_process
         from runtime.managers.scheduler_process import run_scheduler_process
-        from runtime.managers.tp_worker import run_tp_worker_process
+        from runtime.model_executor.tp_worker import run_tp_worker_process
 
         if self.args.tp_size > 1:
             _check_tp_fits(self.model_dir, self.args.tp_size)

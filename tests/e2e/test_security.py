@@ -239,7 +239,7 @@ def test_keys_are_on_no_command_line(srv):
 
 
 def test_keys_from_files_and_environment(tmp_path, monkeypatch):
-    from runtime.entrypoints.launch_server import parse_args
+    from runtime.launch_server import parse_args
 
     key_file = tmp_path / "key"
     key_file.write_text("\n  from-file-key \n")

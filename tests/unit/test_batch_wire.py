@@ -152,7 +152,7 @@ def test_no_pickle_on_the_tensor_parallel_path():
     for rel in (
         "runtime/model_executor/batch_wire.py",
         "runtime/model_executor/distributed.py",
-        "runtime/managers/tp_worker.py",
+        "runtime/model_executor/tp_worker.py",
         "runtime/models/parallel.py",
     ):
         src = (ROOT / rel).read_text()

@@ -11,7 +11,7 @@ import pytest
 
 from runtime.entrypoints import data_parallel as dp
 from runtime.entrypoints.generate_input import parse_generate_body
-from runtime.entrypoints.launch_server import parse_args
+from runtime.launch_server import parse_args
 from runtime.server_args import ServerArgs
 
 # What sglang-router 0.3.2 sent, captured from its forwarded bodies.
@@ -147,7 +147,7 @@ def test_generate_refuses_router_features_we_lack(field):
 def test_openai_bodies_accept_router_fields():
     from pydantic import ValidationError
 
-    from runtime.entrypoints.openai_api import ChatCompletionRequest, CompletionRequest
+    from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
     body = CompletionRequest(model="m", prompt="hi", **ROUTER_OPENAI_EXTRAS)
     assert body.no_stop_trim is False

@@ -35,7 +35,7 @@ SHARED = ("server_args", "sampling_params", "messages", "ipc", "errors", "cache_
 LAYER_OF = {
     "entrypoints": "entrypoints",
     "engine": "entrypoints",
-    "launch_server": "entrypoints",  # `python -m runtime.launch_server` shim
+    "launch_server": "entrypoints",  # `python -m runtime.launch_server` / `radixlm serve`
     "": "entrypoints",  # the `runtime` package itself (lazy facade over Engine & co)
     "managers": "managers",
     "model_executor": "model_executor",

@@ -83,9 +83,9 @@ def _forbid_pickle() -> None:
 
 def _rank_main(rank: int, args: ServerArgs, model_dir: str, results, quantization: str = "none") -> None:
     try:
-        from runtime.managers.tp_worker import serve_forwards
         from runtime.model_executor import distributed
         from runtime.model_executor.batch_wire import HEADER_LEN, MalformedMessage
+        from runtime.model_executor.tp_worker import serve_forwards
 
         torch.set_num_threads(1)
         tp = distributed.init_tensor_parallel(args, rank)

@@ -1,0 +1,292 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Requests are translated into the native `SingleRequest` (one per choice, sharing the prompt's KV through
+the radix cache) and answers back into OpenAI's objects (`formatters`), streaming included.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel
+
+from runtime.entrypoints.generate_input import check_unicode
+from runtime.entrypoints.http_common import FastJSONResponse, run_unless_disconnected
+from runtime.entrypoints.openai.formatters import (
+    ChatFormatter,
+    CompletionFormatter,
+    chat_logprobs,
+    completion_logprobs,
+    envelope,
+    finish_reason,
+    tool_finish_reason,
+    usage_of,
+)
+from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from runtime.entrypoints.streaming import stream_response
+from runtime.entrypoints.tool_calls import ToolRequestError, plan_chat
+from runtime.errors import RequestError
+from runtime.managers.generate_request import SingleRequest
+from runtime.managers.tokenizer_manager import TokenizerManager
+from runtime.sampling_params import SamplingParams, check_token_budget
+from runtime.server_args import ServerArgs
+
+
+def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
+    names = {args.model_name, args.model, "default"}
+
+    def check_model(name: str) -> None:
+        if name not in names:
+            raise RequestError(
+                f"the model '{name}' does not exist; this server serves '{args.model_name}'", 404
+            )
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": args.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "radixlm",
+                    "max_model_len": tm.context_length,
+                }
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest):
+        check_body_unicode(body)
+        check_model(body.model)
+        if not body.messages:
+            raise RequestError("'messages' must contain at least one message", 400)
+        msgs = [
+            {"role": m.role if m.role != "developer" else "system", "content": content_text(m.content)}
+            for m in body.messages
+        ]
+        # Bounds and admission before the template is rendered and the prompt tokenized.
+        tm.check_prompt_chars(sum(len(m["content"]) for m in msgs))
+        check_bounds(tm, body, 1)
+        # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
+        try:
+            plan = await plan_chat(
+                msgs,
+                [m.model_extra or {} for m in body.messages],
+                body,
+                tm.tokenizer,
+                args.tool_call_parser,
+                tm.grammar_validator,
+            )
+        except ToolRequestError as e:
+            raise RequestError(str(e), 400) from None
+        grammar = grammar_of(body)
+        if plan.regex is not None:
+            if grammar:
+                raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
+            grammar = {"regex": plan.regex}
+        ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
+        # ---- end tool calling
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
+        top = body.top_logprobs or 0
+        req = single_request(ids, params, body.logprobs or top > 0, top, body.stream, timeout_s=body.timeout)
+        rid = "chatcmpl-" + req.rid
+        if body.stream:
+            return await stream_response(tm, [req], ChatFormatter(rid, args.model_name, tm, body, plan))
+        results = await run_unless_disconnected(request, tm.generate_all([req]))
+        choices = []
+        for i, r in enumerate(results):
+            message = plan.message(r["text"])
+            choice = {
+                "index": i,
+                "message": message,
+                "finish_reason": tool_finish_reason(finish_reason(r), bool(message.get("tool_calls"))),
+                "logprobs": None,
+            }
+            if body.logprobs:
+                choice["logprobs"] = {"content": chat_logprobs(tm, r["meta_info"])}
+            choices.append(choice)
+        return FastJSONResponse(
+            {
+                **envelope(rid, "chat.completion", int(time.time()), args.model_name, choices),
+                "usage": usage_of(results),
+            }
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        check_body_unicode(body)
+        check_model(body.model)
+        if body.suffix:
+            raise RequestError("'suffix' is not supported", 400)
+        if body.best_of not in (None, 1, body.n):
+            raise RequestError("'best_of' other than n is not supported", 400)
+        texts, id_lists = completion_prompts(body.prompt)
+        if body.stream and len(texts) + len(id_lists) > 1:
+            raise RequestError("streaming supports a single prompt", 400)
+        # Bounds and admission before tokenizing: a refused request costs no tokenizer time.
+        tm.check_prompt_chars(sum(len(t) for t in texts))
+        check_bounds(tm, body, len(texts) + len(id_lists))
+        prompts = await tm.encode(texts) if texts else id_lists
+        top = body.logprobs
+        rid = "cmpl-" + uuid.uuid4().hex
+        # max_tokens is always set here (OpenAI's default is 16), so one SamplingParams serves every prompt.
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        params = sampling_params(body, max_tokens, 0, tm.context_length, grammar_of(body))
+        # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
+        start = 0 if body.echo and top is not None else -1
+        reqs = [
+            single_request(ids, params, top is not None, top or 0, body.stream, start, timeout_s=body.timeout)
+            for ids in prompts
+        ]
+        echo_texts = [""] * len(prompts)
+        if body.echo:
+            echo_texts = await tm.run_in_tokenizer(lambda: [tm.tokenizer.decode(ids) for ids in prompts])
+        if body.stream:
+            fmt = CompletionFormatter(rid, args.model_name, tm, body, echo_texts[0])
+            return await stream_response(tm, reqs, fmt)
+        every = await run_unless_disconnected(request, tm.generate_all(reqs))  # n per prompt, in order
+        results_per_prompt = [every[p * body.n : (p + 1) * body.n] for p in range(len(reqs))]
+        choices, flat = [], []
+        for p, results in enumerate(results_per_prompt):
+            for r in results:
+                choice = {
+                    "index": len(choices),
+                    "text": echo_texts[p] + r["text"],
+                    "finish_reason": finish_reason(r),
+                    "logprobs": (
+                        completion_logprobs(tm, r["meta_info"], echo=body.echo) if top is not None else None
+                    ),
+                }
+                choices.append(choice)
+                flat.append(r)
+        usage = usage_of(flat)
+        if len(results_per_prompt) > 1:  # several prompts: each prompt counts once
+            usage["prompt_tokens"] = sum(rs[0]["meta_info"]["prompt_tokens"] for rs in results_per_prompt)
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return FastJSONResponse(
+            {**envelope(rid, "text_completion", int(time.time()), args.model_name, choices), "usage": usage}
+        )
+
+
+# ---- request translation ---------------------------------------------------------------------------------
+def check_body_unicode(body: BaseModel) -> None:
+    try:
+        check_unicode(body.model_dump(exclude_unset=True))
+    except ValueError as e:
+        raise RequestError(str(e), 400) from None
+
+
+def content_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise RequestError("only text content parts are supported", 400)
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def grammar_of(body: CommonRequest) -> dict[str, Any]:
+    fmt = getattr(body, "response_format", None)
+    if body.regex is not None and (body.json_schema is not None or (fmt and fmt.type != "text")):
+        raise RequestError("'regex' cannot be combined with a JSON schema or response_format", 400)
+    if body.regex is not None:
+        return {"regex": body.regex}
+    schema = body.json_schema
+    if fmt is not None and fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON object", 400)
+    if schema is None:
+        return {}
+    return {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+
+
+def sampling_params(
+    body: CommonRequest, max_tokens: int | None, prompt_len: int, context: int, grammar: dict[str, Any]
+) -> SamplingParams:
+    try:
+        # Unset: the rest of the context. An explicit value is checked by the tokenizer manager, after the
+        # range checks of SamplingParams (so an absurd max_tokens is named as such).
+        if max_tokens is None:
+            max_tokens = check_token_budget(prompt_len, None, context)
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_new_tokens=min(body.min_tokens, max_tokens),
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            no_stop_trim=body.no_stop_trim,
+            seed=body.seed,
+            n=body.n,
+            **grammar,
+        )
+    except ValueError as e:
+        raise RequestError(str(e), 400) from None
+
+
+def single_request(
+    ids: list[int],
+    params: SamplingParams,
+    logprobs: bool,
+    top: int,
+    stream: bool,
+    logprob_start_len: int = -1,
+    timeout_s: float | None = None,
+) -> SingleRequest:
+    """One request for all n choices: the tokenizer manager expands it (`prepare_choices`)."""
+    return SingleRequest(
+        rid=uuid.uuid4().hex,
+        text=None,
+        input_ids=ids,
+        params=params,
+        stream=stream,
+        return_logprob=logprobs,
+        top_logprobs_num=top,
+        return_text_in_logprobs=logprobs,
+        logprob_start_len=logprob_start_len,
+        timeout_s=timeout_s,
+    )
+
+
+def completion_prompts(prompt) -> tuple[list[str], list[list[int]]]:
+    """(texts to tokenize, token id lists): one of the two is empty."""
+    if isinstance(prompt, str):
+        return [prompt], []
+    if not prompt:
+        raise RequestError("'prompt' must not be empty", 400)
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt), []
+    if all(isinstance(p, int) for p in prompt):
+        return [], [list(prompt)]
+    return [], [list(p) for p in prompt]
+
+
+def check_bounds(tm: TokenizerManager, body: CommonRequest, num_prompts: int) -> None:
+    """The request bounds the tokenizer manager checks again later, and admission, checked while the
+    request is still cheap to refuse."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    tm.check_stop(stop)
+    tm.check_prompt_count(num_prompts * body.n)
+    tm.check_admission(num_prompts * body.n)
