@@ -1,11 +1,11 @@
 """What a JSON-Schema grammar adds to a decode step, in microseconds per decoded token (the `--mask-overhead`
 mode of bench/json_schema_coverage.py).
 
-An in-process `runtime.managers.scheduler.Scheduler` (default model, jump-forward off) decodes `--batch-size`
-requests twice with the same prompts: unconstrained (ignore_eos, every step a full batch) and with one
-JSONSchemaBench schema each. Each decode step (`Scheduler.step`: forward + sampling + grammar bookkeeping) is
-timed. The grammar's own work is then replayed on the constrained run's output tokens with the scheduler's
-code: `GrammarManager.vocab_mask` (mask fill, [bs, vocab] bool),
+An in-process `Scheduler` (runtime.managers.scheduler; default model, jump-forward off) decodes
+`--batch-size` requests twice with the same prompts: unconstrained (ignore_eos, every step a full batch)
+and with one JSONSchemaBench schema each. Each decode step (`Scheduler.step`: forward + sampling + grammar
+bookkeeping) is timed. The grammar's own work is then replayed on the constrained run's output tokens with
+the scheduler's code: `GrammarManager.vocab_mask` (mask fill, [bs, vocab] bool),
 `runtime.model_executor.sampler.apply_bans_and_mask` (masked logits) and `GrammarMatcher.accept_token` (cursor
 advance). "cold" replays start from a fresh per-state memo (first request of a new schema: every state visited
 computes its mask), "warm" replays reuse it (a schema seen before, the steady state of a cache hit). Each
@@ -68,7 +68,7 @@ def replay(grammars: list, outputs: list[list[int]], vocab_size: int) -> dict[st
     """Seconds spent in mask fill, masked logits and cursor advance when decoding `outputs` again."""
     import torch
 
-    from runtime.managers.grammar_manager import GrammarManager
+    from runtime.managers.scheduler.grammar_manager import GrammarManager
     from runtime.model_executor.sampler import apply_bans_and_mask
 
     manager = GrammarManager(None, vocab_size)  # only vocab_mask is used: no compiler is built
@@ -116,7 +116,7 @@ def best_replay(make_grammars, outputs: list[list[int]], vocab_size: int, repeat
 def run_mask_overhead(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from runtime.managers.scheduler import Scheduler
+    from runtime.managers.scheduler.scheduler import Scheduler
     from runtime.models.model_loader import load_tokenizer, resolve_model_path
     from runtime.server_args import ServerArgs
 

@@ -4,8 +4,8 @@ validates.
 For each subset of bench/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K; a byte-identical copy
 of the public JSONSchemaBench files) a seeded sample of schemas goes through the server's own path:
 
-1. compile: the HTTP-side check (`runtime.managers.grammar_validator.GrammarValidator`: `validate_spec` in
-   the capped worker pool, the server's limits) and then the scheduler's compile
+1. compile: the HTTP-side check (`GrammarValidator` of runtime.managers.tokenizer: `validate_spec` in the
+   capped worker pool, the server's limits) and then the scheduler's compile
    (`constrained.GrammarCompiler` over a `constrained.compile_pool.CompilePool`: worker processes with the
    server's --grammar-workers, --grammar-memory-mb and --grammar-timeout-s, or `--compile-*`), each schema
    compiled cold, all submitted at once. Compile time is the worker's (queue wait excluded, as the server
@@ -209,7 +209,7 @@ def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
     """(verdict, seconds) per spec from the server's HTTP-side checker: None = accepted, else the 400
     reason.
     """
-    from runtime.managers.grammar_validator import GrammarValidator
+    from runtime.managers.tokenizer.grammar_validator import GrammarValidator
     from runtime.server_args import ServerArgs
 
     async def run() -> list[tuple[str | None, float]]:

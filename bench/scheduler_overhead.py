@@ -24,7 +24,7 @@ import time
 import torch
 
 from bench.harness.common import bar_chart, plot_path, summarize, write_results
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from runtime.entrypoints.generate_input import parse_generate_body
-from runtime.managers.tokenizer_manager import TokenizerManager
+from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
 
 _END = object()

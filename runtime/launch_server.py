@@ -90,7 +90,7 @@ def run_server(args: ServerArgs) -> int:
         return run_data_parallel(args)
     from runtime.entrypoints.security import allowed_hosts
     from runtime.entrypoints.server import create_app
-    from runtime.managers.tokenizer_manager import TokenizerManager
+    from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
     from runtime.models.model_loader import resolve_model_path
 
     args = args.resolve()
@@ -156,7 +156,7 @@ def run_worker_node(args: ServerArgs, model_dir: str) -> int:
     """Run this node's tensor-parallel ranks (no HTTP) until one dies or a signal arrives."""
     import threading
 
-    from runtime.managers.supervisor import WATCH_INTERVAL_S, Supervisor
+    from runtime.managers.tokenizer.supervisor import WATCH_INTERVAL_S, Supervisor
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.server_args import ServerArgs
 
 

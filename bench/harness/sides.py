@@ -33,7 +33,8 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
     "radixlm-int8": {"dtype": "float32", "quantization": "int8"},
 }
 HF = "hf"
-# Server counters whose change over a run is reported (see runtime.managers.scheduler.Scheduler.server_info).
+# Server counters whose change over a run is reported (see Scheduler.server_info,
+# runtime.managers.scheduler.scheduler).
 COUNTERS = (
     "prompt_tokens",
     "cached_tokens",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from runtime.managers.generate_request import SingleRequest
+from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.sampling_params import SamplingParams
 
 ALLOWED_FIELDS = {

@@ -32,7 +32,7 @@ from runtime.entrypoints.metrics import Metrics
 from runtime.entrypoints.security import Guard, require_admin
 from runtime.entrypoints.streaming import stream_response
 from runtime.errors import RequestError
-from runtime.managers.tokenizer_manager import TokenizerManager
+from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.server")

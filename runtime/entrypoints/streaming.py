@@ -15,8 +15,8 @@ from typing import Any, Protocol
 from fastapi.responses import StreamingResponse
 
 from runtime.entrypoints.http_common import SSE_DONE, sse_stream
-from runtime.managers.generate_request import SingleRequest
-from runtime.managers.tokenizer_manager import TokenizerManager
+from runtime.managers.tokenizer.generate_request import SingleRequest
+from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 
 class StreamFormatter(Protocol):

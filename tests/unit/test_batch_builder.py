@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.managers.batch_builder import build_decode_batch, build_extend_batch
-from runtime.managers.req import Req
+from runtime.managers.scheduler.batch_builder import build_decode_batch, build_extend_batch
+from runtime.managers.scheduler.req import Req
 from runtime.mem_cache.memory_pool import ReqToTokenPool
 from runtime.model_executor.forward_batch import ForwardMode
 from runtime.sampling_params import SamplingParams

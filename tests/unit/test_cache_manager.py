@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.managers.cache_manager import CacheManager
-from runtime.managers.req import Req
+from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.req import Req
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.sampling_params import SamplingParams

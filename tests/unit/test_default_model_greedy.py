@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs

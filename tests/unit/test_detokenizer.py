@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.managers.detokenizer import IncrementalDetokenizer
+from runtime.managers.detokenizer.detokenizer import IncrementalDetokenizer
 from runtime.messages import ReqOutput
 
 

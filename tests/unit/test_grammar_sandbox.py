@@ -21,7 +21,7 @@ from constrained.errors import GrammarError, GrammarTimeout, GrammarUnavailable
 from constrained.grammar_cache import GrammarCache
 from constrained.spec import MAX_SCHEMA_DEPTH, validate_spec
 from runtime.errors import RequestError
-from runtime.managers.grammar_validator import GrammarValidator
+from runtime.managers.tokenizer.grammar_validator import GrammarValidator
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -282,7 +282,7 @@ def test_a_check_past_the_wait_limit_is_a_503_and_leaves_the_queue():
 def test_the_scheduler_side_fails_an_overdue_wait_with_a_503_error_and_drops_an_aborted_compile(
     default_tokenizer,
 ):
-    from runtime.managers.grammar_manager import GrammarManager
+    from runtime.managers.scheduler.grammar_manager import GrammarManager
 
     manager = GrammarManager(
         default_tokenizer, 49152, ServerArgs(grammar_workers=1, grammar_queue_timeout_s=3600)

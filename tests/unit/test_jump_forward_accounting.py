@@ -10,7 +10,7 @@ import random
 import jsonschema
 import pytest
 
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs

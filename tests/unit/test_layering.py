@@ -176,7 +176,7 @@ def package_files() -> list[Path]:
 def test_package_files_found():
     files = {str(p.relative_to(ROOT)) for p in package_files()}
     expected = {
-        "runtime/managers/scheduler.py",
+        "runtime/managers/scheduler/scheduler.py",
         "radixlm_kernels/base.py",
         "constrained/spec.py",
         "lang/api.py",
@@ -206,7 +206,7 @@ def _check(rel: str, source: str) -> list[str]:
         ),
         ("runtime/managers/x.py", "def f():\n    from runtime.entrypoints import server\n", "managers"),
         ("runtime/mem_cache/x.py", "import numpy", "mem_cache may import only stdlib + torch"),
-        ("runtime/mem_cache/x.py", "from runtime.managers.req import Req", "mem_cache"),
+        ("runtime/mem_cache/x.py", "from runtime.managers.scheduler.req import Req", "mem_cache"),
         ("radixlm_kernels/x.py", "from runtime.mem_cache.memory_pool import KVPool", "radixlm_kernels"),
         ("constrained/x.py", "import runtime.sampling_params", "constrained"),
         ("lang/x.py", "from runtime.engine import Engine", "lang"),

@@ -3,9 +3,9 @@ batch, chunking, and the running-request limit."""
 
 from __future__ import annotations
 
-from runtime.managers.cache_manager import CacheManager
-from runtime.managers.req import Req
-from runtime.managers.schedule_policy import AddOutcome, AddResult, PrefillAdder
+from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, PrefillAdder
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.sampling_params import SamplingParams

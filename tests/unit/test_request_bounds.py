@@ -8,8 +8,8 @@ import time
 import pytest
 
 from runtime.entrypoints.generate_input import parse_generate_body
-from runtime.managers.generate_request import SingleRequest
-from runtime.managers.tokenizer_manager import TokenizerManager, choice_seed
+from runtime.managers.tokenizer.generate_request import SingleRequest
+from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager, choice_seed
 from runtime.sampling_params import INT64_MAX, SamplingParams
 from runtime.server_args import ServerArgs
 

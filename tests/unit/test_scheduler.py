@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.messages import AbortReq, TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from runtime.managers.req import Req
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler

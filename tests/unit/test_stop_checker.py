@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.managers.req import Req
-from runtime.managers.stop_checker import StopChecker, StopMatcher
+from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.stop_checker import StopChecker, StopMatcher
 from runtime.sampling_params import SamplingParams
 
 

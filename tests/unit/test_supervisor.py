@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from runtime import ipc
-from runtime.managers.supervisor import Supervisor
+from runtime.managers.tokenizer.supervisor import Supervisor
 from runtime.server_args import ServerArgs
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from runtime.entrypoints.http_common import sse
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from runtime.entrypoints.tool_calls import ToolPlan
-from runtime.managers.tokenizer_manager import TokenizerManager
+from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 

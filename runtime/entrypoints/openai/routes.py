@@ -30,8 +30,8 @@ from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonReq
 from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.tool_calls import ToolRequestError, plan_chat
 from runtime.errors import RequestError
-from runtime.managers.generate_request import SingleRequest
-from runtime.managers.tokenizer_manager import TokenizerManager
+from runtime.managers.tokenizer.generate_request import SingleRequest
+from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 

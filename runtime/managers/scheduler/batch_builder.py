@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.managers.req import Req
+from runtime.managers.scheduler.req import Req
 from runtime.mem_cache.memory_pool import ReqToTokenPool
 from runtime.model_executor.forward_batch import ForwardBatch
 

@@ -3,7 +3,7 @@
 Per request it keeps the ids and the text already sent. New text is what the decoded ids add beyond the sent
 text, held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a stop string,
 so a stream never shows text that a later stop-string trim would take back. Decoding and stop matching are
-incremental (runtime.managers.stop_checker): a step's work does not grow with the output.
+incremental (runtime.managers.scheduler.stop_checker): a step's work does not grow with the output.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from runtime import ipc
-from runtime.managers.stop_checker import IncrementalText, StopMatcher
+from runtime.managers.scheduler.stop_checker import IncrementalText, StopMatcher
 from runtime.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, ReqTextOutput, decode
 from runtime.server_args import ServerArgs
 

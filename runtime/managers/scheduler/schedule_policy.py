@@ -7,8 +7,8 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass
 
-from runtime.managers.cache_manager import CacheManager
-from runtime.managers.req import Req
+from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.req import Req
 
 # Matching every waiting request against the tree costs O(total prompt tokens); past this queue length
 # `lpm` falls back to arrival order, as prefix locality matters less than keeping the scheduler cheap.

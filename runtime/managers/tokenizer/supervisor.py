@@ -49,8 +49,8 @@ class Supervisor:
         sharded over (before spawning anything), RuntimeError (after stopping every child) when one exits,
         fails or is not ready in time.
         """
-        from runtime.managers.detokenizer import run_detokenizer_process
-        from runtime.managers.scheduler_process import run_scheduler_process
+        from runtime.managers.detokenizer.detokenizer import run_detokenizer_process
+        from runtime.managers.scheduler.scheduler_process import run_scheduler_process
         from runtime.model_executor.tp_worker import run_tp_worker_process
 
         if self.args.tp_size > 1:

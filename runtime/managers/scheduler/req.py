@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from runtime.managers.output_stream import SendState
+from runtime.managers.scheduler.output_stream import SendState
 from runtime.mem_cache.radix_cache import TreeNode
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the detokenizer process imports this module and needs no torch
-    from runtime.managers.req import Req
+    from runtime.managers.scheduler.req import Req
 
 # Tokens of already committed text decoded again before new ones, so that a token's text comes out as it
 # does in context (a leading space, a multi-byte character split over tokens).

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 import torch
 
 from constrained.errors import GrammarUnavailable
-from runtime.managers.req import Req
+from runtime.managers.scheduler.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 

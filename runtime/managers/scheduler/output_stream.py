@@ -18,7 +18,7 @@ import torch
 from runtime.messages import ReqOutput
 
 if TYPE_CHECKING:
-    from runtime.managers.req import Req
+    from runtime.managers.scheduler.req import Req
 
 
 @dataclass

@@ -21,9 +21,9 @@ import zmq.asyncio
 
 from runtime import ipc
 from runtime.errors import RequestError
-from runtime.managers.generate_request import SingleRequest
-from runtime.managers.grammar_validator import GrammarValidator
-from runtime.managers.supervisor import Supervisor
+from runtime.managers.tokenizer.generate_request import SingleRequest
+from runtime.managers.tokenizer.grammar_validator import GrammarValidator
+from runtime.managers.tokenizer.supervisor import Supervisor
 from runtime.messages import (
     AbortReq,
     BatchStrOut,

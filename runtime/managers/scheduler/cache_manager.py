@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.managers.req import Req
+from runtime.managers.scheduler.req import Req
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import BasePrefixCache
 

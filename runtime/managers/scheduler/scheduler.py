@@ -2,8 +2,8 @@
 
 `step()` is the lifecycle of DESIGN.md: admit (policy + token budget) -> build an extend or a decode batch
 -> forward -> sample -> grammar / jump-forward -> finish checks -> outputs; finished requests' KV goes to the
-radix cache. The class knows nothing about sockets (`runtime.managers.scheduler_process` drives it over ZMQ),
-so tests run it in-process.
+radix cache. The class knows nothing about sockets (`scheduler_process` drives it over ZMQ), so tests run
+it in-process.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from typing import Any
 import torch
 
 from constrained.errors import GrammarUnavailable
-from runtime.managers.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
-from runtime.managers.cache_manager import CacheManager
-from runtime.managers.grammar_manager import GrammarManager
-from runtime.managers.output_stream import (
+from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
+from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.grammar_manager import GrammarManager
+from runtime.managers.scheduler.output_stream import (
     OutputStream,
     record_input_logprobs,
     record_output_logprob,
     take_back,
 )
-from runtime.managers.req import Req
-from runtime.managers.schedule_policy import AddResult, PrefillAdder, order_waiting
-from runtime.managers.stop_checker import StopChecker
+from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.schedule_policy import AddResult, PrefillAdder, order_waiting
+from runtime.managers.scheduler.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
     AbortReq,

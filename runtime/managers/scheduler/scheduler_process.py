@@ -27,7 +27,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
 
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        from runtime.managers.scheduler import Scheduler
+        from runtime.managers.scheduler.scheduler import Scheduler
 
         tp = None
         if args.tp_size > 1:  # this process is rank 0: it schedules, the other ranks follow its batches

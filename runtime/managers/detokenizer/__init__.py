@@ -1,0 +1,1 @@
+"""The detokenizer process: token ids -> incremental text, stop strings trimmed."""
