@@ -73,6 +73,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | list | None = None,
+        cache_salt: str | None = None,
     ):
         """Native response dict (a list for list input); with stream=True an iterator of cumulative dicts."""
         body = self._body(
@@ -85,6 +86,7 @@ class Engine:
             return_text_in_logprobs=return_text_in_logprobs,
             stream=stream,
             rid=rid,
+            cache_salt=cache_salt,
         )
         reqs, is_batch = parse_generate_body(body)
         if stream:

@@ -29,6 +29,7 @@ class TokenizedGenerateReq(Message):
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     timeout_s: float | None = None  # the request's own deadline in seconds (None: the server's)
+    cache_salt: str | None = None  # the radix cache shares KV only between requests of the same salt
 
 
 class AbortReq(Message):

@@ -24,7 +24,9 @@ ALLOWED_FIELDS = {
     "rid",
     "model",
     "timeout",
+    "cache_salt",
 }
+MAX_CACHE_SALT_CHARS = 1024
 # A request's own deadline, in seconds: positive and finite (it can only shorten --request-timeout-s).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # Fields sglang-router (`--dp-size`) adds to every /generate body it forwards, with its defaults. Logging
@@ -86,6 +88,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     start = _int(body, "logprob_start_len", -1, low=-1)
     top_n = _int(body, "top_logprobs_num", 0, low=0, high=20)
     timeout = parse_timeout(body.get("timeout"))
+    salt = parse_cache_salt(body.get("cache_salt"))
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
@@ -107,6 +110,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
                 top_logprobs_num=top_n,
                 return_text_in_logprobs=text_in_lp,
                 timeout_s=timeout,
+                cache_salt=salt,
             )
         )
     return reqs, is_batch
@@ -121,6 +125,15 @@ def parse_timeout(value: Any) -> float | None:
     if not 0 < value <= MAX_TIMEOUT_S:
         raise ValueError(f"'timeout' must be in (0, {MAX_TIMEOUT_S:.0f}] seconds, got {value}")
     return float(value)
+
+
+def parse_cache_salt(value: Any) -> str | None:
+    """A request's `cache_salt` (vLLM's field): requests share cached KV only with the same salt."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} chars")
+    return value
 
 
 def _bool(body: dict, name: str) -> bool:

@@ -55,6 +55,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     timeout: float | None = None  # seconds; only shortens --request-timeout-s
+    cache_salt: str | None = None  # cached KV is shared only between requests of the same salt
 
 
 class AbortRequest(BaseModel):

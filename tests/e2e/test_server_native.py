@@ -110,6 +110,30 @@ def test_prefill_only_warms_the_cache(server_url):
     assert hit["meta_info"]["completion_tokens"] == 1
 
 
+def test_cache_salt_isolates_cached_prefixes(server_url):
+    """`cache_salt`: the same prompt hits the cache only under the salt it was cached with; the output does
+    not depend on the salt (greedy)."""
+    prompt = unique_prompt()
+    sp = {"max_new_tokens": 2, "temperature": 0}
+
+    def run(salt=None):
+        body = {"text": prompt, "sampling_params": sp, **({"cache_salt": salt} if salt else {})}
+        return generate(server_url, body)
+
+    plain = run()
+    n = plain["meta_info"]["prompt_tokens"]
+    first_a = run("tenant-a")
+    assert first_a["meta_info"]["cached_tokens"] == 0  # the unsalted copy is invisible to a salt
+    assert run("tenant-a")["meta_info"]["cached_tokens"] == n - 1
+    assert run("tenant-b")["meta_info"]["cached_tokens"] == 0
+    assert run()["meta_info"]["cached_tokens"] == n - 1
+    assert first_a["output_ids"] == plain["output_ids"]
+    for bad in ("", 7, "x" * 1025):
+        err = generate(server_url, {"text": prompt, "cache_salt": bad}, status=400)
+        assert "cache_salt" in json.dumps(err)
+    assert_no_kv_leak(wait_idle(server_url))
+
+
 def _check_entry(entry, token_id: int, with_text: bool) -> None:
     lp, tid, text = entry
     assert tid == token_id

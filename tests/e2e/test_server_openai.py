@@ -269,3 +269,17 @@ def test_extra_body_top_k_and_min_p(client, completion_reference):
             model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, extra_body=extra
         )
         assert resp.choices[0].text == greedy, extra
+
+
+def test_cache_salt_in_extra_body(client):
+    """vLLM's `cache_salt` on the OpenAI routes: a salted chat shares no cached prefix with unsalted ones."""
+    messages = [{"role": "user", "content": f"[{uuid.uuid4().hex}] count to three"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    salted = client.chat.completions.create(**kw, extra_body={"cache_salt": "tenant-a"})
+    again = client.chat.completions.create(**kw, extra_body={"cache_salt": "tenant-a"})
+    assert plain.usage.prompt_tokens_details.cached_tokens < 4
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(**kw, extra_body={"cache_salt": ""})

@@ -175,3 +175,42 @@ def test_start_fails_when_no_row_is_free():
     assert cm.start(a)
     assert not cm.start(b) and b.req_pool_idx is None and b.locked_node is None
     cm.release(a, cache_tokens=False)
+
+
+def _finish_and_cache(cm: CacheManager, req: Req) -> None:
+    """Admit `req` (after its prefix match), give it slots for the rest of its prompt, release it to the
+    cache."""
+    cm.match(req)
+    assert cm.start(req)
+    cm.append_slots(req, cm.alloc_slots(req.seq_len - req.kv_len))
+    cm.release(req)
+
+
+def test_cache_salt_isolates_prefixes():
+    """Requests share cached KV only with requests of the same salt; unsalted ones only with each other."""
+    cm = make_cm(64)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+
+    def salted(salt):
+        r = make_req(prompt)
+        r.cache_salt = salt
+        return r
+
+    _finish_and_cache(cm, make_req(prompt))  # unsalted: cached
+    assert cm.match(salted("tenant-a")) == 0
+    _finish_and_cache(cm, salted("tenant-a"))
+    assert cm.match(salted("tenant-a")) == len(prompt) - 1  # its own salt hits (one token recomputed)
+    assert cm.match(salted("tenant-b")) == 0
+    assert cm.match(make_req(prompt)) == len(prompt) - 1  # unsalted still hits the unsalted copy
+    assert cm.cache.total_size() == 2 * len(prompt)  # two copies, never one shared
+    cm.check_accounting([])
+
+
+def test_salted_keys_never_collide_with_token_ids():
+    r = make_req([0, 1, 2**31])
+    r.cache_salt = "s"
+    key = r.cache_key(3)
+    assert min(key) >= 2**32 and [k - key[0] for k in key] == [0, 1, 2**31]
+    r2 = make_req([0, 1, 2**31])
+    r2.cache_salt = "t"
+    assert not set(key) & set(r2.cache_key(3))

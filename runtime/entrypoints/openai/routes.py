@@ -95,7 +95,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
         top = body.top_logprobs or 0
-        req = single_request(ids, params, body.logprobs or top > 0, top, body.stream, timeout_s=body.timeout)
+        req = single_request(body, ids, params, body.logprobs or top > 0, top)
         rid = "chatcmpl-" + req.rid
         if body.stream:
             return await stream_response(tm, [req], ChatFormatter(rid, args.model_name, tm, body, plan))
@@ -141,10 +141,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         params = sampling_params(body, max_tokens, 0, tm.context_length, grammar_of(body))
         # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
         start = 0 if body.echo and top is not None else -1
-        reqs = [
-            single_request(ids, params, top is not None, top or 0, body.stream, start, timeout_s=body.timeout)
-            for ids in prompts
-        ]
+        reqs = [single_request(body, ids, params, top is not None, top or 0, start) for ids in prompts]
         echo_texts = [""] * len(prompts)
         if body.echo:
             echo_texts = await tm.run_in_tokenizer(lambda: [tm.tokenizer.decode(ids) for ids in prompts])
@@ -247,26 +244,27 @@ def sampling_params(
 
 
 def single_request(
+    body: CommonRequest,
     ids: list[int],
     params: SamplingParams,
     logprobs: bool,
     top: int,
-    stream: bool,
     logprob_start_len: int = -1,
-    timeout_s: float | None = None,
 ) -> SingleRequest:
-    """One request for all n choices: the tokenizer manager expands it (`prepare_choices`)."""
+    """One request for all n choices: the tokenizer manager expands it (`prepare_choices`). The body gives
+    what every prompt of it shares: streaming, the deadline and the cache salt."""
     return SingleRequest(
         rid=uuid.uuid4().hex,
         text=None,
         input_ids=ids,
         params=params,
-        stream=stream,
+        stream=body.stream,
         return_logprob=logprobs,
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
         logprob_start_len=logprob_start_len,
-        timeout_s=timeout_s,
+        timeout_s=body.timeout,
+        cache_salt=body.cache_salt,
     )
 
 

@@ -27,7 +27,7 @@ class CacheManager:
     # ---- lookup ----------------------------------------------------------------------------------------
     def match(self, req: Req) -> int:
         """Record on `req` the longest usable cached prefix (no cache mutation); returns its length."""
-        res = self.cache.match_prefix(req.token_slice(0, req.prefix_limit()))
+        res = self.cache.match_prefix(req.cache_key(req.prefix_limit()))
         req.match_len, req.match_node, req.match_indices = len(res.indices), res.last_node, res.indices
         return req.match_len
 
@@ -80,7 +80,7 @@ class CacheManager:
         it keeps decoding; the request then holds only a lock on them, no slots of its own."""
         if not self.cache.enabled or req.kv_len <= req.cache_owned_len:
             return
-        key = req.token_slice(0, req.kv_len)
+        key = req.cache_key(req.kv_len)
         slots = self.req_pool.read(req.req_pool_idx, req.kv_len).clone()
         dup = self.cache.insert(key, slots)
         self.allocator.free(slots[req.cache_owned_len : max(dup, req.cache_owned_len)])
@@ -98,7 +98,7 @@ class CacheManager:
         row = req.req_pool_idx
         slots = self.req_pool.read(row, req.kv_len).clone()
         if cache_tokens and req.kv_len:
-            dup = self.cache.insert(req.token_slice(0, req.kv_len), slots)
+            dup = self.cache.insert(req.cache_key(req.kv_len), slots)
             self.allocator.free(slots[req.cache_owned_len : max(dup, req.cache_owned_len)])
         else:
             self.allocator.free(slots[req.cache_owned_len :])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +14,14 @@ from runtime.managers.scheduler.output_stream import SendState
 from runtime.mem_cache.radix_cache import TreeNode
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt_offset(salt: str) -> int:
+    """A key offset per salt: (64-bit hash + 1) << 32, so salted elements never equal a token id (< 2**32)
+    nor, but for a 2**-64 chance, another salt's."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8, person=b"radixlm-salt").digest()
+    return (int.from_bytes(digest, "little") + 1) << 32
 
 
 @dataclass
@@ -25,6 +35,7 @@ class Req:
     top_logprobs_num: int = 0
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() past which the request is aborted (504)
+    cache_salt: str | None = None  # shares cached KV only with requests of the same salt (`cache_key`)
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -65,6 +76,7 @@ class Req:
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
+            cache_salt=msg.cache_salt,
         )
 
     @property
@@ -84,6 +96,16 @@ class Req:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def cache_key(self, n: int) -> list[int]:
+        """The radix cache's key for the first `n` tokens. With a salt every id is shifted by an offset
+        drawn from the salt's hash (ids stay below 2**32), so two salts never share a key element and
+        unsalted keys stay the plain token ids: salted requests share KV with their own salt only."""
+        key = self.token_slice(0, n)
+        if self.cache_salt is None:
+            return key
+        offset = _salt_offset(self.cache_salt)
+        return [t + offset for t in key]
 
     @property
     def seq_len(self) -> int:

@@ -23,6 +23,7 @@ class SingleRequest:
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
     timeout_s: float | None = None  # the client's own deadline (the server's --request-timeout-s caps it)
+    cache_salt: str | None = None  # shares cached KV only with requests of the same salt
     client_rid: str | None = (
         None  # the rid the client gave, when this is one of its n choices (or their prefill)
     )

@@ -305,6 +305,7 @@ class TokenizerManager:
             top_logprobs_num=req.top_logprobs_num,
             return_text_in_logprobs=req.return_text_in_logprobs,
             timeout_s=req.timeout_s,
+            cache_salt=req.cache_salt,
         )
         st = ReqState(req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid)
         # Nothing may run between registering the state and entering the try: a state that outlives its
