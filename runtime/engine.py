@@ -74,6 +74,8 @@ class Engine:
         stream: bool = False,
         rid: str | list | None = None,
         cache_salt: str | None = None,
+        session_id: str | None = None,
+        cache_ttl_s: float | None = None,
     ):
         """Native response dict (a list for list input); with stream=True an iterator of cumulative dicts."""
         body = self._body(
@@ -87,6 +89,8 @@ class Engine:
             stream=stream,
             rid=rid,
             cache_salt=cache_salt,
+            session_id=session_id,
+            cache_ttl_s=cache_ttl_s,
         )
         reqs, is_batch = parse_generate_body(body)
         if stream:

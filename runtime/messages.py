@@ -30,6 +30,8 @@ class TokenizedGenerateReq(Message):
     return_text_in_logprobs: bool = False
     timeout_s: float | None = None  # the request's own deadline in seconds (None: the server's)
     cache_salt: str | None = None  # the radix cache shares KV only between requests of the same salt
+    session_id: str | None = None  # pin the finished request's tokens in the cache for cache_ttl_s
+    cache_ttl_s: float = 0.0
 
 
 class AbortReq(Message):
@@ -45,6 +47,10 @@ class GetServerInfoReq(Message):
     pass
 
 
+class ReleaseSessionReq(Message):
+    session_id: str
+
+
 # ---- Scheduler -> TokenizerManager (control replies) ------------------------------------------------------
 class FlushCacheResp(Message):
     success: bool
@@ -53,6 +59,10 @@ class FlushCacheResp(Message):
 
 class ServerInfoResp(Message):
     info: dict[str, Any]
+
+
+class ReleaseSessionResp(Message):
+    released_tokens: int  # 0: the session held no pin
 
 
 # ---- Scheduler -> Detokenizer -> TokenizerManager --------------------------------------------------------
@@ -106,8 +116,10 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged stru
     AbortReq,
     FlushCacheReq,
     GetServerInfoReq,
+    ReleaseSessionReq,
     FlushCacheResp,
     ServerInfoResp,
+    ReleaseSessionResp,
     BatchTokenIDOut,
     BatchStrOut,
 ]

@@ -175,7 +175,21 @@ class ServerArgs:
         "checked before tokenizing; past it: HTTP 400",
     )
 
+    # ---- sessions (KV pins across an agent's tool calls) ----
+    session_ttl_s: float = _opt(
+        300.0,
+        "seconds a finished request of a session (`session_id`) keeps its tokens pinned in the prefix cache "
+        "when it gives no `cache_ttl_s`",
+    )
+    max_session_ttl_s: float = _opt(3600.0, "largest `cache_ttl_s` a request may ask for; past it: HTTP 400")
+    max_pinned_tokens: int = _opt(
+        -1,
+        "most tokens session pins may hold in the KV pool together (the oldest pin is released past it); "
+        "-1: a quarter of the pool; 0 disables pinning",
+    )
+
     def __post_init__(self) -> None:
+        self._check_sessions()
         self._check_security()
         self._check_grammar_sandbox()
         self._check_parallel()
@@ -226,6 +240,15 @@ class ServerArgs:
                     "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
                     "port and does not check the Host header (see README 'Security')"
                 )
+
+    def _check_sessions(self) -> None:
+        if not 0 <= self.session_ttl_s <= self.max_session_ttl_s:
+            raise ValueError(
+                f"--session-ttl-s must be in [0, --max-session-ttl-s ({self.max_session_ttl_s:g})], "
+                f"got {self.session_ttl_s:g}"
+            )
+        if self.max_pinned_tokens < -1:
+            raise ValueError(f"--max-pinned-tokens must be >= -1, got {self.max_pinned_tokens}")
 
     def _check_request_bounds(self) -> None:
         for name in (

@@ -25,8 +25,12 @@ ALLOWED_FIELDS = {
     "model",
     "timeout",
     "cache_salt",
+    "session_id",
+    "cache_ttl_s",
 }
 MAX_CACHE_SALT_CHARS = 1024
+MAX_SESSION_ID_CHARS = 256
+SESSION_HEADER = "x-session-id"  # names the session when the body does not (`session_id`)
 # A request's own deadline, in seconds: positive and finite (it can only shorten --request-timeout-s).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 # Fields sglang-router (`--dp-size`) adds to every /generate body it forwards, with its defaults. Logging
@@ -89,6 +93,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     top_n = _int(body, "top_logprobs_num", 0, low=0, high=20)
     timeout = parse_timeout(body.get("timeout"))
     salt = parse_cache_salt(body.get("cache_salt"))
+    session_id, ttl = parse_session(body.get("session_id"), body.get("cache_ttl_s"))
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
@@ -111,6 +116,8 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
                 return_text_in_logprobs=text_in_lp,
                 timeout_s=timeout,
                 cache_salt=salt,
+                session_id=session_id,
+                cache_ttl_s=ttl,
             )
         )
     return reqs, is_batch
@@ -134,6 +141,23 @@ def parse_cache_salt(value: Any) -> str | None:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
         raise ValueError(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} chars")
     return value
+
+
+def parse_session(session_id: Any, ttl: Any) -> tuple[str | None, float | None]:
+    """`session_id` (the X-Session-Id header's value when the body has none) and `cache_ttl_s`: a session's
+    finished request keeps its tokens pinned in the prefix cache for the TTL (the server's
+    --session-ttl-s when None; --max-session-ttl-s bounds it, checked by the tokenizer manager)."""
+    if session_id is not None and (
+        not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS
+    ):
+        raise ValueError(f"'session_id' must be a non-empty string of at most {MAX_SESSION_ID_CHARS} chars")
+    if ttl is not None:
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl < float("inf"):
+            raise ValueError("'cache_ttl_s' must be a non-negative number of seconds")
+        if session_id is None:
+            raise ValueError("'cache_ttl_s' needs a 'session_id' (or an X-Session-Id header)")
+        ttl = float(ttl)
+    return session_id, ttl
 
 
 def _bool(body: dict, name: str) -> bool:

@@ -38,6 +38,12 @@ class Metrics:
         self.queued = Gauge("radixlm_num_queued_reqs", "Requests waiting in the scheduler", registry=r)
         self.token_usage = Gauge("radixlm_token_usage", "Share of the KV pool in use", registry=r)
         self.cache_hit_rate = Gauge("radixlm_cache_hit_rate", "Cached share of prompt tokens", registry=r)
+        self.sessions_pinned = Gauge(
+            "radixlm_sessions_pinned", "Sessions whose tokens are pinned in the prefix cache", registry=r
+        )
+        self.session_pinned_tokens = Gauge(
+            "radixlm_session_pinned_tokens", "Tokens held by session pins (an upper bound)", registry=r
+        )
 
     def on_request_start(self) -> None:
         self.in_flight.inc()
@@ -59,4 +65,6 @@ class Metrics:
             self.queued.set(scheduler_info.get("num_queued_reqs", 0))
             self.token_usage.set(scheduler_info.get("token_usage", 0.0))
             self.cache_hit_rate.set(scheduler_info.get("cache_hit_rate", 0.0))
+            self.sessions_pinned.set(scheduler_info.get("sessions_pinned", 0))
+            self.session_pinned_tokens.set(scheduler_info.get("session_pinned_tokens", 0))
         return generate_latest(self.registry)

@@ -21,7 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.entrypoints.generate_input import check_unicode, parse_generate_body
+from runtime.entrypoints.generate_input import SESSION_HEADER, check_unicode, parse_generate_body
 from runtime.entrypoints.http_common import (
     FastJSONResponse,
     error_response,
@@ -56,6 +56,8 @@ class GenerateRequest(BaseModel):
     rid: str | list[str] | None = None
     timeout: float | None = None  # seconds; only shortens --request-timeout-s
     cache_salt: str | None = None  # cached KV is shared only between requests of the same salt
+    session_id: str | None = None  # or the X-Session-Id header: its tokens stay cached for cache_ttl_s
+    cache_ttl_s: float | None = None  # seconds; default --session-ttl-s
 
 
 class AbortRequest(BaseModel):
@@ -80,10 +82,11 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     # ---- native API ---------------------------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request, body: GenerateRequest):
+        data = body.model_dump(exclude_unset=True)
+        if data.get("session_id") is None and request.headers.get(SESSION_HEADER):
+            data["session_id"] = request.headers[SESSION_HEADER]
         try:
-            reqs, is_batch = parse_generate_body(
-                body.model_dump(exclude_unset=True), max_prompts=args.max_prompts_per_request
-            )
+            reqs, is_batch = parse_generate_body(data, max_prompts=args.max_prompts_per_request)
         except ValueError as e:
             raise RequestError(str(e), 400) from None
         if reqs[0].stream:
@@ -95,6 +98,14 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
             return await stream_response(tm, [req], _NativeFormatter())
         results = await run_unless_disconnected(request, tm.generate_all(reqs))
         return FastJSONResponse(results if is_batch or len(results) > 1 else results[0])
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def release_session(session_id: str):
+        """Unpin a session's cached tokens now (they stay in the cache as ordinary LRU entries)."""
+        released = await tm.release_session(session_id)
+        if not released:
+            return error_response(404, f"session {session_id!r} holds no pinned tokens")
+        return {"session_id": session_id, "released_tokens": released}
 
     @app.get("/health")
     async def health():

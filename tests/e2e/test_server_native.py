@@ -134,6 +134,38 @@ def test_cache_salt_isolates_cached_prefixes(server_url):
     assert_no_kv_leak(wait_idle(server_url))
 
 
+def test_session_pin_and_delete(server_url):
+    """A session's finished request stays pinned (server info counts it) until DELETE /v1/sessions/{id};
+    the X-Session-Id header names the session too; bad session fields are 400s; nothing leaks."""
+    sid = f"agent-{uuid.uuid4().hex[:8]}"
+    body = {"text": unique_prompt(), "sampling_params": {"max_new_tokens": 2}}
+    generate(server_url, {**body, "session_id": sid, "cache_ttl_s": 600})
+    info = wait_idle(server_url)
+    assert info["sessions_pinned"] >= 1 and info["cache_protected_tokens"] > 0
+    r = requests.delete(f"{server_url}/v1/sessions/{sid}", timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["released_tokens"] > 0, r.text
+    r = requests.delete(f"{server_url}/v1/sessions/{sid}", timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 404 and sid in r.text
+    hdr = requests.post(
+        server_url + "/generate", json=body, headers={"X-Session-Id": sid}, timeout=HTTP_TIMEOUT_S
+    )
+    assert hdr.status_code == 200, hdr.text
+    r = requests.delete(f"{server_url}/v1/sessions/{sid}", timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    bad_fields = [
+        ({"cache_ttl_s": 5}, "session_id"),
+        ({"session_id": sid, "cache_ttl_s": -1}, "cache_ttl_s"),
+        ({"session_id": sid, "cache_ttl_s": 10**7}, "max-session-ttl-s"),
+        ({"session_id": ""}, "session_id"),
+    ]
+    for bad, field in bad_fields:
+        err = generate(server_url, {**body, **bad}, status=400)
+        assert field in json.dumps(err), (bad, err)
+    info = wait_idle(server_url)
+    assert info["cache_protected_tokens"] == 0
+    assert_no_kv_leak(info)
+
+
 def _check_entry(entry, token_id: int, with_text: bool) -> None:
     lp, tid, text = entry
     assert tid == token_id

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from runtime.entrypoints.generate_input import MAX_CACHE_SALT_CHARS, MAX_TIMEOUT_S
+from runtime.entrypoints.generate_input import MAX_CACHE_SALT_CHARS, MAX_SESSION_ID_CHARS, MAX_TIMEOUT_S
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +51,8 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     no_stop_trim: StrictBool = False
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
+    cache_ttl_s: float | None = Field(default=None, ge=0)
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # seconds; shortens the server's
     # sglang-router (`--dp-size`) sends these with every request it forwards. Reasoning is never separated
     # (radixlm has no reasoning parser), so the two reasoning flags change nothing; hidden states only off.

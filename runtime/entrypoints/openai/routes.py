@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from runtime.entrypoints.generate_input import check_unicode
+from runtime.entrypoints.generate_input import MAX_SESSION_ID_CHARS, SESSION_HEADER, check_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, run_unless_disconnected
 from runtime.entrypoints.openai.formatters import (
     ChatFormatter,
@@ -63,6 +63,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
         check_body_unicode(body)
+        session_from_header(body, request)
         check_model(body.model)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
@@ -122,6 +123,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         check_body_unicode(body)
+        session_from_header(body, request)
         check_model(body.model)
         if body.suffix:
             raise RequestError("'suffix' is not supported", 400)
@@ -243,6 +245,17 @@ def sampling_params(
         raise RequestError(str(e), 400) from None
 
 
+def session_from_header(body: CommonRequest, request: Request) -> None:
+    """The X-Session-Id header names the session when the body does not; `cache_ttl_s` needs one."""
+    header = request.headers.get(SESSION_HEADER)
+    if body.session_id is None and header:
+        if len(header) > MAX_SESSION_ID_CHARS:
+            raise RequestError(f"X-Session-Id must be at most {MAX_SESSION_ID_CHARS} characters", 400)
+        body.session_id = header
+    if body.cache_ttl_s is not None and body.session_id is None:
+        raise RequestError("'cache_ttl_s' needs a 'session_id' (or an X-Session-Id header)", 400)
+
+
 def single_request(
     body: CommonRequest,
     ids: list[int],
@@ -265,6 +278,8 @@ def single_request(
         logprob_start_len=logprob_start_len,
         timeout_s=body.timeout,
         cache_salt=body.cache_salt,
+        session_id=body.session_id,
+        cache_ttl_s=body.cache_ttl_s,
     )
 
 

@@ -36,6 +36,8 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() past which the request is aborted (504)
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt (`cache_key`)
+    session_id: str | None = None  # when it finishes, its tokens stay pinned for cache_ttl_s (`sessions`)
+    cache_ttl_s: float = 0.0
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -77,6 +79,8 @@ class Req:
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
             cache_salt=msg.cache_salt,
+            session_id=msg.session_id,
+            cache_ttl_s=msg.cache_ttl_s,
         )
 
     @property

@@ -30,6 +30,7 @@ from runtime.managers.scheduler.output_stream import (
 )
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.schedule_policy import AddResult, PrefillAdder, order_waiting
+from runtime.managers.scheduler.sessions import SessionPins
 from runtime.managers.scheduler.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
@@ -38,6 +39,8 @@ from runtime.messages import (
     FlushCacheResp,
     GetServerInfoReq,
     Message,
+    ReleaseSessionReq,
+    ReleaseSessionResp,
     ReqOutput,
     ServerInfoResp,
     TokenizedGenerateReq,
@@ -74,6 +77,9 @@ class Scheduler:
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
+        pool = self.runner.allocator.size
+        max_pinned = args.max_pinned_tokens if args.max_pinned_tokens >= 0 else pool // 4
+        self.sessions = SessionPins(self.cm.cache, max_pinned)
         self.rng = random.Random(args.random_seed)
         torch.manual_seed(args.random_seed)
 
@@ -112,6 +118,8 @@ class Scheduler:
             return FlushCacheResp(success=ok, message="" if ok else "requests are running; cache not flushed")
         elif isinstance(msg, GetServerInfoReq):
             return ServerInfoResp(info=self.server_info())
+        elif isinstance(msg, ReleaseSessionReq):
+            return ReleaseSessionResp(released_tokens=self.sessions.release(msg.session_id))
         else:
             raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         return None
@@ -192,6 +200,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
+        self.sessions.release_all()  # an explicit flush empties the cache, pinned sessions included
         return self.cm.flush()
 
     # ---- the step ------------------------------------------------------------------------------------------
@@ -212,6 +221,7 @@ class Scheduler:
         invariant still holds and every other request goes on.
         """
         self._expire_deadlines()
+        self.sessions.expire()
         self._poll_grammars()
         admitted = self._schedule_extend()
         if admitted:
@@ -345,6 +355,10 @@ class Scheduler:
                 # Cut by chunked prefill (at most one: the adder stops after cutting). It holds KV, so it goes
                 # first next step; a request that is not admitted simply stays in `reextend`.
                 self.reextend.insert(0, req)
+        if not admitted and not self.running and self.waiting:
+            # Nothing runs and nothing fits: pinned sessions must not stall the server. Unpin the oldest
+            # (its tokens become evictable); the next step tries again.
+            self.sessions.release_oldest()
         return admitted
 
     def _forward(self, reqs: list[Req], build: Callable[[], BuiltBatch], what: str):
@@ -400,6 +414,8 @@ class Scheduler:
 
     def _run_decode(self) -> None:
         slots = self.cm.alloc_slots(len(self.running))
+        while slots is None and self.sessions.release_oldest():  # pins go before running requests do
+            slots = self.cm.alloc_slots(len(self.running))
         while slots is None and self.running:
             self._retract_one()
             slots = self.cm.alloc_slots(len(self.running)) if self.running else None
@@ -526,7 +542,10 @@ class Scheduler:
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:
         if req.req_pool_idx is not None:
+            key = req.cache_key(req.kv_len) if req.session_id and req.error is None else None
             self.cm.release(req, cache_tokens=True)
+            if key:
+                self.sessions.pin(req.session_id, key, req.cache_ttl_s)
         self.outputs.touch(req)
         if req.finished_reason and req.finished_reason.get("type") != "abort":
             self.stats["requests_finished"] += 1
@@ -563,6 +582,7 @@ class Scheduler:
             "radix_cache_enabled": cache.enabled,
             "attention_backend": self.runner.backend_name,
             "grammar": self.grammars.stats(),
+            **self.sessions.info(),
             **{k: v for k, v in self.stats.items()},
         }
 

@@ -24,6 +24,8 @@ class SingleRequest:
     return_text_in_logprobs: bool = False
     timeout_s: float | None = None  # the client's own deadline (the server's --request-timeout-s caps it)
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt
+    session_id: str | None = None  # when it finishes, its tokens stay pinned in the cache for cache_ttl_s
+    cache_ttl_s: float | None = None  # None: the server's --session-ttl-s
     client_rid: str | None = (
         None  # the rid the client gave, when this is one of its n choices (or their prefill)
     )

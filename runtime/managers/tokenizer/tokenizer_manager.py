@@ -30,6 +30,8 @@ from runtime.messages import (
     FlushCacheReq,
     FlushCacheResp,
     GetServerInfoReq,
+    ReleaseSessionReq,
+    ReleaseSessionResp,
     ReqTextOutput,
     ServerInfoResp,
     TokenizedGenerateReq,
@@ -74,7 +76,11 @@ class TokenizerManager:
         self.on_child_death = on_child_death
         self.endpoints = ipc.IpcEndpoints.create()
         self.states: dict[str, ReqState] = {}
-        self.pending_control: dict[type, list[asyncio.Future]] = {FlushCacheResp: [], ServerInfoResp: []}
+        self.pending_control: dict[type, list[asyncio.Future]] = {
+            FlushCacheResp: [],
+            ServerInfoResp: [],
+            ReleaseSessionResp: [],
+        }
         self.dead_reason: str | None = None
         self.draining = False
         self.metrics = None  # set by the HTTP server (runtime.entrypoints.metrics.Metrics)
@@ -223,6 +229,16 @@ class TokenizerManager:
         if not rid.isprintable():
             raise RequestError("'rid' must contain only printable characters (no control characters)", 400)
 
+    def session_ttl(self, req: SingleRequest) -> float:
+        """Seconds the request's tokens stay pinned after it finishes (0: it names no session)."""
+        if req.session_id is None:
+            return 0.0
+        ttl = req.cache_ttl_s if req.cache_ttl_s is not None else self.args.session_ttl_s
+        if ttl > self.args.max_session_ttl_s:
+            limit = self.args.max_session_ttl_s
+            raise RequestError(f"'cache_ttl_s' ({ttl:g}) is more than --max-session-ttl-s ({limit:g})", 400)
+        return ttl
+
     def check_bounds(self, reqs: list[SingleRequest]) -> None:
         self.check_prompt_count(sum(r.params.n for r in reqs))
         self.check_prompt_chars(sum(len(r.text) for r in reqs if r.text is not None))
@@ -293,6 +309,7 @@ class TokenizerManager:
                 f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({len(ids)})", 400
             )
         await self.validate_grammar(req.params)
+        ttl = self.session_ttl(req)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}", 400)
         msg = TokenizedGenerateReq(
@@ -306,6 +323,8 @@ class TokenizerManager:
             return_text_in_logprobs=req.return_text_in_logprobs,
             timeout_s=req.timeout_s,
             cache_salt=req.cache_salt,
+            session_id=req.session_id,
+            cache_ttl_s=ttl,
         )
         st = ReqState(req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid)
         # Nothing may run between registering the state and entering the try: a state that outlives its
@@ -455,6 +474,11 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheResp:
         return await self._control(FlushCacheReq(), FlushCacheResp)
+
+    async def release_session(self, session_id: str) -> int:
+        """Unpin a session's cached tokens (`DELETE /v1/sessions/{id}`); the tokens it pinned (0: none)."""
+        resp = await self._control(ReleaseSessionReq(session_id=session_id), ReleaseSessionResp)
+        return resp.released_tokens
 
     async def server_info(self) -> dict[str, Any]:
         resp = await self._control(GetServerInfoReq(), ServerInfoResp)

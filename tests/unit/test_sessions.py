@@ -1,0 +1,157 @@
+"""Session pins: a finished session request's tokens stay in the radix cache for its TTL, under memory
+pressure too; TTL expiry, DELETE and the pinned-token limit release them; nothing leaks.
+
+The first tests use a bare RadixCache (fast tier); the last ones the real scheduler on the tiny model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from runtime.managers.scheduler.scheduler import Scheduler
+from runtime.managers.scheduler.sessions import SessionPins
+from runtime.mem_cache.radix_cache import RadixCache
+from runtime.messages import ReleaseSessionReq, TokenizedGenerateReq
+from runtime.sampling_params import SamplingParams
+from tests.scheduler_utils import make_scheduler
+
+
+def cached(tokens: list[int]) -> RadixCache:
+    cache = RadixCache()
+    cache.insert(tokens, torch.arange(len(tokens)))
+    return cache
+
+
+def test_pin_protects_the_path_until_released():
+    cache = cached(list(range(10)))
+    pins = SessionPins(cache, max_pinned_tokens=100)
+    pins.pin("s", list(range(10)), ttl_s=60)
+    assert cache.protected_size() == 10 and cache.evictable_size() == 0
+    assert cache.evict(10).numel() == 0  # LRU cannot take it
+    assert pins.release("s") == 10
+    assert cache.protected_size() == 0 and cache.evict(10).numel() == 10
+    assert pins.release("s") == 0  # nothing left to release
+
+
+def test_new_pin_of_a_session_replaces_its_old_one():
+    cache = cached(list(range(12)))
+    pins = SessionPins(cache, max_pinned_tokens=100)
+    pins.pin("s", list(range(6)), ttl_s=60)
+    pins.pin("s", list(range(12)), ttl_s=60)  # the next turn: a longer path
+    assert (len(pins), pins.pinned_tokens, cache.protected_size()) == (1, 12, 12)
+    pins.release_all()
+    assert cache.protected_size() == 0
+
+
+def test_ttl_expiry_releases():
+    cache = cached(list(range(8)))
+    pins = SessionPins(cache, max_pinned_tokens=100)
+    pins.pin("s", list(range(8)), ttl_s=5)
+    pins.expire(now=time.monotonic() + 1)
+    assert cache.protected_size() == 8
+    pins.expire(now=time.monotonic() + 6)
+    assert cache.protected_size() == 0 and pins.counts["expired"] == 1
+
+
+def test_limit_releases_the_oldest_pin():
+    cache = RadixCache()
+    cache.insert([1] * 6, torch.arange(6))
+    cache.insert([2] * 6, torch.arange(6, 12))
+    cache.insert([3] * 6, torch.arange(12, 18))
+    pins = SessionPins(cache, max_pinned_tokens=12)
+    pins.pin("a", [1] * 6, 60)
+    pins.pin("b", [2] * 6, 60)
+    pins.pin("c", [3] * 6, 60)  # 18 > 12: "a" goes
+    assert pins.pinned_tokens == 12 and pins.counts["evicted_for_limit"] == 1
+    assert cache.match_prefix([1] * 6).last_node.lock_ref == 0
+    assert pins.release_oldest() and pins.release("c") == 6 and not pins.release_oldest()
+
+
+def test_zero_limit_or_ttl_pins_nothing():
+    cache = cached(list(range(4)))
+    SessionPins(cache, max_pinned_tokens=0).pin("s", list(range(4)), ttl_s=60)
+    SessionPins(cache, max_pinned_tokens=10).pin("s", list(range(4)), ttl_s=0)
+    assert cache.protected_size() == 0
+
+
+# ---- the scheduler, tiny model ---------------------------------------------------------------------------
+POOL = 512
+
+
+@pytest.fixture
+def sched(tiny_model_dir, default_tokenizer) -> Scheduler:
+    return make_scheduler(tiny_model_dir, default_tokenizer, max_total_tokens=POOL, max_pinned_tokens=200)
+
+
+def msg(rid: str, prompt: list[int], session: str | None = None, ttl: float = 60.0) -> TokenizedGenerateReq:
+    return TokenizedGenerateReq(
+        rid=rid,
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        session_id=session,
+        cache_ttl_s=ttl if session else 0.0,
+    )
+
+
+def run(s: Scheduler, msgs: list[TokenizedGenerateReq]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for m in msgs:
+        s.handle(m)
+    for _ in range(2000):
+        if not s.has_work():
+            break
+        for o in s.step():
+            assert o.error is None, o.error
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+        s.check_accounting()
+    return out
+
+
+def flood(s: Scheduler, n: int = 12) -> None:
+    """Distinct prompts that together need more than the pool: LRU evicts whatever is not pinned."""
+    run(s, [msg(f"flood{i}", [(7 * i + 13 * j) % 490 + 10 for j in range(60)]) for i in range(n)])
+
+
+@pytest.mark.parametrize("session", [None, "agent-1"])
+def test_a_session_history_survives_memory_pressure(sched, session):
+    history = [5] + [(11 * j) % 490 + 10 for j in range(99)]  # no flood prompt starts with 5
+    first = run(sched, [msg("turn1", history, session)])["turn1"]
+    flood(sched)
+    nxt = msg("turn2", history + first + [7, 8, 9], session)
+    sched.handle(nxt)
+    sched.step()  # the extend: its match is decided now
+    req = next(r for r in sched.live_requests() if r.rid == "turn2")
+    if session:
+        assert req.prefix_hit_len == len(history) + len(first) - 1  # the last output token had no KV
+    else:
+        assert req.prefix_hit_len < 10  # evicted by the flood
+    run(sched, [])
+    sched.handle(ReleaseSessionReq(session_id="agent-1"))
+    sched.sessions.release_all()
+    sched.check_accounting()
+    assert sched.cm.cache.protected_size() == 0
+
+
+def test_delete_and_expiry_release_every_slot(sched):
+    run(sched, [msg("a", list(range(10, 90)), "s1"), msg("b", list(range(100, 180)), "s2", ttl=0.2)])
+    info = sched.server_info()
+    assert info["sessions_pinned"] == 2 and sched.cm.cache.protected_size() > 0
+    reply = sched.handle(ReleaseSessionReq(session_id="s1"))
+    assert reply.released_tokens > 0
+    assert sched.handle(ReleaseSessionReq(session_id="s1")).released_tokens == 0
+    time.sleep(0.3)
+    run(sched, [msg("kick", [5])])  # a step expires "s2"
+    assert sched.server_info()["sessions_pinned"] == 0
+    assert sched.cm.cache.protected_size() == 0
+    sched.check_accounting()
+
+
+def test_pins_never_stall_admission(tiny_model_dir, default_tokenizer):
+    """Pins hold most of a small pool; a request that needs it still runs (the oldest pins are dropped)."""
+    s = make_scheduler(tiny_model_dir, default_tokenizer, max_total_tokens=POOL, max_pinned_tokens=POOL)
+    run(s, [msg(f"p{i}", [(3 * i + 17 * j) % 480 + 20 for j in range(90)], f"s{i}") for i in range(5)])
+    assert s.cm.cache.protected_size() > POOL // 2
+    out = run(s, [msg("big", [4] + [(29 * j) % 490 + 15 for j in range(POOL - 41)])])
+    assert len(out["big"]) == 4 and s.sessions.counts["evicted_for_memory"] >= 1
