@@ -283,3 +283,33 @@ def test_cache_salt_in_extra_body(client):
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.chat.completions.create(**kw, extra_body={"cache_salt": ""})
+
+
+def test_session_cache_miss_explainer(server_url):
+    """An agent re-sends its history with one character changed: the answer says where the prompt left the
+    session's previous request, with the text on both sides."""
+    sid = f"agent-{uuid.uuid4().hex[:8]}"
+    url = server_url + "/v1/chat/completions"
+    history = [{"role": "user", "content": f"[{sid}] list three colours of the rainbow, please"}]
+    first = requests.post(
+        url,
+        json={"model": MODEL, "messages": history, "max_tokens": 4, "temperature": 0, "session_id": sid},
+        timeout=HTTP_TIMEOUT_S,
+    ).json()
+    reply = first["choices"][0]["message"]["content"]
+    turn2 = [
+        {"role": "user", "content": history[0]["content"].replace("rainbow", "rainbov")},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "and two more?"},
+    ]
+    r = requests.post(
+        url,
+        json={"model": MODEL, "messages": turn2, "max_tokens": 1, "session_id": sid},
+        timeout=HTTP_TIMEOUT_S,
+    )
+    details = r.json()["usage"]["prompt_tokens_details"]
+    miss = details["cache_miss"]
+    assert miss["reason"] == "diverged", miss
+    assert details["cached_tokens"] <= miss["index"] < r.json()["usage"]["prompt_tokens"]
+    assert "rainbow" in miss["previous_text"] and "rainbov" in miss["new_text"], miss
+    requests.delete(f"{server_url}/v1/sessions/{sid}", timeout=HTTP_TIMEOUT_S)

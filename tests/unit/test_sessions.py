@@ -155,3 +155,50 @@ def test_pins_never_stall_admission(tiny_model_dir, default_tokenizer):
     assert s.cm.cache.protected_size() > POOL // 2
     out = run(s, [msg("big", [4] + [(29 * j) % 490 + 15 for j in range(POOL - 41)])])
     assert len(out["big"]) == 4 and s.sessions.counts["evicted_for_memory"] >= 1
+
+
+# ---- the cache-miss explainer ----------------------------------------------------------------------------
+def explainer(tokens: list[int], salt=None, state="pinned") -> SessionPins:
+    pins = SessionPins(RadixCache(), max_pinned_tokens=100)
+    pins.remember("s", tokens, salt, pinned=True)
+    if state != "pinned":
+        pins._records["s"].state = state
+    return pins
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+def test_explainer_names_a_diverged_history():
+    prev = list(range(100, 140))  # previous prompt + output
+    prompt = prev[:25] + [7] + prev[26:] + [1, 2, 3]  # history re-rendered with one token changed
+    miss = explainer(prev).explain("s", prompt, None, cached=25, decode=decode)
+    assert miss["reason"] == "diverged" and miss["index"] == 25
+    assert miss["previous_text"].split()[8] == "125" and miss["new_text"].split()[8] == "7"
+
+
+def test_explainer_names_eviction_expiry_and_salt():
+    prev = list(range(100, 140))
+    prompt = prev + [1, 2]
+    assert explainer(prev).explain("s", prompt, None, cached=39, decode=decode) is None  # all reused
+    miss = explainer(prev).explain("s", prompt, None, cached=10, decode=decode)
+    assert (miss["reason"], miss["index"], miss["expected_cached_tokens"]) == ("evicted", 10, 39)
+    assert explainer(prev, state="expired").explain("s", prompt, None, 0, decode)["reason"] == "expired"
+    assert explainer(prev, salt="a").explain("s", prompt, "b", 0, decode)["reason"] == "salt"
+    assert explainer(prev).explain("other", prompt, None, 0, decode) is None  # no history: nothing to say
+
+
+def test_scheduler_reports_the_divergence_of_a_re_rendered_history(sched):
+    history = [5] + [(11 * j) % 490 + 10 for j in range(79)]
+    first = run(sched, [msg("t1", history, "sess")])["t1"]
+    changed = list(history)
+    changed[40] = 3  # one token of the history differs
+    sched.handle(msg("t2", changed + first + [9], "sess"))
+    outs = []
+    while sched.has_work():
+        outs += [o for o in sched.step() if o.rid == "t2"]
+    miss = next(o.cache_miss for o in outs if o.cache_miss)
+    assert miss["reason"] == "diverged" and miss["index"] == 40
+    sched.sessions.release_all()
+    sched.check_accounting()

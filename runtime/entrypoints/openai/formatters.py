@@ -27,11 +27,13 @@ def usage_of(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = results[0]["meta_info"]["prompt_tokens"] if results else 0
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     cached = max((r["meta_info"]["cached_tokens"] for r in results), default=0)
+    misses = [r["meta_info"]["cache_miss"] for r in results if r["meta_info"].get("cache_miss")]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        # radixlm's extra: why a session's request found less cached than its previous request left
+        "prompt_tokens_details": {"cached_tokens": cached, **({"cache_miss": misses[0]} if misses else {})},
     }
 
 

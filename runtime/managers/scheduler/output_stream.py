@@ -133,6 +133,7 @@ class OutputStream:
             out.spaces_between_special_tokens = p.spaces_between_special_tokens
             out.stop_strings = p.stop or None
             out.no_stop_trim = p.no_stop_trim
+            out.cache_miss = req.cache_miss
             sent.first_chunk_sent = True
         if req.return_logprob:
             out.input_token_logprobs, sent.input_logprobs = sent.input_logprobs, []

@@ -38,6 +38,7 @@ class Req:
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt (`cache_key`)
     session_id: str | None = None  # when it finishes, its tokens stay pinned for cache_ttl_s (`sessions`)
     cache_ttl_s: float = 0.0
+    cache_miss: dict[str, Any] | None = None  # why it found less cached than its session left (`sessions`)
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None

@@ -346,6 +346,8 @@ class Scheduler:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
                 req.prefix_hit_len = req.match_len
+                if req.session_id:
+                    self._explain_cache_miss(req)
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
                 self.stats["cached_tokens"] += req.match_len
         for req, _ in admitted:
@@ -360,6 +362,13 @@ class Scheduler:
             # (its tokens become evictable); the next step tries again.
             self.sessions.release_oldest()
         return admitted
+
+    def _explain_cache_miss(self, req: Req) -> None:
+        req.cache_miss = self.sessions.explain(
+            req.session_id, req.prompt_ids, req.cache_salt, req.prefix_hit_len, self.tokenizer.decode
+        )
+        if req.cache_miss is not None:
+            logger.debug("cache miss of %s (session %s): %s", req.rid[:256], req.session_id, req.cache_miss)
 
     def _forward(self, reqs: list[Req], build: Callable[[], BuiltBatch], what: str):
         """Build and run one batch: (the built batch, logits). If either raises, every request of the batch
@@ -541,11 +550,14 @@ class Scheduler:
 
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:
+        session = req.session_id if req.error is None else None
+        key = None
         if req.req_pool_idx is not None:
-            key = req.cache_key(req.kv_len) if req.session_id and req.error is None else None
+            key = req.cache_key(req.kv_len) if session else None
             self.cm.release(req, cache_tokens=True)
-            if key:
-                self.sessions.pin(req.session_id, key, req.cache_ttl_s)
+        if session:
+            pinned = bool(key) and self.sessions.pin(session, key, req.cache_ttl_s)
+            self.sessions.remember(session, req.all_ids, req.cache_salt, pinned)
         self.outputs.touch(req)
         if req.finished_reason and req.finished_reason.get("type") != "abort":
             self.stats["requests_finished"] += 1

@@ -15,7 +15,21 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from runtime.mem_cache.radix_cache import BasePrefixCache, TreeNode
+
+MAX_SESSION_RECORDS = 1024  # sessions whose last request is remembered for the cache-miss explainer
+SNIPPET_TOKENS = 8  # tokens of context either side of a divergence in an explanation
+
+
+@dataclass
+class SessionRecord:
+    """A session's last finished request, for explaining the next one's cache misses."""
+
+    tokens: np.ndarray  # int32: its prompt + output
+    salt: str | None
+    state: str = "pinned"  # or why its pin ended: expired, deleted, evicted_for_limit, evicted_for_memory
 
 
 @dataclass
@@ -32,24 +46,27 @@ class SessionPins:
         self._pins: OrderedDict[str, Pin] = OrderedDict()  # oldest first
         self.pinned_tokens = 0  # sum of the pins' path lengths (an upper bound of the tokens they protect)
         self.counts = dict(pinned=0, expired=0, deleted=0, evicted_for_limit=0, evicted_for_memory=0)
+        self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently finished first
 
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, session_id: str, key: list[int], ttl_s: float) -> None:
-        """Lock the cached path of `key` (a request's cache key, just inserted) for `ttl_s` seconds."""
+    def pin(self, session_id: str, key: list[int], ttl_s: float) -> bool:
+        """Lock the cached path of `key` (a request's cache key, just inserted) for `ttl_s` seconds; False
+        when nothing was pinned (TTL 0, no cache, or longer than the limit)."""
         self.release(session_id, reason=None)
         if ttl_s <= 0 or not self.cache.enabled or len(key) > self.max_pinned_tokens:
-            return
+            return False
         res = self.cache.match_prefix(key)
         if not res.indices.numel():
-            return
+            return False
         while self._pins and self.pinned_tokens + res.indices.numel() > self.max_pinned_tokens:
             self.release(next(iter(self._pins)), reason="evicted_for_limit")
         self.cache.lock(res.last_node)
         self._pins[session_id] = Pin(res.last_node, res.indices.numel(), time.monotonic() + ttl_s)
         self.pinned_tokens += res.indices.numel()
         self.counts["pinned"] += 1
+        return True
 
     def release(self, session_id: str, reason: str | None = "deleted") -> int:
         """Unlock the session's pin; returns the tokens it pinned (0: it had none). `reason` names the
@@ -61,6 +78,8 @@ class SessionPins:
         self.pinned_tokens -= pin.tokens
         if reason:
             self.counts[reason] += 1
+            if session_id in self._records:
+                self._records[session_id].state = reason
         return pin.tokens
 
     def expire(self, now: float | None = None) -> None:
@@ -78,6 +97,50 @@ class SessionPins:
     def release_all(self) -> None:
         for sid in list(self._pins):
             self.release(sid, reason=None)
+
+    # ---- the cache-miss explainer ------------------------------------------------------------------------
+    def remember(self, session_id: str, tokens: list[int], salt: str | None, pinned: bool) -> None:
+        """Record a session's finished request (prompt + output) for explaining its next one."""
+        self._records.pop(session_id, None)
+        state = "pinned" if pinned else "expired"  # no pin (TTL 0, or over the limit): as good as expired
+        self._records[session_id] = SessionRecord(np.asarray(tokens, dtype=np.int32), salt, state)
+        while len(self._records) > MAX_SESSION_RECORDS:
+            self._records.popitem(last=False)
+
+    def explain(
+        self, session_id: str, prompt: list[int], salt: str | None, cached: int, decode
+    ) -> dict | None:
+        """Why a session's request found fewer cached tokens than its previous request left behind, or where
+        its prompt stopped repeating that request's tokens; None when nothing was lost. `decode`: token ids
+        -> text, for the snippets around the divergence."""
+        rec = self._records.get(session_id)
+        if rec is None or not prompt:
+            return None
+        prev = rec.tokens
+        n = min(len(prev), len(prompt))
+        mismatch = np.flatnonzero(prev[:n] != np.asarray(prompt[:n], dtype=np.int32))
+        common = int(mismatch[0]) if mismatch.size else n
+        # what the previous request could leave cached: its tokens but the last (never had KV), and never
+        # the last prompt token (its logits must be computed)
+        reachable = min(common, len(prev) - 1, len(prompt) - 1)
+        if cached < reachable:
+            if rec.salt != salt:
+                reason = "salt"
+            else:  # a pin taken by a limit, a DELETE or a flush, then LRU: evicted
+                reason = "expired" if rec.state == "expired" else "evicted"
+            index = cached
+        elif common < min(len(prev), len(prompt)):
+            reason, index = "diverged", common
+        else:
+            return None
+        lo, hi = max(0, index - SNIPPET_TOKENS), index + SNIPPET_TOKENS
+        return {
+            "reason": reason,
+            "index": index,
+            "expected_cached_tokens": reachable,
+            "previous_text": decode(prev[lo:hi].tolist()),
+            "new_text": decode(list(prompt[lo:hi])),
+        }
 
     def info(self) -> dict:
         return {

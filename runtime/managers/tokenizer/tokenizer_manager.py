@@ -61,6 +61,7 @@ class ReqState:
     finished: bool = False
     first_token_time: float | None = None
     cached_tokens: int = 0
+    cache_miss: dict[str, Any] | None = None
     finish_type: str | None = None
     input_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -368,6 +369,8 @@ class TokenizerManager:
             st.first_token_time = time.perf_counter()
         st.text += c.text_delta
         st.cached_tokens = c.cached_tokens
+        if c.cache_miss is not None:
+            st.cache_miss = c.cache_miss
         if c.input_token_logprobs:
             st.input_logprobs.extend(self._lp_entries(st, c.input_token_logprobs))
         if c.output_token_logprobs:
@@ -398,6 +401,8 @@ class TokenizerManager:
             "finish_reason": last.finished_reason,
             "e2e_latency": time.perf_counter() - st.created,
         }
+        if st.cache_miss is not None:
+            meta["cache_miss"] = st.cache_miss
         if st.input_logprobs or st.output_logprobs:
             meta["input_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.input_logprobs]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.output_logprobs]
