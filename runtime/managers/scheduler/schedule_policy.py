@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import enum
+import logging
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.managers.scheduler.cache_manager import CacheManager
 from runtime.managers.scheduler.req import Req
+
+logger = logging.getLogger("radixlm.scheduler")
 
 # Matching every waiting request against the tree costs O(total prompt tokens); past this queue length
 # `lpm` falls back to arrival order, as prefix locality matters less than keeping the scheduler cheap.
@@ -143,3 +147,56 @@ class PrefillAdder:
         if not out.tokens:
             self.cm.release(req, cache_tokens=False)
         return out
+
+
+def admit(
+    cm: CacheManager,
+    running: list[Req],
+    held: list[Req],
+    waiting: list[Req],
+    args,
+    rng: random.Random,
+    offer: Callable[[PrefillAdder, Req, bool], AddOutcome | None],
+) -> tuple[list[tuple[Req, int]], list[Req]]:
+    """One extend batch: (admitted (request, tokens to compute now) with their KV slots appended, the
+    waiting requests among them that started). `held` (requests holding KV: chunked prefill, jump-forward)
+    go first, then `waiting` in `args.schedule_policy` order, under the budgets of `PrefillAdder`.
+    `offer(adder, req, matched)` offers a waiting request: `adder.add_waiting` inside the scheduler's failure
+    boundary (a request that failed there comes back as CONTINUE with no tokens: skipped)."""
+    adder = PrefillAdder(
+        cm,
+        running,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunk_size=args.chunked_prefill_size,
+        new_token_ratio=args.new_token_ratio,
+        max_running=args.max_running_requests,
+    )
+    held_admitted = 0
+    for req in held:
+        out = adder.add(req, req.seq_len - req.kv_len)
+        held_admitted += out.tokens > 0
+        if out.result is not AddResult.CONTINUE:
+            break
+    started: list[Req] = []
+    if held_admitted == len(held):
+        ordered, matched = order_waiting(args.schedule_policy, waiting, cm, rng)
+        for req in ordered:
+            out = offer(adder, req, matched)
+            if out is None:  # no free request row
+                break
+            if out.tokens:
+                started.append(req)
+            if out.result is not AddResult.CONTINUE:
+                break
+    admitted: list[tuple[Req, int]] = []
+    for req, take in adder.admitted:
+        slots = cm.alloc_slots(take)
+        if slots is None:  # not expected (the adder counted every lock it took): wait for the next step
+            logger.warning("no KV slots for %d admitted tokens of %s; it waits", take, req.rid[:256])
+            if req in started:
+                cm.release(req, cache_tokens=False)
+                started.remove(req)
+            continue
+        cm.append_slots(req, slots)
+        admitted.append((req, take))
+    return admitted, started

@@ -29,8 +29,9 @@ from runtime.managers.scheduler.output_stream import (
     take_back,
 )
 from runtime.managers.scheduler.req import Req
-from runtime.managers.scheduler.schedule_policy import AddResult, PrefillAdder, order_waiting
+from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, PrefillAdder, admit
 from runtime.managers.scheduler.sessions import SessionPins
+from runtime.managers.scheduler.stats import ThroughputLog, new_counters
 from runtime.managers.scheduler.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
@@ -90,21 +91,8 @@ class Scheduler:
         ] = []  # hold KV but need more than one token computed (chunked prefill, jump-forward)
         self.running: list[Req] = []  # decoding: kv_len == seq_len - 1
         self.outputs = OutputStream(args.stream_interval)  # what each touched request owes its client
-        self.stats: dict[str, float] = dict(
-            prompt_tokens=0,
-            cached_tokens=0,
-            generated_tokens=0,
-            extend_steps=0,
-            decode_steps=0,
-            retractions=0,
-            jump_forward_tokens=0,
-            requests_finished=0,
-            requests_aborted=0,
-            requests_timed_out=0,
-            requests_failed_internal=0,
-        )
-        self._last_log = time.monotonic()
-        self._gen_tokens_at_log = 0
+        self.stats = new_counters()
+        self._log = ThroughputLog(args.log_interval)
 
     # ---- messages ---------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
@@ -228,7 +216,7 @@ class Scheduler:
             self._run_extend(admitted)
         elif self.running:
             self._run_decode()
-        self._maybe_log()
+        self._log.maybe_log(self.stats["generated_tokens"], self.has_work(), self.server_info)
         return self._collect_outputs()
 
     # ---- failure boundary ----------------------------------------------------------------------------------
@@ -300,48 +288,11 @@ class Scheduler:
         a = self.args
         if not self.reextend and len(self.running) >= a.max_running_requests:
             return []
-        adder = PrefillAdder(
-            self.cm,
-            self.running,
-            max_prefill_tokens=a.max_prefill_tokens,
-            chunk_size=a.chunked_prefill_size,
-            new_token_ratio=a.new_token_ratio,
-            max_running=a.max_running_requests,
+        # Requests that already hold KV go first: they pin memory until they finish. A request mid chunked
+        # prefill is first of those (see below).
+        admitted, started = admit(
+            self.cm, self.running, list(self.reextend), self.waiting, a, self.rng, self._offer
         )
-        # Requests that already hold KV go first: they pin memory until they finish.
-        held = list(self.reextend)  # a request mid chunked prefill is first (see the end of this method)
-        held_admitted = 0
-        for req in held:
-            out = adder.add(req, req.seq_len - req.kv_len)
-            held_admitted += out.tokens > 0
-            if out.result is not AddResult.CONTINUE:
-                break
-        started: list[Req] = []
-        if held_admitted == len(held):
-            ordered, matched = order_waiting(a.schedule_policy, self.waiting, self.cm, self.rng)
-            for req in ordered:
-                try:
-                    with self._isolated(req, "scheduling"):
-                        out = adder.add_waiting(req, matched)
-                except RequestFailed:
-                    continue
-                if out is None:  # no free request row
-                    break
-                if out.tokens:
-                    started.append(req)
-                if out.result is not AddResult.CONTINUE:
-                    break
-        admitted: list[tuple[Req, int]] = []
-        for req, take in adder.admitted:
-            slots = self.cm.alloc_slots(take)
-            if slots is None:  # not expected (the adder counted every lock it took): wait for the next step
-                logger.warning("no KV slots for %d admitted tokens of %s; it waits", take, req.rid[:256])
-                if req in started:
-                    self.cm.release(req, cache_tokens=False)
-                    started.remove(req)
-                continue
-            self.cm.append_slots(req, slots)
-            admitted.append((req, take))
         for req in started:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
@@ -362,6 +313,13 @@ class Scheduler:
             # (its tokens become evictable); the next step tries again.
             self.sessions.release_oldest()
         return admitted
+
+    def _offer(self, adder: PrefillAdder, req: Req, matched: bool) -> AddOutcome | None:
+        try:
+            with self._isolated(req, "scheduling"):
+                return adder.add_waiting(req, matched)
+        except RequestFailed:
+            return AddOutcome(AddResult.CONTINUE, 0)
 
     def _explain_cache_miss(self, req: Req) -> None:
         req.cache_miss = self.sessions.explain(
@@ -597,23 +555,3 @@ class Scheduler:
             **self.sessions.info(),
             **{k: v for k, v in self.stats.items()},
         }
-
-    def _maybe_log(self) -> None:
-        interval = self.args.log_interval
-        now = time.monotonic()
-        if interval <= 0 or now - self._last_log < interval:
-            return
-        gen = self.stats["generated_tokens"]
-        tput = (gen - self._gen_tokens_at_log) / (now - self._last_log)
-        self._last_log, self._gen_tokens_at_log = now, gen
-        if not self.has_work() and tput == 0:
-            return
-        info = self.server_info()
-        logger.info(
-            "running %d, queued %d, token usage %.2f, cache hit rate %.1f%%, gen throughput %.1f tok/s",
-            info["num_running_reqs"],
-            info["num_queued_reqs"],
-            info["token_usage"],
-            100 * info["cache_hit_rate"],
-            tput,
-        )
