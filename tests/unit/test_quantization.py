@@ -248,7 +248,7 @@ def test_gguf_mode_rejects_hf_folder(tiny_model_dir):
 
 # ----------------------------------------------------------------------------------------------- options
 def test_auto_resolves_and_bad_combos_are_named():
-    assert ServerArgs(device="cpu").resolve().quantization == "none"  # measured default, see server_args
+    assert ServerArgs(device="cpu").resolve().quantization == "none"  # measured default (quantization.py)
     assert ServerArgs(device="cpu", quantization="int4").resolve().quantization == "int4"
     with pytest.raises(ValueError, match="needs --dtype float32"):
         ServerArgs(device="cpu", dtype="bfloat16", quantization="int8").resolve()

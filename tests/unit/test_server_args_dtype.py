@@ -20,7 +20,7 @@ def test_auto_dtype_follows_cpu_flags(monkeypatch, flags, want):
     monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
     args = ServerArgs(device="cpu").resolve()
     assert args.dtype == want
-    assert args.quantization == "none"  # auto quantization never applies to bf16, nor to fp32 today
+    assert args.quantization == "none"  # the default; a bf16 pick never brings a quantization
 
 
 def test_explicit_dtype_is_kept(monkeypatch):
