@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, Any] = {"machine": {}, "load_times": {}, "by_dtype": {}}
     rows = []
     # A quantized run is keyed "dtype+method"; its roofline ("limit") still counts the dtype's weight bytes.
-    from runtime.server_args import check_supported
+    from runtime.models.quantization import check_supported
 
     for dtype, quant in [(d, q) for d in dtypes for q in quants]:
         key = dtype if quant == "none" else f"{dtype}+{quant}"

@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from runtime.models.quantization import (  # noqa: E402
+from runtime.models.quantized_linear import (  # noqa: E402
     DynamicInt8Linear,
     pack_int4,
     quantize_int4,

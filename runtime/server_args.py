@@ -12,16 +12,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-# What --quantization auto means for --model default on a float32 CPU: the fastest mode within 1 MMLU point
-# of fp32. Measured on this 2-core EPYC, torch 2.13, 1 thread: the weight-only kernels _weight_int8pack_mm and
-# _weight_int4pack_mm_for_cpu are 2-23x slower than fp32 F.linear summed over the model's shapes at M=1..32
-# (bench/quant_matmul.py), and decode is 1.5-12x slower end to end (bench/decode_throughput.py
-# --quantization ...). w8a8 (fbgemm int8 GEMM) decodes 3-4x faster than fp32 and is within 1 point on MMLU
-# cloze (930 items: 31.5% against 31.1%), but its answers agree with fp32's on only 87% of items (bf16: 98%;
-# next-token top-1 0.93 against bf16's 1.000), its outputs depend slightly on batch composition, and on CPUs
-# with native bf16 `--dtype auto` is already bf16, which is faster than w8a8 at batch 32. So w8a8 stays
-# opt-in and "none" is the default; README ("CPU numerics") has the figures.
-DEFAULT_CPU_QUANTIZATION = "none"
+from runtime.models.quantization import QUANTIZATION_METHODS, check_model, check_supported
+from runtime.platform import auto_num_threads, cpu_has_native_bf16, free_port
 
 
 def _opt(default, help: str, choices: tuple | None = None):
@@ -62,12 +54,12 @@ class ServerArgs:
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
     quantization: str = _opt(
-        "auto",
+        "none",
         "quantization of linear layers and LM head (CPU, float32 activations): int8/int4 weight-only, gguf "
         "keeps the file's Q4_1 blocks, w8a8 = int8 weights and dynamic int8 activations (fbgemm), w4a8 = "
         "llama.cpp's Q4_1 layers / Q8_0 head with int8 activations per block of 32 (C++ kernel built on "
-        "first use); auto = the measured CPU default for --model default, else none",
-        ("auto", "none", "int8", "int4", "gguf", "w8a8", "w4a8"),
+        "first use); see runtime/models/quantization.py",
+        QUANTIZATION_METHODS,
     )
     enable_torch_compile: bool = _opt(
         False, "CPU: compile the decode forward with inductor per batch-size bucket (minutes at start-up)"
@@ -108,8 +100,8 @@ class ServerArgs:
     log_level: str = _opt("info", "logging level", ("debug", "info", "warning", "error"))
     num_threads: int | None = _opt(
         None,
-        "torch intra-op threads per model process (default: auto, see `auto_num_threads`, divided among "
-        "this node's tensor-parallel ranks)",
+        "torch intra-op threads per model process (default: auto, see `platform.auto_num_threads`, divided "
+        "among this node's tensor-parallel ranks)",
     )
     dp_size: int = _opt(
         1,
@@ -352,31 +344,22 @@ class ServerArgs:
         if dtype == "auto":
             if device == "cuda":
                 dtype = "bfloat16"
-            elif self.quantization not in ("auto", "none"):
+            elif self.quantization != "none":
                 dtype = "float32"  # every --quantization mode runs float32 activations (check_supported)
             else:
                 dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-        quantization = self.quantization
-        if quantization == "auto":
-            on_cpu_default = device == "cpu" and dtype == "float32" and self.model == "default"
-            quantization = DEFAULT_CPU_QUANTIZATION if on_cpu_default else "none"
-        check_supported(quantization, device, dtype)
-        if quantization == "gguf" and self.model != "default" and os.path.isdir(self.model):
-            raise ValueError(
-                f"--quantization gguf needs a GGUF model, but {self.model!r} is a Hugging Face folder: "
-                "use --quantization int8 or int4"
-            )
+        check_supported(self.quantization, device, dtype)
+        check_model(self.quantization, self.model)
         num_threads = self.num_threads
         if num_threads is None:  # the CPUs are shared by this node's ranks: never oversubscribe them
             num_threads = max(1, auto_num_threads() // len(self.tp_ranks_here))
         dist_init_addr = self.dist_init_addr
         if dist_init_addr is None and self.tp_size > 1:
-            dist_init_addr = f"tcp://127.0.0.1:{_free_port()}"
+            dist_init_addr = f"tcp://127.0.0.1:{free_port()}"
         return dataclasses.replace(
             self,
             device=device,
             dtype=dtype,
-            quantization=quantization,
             num_threads=num_threads,
             dist_init_addr=dist_init_addr,
         )
@@ -412,33 +395,6 @@ class ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
-def auto_num_threads() -> int:
-    """Threads = CPUs this process may actually run on: its affinity mask, capped by a cgroup CPU quota.
-
-    torch's default counts the machine's cores and ignores both, so in a container or under taskset it
-    starts more OpenMP threads than it gets CPUs, and every parallel region then waits for a descheduled
-    thread. Measured on the 2-core EPYC (SmolLM2-135M fp32, eager) while other jobs kept both CPUs busy
-    (load average ~13), so each thread got well under a CPU: 1 vs 2 threads gave decode bs 1 3.5 vs 1.1
-    tok/s, decode bs 8 14.8 vs 2.0 tok/s, a 256-token prefill 68 vs 14 tok/s. More threads than granted
-    CPUs is a 3-7x cliff; this rule never crosses it for CPUs it can see. With the box nearly idle (load
-    ~1): decode bs 1 15.8 vs 16.1, bs 8 58.6 vs 62.5 tok/s, prefill 280 vs 402 tok/s, so every CPU granted
-    helps (prefill +44%, decode +2-7%). The rule cannot see other processes' load (pass --num-threads 1 on
-    a shared, busy host). On this 2-CPU box it gives 2, as torch does.
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cpus)
-
-
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:
     """(host, port) of a `tcp://HOST:PORT` rendezvous address; ValueError naming what is wrong."""
     rest = addr.removeprefix("tcp://")
@@ -450,73 +406,6 @@ def parse_dist_init_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none: not Linux, or no access)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), which oneDNN uses for
-    bf16 matmuls; without them bf16 matmul takes slower paths (0.85 against 89 GFLOP/s for fp32
-    in an earlier README run).
-
-    Why bf16 is then the CPU default (SmolLM2-135M, `bench.decode_throughput` and `bench/quant_accuracy.py`
-    on a 2-core EPYC with avx512_bf16; figures in README "CPU numerics"): decode at batch 8-32 is 1.5-3.6x
-    faster (batch 1: 0.8-1.6x, run to run), next-token top-1 agreement with fp32 over 114 positions is 1.000
-    (mean KL 0.0018) and MMLU cloze is 31.2% against fp32's 31.1% (930 items).
-    """
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def _base_type(hint) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
-
-
-QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8")
-
-
-def check_supported(method: str, device: str, dtype: str) -> None:
-    """Raise ValueError naming the problem when `method` cannot run on (device, dtype)."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"--quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
-    if method == "none":
-        return
-    if device != "cpu":
-        kernels = {
-            "w8a8": "fbgemm's dynamic int8 linear",
-            "w4a8": "radixlm's Q4_1 / Q8_0 CPU kernel",
-        }.get(method, "torch's CPU weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)")
-        raise ValueError(
-            f"--quantization {method} uses {kernels}; device {device!r} is not supported: "
-            "use --quantization none"
-        )
-    if method == "w8a8":
-        import torch
-
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise ValueError(
-                "--quantization w8a8 needs torch's fbgemm quantized engine, which this torch build lacks "
-                f"(engines: {torch.backends.quantized.supported_engines}): use --quantization none"
-            )
-    if dtype != "float32":
-        raise ValueError(
-            f"--quantization {method} needs --dtype float32 activations (got {dtype!r}): its CPU kernels "
-            "take float32 activations, and only float32 is tested against the dequantized reference"
-        )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lang.backends.base import Backend
-from runtime.server_args import QUANTIZATION_METHODS
+from runtime.models.quantization import QUANTIZATION_METHODS
 
 # radixlm variants: Engine/ServerArgs overrides on top of the base options of the invocation.
 RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {

@@ -36,7 +36,8 @@ import requests
 
 from runtime.entrypoints.security import ADMIN_API_KEY_ENV, API_KEY_ENV, KEY_SOURCES
 from runtime.managers.child_process import die_with_parent
-from runtime.server_args import ServerArgs, auto_num_threads
+from runtime.platform import auto_num_threads, free_port
+from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.dp")
 
@@ -170,12 +171,6 @@ def check_ports_free(args: ServerArgs) -> None:
                 raise RuntimeError(f"port {port} of {what} is not free on {host}: {e.strerror}") from None
 
 
-def _free_local_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     # die_with_parent in the child, between fork and exec: no orphan even after kill -9 of this process.
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent)
@@ -227,7 +222,7 @@ class DataParallelServer:
             replica_threads(args),
         )
         self._wait_until(STARTUP_TIMEOUT_S, "replicas healthy", self._replicas_healthy)
-        prometheus_port = _free_local_port()
+        prometheus_port = free_port()
         router_args = router_cli_args(args, list(self.replicas), prometheus_port)
         cmd = [sys.executable, "-m", "runtime.entrypoints.data_parallel", *router_args]
         self.router = _spawn(cmd, child_env(args, router=True))

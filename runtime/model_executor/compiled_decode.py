@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import shutil
 import time
 import types
 from collections.abc import Sequence
@@ -37,18 +35,11 @@ from runtime.cache_dir import use_private_inductor_cache
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from runtime.model_executor.cuda_graph_runner import fill_padded_decode_batch, padded_batch_size
 from runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+from runtime.platform import find_cxx_compiler
 
 logger = logging.getLogger("radixlm.compiled_decode")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def find_cxx_compiler() -> str | None:
-    """The C++ compiler inductor's CPU backend would call ($CXX, then g++, clang++, c++), or None."""
-    for name in (os.environ.get("CXX"), "g++", "clang++", "c++"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
 
 
 class _PagedDecodeAttention(AttentionBackend):

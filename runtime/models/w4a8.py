@@ -11,11 +11,11 @@ head is Q8_0 (w = q*d, q int8). With a GGUF model (`--model default`) the file's
 where they are Q4_1 / Q8_0; otherwise the fp32 weights are quantized here the way llama.cpp's quantizer does.
 Activations: per row and block of 32, a = qa * da with da = max|a| / 127, qa rounded half to even.
 
-The kernel is built on first use with the system C++ compiler (`$CXX`, else `c++`) against torch's headers
-(~10 s on 2 cores) and cached under $RADIXLM_CACHE_DIR/kernels (default ~/.cache/radixlm/kernels), keyed by
-the source, the flags, torch's version and the CPU's flags (it is built with -march=native). The directory is
-0700 and a cached .so is loaded only when this user owns it and nobody else can write to it; otherwise it is
-rebuilt (see runtime/cache_dir.py).
+The kernel is built on first use with the system C++ compiler (`runtime.platform.find_cxx_compiler`) against
+torch's headers (~10 s on 2 cores) and cached under $RADIXLM_CACHE_DIR/kernels (default
+~/.cache/radixlm/kernels), keyed by the source, the flags, torch's version and the CPU's flags (it is built
+with -march=native). The directory is 0700 and a cached .so is loaded only when this user owns it and nobody
+else can write to it; otherwise it is rebuilt (see runtime/cache_dir.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import stat
 import subprocess
 import tempfile
@@ -35,7 +34,7 @@ from torch import nn
 
 from runtime.cache_dir import UnsafeCacheDir, cache_subdir, unsafe_reason
 from runtime.models.parallel import TensorParallel
-from runtime.server_args import cpu_flags
+from runtime.platform import cpu_flags, find_cxx_compiler
 
 logger = logging.getLogger("radixlm.w4a8")
 
@@ -96,11 +95,11 @@ def _compile_command() -> list[str]:
     """The compiler invocation for SOURCE, less its output path (the cache key is derived from it)."""
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    cxx = find_cxx_compiler()
     if cxx is None:
         raise KernelUnavailable(
-            "--quantization w4a8 builds a C++ kernel on first use, and no C++ compiler was found ($CXX, c++, "
-            "g++): install one (apt-get install g++) or use --quantization w8a8"
+            "--quantization w4a8 builds a C++ kernel on first use, and no C++ compiler was found ($CXX, "
+            "g++, clang++, c++): install one (apt-get install g++) or use --quantization w8a8"
         )
     abi = int(torch.compiled_with_cxx11_abi())
     flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w"]

@@ -5,8 +5,9 @@ Layers, top to bottom (a layer may import itself and anything below it, never ab
     runtime.entrypoints (+ runtime.engine, runtime.launch_server, the `runtime` package facade)
     runtime.managers
     runtime.model_executor
+    runtime.server_args (the options: it takes `--quantization`'s methods from runtime.models)
     runtime.models, runtime.mem_cache, radixlm_kernels
-    shared top-level runtime modules: server_args, sampling_params, messages, ipc, errors, cache_dir
+    shared top-level runtime modules: platform, sampling_params, messages, ipc, errors, cache_dir
 
 plus these package rules: `constrained` imports nothing of ours (any runtime layer may use it);
 `runtime.mem_cache` imports only the standard library and torch; `radixlm_kernels` imports nothing of
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("runtime", "radixlm_kernels", "constrained", "lang")
 OURS = (*PACKAGES, "bench", "tests")
 
-SHARED = ("server_args", "sampling_params", "messages", "ipc", "errors", "cache_dir")
+SHARED = ("platform", "sampling_params", "messages", "ipc", "errors", "cache_dir")
 # component of a `runtime` module, by its first name below `runtime`
 LAYER_OF = {
     "entrypoints": "entrypoints",
@@ -41,6 +42,7 @@ LAYER_OF = {
     "model_executor": "model_executor",
     "models": "models",
     "mem_cache": "mem_cache",
+    "server_args": "server_args",
     **{name: "shared" for name in SHARED},
 }
 # component -> components of ours it may import (always including itself)
@@ -49,6 +51,7 @@ ALLOWED = {
         "entrypoints",
         "managers",
         "model_executor",
+        "server_args",
         "models",
         "mem_cache",
         "radixlm_kernels",
@@ -58,13 +61,25 @@ ALLOWED = {
     "managers": {
         "managers",
         "model_executor",
+        "server_args",
         "models",
         "mem_cache",
         "radixlm_kernels",
         "shared",
         "constrained",
     },
-    "model_executor": {"model_executor", "models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
+    "model_executor": {
+        "model_executor",
+        "server_args",
+        "models",
+        "mem_cache",
+        "radixlm_kernels",
+        "shared",
+        "constrained",
+    },
+    # models never read the server's options (they get plain arguments), so models and kernels stay usable
+    # without the CLI; the options may name what the models offer (`--quantization`'s methods)
+    "server_args": {"server_args", "models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
     "models": {"models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
     "mem_cache": {"mem_cache"},
     "shared": {"shared"},
@@ -211,6 +226,9 @@ def _check(rel: str, source: str) -> list[str]:
         ("constrained/x.py", "import runtime.sampling_params", "constrained"),
         ("lang/x.py", "from runtime.engine import Engine", "lang"),
         ("runtime/sampling_params.py", "from runtime.managers import req", "shared"),
+        ("runtime/platform.py", "from runtime.server_args import ServerArgs", "shared"),
+        ("runtime/models/quantization.py", "from runtime.server_args import ServerArgs", "models"),
+        ("runtime/server_args.py", "from runtime.model_executor import sampler", "server_args"),
         ("runtime/managers/x.py", "from bench import common", "managers"),
         ("runtime/managers/x.py", "import runtime", "managers"),
         ("runtime/managers/x.py", "from ..entrypoints import server", "managers"),
@@ -234,6 +252,10 @@ def test_checker_flags_forbidden_edges(rel, source, edge):
         ("lang/x.py", "from runtime.sampling_params import SamplingParams"),
         ("runtime/engine.py", "from runtime.entrypoints.generate_input import parse_generate_body"),
         ("runtime/models/x.py", "from radixlm_kernels.base import AttentionBackend\nimport constrained"),
+        (
+            "runtime/server_args.py",
+            "from runtime.models.quantization import QUANTIZATION_METHODS\nimport runtime.platform",
+        ),
     ],
 )
 def test_checker_allows_permitted_edges(rel, source):

@@ -1,4 +1,4 @@
-"""Model resolution and GGUF conversion (runtime/models/model_loader.py).
+"""Model resolution and GGUF conversion (runtime/models/model_loader.py, runtime/models/gguf.py).
 
 The default model (98 MB GGUF) is converted once per test module into a temp cache; tiny synthetic GGUFs,
 written from random-weight HF models the way llama.cpp's converter writes them, cover the other paths.
@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from runtime.models import gguf as gg
 from runtime.models import model_loader as ml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -210,7 +211,7 @@ def test_second_resolve_is_cache_hit(
     def must_not_convert(*args: object) -> None:
         raise AssertionError("cache miss: conversion ran again")
 
-    monkeypatch.setattr(ml, "convert_gguf", must_not_convert)
+    monkeypatch.setattr(gg, "convert_gguf", must_not_convert)
     assert ml.resolve_model_path("default", str(cache_root)) == converted
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(cache_root))  # the env var names the same cache
     assert ml.resolve_model_path("default") == converted
@@ -285,10 +286,10 @@ def test_unpermute_makes_hf_rope_equal_llamacpp_rope() -> None:
         return torch.einsum("qhd,khd->hqk", q, k)
 
     want = scores(wq, wk, _rope_llamacpp)
-    got = scores(ml.unpermute_rope_rows(wq, heads), ml.unpermute_rope_rows(wk, kv_heads), _rope_hf)
+    got = scores(gg.unpermute_rope_rows(wq, heads), gg.unpermute_rope_rows(wk, kv_heads), _rope_hf)
     torch.testing.assert_close(got, want)
     assert not torch.allclose(scores(wq, wk, _rope_hf), want, atol=1e-3)
-    np.testing.assert_array_equal(ml.unpermute_rope_rows(llamacpp_permute(wq, heads), heads), wq)
+    np.testing.assert_array_equal(gg.unpermute_rope_rows(llamacpp_permute(wq, heads), heads), wq)
 
 
 # ------------------------------------------------------------------------------------------- synthetic GGUFs
@@ -321,13 +322,13 @@ def test_llama3_rope_divisors_match_transformers() -> None:
     cfg = LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, rope_parameters=params)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, torch.device("cpu"))
     plain = 500000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    ours = ml.llama3_rope_divisors(500000.0, 64, 8.0, 1.0, 4.0, 8192)
+    ours = gg.llama3_rope_divisors(500000.0, 64, 8.0, 1.0, 4.0, 8192)
     np.testing.assert_allclose(ours, (plain / scaled.double()).numpy(), rtol=1e-5)
     assert ours[0] == 1.0 and ours[-1] == 8.0  # short wavelengths kept, long ones slowed by the factor
 
 
 def test_rope_freqs_tensor_becomes_llama3_scaling(tmp_path: Path) -> None:
-    divisors = ml.llama3_rope_divisors(5000.0, 16, 32.0, 1.0, 4.0, 8192).astype(np.float32)
+    divisors = gg.llama3_rope_divisors(5000.0, 16, 32.0, 1.0, 4.0, 8192).astype(np.float32)
     write_tiny_gguf(tmp_path / "l3.gguf", extra={"rope_freqs.weight": divisors})
     folder = ml.resolve_model_path(str(tmp_path / "l3.gguf"), str(tmp_path / "cache"))
     rope = ml.load_hf_config(folder).rope_parameters
@@ -353,29 +354,29 @@ def test_unsupported_gguf_is_a_clear_error(tmp_path: Path) -> None:
 def test_cache_folder_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF" + b"\0" * 60)
-    first = ml.cache_folder_for(str(src), str(tmp_path / "c"))
+    first = gg.cache_folder_for(str(src), str(tmp_path / "c"))
     assert first.parent == tmp_path / "c" and first.name.startswith("m-")
-    assert ml.cache_folder_for(str(src), str(tmp_path / "c")) == first
+    assert gg.cache_folder_for(str(src), str(tmp_path / "c")) == first
     os.utime(src, ns=(0, 10**18))
-    assert ml.cache_folder_for(str(src), str(tmp_path / "c")) != first  # touched: a new key
+    assert gg.cache_folder_for(str(src), str(tmp_path / "c")) != first  # touched: a new key
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "env"))
-    assert ml.cache_folder_for(str(src)).parent == tmp_path / "env"
+    assert gg.cache_folder_for(str(src)).parent == tmp_path / "env"
     monkeypatch.delenv("RADIXLM_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert ml.cache_folder_for(str(src)).parent == tmp_path / "home/.cache/radixlm/models"
+    assert gg.cache_folder_for(str(src)).parent == tmp_path / "home/.cache/radixlm/models"
 
 
 def test_concurrent_resolves_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_tiny_gguf(tmp_path / "tiny.gguf")
     calls: list[str] = []
-    real_convert = ml.convert_gguf
+    real_convert = gg.convert_gguf
 
     def slow_convert(src: str, out: str) -> None:
         calls.append(out)
         time.sleep(0.3)  # widen the race window
         real_convert(src, out)
 
-    monkeypatch.setattr(ml, "convert_gguf", slow_convert)
+    monkeypatch.setattr(gg, "convert_gguf", slow_convert)
     results: list[str] = []
     threads = [
         threading.Thread(
@@ -402,7 +403,7 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
         (Path(out) / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(ml, "convert_gguf", broken)
+    monkeypatch.setattr(gg, "convert_gguf", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         ml.resolve_model_path(str(src), str(tmp_path / "c"))
     assert [p.name for p in (tmp_path / "c").iterdir() if not p.name.endswith(".lock")] == []
@@ -428,9 +429,9 @@ def test_bad_paths_give_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_math_helpers() -> None:
-    assert ml._f32(np.float32(1e-5)) == 1e-5 and math.isclose(ml._f32(9.999999747378752e-06), 1e-5)
-    assert ml.hf_tensor_name("blk.12.attn_k.weight") == "model.layers.12.self_attn.k_proj.weight"
+    assert gg._f32(np.float32(1e-5)) == 1e-5 and math.isclose(gg._f32(9.999999747378752e-06), 1e-5)
+    assert gg.hf_tensor_name("blk.12.attn_k.weight") == "model.layers.12.self_attn.k_proj.weight"
     assert (
-        ml.hf_tensor_name("output.weight") == "lm_head.weight"
-        and ml.hf_tensor_name("rope_freqs.weight") is None
+        gg.hf_tensor_name("output.weight") == "lm_head.weight"
+        and gg.hf_tensor_name("rope_freqs.weight") is None
     )

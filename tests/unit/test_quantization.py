@@ -14,13 +14,12 @@ from torch import nn
 
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.model_executor.model_runner import ModelRunner
-from runtime.models.quantization import (
+from runtime.models.gguf import q4_1_blocks, q8_0_blocks
+from runtime.models.quantization import check_supported
+from runtime.models.quantized_linear import (
     DynamicInt8Linear,
     QuantizedLinear,
-    check_supported,
     dequantize_int4,
-    q4_1_blocks,
-    q8_0_blocks,
     quantize_int4,
     quantize_int8,
 )
@@ -249,7 +248,7 @@ def test_gguf_mode_rejects_hf_folder(tiny_model_dir):
 
 # ----------------------------------------------------------------------------------------------- options
 def test_auto_resolves_and_bad_combos_are_named():
-    assert ServerArgs(device="cpu").resolve().quantization == "none"  # measured default, see server_args
+    assert ServerArgs(device="cpu").resolve().quantization == "none"  # measured default (quantization.py)
     assert ServerArgs(device="cpu", quantization="int4").resolve().quantization == "int4"
     with pytest.raises(ValueError, match="needs --dtype float32"):
         ServerArgs(device="cpu", dtype="bfloat16", quantization="int8").resolve()
@@ -263,3 +262,33 @@ def test_auto_resolves_and_bad_combos_are_named():
         ServerArgs(quantization="fp8")
     with pytest.raises(ValueError, match="must be one of"):
         check_supported("fp8", "cpu", "float32")
+
+
+def test_auto_is_no_method_and_both_errors_name_the_methods(capsys):
+    """`auto` always resolved to `none` (the measured default), so it was removed: asking for it is an error
+    that lists what there is, from ServerArgs and from the command line."""
+    from runtime.launch_server import parse_args
+
+    methods = "'none', 'int8', 'int4', 'gguf', 'w8a8', 'w4a8'"
+    with pytest.raises(ValueError, match=rf"must be one of \({methods}\)"):
+        ServerArgs(quantization="auto")
+    with pytest.raises(SystemExit):
+        parse_args(["--quantization", "auto"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'auto'" in err and methods in err
+    assert ServerArgs().quantization == "none"
+
+
+def test_tied_head_shares_the_embedding_until_quantized(default_model_dir):
+    """The default model ties its LM head to the embedding: one Parameter (loaded once, counted once); a
+    quantized head is its own copy while the lookup keeps the fp32 rows."""
+    model = _runner(default_model_dir).model
+    assert model.cfg.tie_word_embeddings and model.lm_head.weight is model.embed_tokens.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "embed_tokens.weight" in names and "lm_head.weight" not in names
+    quant = _runner(default_model_dir, "int8").model
+    assert isinstance(quant.lm_head, QuantizedLinear) and quant.lm_head.kind == "int8"
+    assert quant.embed_tokens.weight.dtype == torch.float32
+    torch.testing.assert_close(
+        quant.lm_head.dequantized_weight(), _reference_weight("int8", quant.embed_tokens.weight.data), **TOL
+    )

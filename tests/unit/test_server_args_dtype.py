@@ -2,8 +2,9 @@
 
 import pytest
 
-from runtime import server_args
-from runtime.server_args import ServerArgs, cpu_flags, cpu_has_native_bf16
+from runtime import platform
+from runtime.platform import cpu_flags, cpu_has_native_bf16
+from runtime.server_args import ServerArgs
 
 
 @pytest.mark.parametrize(
@@ -16,21 +17,21 @@ from runtime.server_args import ServerArgs, cpu_flags, cpu_has_native_bf16
     ],
 )
 def test_auto_dtype_follows_cpu_flags(monkeypatch, flags, want):
-    monkeypatch.setattr(server_args, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
     args = ServerArgs(device="cpu").resolve()
     assert args.dtype == want
-    assert args.quantization == "none"  # auto quantization never applies to bf16, nor to fp32 today
+    assert args.quantization == "none"  # the default; a bf16 pick never brings a quantization
 
 
 def test_explicit_dtype_is_kept(monkeypatch):
-    monkeypatch.setattr(server_args, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert ServerArgs(device="cpu", dtype="float32").resolve().dtype == "float32"
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4", "w8a8"])
 def test_explicit_quantization_makes_auto_dtype_float32(monkeypatch, quant):
     """The quantized CPU kernels take float32 activations, so `auto` must not pick bf16 under them."""
-    monkeypatch.setattr(server_args, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     args = ServerArgs(device="cpu", quantization=quant).resolve()
     assert (args.dtype, args.quantization) == ("float32", quant)
 

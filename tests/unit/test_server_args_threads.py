@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from runtime.server_args import ServerArgs, auto_num_threads
+from runtime.platform import auto_num_threads
+from runtime.server_args import ServerArgs
 
 
 def test_auto_threads_follow_affinity():

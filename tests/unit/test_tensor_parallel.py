@@ -218,7 +218,7 @@ def test_bad_tp_sizes_are_clear_errors(tiny_model_dir):
     with pytest.raises(ValueError, match="--tp-size 3 cannot shard this model: its 2 KV heads"):
         ModelRunner(tiny_model_dir, tp=_FakeTP(0, 3), **POOL)
     with pytest.raises(ValueError, match="--quantization gguf cannot be sharded over --tp-size 2"):
-        from runtime.models.quantization import quantize_model
+        from runtime.models.quantized_linear import quantize_model
 
         class _M:  # quantize_model refuses before touching any layer
             tp = _FakeTP(0, 2)

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.models.quantization import check_supported, q4_1_blocks, q8_0_blocks
+from runtime.models.gguf import q4_1_blocks, q8_0_blocks
+from runtime.models.quantization import check_supported
 from runtime.models.w4a8 import (
     KernelUnavailable,
     W4A8Linear,
