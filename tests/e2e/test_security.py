@@ -133,6 +133,11 @@ def _routes(server: ServerProcess) -> list[tuple[str, str]]:
     return routes + [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc")]
 
 
+# Routes whose answer past the guard is not 200 for the literal path: DELETE of the session named
+# "{session_id}", which holds nothing (404 from the route itself, after the key was accepted).
+PAST_GUARD_STATUS = {"/v1/sessions/{session_id}": 404}
+
+
 def test_api_key_guards_every_route_but_health(srv):
     server, _ = srv
     bad_headers = [
@@ -156,10 +161,11 @@ def test_api_key_guards_every_route_but_health(srv):
         if path in ADMIN_ROUTES:  # the API key is not enough: 403 naming the admin key
             r = requests.request(method, server.url + path, json=body, headers=AUTH, timeout=60)
             assert r.status_code == 403 and "admin" in r.json()["error"]["message"], (path, r.text)
+        ok = PAST_GUARD_STATUS.get(path, 200)
         r = requests.request(method, server.url + path, json=body, headers=ADMIN, timeout=300)
-        assert r.status_code == 200, (method, path, r.status_code, r.text)
+        assert r.status_code == ok, (method, path, r.status_code, r.text)
         r = requests.request(method, server.url + path, json=body, headers=AUTH, timeout=300)
-        assert r.status_code == (403 if path in ADMIN_ROUTES else 200), (method, path, r.status_code, r.text)
+        assert r.status_code == (403 if path in ADMIN_ROUTES else ok), (method, path, r.status_code, r.text)
     # Unknown paths and other methods do not reveal anything without the key either.
     for method, path in [
         ("GET", "/nope"),
