@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from runtime.entrypoints.generate_input import MAX_SESSION_ID_CHARS, SESSION_HEADER, check_unicode
+from runtime.entrypoints.generate_input import SESSION_HEADER, check_unicode, parse_session
 from runtime.entrypoints.http_common import FastJSONResponse, run_unless_disconnected
 from runtime.entrypoints.openai.formatters import (
     ChatFormatter,
@@ -246,14 +246,13 @@ def sampling_params(
 
 
 def session_from_header(body: CommonRequest, request: Request) -> None:
-    """The X-Session-Id header names the session when the body does not; `cache_ttl_s` needs one."""
-    header = request.headers.get(SESSION_HEADER)
-    if body.session_id is None and header:
-        if len(header) > MAX_SESSION_ID_CHARS:
-            raise RequestError(f"X-Session-Id must be at most {MAX_SESSION_ID_CHARS} characters", 400)
-        body.session_id = header
-    if body.cache_ttl_s is not None and body.session_id is None:
-        raise RequestError("'cache_ttl_s' needs a 'session_id' (or an X-Session-Id header)", 400)
+    """The X-Session-Id header names the session when the body does not; checked as the native body's
+    fields are (`parse_session`)."""
+    header = request.headers.get(SESSION_HEADER) or None
+    try:
+        body.session_id, body.cache_ttl_s = parse_session(body.session_id or header, body.cache_ttl_s)
+    except ValueError as e:
+        raise RequestError(str(e), 400) from None
 
 
 def single_request(
