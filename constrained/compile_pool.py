@@ -60,7 +60,7 @@ class CompileResult:
     seconds: float  # time inside the worker (the spec check and the compile)
     started: float = 0.0  # time.monotonic() when the worker began the job (system-wide clock)
     nbytes: int = 0  # size of the pickled reply: the cache's estimate of what the payload holds
-    backend: str = "outlines"  # constrained.backends name that checked / compiled it
+    backend: str = "outlines"  # the constrained.backends name that checked / compiled it
 
 
 class CompilePool:
@@ -108,8 +108,9 @@ class CompilePool:
             t.start()
 
     def submit(self, kind: str, spec: str, check: bool = False, backend: str = "outlines") -> Future:
-        """Queue one job for ``backend`` (a constrained.backends name). ``check``: only the backend's
-        vocabulary-free check (the result's index is None)."""
+        """Queue one job for ``backend``: a constrained.backends name, or names joined by commas tried in
+        order (``backends.run_chain``). ``check``: only the vocabulary-free check (the result's index is
+        None). The result's ``backend`` is the one that took the job."""
         future: Future = Future()
         if not check and self._vocab_blob is None:
             raise ValueError("this grammar pool has no vocabulary: it can only check specs")
@@ -240,7 +241,7 @@ class CompilePool:
                 seconds=reply[3],
                 started=reply[4],
                 nbytes=len(blob),
-                backend=backend,
+                backend=reply[5],
             )
         if status == "memory":
             return _Breach(GrammarError(self._memory_message(kind, what, "out of memory")))
@@ -333,7 +334,7 @@ def _address_space_bytes() -> int:
 
 def _worker_main(fd: int) -> None:
     """Worker loop over the connection on ``fd``: first (TokenVocabulary pickle or None, whitespace pattern,
-    memory_mb), then (kind, spec, check, backend) -> ("ok", text, payload, seconds, started) |
+    memory_mb), then (kind, spec, check, backends) -> ("ok", text, payload, seconds, started, backend) |
     ("error", message) | ("memory",)."""
     from multiprocessing.connection import Connection
 
@@ -348,7 +349,7 @@ def _worker_main(fd: int) -> None:
         setproctitle.setproctitle(PROC_TITLE)
     except ImportError:
         pass
-    from constrained.backends import BACKEND_NAMES, get_backend
+    from constrained.backends import BACKEND_NAMES, get_backend, run_chain
 
     vocab_blob, whitespace_pattern, memory_mb = conn.recv()
     vocab = pickle.loads(vocab_blob) if vocab_blob is not None else None
@@ -370,13 +371,8 @@ def _worker_main(fd: int) -> None:
             return  # the server closed the pipe
         started, start = time.monotonic(), time.perf_counter()
         try:
-            backend = get_backend(backend_name)
-            if check:
-                backend.check(kind, spec, whitespace_pattern)
-                text, payload = "", None
-            else:
-                text, payload = backend.build(kind, spec, whitespace_pattern, vocab)
-            reply = ("ok", text, payload, time.perf_counter() - start, started)
+            name, text, payload = run_chain(backend_name, kind, spec, whitespace_pattern, vocab, check)
+            reply = ("ok", "" if check else text, payload, time.perf_counter() - start, started, name)
         except GrammarError as err:
             reply = ("error", str(err))
         except MemoryError:

@@ -15,7 +15,13 @@ import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from constrained.backends import choose_backend, get_backend
+from constrained.backends import (
+    backend_chain,
+    choose_backend,
+    get_backend,
+    register_text_tokenizer,
+    run_chain,
+)
 from constrained.compile_pool import CompileResult
 from constrained.grammar_cache import TIMEOUT_TTL_S, GrammarCache, Ticket
 from constrained.jump_forward import plan_jump_forward
@@ -47,6 +53,7 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.backend = backend
         self.vocab = vocab if vocab is not None else build_vocabulary(tokenizer)
+        register_text_tokenizer(self.vocab, tokenizer)
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self._pool = None
@@ -71,34 +78,36 @@ class GrammarCompiler:
         """This caller's future of the compiled grammar; already done on a cache hit. Concurrent calls share
         one compile; cancelling the returned future drops this caller (the last one cancels a queued compile).
 
-        ``backend``: overrides the compiler's choice for this call. The backend that can express ``kind``
-        is picked by ``choose_backend`` (raises GrammarError if none can); it is part of the cache key.
+        ``backend``: overrides the compiler's choice for this call. The backends tried are
+        ``backend_chain``'s (raises GrammarError if none can express ``kind``); they are part of the cache
+        key, and the grammar's ``.backend`` says which one compiled it.
         """
         if kind == "json_schema" and isinstance(spec, (dict, bool)):
             spec = json.dumps(spec)
-        name = choose_backend(backend or self.backend, kind, spec)
-        return self.cache.get((kind, spec if kind != "json_object" else "", name))
+        chain = ",".join(backend_chain(backend or self.backend, kind))
+        return self.cache.get((kind, spec if kind != "json_object" else "", chain))
 
     def backend_for(self, kind: str) -> str:
         """The backend this compiler uses for ``kind``."""
         return choose_backend(self.backend, kind)
 
     def _submit(self, key: tuple[str, str, str]) -> Future:
-        kind, spec, name = key
+        kind, spec, chain = key
         if self._pool is not None:
-            return self._pool.submit(kind, spec, backend=name)
-        return self._executor.submit(self._build, kind, spec, name)
+            return self._pool.submit(kind, spec, backend=chain)
+        return self._executor.submit(self._build, kind, spec, chain)
 
-    def _build(self, kind: str, spec: str, name: str) -> CompileResult:
+    def _build(self, kind: str, spec: str, chain: str) -> CompileResult:
         """The in-process compile (no pool): what a worker does, on this thread."""
         started, start = time.monotonic(), time.perf_counter()
-        text, payload = get_backend(name).build(kind, spec, self.whitespace_pattern, self.vocab)
+        name, text, payload = run_chain(chain, kind, spec, self.whitespace_pattern, self.vocab)
         seconds = time.perf_counter() - start
         return CompileResult(text, payload, seconds, started, 0, backend=name)
 
     def _wrap(self, key: tuple[str, str, str], out: CompileResult):
         self._seconds += out.seconds
-        kind, spec, name = key
+        kind, spec, _ = key
+        name = out.backend
         grammar = get_backend(name).load(
             kind, spec, out.regex, out.index, self.vocab, self.vocab_size, out.seconds, out.nbytes
         )

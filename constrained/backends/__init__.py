@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 
-from constrained.errors import GrammarError
+from constrained.errors import GrammarError, GrammarUnsupported
 
 BACKEND_NAMES = ("outlines", "llguidance", "xgrammar")
 BACKEND_CHOICES = ("auto", *BACKEND_NAMES)  # --grammar-backend
@@ -86,6 +87,20 @@ class GrammarBackend:
         raise NotImplementedError
 
 
+_text_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TokenVocabulary -> HF tokenizer
+
+
+def register_text_tokenizer(vocab, tokenizer) -> None:
+    """Tell backends the real tokenizer of ``vocab`` (GrammarCompiler does, in the scheduler): an engine
+    that tokenizes forced text itself (llguidance) then offers the tokenizer's own split of it."""
+    _text_tokenizers[vocab] = tokenizer
+
+
+def text_tokenizer(vocab):
+    """The tokenizer registered for ``vocab``, or None (sandbox workers have only the vocabulary)."""
+    return _text_tokenizers.get(vocab)
+
+
 _MODULES = {name: f"constrained.backends.{name}" for name in BACKEND_NAMES}
 _instances: dict[str, GrammarBackend] = {}
 _lock = threading.Lock()
@@ -138,3 +153,51 @@ def choose_backend(requested: str, kind: str, spec: str | None = None) -> str:
         if is_available(name) and kind in get_backend(name).kinds:
             return name
     raise GrammarError(f"no installed grammar backend can compile a {kind} grammar")
+
+
+def backend_chain(requested: str, kind: str) -> tuple[str, ...]:
+    """The backends to try, in order, for one request. ``auto``: every installed backend of
+    AUTO_PREFERENCE[kind] (a spec the first cannot enforce -- GrammarUnsupported -- goes to the next); a named
+    backend: just ``choose_backend``'s pick (itself, or the fallback for a kind it cannot express)."""
+    first = choose_backend(requested, kind)
+    if requested != "auto":
+        return (first,)
+    rest = [
+        n for n in AUTO_PREFERENCE[kind] if n != first and is_available(n) and kind in get_backend(n).kinds
+    ]
+    return (first, *rest)
+
+
+def run_chain(
+    chain: tuple[str, ...] | str,
+    kind: str,
+    spec: str,
+    whitespace_pattern: str,
+    vocab=None,
+    check: bool = False,
+) -> tuple[str, str, object]:
+    """Check (``check``) or build ``spec`` with the first backend of ``chain`` (a tuple, or names joined by
+    commas) that can enforce it: (backend name, text, payload). A backend's GrammarUnsupported moves on to
+    the next; if every backend refuses, the GrammarError names each one's reason."""
+    names = tuple(chain.split(",")) if isinstance(chain, str) else tuple(chain)
+    refusals: list[str] = []
+    for i, name in enumerate(names):
+        backend = get_backend(name)
+        try:
+            if check:
+                return name, backend.check(kind, spec, whitespace_pattern), None
+            text, payload = backend.build(kind, spec, whitespace_pattern, vocab)
+            return name, text, payload
+        except GrammarUnsupported as err:
+            if i == len(names) - 1:
+                if not refusals:
+                    raise
+                refusals.append(f"{name}: {err}")
+                break
+            refusals.append(f"{name}: {err}")
+        except GrammarError as err:
+            if not refusals:
+                raise
+            refusals.append(f"{name}: {err}")
+            break
+    raise GrammarError(f"no grammar backend can enforce this {kind} ({'; '.join(refusals)})")
