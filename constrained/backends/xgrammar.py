@@ -12,6 +12,7 @@ masks are computed per step in C++ (a few µs for most states). Three things mak
   others silently (``uniqueItems``, ``contains``, ``dependentRequired``/``dependentSchemas``, ``if``/``then``,
   ``not``, the formats it does not know). ``check`` rejects all of them with a GrammarError naming the
   keyword: the warnings are read from stderr around the conversion, the silent ones from a schema walk.
+  These are ``GrammarUnsupported``: under ``--grammar-backend auto`` the next backend tries the spec.
 * control characters: bounded strings (``minLength``/``maxLength``) admit raw bytes 0x00-0x1F, which JSON
   forbids; with the json.dumps or compact layout no JSON output contains one, so tokens holding such a byte
   are masked out of every JSON grammar.
@@ -32,7 +33,7 @@ import weakref
 from collections.abc import Sequence
 
 from constrained.backends import GrammarBackend
-from constrained.errors import GrammarError
+from constrained.errors import GrammarError, GrammarUnsupported
 
 # Standard formats (JSON Schema 2020-12, 7.3) that xgrammar 0.2.9 treats as unknown (any string): a 400,
 # as on outlines. Custom format names stay annotations, ignored as the specification says.
@@ -141,8 +142,8 @@ def _reject_warnings(kind: str, warnings: list[str]) -> None:
     for line in warnings:
         for marker, what in _WARNINGS:
             if marker in line:
-                raise GrammarError(f"{kind}: {what} cannot be enforced by the xgrammar backend")
-        raise GrammarError(f"{kind}: the xgrammar backend would relax the grammar: {_clean(line)}")
+                raise GrammarUnsupported(f"{kind}: {what} cannot be enforced by the xgrammar backend")
+        raise GrammarUnsupported(f"{kind}: the xgrammar backend would relax the grammar: {_clean(line)}")
 
 
 # ------------------------------------------------------------------------------------- backend
@@ -193,14 +194,14 @@ class XGrammarBackend(GrammarBackend):
         from constrained.spec import GRAMMAR_KINDS, check_size_limits
 
         if kind not in GRAMMAR_KINDS:
-            raise GrammarError(f"the xgrammar backend cannot compile a {kind!r} grammar")
+            raise GrammarUnsupported(f"the xgrammar backend cannot compile a {kind!r} grammar")
         if kind == "json_schema" and isinstance(spec, (dict, bool)):
             spec = json.dumps(spec)
         if kind != "json_object" and not isinstance(spec, str):
             raise GrammarError(f"{kind} spec must be a string, got {type(spec).__name__}")
         separators = _SEPARATORS.get(whitespace_pattern)
         if kind in _JSON_KINDS and separators is None:
-            raise GrammarError(
+            raise GrammarUnsupported(
                 f"the xgrammar backend supports only the json.dumps and compact JSON layouts, not the "
                 f"whitespace pattern {whitespace_pattern!r}"
             )
@@ -223,14 +224,17 @@ class XGrammarBackend(GrammarBackend):
                     raise GrammarError(f"json_schema must be an object or a boolean, got {got}")
                 dropped = unenforced_keyword(schema)
                 if dropped:
-                    raise GrammarError(f"json_schema: {dropped} cannot be enforced by the xgrammar backend")
+                    what = f"json_schema: {dropped} cannot be enforced by the xgrammar backend"
+                    raise GrammarUnsupported(what)
             convert = xgr.Grammar.from_json_schema
             args = (json.dumps(schema),)
             kwargs = dict(any_whitespace=False, separators=separators, strict_mode=True)
         try:
             grammar, warnings = _with_warnings(convert, *args, **kwargs)
         except (RuntimeError, ValueError) as err:  # xgrammar's InvalidJSONError is a RuntimeError too
-            raise GrammarError(f"{kind} rejected by the xgrammar backend: {_clean(err)}") from None
+            message = f"{kind} rejected by the xgrammar backend: {_clean(err)}"
+            # "... is not supported (yet)": a construct another backend may express; else the spec is bad
+            raise (GrammarUnsupported if "not supported" in message else GrammarError)(message) from None
         except RecursionError:
             raise GrammarError(f"{kind} is nested too deeply to compile") from None
         _reject_warnings(kind, warnings)

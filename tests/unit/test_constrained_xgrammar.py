@@ -18,6 +18,7 @@ import torch
 
 from constrained import GrammarCompiler, GrammarError, vocabulary_for
 from constrained.backends import get_backend, is_available
+from constrained.errors import GrammarUnsupported
 
 pytestmark = pytest.mark.skipif(not is_available("xgrammar"), reason="xgrammar is not installed")
 VOCAB_SIZE = 49152
@@ -223,6 +224,7 @@ def test_keywords_xgrammar_would_drop_are_errors_naming_them(backend, schema, ke
     with pytest.raises(GrammarError, match=keyword) as err:
         backend.check("json_schema", json.dumps(schema), "json.dumps")
     assert isinstance(err.value, ValueError)  # the HTTP layer's 400
+    assert isinstance(err.value, GrammarUnsupported)  # under auto, the next backend may enforce it
 
 
 ACCEPTED = [
