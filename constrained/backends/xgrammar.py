@@ -6,7 +6,9 @@ masks are computed per step in C++ (a few µs for most states). Three things mak
 * vocabulary: the TokenizerInfo is built from ``TokenVocabulary.token_bytes`` (RAW bytes), not from the HF
   tokenizer, so every backend sees the same bytes per token and special tokens (no bytes) are never allowed.
   Its width is the tokenizer's (``num_ids``); ids past it (the model's padded logits) stay False.
-* no silent keyword drops: xgrammar relaxes some keywords without an error, a few with a C++ log warning
+* no silent keyword drops: xgrammar compiles ``anyOf``/``oneOf``/``allOf``/``$ref`` and ``enum``/``const``
+  alone, ignoring the keywords beside them (enums are narrowed to the values that satisfy those keywords;
+  the combinators are refused), and it relaxes some keywords without an error, a few with a C++ log warning
   (``oneOf`` whose branches may overlap becomes ``anyOf``, ``allOf`` of several schemas, ``multipleOf`` on
   numbers or with bounds, ``pattern`` beside ``minLength``/``maxLength``, look-ahead and mid-pattern anchors),
   others silently (``uniqueItems``, ``contains``, ``dependentRequired``/``dependentSchemas``, ``if``/``then``,
@@ -87,13 +89,69 @@ def _subschemas(node: dict):
             yield from value
 
 
-def unenforced_keyword(schema) -> str | None:
-    """The first keyword of ``schema`` xgrammar would drop without a warning, described; None if none."""
+_COMBINATORS = ("anyOf", "oneOf", "allOf", "$ref")
+
+
+def _old_draft(schema) -> bool:
+    """Drafts 4 to 7: keywords beside ``$ref`` are ignored by the specification itself."""
+    uri = schema.get("$schema") if isinstance(schema, dict) else None
+    return isinstance(uri, str) and any(f"draft-0{n}" in uri for n in (4, 6, 7))
+
+
+def narrow_enums(schema) -> None:
+    """In place: an ``enum``/``const`` beside other keywords becomes the ``enum`` of its values that satisfy
+    them (xgrammar emits any listed value and ignores the rest of the node). Exact: checked with
+    ``jsonschema`` on the node without its enum. A node whose other keywords hold a ``$ref`` is left alone
+    (``unenforced_keyword`` then rejects it). GrammarError when no value is left."""
+    import jsonschema
+
+    from constrained.schema_keywords import KEYWORDS
+
+    validator_cls = jsonschema.validators.validator_for(schema) if isinstance(schema, dict) else None
     todo = [schema]
     while todo:
         node = todo.pop()
         if not isinstance(node, dict):
             continue
+        todo.extend(_subschemas(node))
+        if "enum" not in node and "const" not in node:
+            continue
+        rest = {k: v for k, v in node.items() if k in KEYWORDS and k not in ("enum", "const")}
+        if not rest or "$ref" in json.dumps(rest):
+            continue
+        values = [node["const"]] if "const" in node else node["enum"]
+        if not isinstance(values, list):
+            continue  # xgrammar's own error names it
+        if "const" in node and "enum" in node:
+            values = [v for v in values if v in node["enum"]]
+        check = validator_cls(rest)
+        kept = [v for v in values if check.is_valid(v)]
+        if not kept:
+            raise GrammarError("json_schema: no `enum`/`const` value satisfies the keywords beside it")
+        for key in (*rest, "const"):
+            node.pop(key, None)
+        node["enum"] = kept
+
+
+def unenforced_keyword(schema) -> str | None:
+    """The first keyword of ``schema`` xgrammar would drop without a warning, described; None if none."""
+    from constrained.schema_keywords import KEYWORDS
+
+    ref_siblings_ignored = _old_draft(schema)
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        constraining = set(node) & KEYWORDS
+        for key in _COMBINATORS:
+            if key not in node or (key == "$ref" and ref_siblings_ignored):
+                continue
+            others = sorted(constraining - {key})
+            if others:  # xgrammar compiles the combinator alone
+                return f"`{key}` beside other keywords ({', '.join(others)})"
+        if ("enum" in node or "const" in node) and constraining - {"enum", "const"}:
+            return "`enum`/`const` beside other keywords with a `$ref`"
         for key in _SILENTLY_DROPPED:
             if key in node:
                 return f"`{key}`"
@@ -222,6 +280,7 @@ class XGrammarBackend(GrammarBackend):
                 if not isinstance(schema, (dict, bool)):
                     got = type(schema).__name__
                     raise GrammarError(f"json_schema must be an object or a boolean, got {got}")
+                narrow_enums(schema)
                 dropped = unenforced_keyword(schema)
                 if dropped:
                     what = f"json_schema: {dropped} cannot be enforced by the xgrammar backend"

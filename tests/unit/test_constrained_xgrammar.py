@@ -216,6 +216,20 @@ REJECTED = [
     ({"type": "string", "format": "regex"}, "regex"),
     ({"$defs": {"p": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/p"}, "uniqueItems"),
     ({"$ref": "http://example.com/schema.json"}, r"\$ref"),
+    # xgrammar compiles a combinator alone, dropping what stands beside it
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "anyOf": [{"properties": {"b": {"type": "string"}}}, {"properties": {"c": {"type": "integer"}}}],
+        },
+        r"`anyOf` beside other keywords \(properties, required, type\)",
+    ),
+    ({"type": "integer", "minimum": 5, "anyOf": [{"maximum": 10}, {"multipleOf": 3}]}, "anyOf"),
+    ({"type": "object", "required": ["a"], "allOf": [{"required": ["b"]}]}, "allOf"),
+    ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "minimum": 5}, r"`\$ref` beside"),
+    ({"$defs": {"p": {"type": "integer"}}, "enum": [1, "x"], "allOf": [{"$ref": "#/$defs/p"}]}, "beside"),
 ]
 
 
@@ -238,12 +252,39 @@ ACCEPTED = [
     {"type": "integer", "multipleOf": 7},
     {"type": "string", "format": "my-custom-format"},  # unknown formats are annotations
     {"type": "string", "minLength": 2, "maxLength": 500},
+    {"title": "t", "$defs": {"q": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/q"}, {"type": "null"}]},
+    # drafts 4-7 ignore the keywords beside $ref themselves
+    {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "definitions": {"p": {"type": "integer"}},
+        "$ref": "#/definitions/p",
+        "minimum": 5,
+    },
 ]
 
 
 @pytest.mark.parametrize("schema", ACCEPTED, ids=range(len(ACCEPTED)))
 def test_enforced_keywords_are_accepted(backend, schema):
     assert backend.check("json_schema", json.dumps(schema), "json.dumps")
+
+
+def test_enums_beside_other_keywords_are_narrowed_to_the_values_that_satisfy_them():
+    from constrained.backends.xgrammar import narrow_enums
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "enum": ["a", 1, "bb"], "minLength": 2, "title": "kept"},
+            "n": {"enum": [1, 5, 9], "maximum": 4},
+            "c": {"type": "integer", "const": 3},
+        },
+    }
+    narrow_enums(schema)
+    props = schema["properties"]
+    assert props["s"] == {"enum": ["bb"], "title": "kept"} and props["n"] == {"enum": [1]}
+    assert props["c"] == {"enum": [3]} and schema["type"] == "object"
+    with pytest.raises(GrammarError, match="no `enum`/`const` value"):
+        narrow_enums({"type": "integer", "const": "x"})
 
 
 @pytest.mark.parametrize(
