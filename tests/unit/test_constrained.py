@@ -1,7 +1,9 @@
 """Grammars on the real default-model tokenizer: vocabulary, masks (via random walks), jump-forward, cache.
 
 A random walk samples a random allowed token at every step until the matcher terminates: it drives the masks
-end to end without a model, and every finished text must match the regex / validate against the schema.
+end to end without a model, and every finished text must match the regex / validate against the schema. The
+walks run for every installed grammar backend (``constrained.backends``): a backend registered there is
+walked here without changes to this file.
 """
 
 import importlib.util
@@ -22,10 +24,14 @@ from constrained import (
     build_vocabulary,
     fill_vocab_masks,
     plan_jump_forward,
+    vocabulary_for,
 )
+from constrained.backends import BACKEND_NAMES, get_backend, is_available
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB_SIZE = 49152
+# every backend installed here; the property tests below run once per backend
+BACKENDS = [name for name in BACKEND_NAMES if is_available(name)]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +60,15 @@ def compiler(tokenizer):
     comp.shutdown()
 
 
+def compile_with(compiler, backend: str, kind: str, spec: str):
+    """``compiler.compile`` on ``backend``; skips the test where the backend cannot express ``kind``."""
+    if kind not in get_backend(backend).kinds:
+        pytest.skip(f"{backend} cannot express {kind}")
+    grammar = compiler.compile(kind, spec, backend=backend)
+    assert grammar.backend == backend
+    return grammar
+
+
 def random_walk(grammar, tokenizer, seed, *, jump_forward=False, max_steps=2000):
     """Sample allowed tokens until terminated; returns (text, sampled_steps, output_ids).
 
@@ -61,7 +76,7 @@ def random_walk(grammar, tokenizer, seed, *, jump_forward=False, max_steps=2000)
     the other steps pick among single-byte punctuation tokens when any is allowed (ending strings/numbers).
     """
     rng = np.random.default_rng(seed)
-    vocab = grammar.vocab
+    vocab = vocabulary_for(tokenizer)
     punct = _punctuation_ids(vocab)
     matcher = grammar.new_matcher()
     output: list[int] = []
@@ -214,9 +229,10 @@ REGEXES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(REGEXES))
-def test_random_walks_match_regex(compiler, tokenizer, name):
-    grammar = compiler.compile("regex", REGEXES[name])
+def test_random_walks_match_regex(compiler, tokenizer, name, backend):
+    grammar = compile_with(compiler, backend, "regex", REGEXES[name])
     texts = set()
     for seed in range(12):
         text, _, _ = random_walk(grammar, tokenizer, seed)
@@ -254,16 +270,18 @@ ITEMS = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("schema", [PERSON, ITEMS], ids=["person", "items"])
-def test_random_walks_validate_against_schema(compiler, tokenizer, schema):
-    grammar = compiler.compile("json_schema", json.dumps(schema))
+def test_random_walks_validate_against_schema(compiler, tokenizer, schema, backend):
+    grammar = compile_with(compiler, backend, "json_schema", json.dumps(schema))
     for seed in range(6):
         text, _, _ = random_walk(grammar, tokenizer, seed)
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_random_walks_produce_json_objects(compiler, tokenizer):
-    grammar = compiler.compile("json_object", "")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_walks_produce_json_objects(compiler, tokenizer, backend):
+    grammar = compile_with(compiler, backend, "json_object", "")
     for seed in range(4):
         text, _, _ = random_walk(grammar, tokenizer, seed)
         assert isinstance(json.loads(text), dict), text
@@ -355,9 +373,10 @@ def test_plan_jump_forward_does_not_cross_special_tokens(tokenizer):
     assert vocab.decode_bytes(new_ids) == b"<|im_end|>" and vocab.eos_token_id not in new_ids
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("schema", [PERSON, ITEMS], ids=["person", "items"])
-def test_random_walks_with_jump_forward_stay_valid_and_save_tokens(compiler, tokenizer, schema):
-    grammar = compiler.compile("json_schema", json.dumps(schema))
+def test_random_walks_with_jump_forward_stay_valid_and_save_tokens(compiler, tokenizer, schema, backend):
+    grammar = compile_with(compiler, backend, "json_schema", json.dumps(schema))
     sampled = total = 0
     for seed in range(8):
         text, steps, output = random_walk(grammar, tokenizer, seed, jump_forward=True)
