@@ -357,8 +357,8 @@ def _worker_main(fd: int) -> None:
     for name in BACKEND_NAMES:  # imports and per-vocabulary tables before the cap: not a compile's budget
         try:
             get_backend(name).prepare(vocab)
-        except GrammarError:
-            pass  # not installed: a job for it fails with that message
+        except Exception:  # not installed, or a vocabulary it cannot use: a job for it fails, not the worker
+            pass
     # Address space, not RSS: the only limit the kernel enforces per process without cgroups. Measured from
     # here so imports (numpy, outlines-core: ~150-400 MB of mappings) do not eat the compile's budget.
     cap = _address_space_bytes() + memory_mb * (1 << 20)

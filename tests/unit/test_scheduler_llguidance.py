@@ -29,7 +29,11 @@ CALENDAR = {
     "properties": {
         "title": {"type": "string", "maxLength": 40},
         "start": {"type": "string", "format": "date-time"},
-        "attendees": {"type": "array", "items": {"type": "string", "format": "email", "maxLength": 24}, "maxItems": 2},
+        "attendees": {
+            "type": "array",
+            "items": {"type": "string", "format": "email", "maxLength": 24},
+            "maxItems": 2,
+        },
     },
     "required": ["title", "start", "attendees"],
     "additionalProperties": False,
