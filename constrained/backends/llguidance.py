@@ -47,9 +47,15 @@ def _json_options(whitespace_pattern: str) -> dict:
     }
 
 
-def _drop_custom_formats(node, depth: int = 0):
+_COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+
+
+def _drop_custom_formats(node, depth: int = 0, in_all_of: bool = False):
     """``node`` with every non-standard ``format`` removed (validators ignore unknown formats; llguidance
-    would refuse them). Only schema positions are walked: enum/const/default data is left alone."""
+    would refuse them), and ``additionalProperties: false`` where an object lists ``properties`` and says
+    nothing of others -- what outlines-core emits (and xgrammar's strict mode): only the listed keys, a
+    valid subset, so a small model cannot ramble in invented keys. Not inside ``allOf`` or beside
+    combinators, where it would change what is valid. Only schema positions are walked."""
     from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS
     from constrained.json_schema import _LIST_KEYS, _MAP_KEYS, _SCHEMA_KEYS
 
@@ -63,10 +69,13 @@ def _drop_custom_formats(node, depth: int = 0):
         elif key in _MAP_KEYS and isinstance(value, dict):
             value = {k: _drop_custom_formats(v, depth + 1) for k, v in value.items()}
         elif key in _LIST_KEYS and isinstance(value, list):
-            value = [_drop_custom_formats(v, depth + 1) for v in value]
+            value = [_drop_custom_formats(v, depth + 1, key == "allOf") for v in value]
         elif key in _SCHEMA_KEYS:
             value = _drop_custom_formats(value, depth + 1)
         out[key] = value
+    closed = ("additionalProperties", "patternProperties", "unevaluatedProperties", *_COMBINATORS)
+    if isinstance(out.get("properties"), dict) and not in_all_of and not any(k in out for k in closed):
+        out["additionalProperties"] = False
     return out
 
 
@@ -113,7 +122,7 @@ class LLGuidanceBackend(GrammarBackend):
 
         import constrained.json_schema  # noqa: F401
 
-        if vocab is not None:
+        if getattr(vocab, "token_bytes", None) is not None:  # a check-only worker has no vocabulary
             self.tokenizer(vocab)
 
     def tokenizer(self, vocab):

@@ -342,3 +342,22 @@ def test_auto_falls_back_per_request_when_llguidance_cannot_enforce(default_toke
     finally:
         auto.shutdown()
         strict.shutdown()
+
+
+def test_listed_properties_only_unless_the_schema_says_otherwise(compiler):
+    """As outlines-core: an object with ``properties`` and no word on others gets only the listed keys."""
+    vocab = compiler.vocab
+    closed = compiler.compile(
+        "json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    )
+    m = closed.new_matcher()
+    m.accept_tokens(vocab.encode_bytes_greedy(b'{"'))
+    assert not m.is_allowed(vocab.byte_token_ids[ord("b")])
+    open_ = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}
+    m = compiler.compile("json_schema", json.dumps(open_)).new_matcher()
+    m.accept_tokens(vocab.encode_bytes_greedy(b'{"'))
+    assert m.is_allowed(vocab.byte_token_ids[ord("b")])
+    both = {"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {"type": "integer"}}}]}
+    m = compiler.compile("json_schema", json.dumps({**both, "required": ["a", "b"]})).new_matcher()
+    m.accept_tokens(vocab.encode_bytes_greedy(b'{"a": 1, "b": 2}'))  # allOf branches stay open
+    assert m.can_finish()
