@@ -215,3 +215,66 @@ def test_schema_rewrites_keep_the_regex_paths_meaning():
             ToolChoice("required"),
             False,
         )
+
+
+class _InProcessValidator:
+    """The HTTP-side check without its child process: llguidance's check for "lark", else validate_spec."""
+
+    def __init__(self):
+        self.kinds = []
+
+    async def validate(self, kind, spec):
+        from constrained.errors import GrammarError
+        from constrained.spec import validate_spec
+
+        self.kinds.append(kind)
+        if kind == "lark":
+            return LLMatcher.validate_grammar(spec) or None
+        try:
+            validate_spec(kind, spec)
+        except GrammarError as e:
+            return str(e)
+        return None
+
+
+def _plan(tokenizer, tools, backend, validator=None, choice="required"):
+    import asyncio
+    from types import SimpleNamespace
+
+    from runtime.entrypoints.tool_calls import plan_chat
+
+    body = SimpleNamespace(
+        tools=tools, tool_choice=choice, parallel_tool_calls=None, continue_final_message=False
+    )
+    msgs, extras = [{"role": "user", "content": "hi"}], [{}]
+    return asyncio.run(
+        plan_chat(msgs, extras, body, tokenizer, "hermes", validator or _InProcessValidator(), backend)
+    )
+
+
+def test_plan_uses_lark_unless_the_backend_is_outlines(default_tokenizer):
+    six = json.loads(ISSUE_TOOLS.read_text())
+    plan = _plan(default_tokenizer, six, "llguidance")
+    assert list(plan.grammar) == ["lark"] and plan.regex is None and plan.constrained
+    assert plan.grammar["lark"] == forced_lark(
+        get_parser("hermes"), parse_tools(six), ToolChoice("required"), True
+    )
+    text = '<tool_call>\n{"name": "run_sql_query", "arguments": {"query": "SELECT 1"}}\n</tool_call>'
+    assert accepts(plan.grammar["lark"], text)
+    assert plan.message(text)["tool_calls"][0]["function"]["arguments"] == '{"query": "SELECT 1"}'
+    assert _plan(default_tokenizer, six, "auto").grammar == plan.grammar  # any backend but outlines
+    assert _plan(default_tokenizer, six, "llguidance", choice="auto").grammar is None  # no strict tool
+    small = [WEATHER, CALC]
+    regex_plan = _plan(default_tokenizer, small, "outlines")
+    assert list(regex_plan.grammar) == ["regex"] and regex_plan.regex == regex_plan.grammar["regex"]
+
+
+def test_a_tool_the_grammar_cannot_enforce_is_named(default_tokenizer):
+    bad = {"type": "object", "properties": {"p": {"type": "string", "pattern": "(?=a)b"}}, "required": ["p"]}
+    tools = [WEATHER, {"type": "function", "function": {"name": "lookahead", "parameters": bad}}]
+    validator = _InProcessValidator()
+    with pytest.raises(
+        ToolRequestError, match=r"(?s)'tools\[1\]\.function\.parameters' cannot be enforced: .*look"
+    ):
+        _plan(default_tokenizer, tools, "llguidance", validator)
+    assert validator.kinds == ["lark", "lark", "lark"]  # the set, then each tool alone until the culprit

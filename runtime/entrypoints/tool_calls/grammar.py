@@ -45,7 +45,8 @@ def closed_objects(node: Any, in_all_of: bool = False) -> Any:
     only, and `expand_required_branches` relies on that to make oneOf branches exclusive; branches of
     `allOf` and objects merged with `allOf`/`$ref` stay open: closing one side of an intersection would
     forbid the other side's properties); their `dependencies` become `required` / left-out properties; a
-    custom `format` (no standard name) is dropped, as the specification says unknown formats are ignored."""
+    custom `format` (no standard name) is dropped, as the specification says unknown formats are ignored;
+    an implied `uniqueItems` (false, or at most one item) too."""
     if isinstance(node, list):
         return [closed_objects(x, in_all_of) for x in node]
     if not isinstance(node, dict):
@@ -62,6 +63,8 @@ def closed_objects(node: Any, in_all_of: bool = False) -> Any:
             out[key] = closed_objects(value)
         elif key == "format" and isinstance(value, str) and value not in _STANDARD_FORMATS:
             continue
+        elif key == "uniqueItems" and (value is False or _at_most_one_item(node)):
+            continue  # implied: llguidance has no uniqueItems
         else:
             out[key] = value
     if isinstance(node.get("properties"), dict) and not in_all_of and not any(k in node for k in _OPEN_KEYS):
@@ -69,6 +72,10 @@ def closed_objects(node: Any, in_all_of: bool = False) -> Any:
         if "dependencies" in out or "dependentRequired" in out:
             out = _dependencies_as_required(out)
     return out
+
+
+def _at_most_one_item(node: dict[str, Any]) -> bool:
+    return isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1
 
 
 def _dependencies_as_required(node: dict[str, Any]) -> dict[str, Any]:
