@@ -1,11 +1,14 @@
-"""Forced tool calls over real-world function schemas through the real server and model (issue 16).
+"""Forced tool calls over real-world function schemas through the real server and model (issues 16, 23).
 
 For the first N parameter schemas of jsonschemabench's Glaiveai2K subset (48 in `make test`;
 RADIXLM_TOOL_SCHEMAS=200 for the issue's full run, which outlasts the suite's 600 s test limit on 2 loaded
 cores), one `tool_choice: "required"` request each, sent concurrently with the official client: every reply
-must end in exactly one call whose arguments validate with `jsonschema`. Slow on a CPU (one grammar compile
-per schema over the 49k vocabulary, then decoding); tests/unit/test_tool_call_schemas.py checks the same
-guarantee without the model in seconds.
+must end in exactly one call whose arguments validate with `jsonschema`. Run twice: on the shared server
+(its default grammar backend) and on a `--grammar-backend llguidance` server, where the tools are one Lark
+grammar (runtime/entrypoints/tool_calls/grammar.py). The llguidance server also answers issue 23's cases:
+the six ordinary tools under `required` (a 400 "regex is too complex" on the regex path) and 40 tools.
+Slow on a CPU (decoding; on the regex path also one compile per schema over the 49k vocabulary);
+tests/unit/test_tool_call_schemas.py checks the same guarantee without the model in seconds.
 """
 
 from __future__ import annotations
@@ -20,14 +23,32 @@ import jsonschema
 import openai
 import pytest
 
+from bench.tool_grammar import ISSUE_TOOLS, tool_set
+from tests.e2e.conftest import MAX_TOTAL_TOKENS
+from tests.e2e.server_utils import ServerProcess
+
 DATA = Path(__file__).resolve().parents[2] / "bench/data/jsonschemabench/Glaiveai2K.jsonl"
 NUM = int(os.environ.get("RADIXLM_TOOL_SCHEMAS", "48"))
 # Same exclusions as the unit test: a known grammar gap and two schemas answered with a 400.
 SKIP = {"calculate_area_27950976", "calculate_area_2f92f3ea", "calculate_area_08e029cf"}
 
 
+@pytest.fixture(scope="module")
+def llguidance_url():
+    srv = ServerProcess(
+        extra_args=["--grammar-backend", "llguidance", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+    ).start()
+    try:
+        yield srv.url
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log_tail()
+
+
 @pytest.mark.slow
-def test_required_calls_validate_for_real_schemas(server_url):
+@pytest.mark.parametrize("url_fixture", ["server_url", "llguidance_url"])
+def test_required_calls_validate_for_real_schemas(request, url_fixture):
+    server_url = request.getfixturevalue(url_fixture)
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
     rows = [r for r in rows if r["id"] not in SKIP][:NUM]
     client = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=1800, max_retries=0)
@@ -66,4 +87,85 @@ def test_required_calls_validate_for_real_schemas(server_url):
             bad.append((row["id"], str(e).splitlines()[0][:120]))
     print(f"{len(rows)} schemas, {len(cut)} retried with 1024 tokens, {len(bad)} invalid, {elapsed:.0f} s")
     assert not bad, bad
+    client.close()
+
+
+def _required(client, tools, max_tokens=256, **kw):
+    """One greedy reply; one cut by the token limit is asked again with room to finish (the grammar
+    bounds the call's shape, not the length of its strings)."""
+    for limit in (max_tokens, 1024):
+        r = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "Help me plan a trip to Paris next week."}],
+            tools=tools,
+            tool_choice=kw.get("tool_choice", "required"),
+            max_tokens=limit,
+            temperature=0,
+            frequency_penalty=0.5,
+            **{k: v for k, v in kw.items() if k != "tool_choice"},
+        )
+        if r.choices[0].finish_reason != "length":
+            break
+    return r.choices[0]
+
+
+def _assert_valid_calls(choice, tools):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    calls = choice.message.tool_calls or []
+    assert choice.finish_reason == "tool_calls" and calls, (choice.finish_reason, choice.message)
+    for c in calls:
+        validator = jsonschema.Draft202012Validator(
+            schemas[c.function.name], format_checker=jsonschema.FormatChecker()
+        )
+        validator.validate(json.loads(c.function.arguments))
+    return calls
+
+
+@pytest.mark.slow
+def test_six_ordinary_tools_under_required(llguidance_url):
+    """Issue 23: weather (enum), calendar (date-time, email, array), SQL (pattern), flights (array of
+    objects), thermostat (anyOf), products (nested object, nullable number); each also as the named choice."""
+    tools = json.loads(ISSUE_TOOLS.read_text())
+    client = openai.OpenAI(base_url=llguidance_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    start = time.perf_counter()
+    _assert_valid_calls(_required(client, tools), tools)
+    first = time.perf_counter() - start
+    for t in tools:
+        named = {"type": "function", "function": {"name": t["function"]["name"]}}
+        choice = _required(client, tools, tool_choice=named, parallel_tool_calls=False)
+        [call] = _assert_valid_calls(choice, tools)
+        assert call.function.name == t["function"]["name"]
+    print(f"six tools, required: first reply in {first:.1f} s")
+    client.close()
+
+
+@pytest.mark.slow
+def test_forty_tools_under_required(llguidance_url):
+    tools = tool_set(40)
+    client = openai.OpenAI(base_url=llguidance_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    for stream in (False, True):
+        if not stream:
+            _assert_valid_calls(_required(client, tools), tools)
+            continue
+        chunks = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "Book me a flight."}],
+            tools=tools,
+            tool_choice="required",
+            max_tokens=1024,
+            temperature=0,
+            frequency_penalty=0.5,
+            stream=True,
+        )
+        args, names, finish = {}, {}, None
+        for chunk in chunks:
+            ch = chunk.choices[0]
+            finish = ch.finish_reason or finish
+            for tc in ch.delta.tool_calls or []:
+                names[tc.index] = names.get(tc.index) or tc.function.name
+                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+        assert finish == "tool_calls" and names
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        for k, name in names.items():
+            jsonschema.validate(json.loads(args[k]), schemas[name])
     client.close()
