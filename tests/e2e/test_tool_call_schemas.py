@@ -6,7 +6,7 @@ cores), one `tool_choice: "required"` request each, sent concurrently with the o
 must end in exactly one call whose arguments validate with `jsonschema`. Run twice: on the shared server
 (its default grammar backend) and on a `--grammar-backend llguidance` server, where the tools are one Lark
 grammar (runtime/entrypoints/tool_calls/grammar.py). The llguidance server also answers issue 23's cases:
-the six ordinary tools under `required` (~11 s of compile on the regex path) and 40 tools (a 400 there).
+the six ordinary tools under `required` (7-11 s of compile on the regex path) and 40 tools (a 400 there).
 Slow on a CPU (decoding; on the regex path also one compile per schema over the 49k vocabulary);
 tests/unit/test_tool_call_schemas.py checks the same guarantee without the model in seconds.
 """

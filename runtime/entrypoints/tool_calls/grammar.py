@@ -1,6 +1,6 @@
 """Forced tool calls as ONE llguidance Lark grammar (grammar kind "lark"), built once per tool set.
 
-The regex path (schema.forced_regex) builds one DFA of every tool's calls: six ordinary tools take ~11 s to
+The regex path (schema.forced_regex) builds one DFA of every tool's calls: six ordinary tools take 7-11 s to
 compile over the default vocabulary and 20 tools pass the regex size limit. Here the format's wrapper text is
 literal Lark, the tools are a choice of rules, and each tool's arguments are an embedded `%json{...}` schema
 that llguidance's Earley parser + lexer compiles lazily: 40 tools compile in ~25 ms of CPU
