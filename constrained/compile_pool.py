@@ -55,16 +55,17 @@ _MEMORY_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS)
 class CompileResult:
     """What a worker sends back for one job."""
 
-    regex: str  # the regex compiled (for diagnostics)
-    index: object  # outlines_core.Index (end marker included); None for a check
-    seconds: float  # time inside the worker (the spec check and the Index build)
+    regex: str  # the backend's diagnostic text: the regex compiled, the grammar text ("" for a check)
+    index: object  # the backend's payload (outlines: the Index, end marker included); None for a check
+    seconds: float  # time inside the worker (the spec check and the compile)
     started: float = 0.0  # time.monotonic() when the worker began the job (system-wide clock)
-    nbytes: int = 0  # size of the pickled reply: the cache's estimate of what the Index holds
+    nbytes: int = 0  # size of the pickled reply: the cache's estimate of what the payload holds
+    backend: str = "outlines"  # the constrained.backends name that checked / compiled it
 
 
 class CompilePool:
-    """``submit(kind, spec)`` -> Future[CompileResult]; at most ``workers`` jobs run at once and at most
-    ``queue_size`` wait. ``vocab=None``: a pool for checks only (``submit(..., check=True)``).
+    """``submit(kind, spec, backend=...)`` -> Future[CompileResult]; at most ``workers`` jobs run at once and
+    at most ``queue_size`` wait. ``vocab=None``: a pool for checks only (``submit(..., check=True)``).
 
     The future fails with ``GrammarError`` (unusable spec, over the memory limit), ``GrammarTimeout`` (over
     the time limit) or ``GrammarUnavailable`` (queue full, worker crashed or failed to start, shut down).
@@ -86,14 +87,14 @@ class CompilePool:
                 f"bad grammar pool limits: workers={workers} memory_mb={memory_mb} timeout_s={timeout_s} "
                 f"queue_size={queue_size}"
             )
-        # sent to every (re)started worker
-        self._vocab_blob = pickle.dumps(vocab.outlines) if vocab is not None else None
+        # sent to every (re)started worker: the whole TokenVocabulary (backends build tokenizers from it)
+        self._vocab_blob = pickle.dumps(vocab) if vocab is not None else None
         self.whitespace_pattern = whitespace_pattern
         self.memory_mb = memory_mb
         self.timeout_s = timeout_s
         self.queue_size = queue_size
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[str, str, bool, Future]] = collections.deque()
+        self._queue: collections.deque[tuple[str, str, bool, str, Future]] = collections.deque()
         self._procs: list[subprocess.Popen | None] = [None] * workers
         self._closed = False
         self.restarts = 0  # workers killed or found dead, then replaced
@@ -106,8 +107,10 @@ class CompilePool:
         for t in self._threads:
             t.start()
 
-    def submit(self, kind: str, spec: str, check: bool = False) -> Future:
-        """Queue one job. ``check``: only ``validate_spec`` (the result's index is None)."""
+    def submit(self, kind: str, spec: str, check: bool = False, backend: str = "outlines") -> Future:
+        """Queue one job for ``backend``: a constrained.backends name, or names joined by commas tried in
+        order (``backends.run_chain``). ``check``: only the vocabulary-free check (the result's index is
+        None). The result's ``backend`` is the one that took the job."""
         future: Future = Future()
         if not check and self._vocab_blob is None:
             raise ValueError("this grammar pool has no vocabulary: it can only check specs")
@@ -123,7 +126,7 @@ class CompilePool:
                 )
             else:
                 error = None
-                self._queue.append((kind, spec, check, future))
+                self._queue.append((kind, spec, check, backend, future))
                 self._cond.notify()
         if error is not None:
             future.set_exception(error)
@@ -137,7 +140,7 @@ class CompilePool:
             return
         with self._cond:
             for job in self._queue:
-                if job[3] is future:
+                if job[-1] is future:
                     self._queue.remove(job)
                     break
 
@@ -181,7 +184,7 @@ class CompilePool:
                     self._cond.wait()
                 if self._closed:
                     break
-                kind, spec, check, future = self._queue.popleft()
+                kind, spec, check, backend, future = self._queue.popleft()
                 self.running += 1
             try:
                 if not future.set_running_or_notify_cancel():
@@ -189,7 +192,7 @@ class CompilePool:
                 try:
                     if proc is None or proc.poll() is not None:
                         proc, conn = self._start(slot, conn)
-                    outcome = self._run(proc, conn, kind, spec, check)
+                    outcome = self._run(proc, conn, kind, spec, check, backend)
                 except Exception as err:  # a failed start (spawn error): report it, keep the slot alive
                     outcome = GrammarUnavailable(f"grammar worker unavailable: {err}")
                     proc = None
@@ -208,9 +211,9 @@ class CompilePool:
         if conn is not None:
             conn.close()
 
-    def _run(self, proc: subprocess.Popen, conn, kind: str, spec: str, check: bool):
+    def _run(self, proc: subprocess.Popen, conn, kind: str, spec: str, check: bool, backend: str):
         what = "checking" if check else "compiling"
-        conn.send((kind, spec, check))
+        conn.send((kind, spec, check, backend))
         # the compile clock starts here: the job waited in the queue until this worker was free
         if not conn.poll(self.timeout_s):
             return _Breach(
@@ -233,7 +236,12 @@ class CompilePool:
         status = reply[0]
         if status == "ok":
             return CompileResult(
-                regex=reply[1], index=reply[2], seconds=reply[3], started=reply[4], nbytes=len(blob)
+                regex=reply[1],
+                index=reply[2],
+                seconds=reply[3],
+                started=reply[4],
+                nbytes=len(blob),
+                backend=reply[5],
             )
         if status == "memory":
             return _Breach(GrammarError(self._memory_message(kind, what, "out of memory")))
@@ -325,9 +333,9 @@ def _address_space_bytes() -> int:
 
 
 def _worker_main(fd: int) -> None:
-    """Worker loop over the connection on ``fd``: first (vocabulary pickle or None, whitespace pattern,
-    memory_mb), then (kind, spec, check) -> ("ok", regex, index, seconds, started) | ("error", message) |
-    ("memory",)."""
+    """Worker loop over the connection on ``fd``: first (TokenVocabulary pickle or None, whitespace pattern,
+    memory_mb), then (kind, spec, check, backends) -> ("ok", text, payload, seconds, started, backend) |
+    ("error", message) | ("memory",)."""
     from multiprocessing.connection import Connection
 
     conn = Connection(fd)
@@ -341,14 +349,16 @@ def _worker_main(fd: int) -> None:
         setproctitle.setproctitle(PROC_TITLE)
     except ImportError:
         pass
-    import outlines_core
-
-    from constrained.spec import validate_spec
-    from constrained.vocab import END_MARKER_REGEX
+    from constrained.backends import BACKEND_NAMES, get_backend, run_chain
 
     vocab_blob, whitespace_pattern, memory_mb = conn.recv()
     vocab = pickle.loads(vocab_blob) if vocab_blob is not None else None
     del vocab_blob
+    for name in BACKEND_NAMES:  # imports and per-vocabulary tables before the cap: not a compile's budget
+        try:
+            get_backend(name).prepare(vocab)
+        except GrammarError:
+            pass  # not installed: a job for it fails with that message
     # Address space, not RSS: the only limit the kernel enforces per process without cgroups. Measured from
     # here so imports (numpy, outlines-core: ~150-400 MB of mappings) do not eat the compile's budget.
     cap = _address_space_bytes() + memory_mb * (1 << 20)
@@ -356,19 +366,13 @@ def _worker_main(fd: int) -> None:
     conn.send(("ready",))
     while True:
         try:
-            kind, spec, check = conn.recv()
+            kind, spec, check, backend_name = conn.recv()
         except (EOFError, OSError):
             return  # the server closed the pipe
         started, start = time.monotonic(), time.perf_counter()
         try:
-            regex = validate_spec(kind, spec, whitespace_pattern)
-            index = None
-            if not check:
-                try:
-                    index = outlines_core.Index(f"(?:{regex}){END_MARKER_REGEX}", vocab)
-                except ValueError as err:  # validate_spec passed, so this is a vocabulary problem
-                    raise GrammarError(f"cannot compile {kind} for this tokenizer: {err}") from None
-            reply = ("ok", "" if check else regex, index, time.perf_counter() - start, started)
+            name, text, payload = run_chain(backend_name, kind, spec, whitespace_pattern, vocab, check)
+            reply = ("ok", "" if check else text, payload, time.perf_counter() - start, started, name)
         except GrammarError as err:
             reply = ("error", str(err))
         except MemoryError:
@@ -377,6 +381,6 @@ def _worker_main(fd: int) -> None:
             reply = ("error", f"{kind} is nested too deeply to compile")
         try:
             conn.send(reply)
-        except MemoryError:  # pickling a huge Index can itself hit the cap
+        except MemoryError:  # pickling a huge payload can itself hit the cap
             conn.send(("memory",))
         del reply

@@ -10,17 +10,22 @@ worker restarts.
 
 from __future__ import annotations
 
+import collections
 import json
-import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from constrained.backends import (
+    backend_chain,
+    choose_backend,
+    get_backend,
+    register_text_tokenizer,
+    run_chain,
+)
 from constrained.compile_pool import CompileResult
-from constrained.errors import GrammarError
-from constrained.grammar import CompiledGrammar, build_index
 from constrained.grammar_cache import TIMEOUT_TTL_S, GrammarCache, Ticket
 from constrained.jump_forward import plan_jump_forward
-from constrained.spec import DEFAULT_WHITESPACE, validate_spec
+from constrained.spec import DEFAULT_WHITESPACE
 from constrained.vocab import TokenVocabulary, build_vocabulary
 
 
@@ -39,12 +44,16 @@ class GrammarCompiler:
         pool_limits: dict | None = None,
         cache_bytes: int = 512 << 20,
         timeout_ttl_s: float = TIMEOUT_TTL_S,
+        backend: str = "outlines",
     ):
         """``pool_limits`` (``workers``, ``memory_mb``, ``timeout_s``, ``queue_size``): compile in a
         ``CompilePool`` of worker processes with those limits; None: on ``max_workers`` threads of this
-        process, without limits."""
+        process, without limits. ``backend``: a --grammar-backend choice (``constrained.backends``); the
+        library default stays outlines-core, the server passes its --grammar-backend (default auto)."""
         self.tokenizer = tokenizer
+        self.backend = backend
         self.vocab = vocab if vocab is not None else build_vocabulary(tokenizer)
+        register_text_tokenizer(self.vocab, tokenizer)
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self._pool = None
@@ -59,51 +68,62 @@ class GrammarCompiler:
             self._submit, self._wrap, _entry_bytes, cache_bytes, cache_size, timeout_ttl_s
         )
         self._seconds = 0.0
+        self._compiled = collections.Counter()  # backend name -> grammars compiled
 
-    def compile(self, kind: str, spec: str | dict) -> CompiledGrammar:
+    def compile(self, kind: str, spec: str | dict, backend: str | None = None):
         """Blocking compile (runs on the worker pool; waits for it). Raises GrammarError."""
-        return self.compile_async(kind, spec).result()
+        return self.compile_async(kind, spec, backend).result()
 
-    def compile_async(self, kind: str, spec: str | dict) -> Ticket:
+    def compile_async(self, kind: str, spec: str | dict, backend: str | None = None) -> Ticket:
         """This caller's future of the compiled grammar; already done on a cache hit. Concurrent calls share
         one compile; cancelling the returned future drops this caller (the last one cancels a queued compile).
+
+        ``backend``: overrides the compiler's choice for this call. The backends tried are
+        ``backend_chain``'s (raises GrammarError if none can express ``kind``); they are part of the cache
+        key, and the grammar's ``.backend`` says which one compiled it.
         """
         if kind == "json_schema" and isinstance(spec, (dict, bool)):
             spec = json.dumps(spec)
-        return self.cache.get((kind, spec if kind != "json_object" else ""))
+        chain = ",".join(backend_chain(backend or self.backend, kind))
+        return self.cache.get((kind, spec if kind != "json_object" else "", chain))
 
-    def _submit(self, key: tuple[str, str]) -> Future:
+    def backend_for(self, kind: str) -> str:
+        """The backend this compiler uses for ``kind``."""
+        return choose_backend(self.backend, kind)
+
+    def _submit(self, key: tuple[str, str, str]) -> Future:
+        kind, spec, chain = key
         if self._pool is not None:
-            return self._pool.submit(*key)
-        return self._executor.submit(self._build, *key)
+            return self._pool.submit(kind, spec, backend=chain)
+        return self._executor.submit(self._build, kind, spec, chain)
 
-    def _build(self, kind: str, spec: str) -> CompileResult:
+    def _build(self, kind: str, spec: str, chain: str) -> CompileResult:
         """The in-process compile (no pool): what a worker does, on this thread."""
         started, start = time.monotonic(), time.perf_counter()
-        regex = validate_spec(kind, spec, self.whitespace_pattern)
-        try:
-            index = build_index(regex, self.vocab)
-        except ValueError as err:  # validate_spec passed, so this is a vocabulary problem
-            raise GrammarError(f"cannot compile {kind} for this tokenizer: {err}") from None
+        name, text, payload = run_chain(chain, kind, spec, self.whitespace_pattern, self.vocab)
         seconds = time.perf_counter() - start
-        return CompileResult(regex, index, seconds, started, len(pickle.dumps(index)))
+        return CompileResult(text, payload, seconds, started, 0, backend=name)
 
-    def _wrap(self, key: tuple[str, str], out: CompileResult) -> CompiledGrammar:
+    def _wrap(self, key: tuple[str, str, str], out: CompileResult):
         self._seconds += out.seconds
-        kind, spec = key
-        return CompiledGrammar(
+        kind, spec, _ = key
+        name = out.backend
+        grammar = get_backend(name).load(
             kind, spec, out.regex, out.index, self.vocab, self.vocab_size, out.seconds, out.nbytes
         )
+        self._compiled[name] += 1
+        return grammar
 
     def plan_jump_forward(self, output_ids: list[int], forced: str) -> tuple[int, list[int]]:
         """``plan_jump_forward`` with this compiler's tokenizer and vocabulary."""
         return plan_jump_forward(self.tokenizer, output_ids, forced, vocab=self.vocab)
 
     def stats(self) -> dict[str, float | int]:
-        """The cache's counters (``GrammarCache.stats``), compile_seconds (total), and the pool's queued,
-        running, rejected and worker_restarts."""
+        """The cache's counters (``GrammarCache.stats``), compile_seconds (total), the pool's queued,
+        running, rejected and worker_restarts, and ``compiled_<backend>``: grammars each backend compiled."""
         out: dict[str, float | int] = self.cache.stats()
         out["compile_seconds"] = round(self._seconds, 6)
+        out.update({f"compiled_{name}": n for name, n in sorted(self._compiled.items())})
         pool = self._pool.stats() if self._pool is not None else {}
         out.update({k: pool.get(k, 0) for k in ("queued", "running", "rejected", "worker_restarts")})
         return out
@@ -126,6 +146,6 @@ def _entry_bytes(key: tuple[str, str], value) -> int:
     """Estimated bytes one cache entry holds: the spec, plus for a grammar its Index and mask memo
     (``CompiledGrammar.memory_bytes``), or for a cached error its message."""
     held = 256 + len(key[1])
-    if isinstance(value, CompiledGrammar):
+    if hasattr(value, "memory_bytes"):  # a compiled grammar of any backend
         return held + value.memory_bytes()
     return held + len(str(value))

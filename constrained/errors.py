@@ -14,6 +14,12 @@ class GrammarError(ValueError):
     """
 
 
+class GrammarUnsupported(GrammarError):
+    """The spec is valid but this backend cannot enforce part of it (a JSON Schema keyword, a format): under
+    ``--grammar-backend auto`` the next backend that can express the kind tries it; else a 400 like any
+    GrammarError."""
+
+
 class GrammarTimeout(GrammarError):
     """A compile ran past --grammar-timeout-s: a 400 like any too-complex spec, but compile time depends on
     the machine's load, so the verdict is cached only briefly (``grammar_cache.TIMEOUT_TTL_S``)."""

@@ -68,6 +68,8 @@ def _advance_utf8(pending: int, data: bytes) -> int:
 class CompiledGrammar:
     """An outlines-core Index plus memoized per-state masks and forced strings. Thread-safe to share."""
 
+    backend = "outlines"  # constrained.backends name
+
     def __init__(
         self,
         kind: str,

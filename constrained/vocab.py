@@ -84,7 +84,7 @@ class TokenVocabulary:
         round-trip.
         """
         index = self.bytes_to_id
-        longest = max(map(len, index))
+        longest = self._longest_token
         ids, pos = [], 0
         while pos < len(data):
             for end in range(min(len(data), pos + longest), pos, -1):
@@ -96,6 +96,10 @@ class TokenVocabulary:
             else:
                 raise ValueError(f"byte {data[pos]:#04x} has no token in this vocabulary")
         return ids
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        return max(map(len, self.bytes_to_id))
 
     @functools.cached_property
     def bytes_to_id(self) -> dict[bytes, int]:

@@ -40,6 +40,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     regex: str | None = None
     json_schema: str | None = None  # JSON text of the schema
+    lark: str | None = None  # llguidance Lark grammar text (may embed %json{...} schemas)
     n: int = 1
     no_stop_trim: bool = False
     seed: int | None = None
@@ -61,7 +62,18 @@ class SamplingParams:
 
     @property
     def has_grammar(self) -> bool:
-        return self.regex is not None or self.json_schema is not None
+        return self.regex is not None or self.json_schema is not None or self.lark is not None
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, spec) of this request's grammar (constrained.backends kinds), None without one."""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.lark is not None:
+            return "lark", self.lark
+        return None
 
     def verify(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -127,8 +139,11 @@ class SamplingParams:
                 # Python's parser recurses per level and gives up near 1000: far past the grammar check's
                 # depth limit, which answers this spec with a 400 naming that limit (constrained.spec)
                 pass
-        if self.regex is not None and self.json_schema is not None:
-            raise ValueError("regex and json_schema are mutually exclusive")
+        if self.lark is not None and not isinstance(self.lark, str):
+            raise ValueError("lark must be a string (a Lark grammar)")
+        given = [name for name in ("regex", "json_schema", "lark") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are mutually exclusive")
         if self.seed is not None:
             _check_type("seed", self.seed, int)
 

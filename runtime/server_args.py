@@ -175,7 +175,17 @@ class ServerArgs:
         "checked before tokenizing; past it: HTTP 400",
     )
 
+    # ---- grammar backends ----
+    grammar_backend: str = _opt(
+        "auto",
+        "engine that compiles grammars (constrained/backends): auto = llguidance for JSON schemas, "
+        "json_object and lark grammars (milliseconds to compile), outlines-core for regexes; a request whose "
+        "kind the chosen engine cannot express goes to one that can",
+        ("auto", "outlines", "llguidance", "xgrammar"),
+    )
+
     def __post_init__(self) -> None:
+        self._check_grammar_backend()
         self._check_security()
         self._check_grammar_sandbox()
         self._check_parallel()
@@ -237,6 +247,18 @@ class ServerArgs:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    def _check_grammar_backend(self) -> None:
+        # the engine's package must be importable (outlines-core is a core dependency); constrained/ is not
+        # imported here (layering: shared modules import nothing of ours)
+        if self.grammar_backend in ("llguidance", "xgrammar"):
+            import importlib.util
+
+            if importlib.util.find_spec(self.grammar_backend) is None:
+                raise ValueError(
+                    f"--grammar-backend {self.grammar_backend}: the {self.grammar_backend} package is not "
+                    "installed"
+                )
 
     def _check_grammar_sandbox(self) -> None:
         if self.grammar_queue_size < 1:

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
-from constrained.errors import GrammarUnavailable
+from constrained.errors import GrammarError, GrammarUnavailable
 from runtime.managers.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -29,6 +29,9 @@ class GrammarManager:
         self.limits = args.grammar_pool_limits
         self.cache_bytes = args.grammar_cache_mb << 20
         self.wait_s = args.grammar_wait_s
+        self.backend = (
+            args.grammar_backend
+        )  # --grammar-backend: constrained.backends.choose_backend per request
         self.expired = 0  # requests failed for waiting past wait_s
         self._compiler = None  # built on first use: the vocabulary takes a moment
         self._mask_buf: torch.Tensor | None = None  # [rows, vocab] bool, reused by every step's mask
@@ -39,17 +42,24 @@ class GrammarManager:
             from constrained import GrammarCompiler
 
             self._compiler = GrammarCompiler(
-                self.tokenizer, self.vocab_size, pool_limits=self.limits, cache_bytes=self.cache_bytes
+                self.tokenizer,
+                self.vocab_size,
+                pool_limits=self.limits,
+                cache_bytes=self.cache_bytes,
+                backend=self.backend,
             )
         return self._compiler
 
     def compile_async(self, params: SamplingParams) -> Future:
         """This request's future of its CompiledGrammar. It fails with GrammarError (400) or
-        GrammarUnavailable (503: queue full, worker crashed, or not compiled within ``wait_s``)."""
-        if params.regex is not None:
-            ticket = self.compiler.compile_async("regex", params.regex)
-        else:
-            ticket = self.compiler.compile_async("json_schema", params.json_schema)
+        GrammarUnavailable (503: queue full, worker crashed, or not compiled within ``wait_s``). The backend
+        is --grammar-backend's, or one that can express the kind (``constrained.backends.choose_backend``)."""
+        kind, spec = params.grammar
+        try:
+            ticket = self.compiler.compile_async(kind, spec)
+        except GrammarError as err:  # no installed backend can express this kind: the request's 400
+            ticket = Future()
+            ticket.set_exception(err)
         ticket.deadline = time.monotonic() + self.wait_s
         return ticket
 
@@ -106,7 +116,8 @@ class GrammarManager:
 
     def stats(self) -> dict:
         """Compile cache and pool counters (``GrammarCompiler.stats``: queued, running, cache_bytes,
-        evictions, ...) plus ``expired``; empty before the first grammar."""
+        evictions, ``compiled_<backend>`` counts, ...) plus ``expired`` and ``backend`` (--grammar-backend);
+        empty before the first grammar."""
         if self._compiler is None:
             return {}
-        return {**self._compiler.stats(), "expired": self.expired}
+        return {**self._compiler.stats(), "expired": self.expired, "backend": self.backend}

@@ -22,6 +22,7 @@ VERDICT_CACHE_ENTRIES = 1024  # a verdict is the spec and a short message: ~100 
 class GrammarValidator:
     def __init__(self, args: ServerArgs):
         self.limits = args.grammar_pool_limits
+        self.backend = args.grammar_backend  # checks run on the backend the scheduler will compile with
         self.wait_s = args.grammar_wait_s
         self.cache_bytes = args.grammar_cache_mb << 20
         self._pool = None
@@ -35,7 +36,7 @@ class GrammarValidator:
 
             self._pool = CompilePool(None, DEFAULT_WHITESPACE, **self.limits)
             self._cache = GrammarCache(
-                lambda key: self._pool.submit(*key, check=True),
+                lambda key: self._pool.submit(key[0], key[1], check=True, backend=key[2]),
                 lambda key, result: result,
                 lambda key, value: 256 + len(key[1]) + len(str(value)),
                 self.cache_bytes,
@@ -46,7 +47,10 @@ class GrammarValidator:
     async def check(self, kind: str, spec: str):
         """The worker's CompileResult (index None) for a usable spec. Raises GrammarError (the spec's fault)
         or RequestError 503 (queue full, waited past --grammar-queue-timeout-s, worker crashed)."""
-        ticket = self._ensure().get((kind, spec))
+        from constrained.backends import backend_chain
+
+        chain = ",".join(backend_chain(self.backend, kind))  # GrammarError: no backend expresses the kind
+        ticket = self._ensure().get((kind, spec, chain))
         try:
             # a cancelled wait (timeout, client gone) cancels the ticket: a check only it waits for is dropped
             return await asyncio.wait_for(asyncio.wrap_future(ticket), self.wait_s)

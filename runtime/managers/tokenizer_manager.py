@@ -264,9 +264,7 @@ class TokenizerManager:
     async def validate_grammar(self, params: SamplingParams) -> None:
         if not params.has_grammar:
             return
-        kind, spec = (
-            ("regex", params.regex) if params.regex is not None else ("json_schema", params.json_schema)
-        )
+        kind, spec = params.grammar
         problem = await self.grammar_validator.validate(kind, spec)  # RequestError 503 when busy
         if problem:
             raise RequestError(f"invalid {kind}: {problem}", 400)
@@ -429,7 +427,7 @@ class TokenizerManager:
     @staticmethod
     def prefill_only(r: SingleRequest) -> SingleRequest:
         p = dataclasses.replace(
-            r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None
+            r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None, lark=None
         )
         return dataclasses.replace(
             r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False, client_rid=r.rid
