@@ -158,7 +158,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                 tm.tokenizer,
                 args.tool_call_parser,
                 tm.grammar_validator,
-                getattr(args, "grammar_backend", "outlines"),  # the field arrives with the lark kind
+                args.grammar_backend,
             )
         except ToolRequestError as e:
             raise RequestError(str(e), 400) from None

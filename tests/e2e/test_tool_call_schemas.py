@@ -4,8 +4,8 @@ For the first N parameter schemas of jsonschemabench's Glaiveai2K subset (48 in 
 RADIXLM_TOOL_SCHEMAS=200 for the issue's full run, which outlasts the suite's 600 s test limit on 2 loaded
 cores), one `tool_choice: "required"` request each, sent concurrently with the official client: every reply
 must end in exactly one call whose arguments validate with `jsonschema`. Run twice: on the shared server
-(its default grammar backend) and on a `--grammar-backend llguidance` server, where the tools are one Lark
-grammar (runtime/entrypoints/tool_calls/grammar.py). The llguidance server also answers issue 23's cases:
+(`--grammar-backend auto`: the tools are one Lark grammar, runtime/entrypoints/tool_calls/grammar.py) and on
+a `--grammar-backend outlines` server (one regex). The shared server also answers issue 23's cases:
 the six ordinary tools under `required` (7-11 s of compile on the regex path) and 40 tools (a 400 there).
 Slow on a CPU (decoding; on the regex path also one compile per schema over the 49k vocabulary);
 tests/unit/test_tool_call_schemas.py checks the same guarantee without the model in seconds.
@@ -34,9 +34,9 @@ SKIP = {"calculate_area_27950976", "calculate_area_2f92f3ea", "calculate_area_08
 
 
 @pytest.fixture(scope="module")
-def llguidance_url():
+def outlines_url():
     srv = ServerProcess(
-        extra_args=["--grammar-backend", "llguidance", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
+        extra_args=["--grammar-backend", "outlines", "--max-total-tokens", str(MAX_TOTAL_TOKENS)]
     ).start()
     try:
         yield srv.url
@@ -46,7 +46,7 @@ def llguidance_url():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("url_fixture", ["server_url", "llguidance_url"])
+@pytest.mark.parametrize("url_fixture", ["server_url", "outlines_url"])
 def test_required_calls_validate_for_real_schemas(request, url_fixture):
     server_url = request.getfixturevalue(url_fixture)
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
@@ -122,11 +122,11 @@ def _assert_valid_calls(choice, tools):
 
 
 @pytest.mark.slow
-def test_six_ordinary_tools_under_required(llguidance_url):
+def test_six_ordinary_tools_under_required(server_url):
     """Issue 23: weather (enum), calendar (date-time, email, array), SQL (pattern), flights (array of
     objects), thermostat (anyOf), products (nested object, nullable number); each also as the named choice."""
     tools = json.loads(ISSUE_TOOLS.read_text())
-    client = openai.OpenAI(base_url=llguidance_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=600, max_retries=0)
     start = time.perf_counter()
     _assert_valid_calls(_required(client, tools), tools)
     first = time.perf_counter() - start
@@ -140,9 +140,9 @@ def test_six_ordinary_tools_under_required(llguidance_url):
 
 
 @pytest.mark.slow
-def test_forty_tools_under_required(llguidance_url):
+def test_forty_tools_under_required(server_url):
     tools = tool_set(40)
-    client = openai.OpenAI(base_url=llguidance_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    client = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=600, max_retries=0)
     for stream in (False, True):
         if not stream:
             _assert_valid_calls(_required(client, tools), tools)

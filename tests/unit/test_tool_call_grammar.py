@@ -218,20 +218,19 @@ def test_schema_rewrites_keep_the_regex_paths_meaning():
 
 
 class _InProcessValidator:
-    """The HTTP-side check without its child process: llguidance's check for "lark", else validate_spec."""
+    """The HTTP-side check without its child process: the backends' own `check`."""
 
     def __init__(self):
         self.kinds = []
 
     async def validate(self, kind, spec):
+        from constrained.backends import get_backend
         from constrained.errors import GrammarError
-        from constrained.spec import validate_spec
+        from constrained.spec import DEFAULT_WHITESPACE
 
         self.kinds.append(kind)
-        if kind == "lark":
-            return LLMatcher.validate_grammar(spec) or None
         try:
-            validate_spec(kind, spec)
+            get_backend("llguidance" if kind == "lark" else "outlines").check(kind, spec, DEFAULT_WHITESPACE)
         except GrammarError as e:
             return str(e)
         return None

@@ -28,7 +28,15 @@ from runtime.entrypoints.tool_calls.schema import Tool, ToolChoice, ToolRequestE
 
 # json.dumps's layout (`{"a": 1, "b": [1, 2]}`), as constrained.spec.DEFAULT_WHITESPACE enforces on the regex
 # path: nothing optional, so separators are forced (jump-forward) and the model writes what it was trained on.
-LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Keywords llguidance cannot enforce are errors (not `lenient`); `oneOf` is read as `anyOf`, as by the regex
+# path and the llguidance backend's json_schema kind (constrained/backends/llguidance.py).
+LAYOUT = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "lenient": False,
+    "coerce_one_of": True,
+}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Keys whose presence means the object's other members are governed elsewhere: left open.
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "$ref")

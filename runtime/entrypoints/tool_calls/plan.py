@@ -26,8 +26,15 @@ _MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
 # The one grammar backend whose tool-call grammar is a regex (one DFA over all tools); every other backend
-# gets the Lark grammar (grammar.py), which the llguidance backend compiles.
+# (auto, llguidance, xgrammar: a lark grammar goes to llguidance) gets the Lark grammar (grammar.py).
 REGEX_BACKEND = "outlines"
+
+
+def uses_lark(grammar_backend: str) -> bool:
+    """Whether tool calls under this --grammar-backend are a Lark grammar (llguidance installed)."""
+    from constrained.backends import is_available
+
+    return grammar_backend != REGEX_BACKEND and is_available("llguidance")
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ async def plan_chat(
     if choice.mode == "none" or (choice.mode == "auto" and not any(t.strict for t in tools)):
         return ToolPlan(prompt, None, parser, choice)
     parallel = body.parallel_tool_calls is not False
-    if grammar_backend != REGEX_BACKEND:
+    if uses_lark(grammar_backend):
         lark = await asyncio.to_thread(forced_lark, parser, tools, choice, parallel)
         if lark is not None:
             await _check_lark(lark, tools, choice, grammar_validator)
