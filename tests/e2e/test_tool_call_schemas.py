@@ -122,6 +122,7 @@ def _assert_valid_calls(choice, tools):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # seven greedy calls: over 10 min on a loaded 2-core machine
 def test_six_ordinary_tools_under_required(server_url):
     """Issue 23: weather (enum), calendar (date-time, email, array), SQL (pattern), flights (array of
     objects), thermostat (anyOf), products (nested object, nullable number); each also as the named choice."""
@@ -140,6 +141,7 @@ def test_six_ordinary_tools_under_required(server_url):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two 40-tool calls (plain, streamed): minutes each on a loaded 2-core machine
 def test_forty_tools_under_required(server_url):
     tools = tool_set(40)
     client = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=600, max_retries=0)
