@@ -233,7 +233,7 @@ def enforce_keywords(node: dict) -> dict:
     if node.get("uniqueItems") is True and not at_most_one:
         raise GrammarError("`uniqueItems: true` cannot be enforced by the grammar (only with maxItems <= 1)")
     node = _enforce_property_counts(node)
-    return _enforce_dependencies(node)
+    return enforce_dependencies(node)
 
 
 def _emitted_names(node: dict) -> set[str] | None:
@@ -270,7 +270,7 @@ def _enforce_property_counts(node: dict) -> dict:
     return node
 
 
-def _enforce_dependencies(node: dict) -> dict:
+def enforce_dependencies(node: dict) -> dict:
     """``dependencies`` / ``dependentRequired`` (lists of names) on an object whose emitted names are known:
     a trigger whose needed names are all required is fine; an optional trigger is left out of
     ``properties``; a required trigger makes its needed names required. Each rewrite is stricter than the

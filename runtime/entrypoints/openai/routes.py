@@ -83,14 +83,15 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                 tm.tokenizer,
                 args.tool_call_parser,
                 tm.grammar_validator,
+                args.grammar_backend,
             )
         except ToolRequestError as e:
             raise RequestError(str(e), 400) from None
         grammar = grammar_of(body)
-        if plan.regex is not None:
+        if plan.grammar is not None:
             if grammar:
                 raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
-            grammar = {"regex": plan.regex}
+            grammar = plan.grammar
         ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
         # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -2,7 +2,8 @@
 
 A parser knows one model family's tool-call text: how calls look in the output (`split`), how to render
 calls back into an assistant turn (`format_calls`, byte-identical to what the grammar forces, so agent loops
-hit the radix cache), and how to wrap per-call regexes into the whole constrained output (`calls_regex`).
+hit the radix cache), and how to wrap the calls into the whole constrained output: per-call regexes
+(`calls_regex`, the outlines backend) or a Lark rule `call` (`calls_lark`, llguidance; see grammar.py).
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ def call_object_text(name: str, args_key: str, arguments: str) -> str:
     return f'{{"name": {json.dumps(name)}, "{args_key}": {arguments}}}'
 
 
+def lark_literal(text: str) -> str:
+    """`text` as a Lark string literal (JSON string escapes, ASCII only)."""
+    return json.dumps(text)
+
+
 def text_without(trigger: str) -> str:
     """Regex of the strings that do not contain `trigger` (whose first character must not recur in it):
     free text before a trigger-gated tool-call grammar."""
@@ -196,6 +202,28 @@ class ToolCallParser(ABC):
         if not calls.startswith(regex_literal(self.trigger)):
             raise ValueError(f"{self.name}: the calls regex does not start with the trigger")
         return f"{text_without(self.trigger)}(?:{calls})?"
+
+    def lark_after_trigger(self, parallel: bool) -> tuple[str, list[str]]:
+        """Lark for forced calls after the trigger text: (an expression over the rule `call` -- one call, or
+        one or more when `parallel` -- and the extra rules it uses)."""
+        raise NotImplementedError(f"{self.name}: no Lark form")
+
+    def calls_lark(self, parallel: bool) -> list[str]:
+        """Lark rules (`start` first) of the whole output for forced calls; the caller defines `call`."""
+        expr, rules = self.lark_after_trigger(parallel)
+        return [f"start: {lark_literal(self.trigger)} {expr}", *rules]
+
+    def gated_lark(self, parallel: bool) -> list[str]:
+        """Free text without the trigger, then optionally the calls (`auto` with strict tools). The text
+        before a trigger is one lazy lexeme: it ends at the trigger's first occurrence."""
+        expr, rules = self.lark_after_trigger(parallel)
+        trig = lark_literal(self.trigger)
+        return [
+            f"start: FREE_TEXT | free_then_trigger {expr}",
+            f"free_then_trigger[lazy]: /(.|\\n)*/ {trig}",
+            f"FREE_TEXT: /(.|\\n)*/ & ~(/(.|\\n)*/ {trig} /(.|\\n)*/)",
+            *rules,
+        ]
 
     def instruction(self, tools_json_lines: str) -> str:
         """System-prompt block for chat templates that do not render tools (documented in the README)."""

@@ -10,6 +10,7 @@ from runtime.entrypoints.tool_calls.base import (
     Segment,
     ToolCallParser,
     call_object_text,
+    lark_literal,
     parse_call_object,
     regex_literal,
     register,
@@ -17,6 +18,7 @@ from runtime.entrypoints.tool_calls.base import (
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_NL = lark_literal("\n")
 
 
 @register
@@ -59,3 +61,9 @@ class HermesParser(ToolCallParser):
     def calls_regex(self, call_regexes: list[str], parallel: bool) -> str:
         one = regex_literal(OPEN + "\n") + "(?:" + "|".join(call_regexes) + ")" + regex_literal("\n" + CLOSE)
         return f"{one}(?:\\n{one})*" if parallel else one
+
+    def lark_after_trigger(self, parallel: bool) -> tuple[str, list[str]]:
+        one = f"{_NL} call {lark_literal(chr(10) + CLOSE)}"
+        if not parallel:
+            return one, []
+        return f"{one} ({_NL} tool_call)*", [f"tool_call: {lark_literal(OPEN)} {one}"]

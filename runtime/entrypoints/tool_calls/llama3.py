@@ -9,6 +9,7 @@ from runtime.entrypoints.tool_calls.base import (
     Segment,
     ToolCallParser,
     call_object_text,
+    lark_literal,
     parse_call_object,
     register,
 )
@@ -62,6 +63,14 @@ class Llama3Parser(ToolCallParser):
         # does not start with `{` or the tag.
         calls = "(?:" + r"<\|python_tag\|>" + ")?" + self.calls_regex(call_regexes, parallel)
         return f"(?:{calls}|(?:[^{{<\\s][\\s\\S]*)?)"
+
+    def calls_lark(self, parallel: bool) -> list[str]:
+        return [f"start: call ({lark_literal('; ')} call)*" if parallel else "start: call"]
+
+    def gated_lark(self, parallel: bool) -> list[str]:
+        # As gated_regex: the calls (after the optional tag), or text not starting with `{`, `<` or space.
+        calls = self.calls_lark(parallel)[0].removeprefix("start: ")
+        return [f"start: {lark_literal(TAG)}? {calls} | FREE_TEXT", r"FREE_TEXT: /([^{<\s](.|\n)*)?/"]
 
     def instruction(self, tools_json_lines: str) -> str:
         return (

@@ -11,6 +11,7 @@ from runtime.entrypoints.tool_calls.base import (
     ToolCallParser,
     call_object_text,
     json_extent,
+    lark_literal,
     parse_call_object,
     regex_literal,
     register,
@@ -76,6 +77,10 @@ class MistralParser(ToolCallParser):
         one = "(?:" + "|".join(call_regexes) + ")"
         body = f"{one}(?:, {one})*" if parallel else one
         return regex_literal(TAG + "[") + body + r"\]"
+
+    def lark_after_trigger(self, parallel: bool) -> tuple[str, list[str]]:
+        body = f"call ({lark_literal(', ')} call)*" if parallel else "call"
+        return f'"[" {body} "]"', []
 
     def instruction(self, tools_json_lines: str) -> str:
         return (

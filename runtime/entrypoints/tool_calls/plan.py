@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.entrypoints.tool_calls.base import ToolCallParser, get_parser
+from runtime.entrypoints.tool_calls.grammar import arguments_grammar, forced_lark
 from runtime.entrypoints.tool_calls.output import ToolStream, final_message
 from runtime.entrypoints.tool_calls.prompt import render_messages, template_renders_tools
 from runtime.entrypoints.tool_calls.schema import (
@@ -24,12 +25,34 @@ from runtime.entrypoints.tool_calls.schema import (
 _MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
 
+# The one grammar backend whose tool-call grammar is a regex (one DFA over all tools); every other backend
+# (auto, llguidance, xgrammar: a lark grammar goes to llguidance) gets the Lark grammar (grammar.py).
+REGEX_BACKEND = "outlines"
+
+
+def uses_lark(grammar_backend: str) -> bool:
+    """Whether tool calls under this --grammar-backend are a Lark grammar (llguidance installed)."""
+    from constrained.backends import is_available
+
+    return grammar_backend != REGEX_BACKEND and is_available("llguidance")
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     prompt: str
-    regex: str | None  # constrained output (forced or trigger-gated calls), None when free
+    # Constrained output (forced or trigger-gated calls) as sampling-params grammar fields: {"lark": text}
+    # or, on the outlines backend, {"regex": text}; None when output is free.
+    grammar: dict[str, str] | None
     parser: ToolCallParser
     choice: ToolChoice
+
+    @property
+    def regex(self) -> str | None:
+        return (self.grammar or {}).get("regex")
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
 
     @property
     def parses_calls(self) -> bool:
@@ -39,14 +62,14 @@ class ToolPlan:
         """The non-streamed `message` of a choice."""
         if not self.parses_calls:
             return {"role": "assistant", "content": text}
-        content, calls = final_message(self.parser, text, self.regex is not None)
+        content, calls = final_message(self.parser, text, self.constrained)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = calls
         return msg
 
     def stream(self) -> ToolStream | None:
-        return ToolStream(self.parser, self.regex is not None) if self.parses_calls else None
+        return ToolStream(self.parser, self.constrained) if self.parses_calls else None
 
 
 async def plan_chat(
@@ -56,10 +79,12 @@ async def plan_chat(
     tokenizer: Any,
     parser_name: str,
     grammar_validator: Any,
+    grammar_backend: str = REGEX_BACKEND,
 ) -> ToolPlan:
     """Validate the tool fields of `body` (a ChatCompletionRequest), render the prompt and build the grammar.
 
     `messages`: role + text content per message; `extras`: each message's extra fields (tool_calls, ...).
+    `grammar_backend`: the server's --grammar-backend (regex grammar for outlines, else Lark).
     Raises ToolRequestError (400) naming the field.
     """
     tools = parse_tools(body.tools)
@@ -84,20 +109,38 @@ async def plan_chat(
         prompt = await asyncio.to_thread(tokenizer.apply_chat_template, rendered, **kwargs)
     except Exception as e:  # template errors are the request's fault (e.g. role order)
         raise ToolRequestError(f"cannot apply the chat template: {e}") from None
-    regex = None
-    if choice.mode in ("required", "named") or (choice.mode == "auto" and any(t.strict for t in tools)):
-        for i, t in enumerate(tools):  # in the validator's child process, under its time limit
-            enforced = {"required": True, "named": t.name == choice.name, "auto": t.strict}[choice.mode]
-            if not enforced:
-                continue
-            schema = enforced_parameters(t, i)
-            problem = await grammar_validator.validate("json_schema", json.dumps(schema))
-            if problem:
-                raise ToolRequestError(f"'tools[{i}].function.parameters' cannot be enforced: {problem}")
-        parallel = body.parallel_tool_calls is not False
-        regex = await asyncio.to_thread(forced_regex, parser, tools, choice, parallel)
-        if regex is not None:
-            problem = await grammar_validator.validate("regex", regex)
-            if problem:
-                raise ToolRequestError(f"'tools': the tool-call grammar cannot be used: {problem}")
-    return ToolPlan(prompt, regex, parser, choice)
+    if choice.mode == "none" or (choice.mode == "auto" and not any(t.strict for t in tools)):
+        return ToolPlan(prompt, None, parser, choice)
+    parallel = body.parallel_tool_calls is not False
+    if uses_lark(grammar_backend):
+        lark = await asyncio.to_thread(forced_lark, parser, tools, choice, parallel)
+        if lark is not None:
+            await _check_lark(lark, tools, choice, grammar_validator)
+        return ToolPlan(prompt, None if lark is None else {"lark": lark}, parser, choice)
+    for i, t in enumerate(tools):  # in the validator's child process, under its time limit
+        if not {"required": True, "named": t.name == choice.name, "auto": t.strict}[choice.mode]:
+            continue
+        schema = enforced_parameters(t, i)
+        problem = await grammar_validator.validate("json_schema", json.dumps(schema))
+        if problem:
+            raise ToolRequestError(f"'tools[{i}].function.parameters' cannot be enforced: {problem}")
+    regex = await asyncio.to_thread(forced_regex, parser, tools, choice, parallel)
+    if regex is not None:
+        problem = await grammar_validator.validate("regex", regex)
+        if problem:
+            raise ToolRequestError(f"'tools': the tool-call grammar cannot be used: {problem}")
+    return ToolPlan(prompt, None if regex is None else {"regex": regex}, parser, choice)
+
+
+async def _check_lark(lark: str, tools: list, choice: ToolChoice, grammar_validator: Any) -> None:
+    """The whole tool-set grammar in the validator (its child process and limits); when it fails, each
+    enforced tool's arguments alone, so the 400 names the tool at fault."""
+    problem = await grammar_validator.validate("lark", lark)
+    if not problem:
+        return
+    for i, t in enumerate(tools):
+        if {"required": True, "named": t.name == choice.name, "auto": t.strict}[choice.mode]:
+            own = await grammar_validator.validate("lark", arguments_grammar(t, i))
+            if own:
+                raise ToolRequestError(f"'tools[{i}].function.parameters' cannot be enforced: {own}")
+    raise ToolRequestError(f"'tools': the tool-call grammar cannot be used: {problem}")
