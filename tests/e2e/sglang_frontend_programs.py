@@ -5,7 +5,8 @@ Run by tests/e2e/test_sglang_frontend.py in a subprocess whose PYTHONPATH holds 
 
     python tests/e2e/sglang_frontend_programs.py URL TOKENIZER_DIR
 
-Prints one JSON line per program: name, outcome, seconds, detail, http_errors. Outcomes: "ok"; "content"
+Prints one JSON line per program: name, outcome, seconds, detail, http_errors. Outcomes: "excluded" (cannot
+run on this backend whatever the server: see EXCLUDED); "ok"; "content"
 (the program's own assertion on the model's answer failed, or its answer did not parse: SGLang writes them
 for 8B models); "protocol" (radixlm answered a request with an error status); "error" (anything else raised).
 """
@@ -19,8 +20,14 @@ import traceback
 import types
 import warnings
 
-# needs a multimodal model and sends image_data, which radixlm (text models only) refuses with a 400
-EXCLUDED = {"test_image_qa"}
+# Programs that cannot run through `sgl.RuntimeEndpoint`, against SGLang's own server as against radixlm.
+EXCLUDED = {
+    "test_image_qa": "needs a multimodal model (sends image_data; radixlm serves text models: a 400)",
+    "test_completion_speculative": "API speculative execution: reads backend.token_usage, which only "
+    "SGLang's OpenAI-style API backends have",
+    "test_chat_completion_speculative": "API speculative execution: needs backend.is_chat_model/spec_fill "
+    "(SGLang's OpenAI-style API backends only)",
+}
 CHECK_ANSWER_ARG = {"test_select", "test_parallel_encoding", "test_expert_answer"}
 
 
@@ -50,6 +57,9 @@ def main(url: str, tokenizer_dir: str) -> None:
     backend = sgl.RuntimeEndpoint(url)
     sgl.set_default_backend(backend)
     backend.endpoint = backend  # test_gen_min_new_tokens reads the model name through sgl.Runtime's .endpoint
+    for name, why in sorted(EXCLUDED.items()):
+        row = {"name": name, "outcome": "excluded", "seconds": 0.0, "detail": why, "http_errors": []}
+        print(json.dumps(row), flush=True)
     for name in sorted(n for n in dir(programs) if n.startswith("test_") and n not in EXCLUDED):
         http_errors.clear()
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from tests.e2e.server_utils import HTTP_TIMEOUT_S, ROOT
 
 SGLANG_VERSION = "0.5.23"
 # what `sglang/__init__` and its frontend import beyond radixlm's own dependencies
-FRONTEND_EXTRAS = ["pybase64", "IPython", "traitlets"]
+FRONTEND_EXTRAS = ["pybase64==1.5.1", "ipython==9.18.1", "traitlets==5.16.1"]
 PROGRAMS_TIMEOUT_S = float(os.environ.get("RADIXLM_SGLANG_PROGRAMS_TIMEOUT", "3000"))
 PROMPT = "The capital of France is"
 
@@ -41,24 +42,31 @@ def generate(url: str, body: dict, status: int = 200) -> dict:
 # ---- the frontend's own programs ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sglang_frontend() -> Path:
-    """The folder holding the `sglang` frontend (for PYTHONPATH), installed on first use."""
+    """The folder holding the `sglang` frontend (for PYTHONPATH), installed on first use: into a scratch
+    folder first, renamed into place only once every package is in (a broken install is never reused)."""
     target = cache_subdir("sglang-frontend") / SGLANG_VERSION
-    done = target / ".installed"
-    if done.exists():
+    if (target / ".installed").exists():
         return target
-    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target)]
-    for spec in [f"sglang=={SGLANG_VERSION}", *FRONTEND_EXTRAS]:
-        try:
-            r = subprocess.run([*pip, spec], capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"installing {spec} into {target} took more than 600 s (no network?)")
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-            pytest.skip(f"cannot install {spec} into {target} (no network or no such version?): {last}")
-    done.write_text(SGLANG_VERSION)
+    scratch = target.with_name(f"{SGLANG_VERSION}.partial-{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    specs = [f"sglang=={SGLANG_VERSION}", *FRONTEND_EXTRAS]
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(scratch), *specs]
+    try:
+        r = subprocess.run(pip, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(scratch, ignore_errors=True)
+        pytest.skip(f"installing {' '.join(specs)} took more than 900 s (no network?)")
+    if r.returncode != 0:
+        shutil.rmtree(scratch, ignore_errors=True)
+        last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        pytest.skip(f"cannot install {' '.join(specs)} (no network, or no such version?): {last}")
+    (scratch / ".installed").write_text(" ".join(specs))
+    shutil.rmtree(target, ignore_errors=True)
+    scratch.rename(target)
     return target
 
 
+@pytest.mark.timeout(PROGRAMS_TIMEOUT_S + 600)  # the shared server's startup, then ~20 programs on 135M
 def test_sglang_frontend_programs_run_without_protocol_errors(sglang_frontend, server_url):
     info = requests.get(server_url + "/get_model_info", timeout=HTTP_TIMEOUT_S).json()
     env = {**os.environ, "PYTHONPATH": f"{sglang_frontend}{os.pathsep}{ROOT}", "HF_HUB_OFFLINE": "1"}
@@ -81,7 +89,9 @@ def test_sglang_frontend_programs_run_without_protocol_errors(sglang_frontend, s
         print(f"  {row['name']:34s} {row['outcome']:9s} {row['seconds']:7.1f}s  {row['detail'][:120]!r}")
         for err in row["http_errors"]:
             print(f"      HTTP {err}")
-    assert len(rows) >= 14, f"the programs did not all run:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert sum(row["outcome"] != "excluded" for row in rows) >= 14, (
+        f"the programs did not all run:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    )
     bad = [row for row in rows if row["outcome"] in ("protocol", "error")]
     assert not bad, "\n".join(f"{b['name']}: {b['outcome']} {b['http_errors']} {b['detail']}" for b in bad)
 

@@ -115,6 +115,22 @@ def test_text_that_cannot_start_a_match_streams_at_once(tok):
     assert first.text_delta == tok.decode(ids[:2])
 
 
+def test_rewritten_tail_keeps_sent_text_and_finds_the_regex(tok):
+    """Jump-forward replaced the last token: sent text stays sent, a match in the new tokens is trimmed."""
+    detok = IncrementalDetokenizer(tok)
+    got = ""
+    for i, t in enumerate(tok.encode("alpha beta gamma", add_special_tokens=False)):
+        kw = {"stop_regex": ["E[N]D"]} if i == 0 else {}
+        got += detok.process(ReqOutput(rid="r", new_token_ids=[t], **kw)).text_delta
+    assert got == "alpha beta gamma"
+    new = tok.encode(" gamma delta END x", add_special_tokens=False)
+    reason = {"type": "stop", "matched": "E[N]D"}
+    got += detok.process(
+        ReqOutput(rid="r", new_token_ids=new, replaced_tokens=1, finished_reason=reason)
+    ).text_delta
+    assert got == "alpha beta gamma delta "
+
+
 # ---- the parameter audit -----------------------------------------------------------------------------------
 # SGLang's API sampling parameters with the defaults its clients send (sglang.srt.sampling.sampling_params)
 SGLANG_DEFAULTS = {
