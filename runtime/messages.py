@@ -85,6 +85,7 @@ class ReqOutput(Message):
     spaces_between_special_tokens: bool = True
     stop_strings: list[str] | None = None
     no_stop_trim: bool = False
+    stop_regex: list[str] | None = None  # trimmed like stop strings (SGLang's stop_regex)
     error: str | None = None  # set when the request failed (e.g. grammar compile error)
     error_status: int = 0  # HTTP status for `error` (400: client's fault)
 

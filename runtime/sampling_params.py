@@ -44,8 +44,20 @@ class SamplingParams:
     n: int = 1
     no_stop_trim: bool = False
     seed: int | None = None
+    # ---- SGLang wire compatibility: the rest of SGLang's sampling parameters (see `_verify_sglang`) ----
+    stop_regex: list[str] = field(default_factory=list)  # stop when one matches the output's tail
+    sampling_seed: int | None = None  # SGLang's name for `seed`
+    stream_interval: int | None = None  # this request's chunk size in tokens (None: --stream-interval)
+    ebnf: str | None = None  # accepted only as null until wired to the grammar backends
+    structural_tag: str | None = None  # likewise
+    logit_bias: dict[str, float] | None = None  # accepted only when null or empty
+    custom_params: dict[str, Any] | None = None  # likewise: radixlm has no custom logit processors
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        elif self.stop_regex is None:
+            self.stop_regex = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -146,6 +158,29 @@ class SamplingParams:
             raise ValueError(f"{' and '.join(given)} are mutually exclusive")
         if self.seed is not None:
             _check_type("seed", self.seed, int)
+        self._verify_sglang()
+
+    def _verify_sglang(self) -> None:
+        """SGLang's parameters: implemented ones are checked, the others are a ValueError naming them when set
+        to anything but their default (its frontend sends some defaults, e.g. `stop_regex: []`, always)."""
+        if not isinstance(self.stop_regex, list) or not all(isinstance(r, str) for r in self.stop_regex):
+            raise ValueError("stop_regex must be a string or a list of strings")
+        for pattern in self.stop_regex:
+            compile_stop_regex(pattern)
+        if self.sampling_seed is not None:
+            _check_type("sampling_seed", self.sampling_seed, int)
+            if self.seed is not None and self.seed != self.sampling_seed:
+                raise ValueError("seed and sampling_seed (its SGLang name) differ: give one of them")
+            self.seed = self.sampling_seed
+        if self.stream_interval is not None:
+            _check_type("stream_interval", self.stream_interval, int)
+            if not 1 <= self.stream_interval <= MAX_NEW_TOKENS_LIMIT:
+                raise ValueError(
+                    f"stream_interval must be in [1, {MAX_NEW_TOKENS_LIMIT}], got {self.stream_interval}"
+                )
+        for name, why in UNSUPPORTED_SGLANG_PARAMS.items():
+            if getattr(self, name):  # None, {} and "" are the defaults SGLang clients send
+                raise ValueError(f"{name} is not supported by radixlm ({why}); leave it unset or null")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -162,6 +197,32 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# SGLang sampling parameters radixlm accepts only at their default, and why.
+UNSUPPORTED_SGLANG_PARAMS = {
+    "ebnf": "EBNF grammars are not wired yet; use regex or json_schema",
+    "structural_tag": "structural tags are not supported; use json_schema or the OpenAI tools API",
+    "logit_bias": "per-token logit biases are not implemented",
+    "custom_params": "radixlm has no custom logit processors",
+}
+
+
+def compile_stop_regex(pattern: str) -> tuple[Any, int]:
+    """(compiled pattern, the most characters a match can span, 2**64 when unbounded) of a stop_regex, or a
+    ValueError naming it. Python's `re` decides what is valid (SGLang's semantics); the matching runs on the
+    `regex` module, which can stop a backtracking search at a deadline."""
+    import re
+
+    import regex
+
+    try:
+        re.compile(pattern)
+        width = re._parser.parse(pattern).getwidth()[1]
+        compiled = regex.compile(pattern)
+    except (re.error, regex.error, RecursionError, OverflowError) as e:
+        raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
+    return compiled, width
 
 
 class TokenBudgetError(ValueError):

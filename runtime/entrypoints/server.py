@@ -60,6 +60,14 @@ class GenerateRequest(BaseModel):
     cache_ttl_s: float | None = None  # seconds; default --session-ttl-s
 
 
+class ConcatAppendRequest(BaseModel):
+    """SGLang frontend's `forks.join(mode="concate_and_append")`: append the forks' KV to `dst_rid`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    src_rids: list[str]
+    dst_rid: str
+
+
 class AbortRequest(BaseModel):
     """One request by its rid, or (an admin operation) every request with `abort_all`."""
 
@@ -106,6 +114,19 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         if not released:
             return error_response(404, f"session {session_id!r} holds no pinned tokens")
         return {"session_id": session_id, "released_tokens": released}
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request(body: ConcatAppendRequest):
+        """Accepted as a hint. SGLang's frontend has already appended the forks' text to the joining state's
+        text, and its next /generate sends all of it: radixlm encodes that text with exact attention (the
+        shared prefix from the radix cache) instead of splicing KV computed at other positions."""
+        for rid in [*body.src_rids, body.dst_rid]:
+            if not rid or len(rid) > args.max_rid_length:
+                raise RequestError(
+                    f"rids must be non-empty and at most --max-rid-length ({args.max_rid_length}) characters",
+                    400,
+                )
+        return {"success": True}
 
     @app.get("/health")
     async def health():

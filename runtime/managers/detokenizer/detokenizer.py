@@ -1,9 +1,10 @@
-"""Detokenizer process: token ids -> incremental text, UTF-8 safe, stop strings and stop tokens trimmed.
+"""Detokenizer process: token ids -> incremental text, UTF-8 safe, stop strings, stop regexes and stop tokens
+trimmed.
 
 Per request it keeps the ids and the text already sent. New text is what the decoded ids add beyond the sent
-text, held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a stop string,
-so a stream never shows text that a later stop-string trim would take back. Decoding and stop matching are
-incremental (runtime.managers.scheduler.stop_checker): a step's work does not grow with the output.
+text, held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a stop string
+or of a stop regex's match, so a stream never shows text that a later stop trim would take back. Decoding and
+stop matching are incremental (runtime.managers.scheduler.stop_checker): a step's work does not grow with the output.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass, field
 import zmq
 
 from runtime import ipc
-from runtime.managers.scheduler.stop_checker import IncrementalText, StopMatcher
+from runtime.managers.scheduler.stop_checker import IncrementalText, RegexTail, StopMatcher, StopRegexTimeout
 from runtime.messages import BatchStrOut, BatchTokenIDOut, ReqOutput, ReqTextOutput, decode
 from runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,7 +33,8 @@ class DecodeState:
     no_stop_trim: bool = False
     stops: list[str] = field(default_factory=list)  # trimmed stop strings (none with no_stop_trim)
     matcher: StopMatcher | None = None
-    cut: tuple[int, int] | None = None  # (start, end) of the first stop string found: text ends there
+    regexes: RegexTail | None = None  # trimmed stop regexes (none with no_stop_trim)
+    cut: tuple[int, int] | None = None  # (start, end) of the first stop found: text ends there
 
 
 class IncrementalDetokenizer:
@@ -49,11 +53,13 @@ class IncrementalDetokenizer:
             return self.tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
 
         stops = [] if out.no_stop_trim else list(out.stop_strings or [])
+        regexes = None if out.no_stop_trim or not out.stop_regex else RegexTail(out.stop_regex)
         return DecodeState(
             text=IncrementalText(decode, track_marks=True),
             no_stop_trim=out.no_stop_trim,
             stops=stops,
             matcher=StopMatcher(stops) if stops else None,
+            regexes=regexes,
         )
 
     def process(self, out: ReqOutput) -> ReqTextOutput:
@@ -74,11 +80,16 @@ class IncrementalDetokenizer:
                 hit = st.matcher.feed(new)
                 if hit is not None:
                     st.cut = (hit[0], hit[0] + len(hit[1]))
+            if st.regexes is not None and st.cut is None:
+                self._feed_regexes(st, new)
         limit = st.text.chars
         if st.cut is not None:
             limit = st.cut[0]
-        elif st.matcher is not None and not finished:
-            limit -= st.matcher.overlap  # could be the start of a stop string: held back
+        elif not finished:  # what could be the start of a stop string or a stop regex match: held back
+            hold = st.matcher.overlap if st.matcher is not None else 0
+            if st.regexes is not None:
+                hold = max(hold, self._regex_overlap(st))
+            limit -= hold
         delta = ""
         if limit > st.sent:
             delta = _text_from(st, st.sent)[: limit - st.sent]
@@ -102,6 +113,26 @@ class IncrementalDetokenizer:
         )
 
     @staticmethod
+    def _feed_regexes(st: DecodeState, new: str) -> None:
+        try:
+            hit = st.regexes.feed(new)
+        except StopRegexTimeout as e:  # the scheduler ends such a request with a 400; text goes out as is
+            logger.warning("%s; not trimming it", e)
+            st.regexes = None
+            return
+        if hit is not None:
+            st.cut = (hit[0], hit[1])
+
+    @staticmethod
+    def _regex_overlap(st: DecodeState) -> int:
+        try:
+            return st.regexes.overlap()
+        except StopRegexTimeout as e:
+            logger.warning("%s; not trimming it", e)
+            st.regexes = None
+            return 0
+
+    @staticmethod
     def _rewind(st: DecodeState, kept_tokens: int) -> None:
         """Jump-forward rewrote the tokens from `kept_tokens` on. The text of the kept ones is unchanged, so
         decoding restarts at the last commit within them; text already sent stays sent."""
@@ -116,6 +147,9 @@ class IncrementalDetokenizer:
             window = _text_from(st, max(0, kept - st.matcher.max_len + 1))
             st.matcher.fed = kept - len(window)
             st.matcher.feed(window)
+        if st.regexes is not None:  # likewise, on the kept text's tail (a match in it was found before)
+            regexes = st.regexes = RegexTail(st.regexes.patterns)
+            regexes.fed, regexes.tail = kept, _text_from(st, max(0, kept - regexes.window))
 
 
 def _text_from(st: DecodeState, pos: int) -> str:

@@ -114,7 +114,8 @@ class OutputStream:
         sent = req.sent
         n_new = len(req.output_ids) - sent.output_len
         if not req.finished:
-            if not req.stream or n_new < self.stream_interval and sent.first_chunk_sent:
+            interval = req.params.stream_interval or self.stream_interval  # SGLang's per-request one
+            if not req.stream or n_new < interval and sent.first_chunk_sent:
                 return None
         out = ReqOutput(
             rid=req.rid,
@@ -134,6 +135,7 @@ class OutputStream:
             out.stop_strings = p.stop or None
             out.no_stop_trim = p.no_stop_trim
             out.cache_miss = req.cache_miss
+            out.stop_regex = p.stop_regex or None
             sent.first_chunk_sent = True
         if req.return_logprob:
             out.input_token_logprobs, sent.input_logprobs = sent.input_logprobs, []

@@ -1,14 +1,18 @@
-"""Finish conditions checked after every new token: length, EOS, stop token ids, stop strings.
+"""Finish conditions checked after every new token: length, EOS, stop token ids, stop strings, stop regexes.
 
 Stop strings are matched incrementally: each step decodes only the new tokens (with a few tokens of context)
 and feeds the new characters to a `StopMatcher`, so the work per token is bounded by the stop strings'
-length, never by the output's. The detokenizer uses the same two pieces for its stop-string trim.
+length, never by the output's. Stop regexes (SGLang's `stop_regex`) are searched in a bounded tail of the
+text (`RegexTail`) under a time budget. The detokenizer uses the same pieces for its stop trim.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from runtime.sampling_params import compile_stop_regex
 
 if TYPE_CHECKING:  # the detokenizer process imports this module and needs no torch
     from runtime.managers.scheduler.req import Req
@@ -16,6 +20,10 @@ if TYPE_CHECKING:  # the detokenizer process imports this module and needs no to
 # Tokens of already committed text decoded again before new ones, so that a token's text comes out as it
 # does in context (a leading space, a multi-byte character split over tokens).
 SURROUNDING_TOKENS = 6
+# Stop regexes: the longest tail of the output (characters) a pattern is searched in, and the time all of one
+# request's patterns may take per step; past it (a backtracking pattern) the request ends with a 400.
+STOP_REGEX_WINDOW = 1024
+STOP_REGEX_BUDGET_S = 0.02
 # Undecodable tail tokens (text ending in U+FFFD) wait at most this many tokens for the rest of their
 # character: any UTF-8 character has at most 4 bytes, so more is garbage and is committed as it is.
 MAX_PENDING_TOKENS = 16
@@ -78,6 +86,61 @@ def _failure(s: str) -> list[int]:
     return f
 
 
+class StopRegexTimeout(Exception):
+    """A stop_regex used up the time budget of one step (a backtracking pattern); names the pattern."""
+
+
+class RegexTail:
+    """Searches stop regexes in the last `window` characters of text fed piece by piece (as SGLang searches
+    its decoded tail): the window is the longest match a pattern can span (at most `limit`), so a step costs
+    one search of at most `limit` characters per pattern, stopped at `budget_s` in all."""
+
+    def __init__(
+        self, patterns: list[str], limit: int = STOP_REGEX_WINDOW, budget_s: float = STOP_REGEX_BUDGET_S
+    ):
+        compiled = [compile_stop_regex(p) for p in patterns]
+        self.patterns = list(patterns)
+        self.compiled = [c for c, _ in compiled]
+        # a few characters more than a match for look-behinds and \b at its start
+        self.window = min(limit, max(w for _, w in compiled) + 8)
+        self.budget_s = budget_s
+        self.tail = ""
+        self.fed = 0  # characters fed so far; `tail` is the end of them
+
+    def feed(self, piece: str) -> tuple[int, int, str] | None:
+        """Feed the next characters. On a match in the tail: (start, end) in characters of all text fed, and
+        the pattern, for the earliest-starting match. Raises StopRegexTimeout past the budget."""
+        self.fed += len(piece)
+        self.tail = (self.tail + piece)[-self.window :]
+        base = self.fed - len(self.tail)
+        best = None
+        for start, end, pattern in self._search(partial=False):
+            if best is None or start < best[0]:
+                best = (base + start, base + end, pattern)
+        return best
+
+    def overlap(self) -> int:
+        """Characters at the end of the text a continuation could turn into a match (a stream holds them)."""
+        starts = [start for start, _, _ in self._search(partial=True)]
+        return len(self.tail) - min(starts) if starts else 0
+
+    def _search(self, partial: bool):
+        deadline = time.monotonic() + self.budget_s
+        for pattern, compiled in zip(self.patterns, self.compiled):
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                m = compiled.search(self.tail, partial=partial, timeout=left)
+            except TimeoutError:
+                raise StopRegexTimeout(
+                    f"stop_regex {pattern!r} took more than {self.budget_s * 1000:g} ms on "
+                    f"{len(self.tail)} characters of output per token: use a simpler pattern"
+                ) from None
+            if m is not None and (m.partial or not partial):
+                yield m.start(), m.end(), pattern
+
+
 @dataclass
 class IncrementalText:
     """Text of a growing token list, decoded a few tokens at a time (`ids[surr:]` against `ids[surr:read]`).
@@ -131,6 +194,7 @@ class StopScan:
     snapshot: list[int]  # its last tokens up to `text.read`, to notice an in-place rewrite
     text: IncrementalText
     matcher: StopMatcher
+    regexes: RegexTail | None = None
 
 
 class StopChecker:
@@ -158,9 +222,13 @@ class StopChecker:
                 return {"type": "stop", "matched": tok}
             if tok in p.stop_token_ids:
                 return {"type": "stop", "matched": tok}
-            if p.stop:
-                matched = self._scan_stop_strings(req)
-                if matched is not None:
+            if p.stop or p.stop_regex:
+                try:
+                    matched = self._scan_stop_strings(req)
+                except StopRegexTimeout as e:
+                    req.error, req.error_status = str(e), 400
+                    return {"type": "abort", "message": str(e)}
+                if matched is not None:  # the stop string, or the stop_regex pattern (as SGLang reports it)
                     return {"type": "stop", "matched": matched}
         if len(out) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
@@ -180,23 +248,30 @@ class StopChecker:
             return None
         scan.snapshot = out[max(0, scan.text.read - 8) : scan.text.read]
         hit = scan.matcher.feed(new)
+        if scan.regexes is not None:
+            rhit = scan.regexes.feed(new)
+            if rhit is not None and (hit is None or rhit[0] < hit[0]):
+                return rhit[2]
         return hit[1] if hit else None
 
     def _start_scan(self, req: Req) -> StopScan:
-        """A scan from a few tokens before the end: enough of them for the longest stop string (so a stop
-        string that ended in tokens generated before min_new_tokens, or before a rewrite, still counts)."""
+        """A scan from a few tokens before the end: enough of them for the longest stop string or stop regex
+        window (so a stop that ended in tokens generated before min_new_tokens, or before a rewrite, still
+        counts)."""
         out, p = req.output_ids, req.params
 
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
 
         matcher = StopMatcher(p.stop)
+        regexes = RegexTail(p.stop_regex) if p.stop_regex else None
+        need = max(matcher.max_len, regexes.window if regexes is not None else 0)
         # Each token decodes to >= 1 character except for multi-byte characters and skipped special
-        # tokens: start max_len tokens back, and further back (at most 4x) while that holds fewer chars.
-        back = matcher.max_len + 1
+        # tokens: start `need` tokens back, and further back (at most 4x) while that holds fewer chars.
+        back = need + 1
         start = max(0, len(out) - back)
-        while start > 0 and back < 4 * (matcher.max_len + 1) and len(decode(out[start:])) < matcher.max_len:
+        while start > 0 and back < 4 * (need + 1) and len(decode(out[start:])) < need:
             back *= 2
             start = max(0, len(out) - back)
         text = IncrementalText(decode, surr=start, read=start)
-        return StopScan(ids=out, snapshot=[], text=text, matcher=matcher)
+        return StopScan(ids=out, snapshot=[], text=text, matcher=matcher, regexes=regexes)

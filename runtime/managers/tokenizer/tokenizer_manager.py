@@ -207,15 +207,16 @@ class TokenizerManager:
                 f"the prompt text has {chars} characters, more than --max-prompt-chars ({limit})", 400
             )
 
-    def check_stop(self, stop: list[str]) -> None:
+    def check_stop(self, stop: list[str], what: str = "stop strings") -> None:
+        """`what`: "stop strings", or "stop_regex patterns" (bounded alike, each kind on its own)."""
         if len(stop) > self.args.max_stop_strings:
             raise RequestError(
-                f"{len(stop)} stop strings, more than --max-stop-strings ({self.args.max_stop_strings})", 400
+                f"{len(stop)} {what}, more than --max-stop-strings ({self.args.max_stop_strings})", 400
             )
         chars = sum(len(s) for s in stop)
         if chars > self.args.max_stop_chars:
             raise RequestError(
-                f"the stop strings have {chars} characters together, more than --max-stop-chars "
+                f"the {what} have {chars} characters together, more than --max-stop-chars "
                 f"({self.args.max_stop_chars})",
                 400,
             )
@@ -246,6 +247,7 @@ class TokenizerManager:
         for r in reqs:
             self.check_rid(r.rid)
             self.check_stop(r.params.stop)
+            self.check_stop(r.params.stop_regex, "stop_regex patterns")
 
     # ---- tokenization (in `tokenize_pool`) -------------------------------------------------------------
     async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -404,6 +406,7 @@ class TokenizerManager:
         if st.input_logprobs or st.output_logprobs:
             meta["input_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.input_logprobs]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.output_logprobs]
+            meta["output_token_logprobs_length"] = len(st.output_logprobs)  # as SGLang reports it
             meta["input_top_logprobs"] = [top for *_, top in st.input_logprobs]
             meta["output_top_logprobs"] = [top for *_, top in st.output_logprobs]
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
