@@ -4,7 +4,8 @@ trimmed.
 Per request it keeps the ids and the text already sent. New text is what the decoded ids add beyond the sent
 text, held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a stop string
 or of a stop regex's match, so a stream never shows text that a later stop trim would take back. Decoding and
-stop matching are incremental (runtime.managers.scheduler.stop_checker): a step's work does not grow with the output.
+stop matching are incremental (runtime.managers.scheduler.stop_checker): a step's work does not grow with the
+output.
 """
 
 from __future__ import annotations
