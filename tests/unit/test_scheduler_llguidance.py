@@ -11,7 +11,7 @@ import time
 import jsonschema
 import pytest
 
-from runtime.managers.scheduler import Scheduler
+from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
