@@ -9,11 +9,13 @@ has started is dropped), and an aborted request stops waiting at once (``cancel`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
 from constrained.errors import GrammarError, GrammarUnavailable
+from runtime.managers.scheduler.output_stream import take_back
 from runtime.managers.scheduler.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
@@ -25,13 +27,11 @@ class GrammarManager:
         args = args if args is not None else ServerArgs()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.jump_forward = not args.disable_jump_forward
+        self.jump_forward_enabled = not args.disable_jump_forward
         self.limits = args.grammar_pool_limits
         self.cache_bytes = args.grammar_cache_mb << 20
         self.wait_s = args.grammar_wait_s
-        self.backend = (
-            args.grammar_backend
-        )  # --grammar-backend: constrained.backends.choose_backend per request
+        self.backend = args.grammar_backend  # constrained.backends.backend_chain per request
         self.expired = 0  # requests failed for waiting past wait_s
         self._compiler = None  # built on first use: the vocabulary takes a moment
         self._mask_buf: torch.Tensor | None = None  # [rows, vocab] bool, reused by every step's mask
@@ -102,12 +102,29 @@ class GrammarManager:
                 req.grammar.fill_vocab_mask(mask[i])
         return mask.to(device)
 
-    def plan_jump(self, req: Req) -> tuple[int, list[int]] | None:
-        """(tokens of output to keep, tokens to append) when the grammar forces text from here."""
+    def jump_forward(self, req: Req, drop_kv_from: Callable[[Req, int], None]) -> int:
+        """Append the text the grammar forces from here without running the model; returns the tokens gained.
+
+        Forced text is re-tokenized with the tail of the output, so the last few tokens may be rewritten:
+        ``drop_kv_from(req, position)`` frees their KV first (it must never reach the radix cache under the
+        new tokens), and the output stream takes back text already sent for them."""
         forced = req.grammar.jump_forward_string()
-        if not forced:
-            return None
-        return self.compiler.plan_jump_forward(req.output_ids, forced)
+        plan = self.compiler.plan_jump_forward(req.output_ids, forced) if forced else None
+        if plan is None:
+            return 0
+        keep, new_ids = plan
+        old_len = len(req.output_ids)
+        drop_kv_from(req, len(req.prompt_ids) + keep)
+        req.output_ids = req.output_ids[:keep] + new_ids
+        take_back(req, keep)
+        req.grammar.reset_to(req.output_ids)
+        if len(req.output_ids) >= req.params.max_new_tokens:
+            req.output_ids = req.output_ids[: req.params.max_new_tokens]
+            req.grammar.reset_to(req.output_ids)
+            req.finish({"type": "length", "length": req.params.max_new_tokens})
+        elif req.grammar.is_terminated():
+            req.finish({"type": "stop", "matched": None})
+        return len(new_ids) - (old_len - keep)
 
     def shutdown(self) -> None:
         """Stop the compile workers (they also die with this process: PR_SET_PDEATHSIG)."""

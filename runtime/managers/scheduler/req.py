@@ -13,7 +13,7 @@ import torch
 from runtime.managers.scheduler.output_stream import SendState
 from runtime.mem_cache.radix_cache import TreeNode
 from runtime.messages import TokenizedGenerateReq
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import SamplingParams, TokenBudgetError, check_token_budget
 
 
 @functools.lru_cache(maxsize=4096)
@@ -83,6 +83,22 @@ class Req:
             session_id=msg.session_id,
             cache_ttl_s=msg.cache_ttl_s,
         )
+
+    def input_problem(self, vocab_size: int, context_length: int, max_total_tokens: int) -> str | None:
+        """Why the model cannot run this request as sent (the request's 400), or None."""
+        n = len(self.prompt_ids)
+        try:
+            check_token_budget(n, self.params.max_new_tokens, context_length, max_total_tokens)
+        except TokenBudgetError as e:
+            return str(e)
+        if max(self.prompt_ids) >= vocab_size or min(self.prompt_ids) < 0:
+            return f"input token ids must be in [0, {vocab_size})"
+        if self.logprob_start_len >= n:
+            return f"logprob_start_len ({self.logprob_start_len}) must be < the prompt length ({n})"
+        bad_stops = [t for t in self.params.stop_token_ids if t >= vocab_size]
+        if bad_stops:
+            return f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {bad_stops[:5]}"
+        return None
 
     @property
     def all_ids(self) -> list[int]:

@@ -26,7 +26,6 @@ from runtime.managers.scheduler.output_stream import (
     OutputStream,
     record_input_logprobs,
     record_output_logprob,
-    take_back,
 )
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, PrefillAdder, admit
@@ -49,7 +48,6 @@ from runtime.messages import (
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
 from runtime.models.parallel import TensorParallel
-from runtime.sampling_params import TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.scheduler")
@@ -128,7 +126,8 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         timeout = self.args.request_timeout_s
         req = Req.from_message(msg, timeout if timeout and timeout > 0 else None)
-        problem = self._validate(req)
+        r = self.runner
+        problem = req.input_problem(r.vocab_size, r.context_length, r.max_total_tokens)
         if problem:
             self._fail(req, problem, 400)
             return
@@ -139,21 +138,6 @@ class Scheduler:
             self.grammar_wait.append(req)
         else:
             self.waiting.append(req)
-
-    def _validate(self, req: Req) -> str | None:
-        n, r = len(req.prompt_ids), self.runner
-        try:
-            check_token_budget(n, req.params.max_new_tokens, r.context_length, r.max_total_tokens)
-        except TokenBudgetError as e:
-            return str(e)
-        if max(req.prompt_ids) >= r.vocab_size or min(req.prompt_ids) < 0:
-            return f"input token ids must be in [0, {r.vocab_size})"
-        if req.logprob_start_len >= n:
-            return f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({n})"
-        bad_stops = [t for t in req.params.stop_token_ids if t >= r.vocab_size]
-        if bad_stops:
-            return f"stop_token_ids must be in [0, {r.vocab_size}) (the vocabulary), got {bad_stops[:5]}"
-        return None
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
         """Finish request `rid`, or every request with `abort_all`, as aborted. An empty rid matches none:
@@ -483,28 +467,8 @@ class Scheduler:
         reason = self.stop.check(req)
         if reason:
             req.finish(reason)
-        elif req.grammar is not None and self.grammars.jump_forward and not req.return_logprob:
-            self._jump_forward(req)
-
-    def _jump_forward(self, req: Req) -> None:
-        plan = self.grammars.plan_jump(req)
-        if plan is None:
-            return
-        keep, new_ids = plan
-        old_len = len(req.output_ids)
-        # KV first: positions from the first rewritten token on hold the old tokens' KV, which must never
-        # reach the radix cache under the new tokens (that re-used a cache-owned slot in a second node).
-        self.cm.drop_kv_from(req, len(req.prompt_ids) + keep)
-        req.output_ids = req.output_ids[:keep] + new_ids
-        take_back(req, keep)
-        self.stats["jump_forward_tokens"] += len(new_ids) - (old_len - keep)
-        req.grammar.reset_to(req.output_ids)
-        if len(req.output_ids) >= req.params.max_new_tokens:
-            req.output_ids = req.output_ids[: req.params.max_new_tokens]
-            req.grammar.reset_to(req.output_ids)
-            req.finish({"type": "length", "length": req.params.max_new_tokens})
-        elif req.grammar.is_terminated():
-            req.finish({"type": "stop", "matched": None})
+        elif req.grammar is not None and self.grammars.jump_forward_enabled and not req.return_logprob:
+            self.stats["jump_forward_tokens"] += self.grammars.jump_forward(req, self.cm.drop_kv_from)
 
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:
