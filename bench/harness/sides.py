@@ -1,6 +1,7 @@
 """The sides a comparison runs, one after another in the same process: radixlm variants and the HF baseline.
 
-A side name is a variant of radixlm (`radixlm`, `radixlm-noradix`, `radixlm-fcfs`, `radixlm-nojf`, and the
+A side name is a variant of radixlm (`radixlm`, `radixlm-noradix`, `radixlm-fcfs`, `radixlm-nojf`, the grammar
+backends `radixlm-outlines`, `radixlm-llguidance`, `radixlm-xgrammar`, and the
 numerics variants `radixlm-fp32`, `radixlm-bf16`, `radixlm-w8a8`, `radixlm-w4a8`, `radixlm-int8`) or `hf`.
 Each opens as a DSL backend plus a way to read its counters: the radixlm sides start an in-process
 `runtime.Engine` (or talk to a running server with `--url`), `hf` loads `bench.harness.hf_backend.HFBackend`
@@ -25,6 +26,10 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
     "radixlm-noradix": {"disable_radix_cache": True},
     "radixlm-fcfs": {"schedule_policy": "fcfs"},
     "radixlm-nojf": {"disable_jump_forward": True},
+    # grammar backends (the default, auto: llguidance for JSON then outlines-core; regexes on outlines-core)
+    "radixlm-outlines": {"grammar_backend": "outlines"},
+    "radixlm-llguidance": {"grammar_backend": "llguidance"},
+    "radixlm-xgrammar": {"grammar_backend": "xgrammar"},
     # numerics variants: accuracy of a dtype / quantization on the same items in one invocation
     "radixlm-fp32": {"dtype": "float32", "quantization": "none"},
     "radixlm-bf16": {"dtype": "bfloat16", "quantization": "none"},
