@@ -30,6 +30,7 @@ import numpy as np
 import outlines_core
 import torch
 
+from constrained.cursor import TokenCursor
 from constrained.errors import GrammarError
 from constrained.vocab import END_MARKER_REGEX, TokenVocabulary
 
@@ -235,7 +236,7 @@ class CompiledGrammar:
         return byte, nxt
 
 
-class GrammarMatcher:
+class GrammarMatcher(TokenCursor):
     """Per-request cursor: the DFA state after the accepted tokens. Cheap to create, not thread-safe."""
 
     __slots__ = ("grammar", "_state", "_eos", "_pending", "_ids", "_history")
@@ -302,16 +303,6 @@ class GrammarMatcher:
         self._state = nxt
         self._pending = _advance_utf8(self._pending, g.vocab.token_bytes[token_id] or b"")
 
-    def accept_tokens(self, token_ids: Sequence[int]) -> None:
-        """Accept several tokens; all or nothing."""
-        start = len(self._ids)
-        try:
-            for tid in token_ids:
-                self.accept_token(tid)
-        except GrammarError:
-            self.rollback(len(self._ids) - start)
-            raise
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens <= 0:
@@ -322,23 +313,6 @@ class GrammarMatcher:
         self._state, self._pending = self._history[keep]
         del self._ids[keep:], self._history[keep:]
         self._eos = False
-
-    def reset_to(self, token_ids: Sequence[int]) -> None:
-        """Make the accepted sequence ``token_ids``: rolls back to the common prefix, then accepts the rest.
-
-        Raises GrammarError (and keeps the previous sequence) if ``token_ids`` is not accepted.
-        """
-        common = 0
-        limit = min(len(token_ids), len(self._ids))
-        while common < limit and token_ids[common] == self._ids[common]:
-            common += 1
-        previous = self._ids[common:]
-        self.rollback(len(self._ids) - common)
-        try:
-            self.accept_tokens(token_ids[common:])
-        except GrammarError:
-            self.accept_tokens(previous)
-            raise
 
     def can_finish(self) -> bool:
         """EOS is allowed now (the output so far is a complete match)."""

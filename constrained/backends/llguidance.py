@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Sequence
 
 import numpy as np
 
 from constrained.backends import GrammarBackend
+from constrained.cursor import TokenCursor
 from constrained.errors import GrammarError, GrammarUnsupported
 
 MAX_LARK_CHARS = 400_000  # a tool-set grammar embeds every tool's schema: 40 tools of ~2-5 KB fit easily
@@ -287,7 +287,7 @@ def _utf8_pending(pending: int, data: bytes) -> int:
     return _advance_utf8(pending, data)
 
 
-class LLGuidanceMatcher:
+class LLGuidanceMatcher(TokenCursor):
     """Per-request cursor over an llguidance LLMatcher (the contract of constrained.grammar.GrammarMatcher).
     Not thread-safe."""
 
@@ -363,16 +363,6 @@ class LLGuidanceMatcher:
         data = vocab.token_bytes[token_id] if token_id < vocab.num_ids else None
         self._pending.append(_utf8_pending(self._pending[-1], data or b""))
 
-    def accept_tokens(self, token_ids: Sequence[int]) -> None:
-        """Accept several tokens; all or nothing."""
-        start = len(self._ids)
-        try:
-            for tid in token_ids:
-                self.accept_token(tid)
-        except GrammarError:
-            self.rollback(len(self._ids) - start)
-            raise
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens <= 0:
@@ -387,21 +377,6 @@ class LLGuidanceMatcher:
             raise ValueError(f"llguidance could not roll back {n} tokens: {self._m.get_error()}")
         keep = len(self._ids) - num_tokens
         del self._ids[keep:], self._pending[keep + 1 :]
-
-    def reset_to(self, token_ids: Sequence[int]) -> None:
-        """Make the accepted sequence ``token_ids`` (rolls back to the common prefix, accepts the rest).
-        Raises GrammarError (and keeps the previous sequence) if ``token_ids`` is not accepted."""
-        common = 0
-        limit = min(len(token_ids), len(self._ids))
-        while common < limit and token_ids[common] == self._ids[common]:
-            common += 1
-        previous = self._ids[common:]
-        self.rollback(len(self._ids) - common)
-        try:
-            self.accept_tokens(token_ids[common:])
-        except GrammarError:
-            self.accept_tokens(previous)
-            raise
 
     def can_finish(self) -> bool:
         return self._eos or self._m.is_accepting()

@@ -32,9 +32,9 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Sequence
 
 from constrained.backends import GrammarBackend
+from constrained.cursor import TokenCursor
 from constrained.errors import GrammarError, GrammarUnsupported
 
 # Standard formats (JSON Schema 2020-12, 7.3) that xgrammar 0.2.9 treats as unknown (any string): a 400,
@@ -376,7 +376,7 @@ class XGrammarCompiled:
         return XGrammarMatcher(self)
 
 
-class XGrammarMatcher:
+class XGrammarMatcher(TokenCursor):
     """Per-request cursor over an xgrammar GrammarMatcher. The bitmask of the current state is filled once
     per step and reused by ``fill_vocab_mask``, ``is_allowed``, ``accept_token``. Not thread-safe."""
 
@@ -456,16 +456,6 @@ class XGrammarMatcher:
         self._ids.append(token_id)
         self._fresh = False
 
-    def accept_tokens(self, token_ids: Sequence[int]) -> None:
-        """Accept several tokens; all or nothing."""
-        start = len(self._ids)
-        try:
-            for tid in token_ids:
-                self.accept_token(tid)
-        except GrammarError:
-            self.rollback(len(self._ids) - start)
-            raise
-
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (EOS included)."""
         if num_tokens <= 0:
@@ -475,23 +465,6 @@ class XGrammarMatcher:
         self._m.rollback(num_tokens)
         del self._ids[len(self._ids) - num_tokens :]
         self._fresh = False
-
-    def reset_to(self, token_ids: Sequence[int]) -> None:
-        """Make the accepted sequence ``token_ids``: rolls back to the common prefix, then accepts the rest.
-
-        Raises GrammarError (and keeps the previous sequence) if ``token_ids`` is not accepted.
-        """
-        common = 0
-        limit = min(len(token_ids), len(self._ids))
-        while common < limit and token_ids[common] == self._ids[common]:
-            common += 1
-        previous = self._ids[common:]
-        self.rollback(len(self._ids) - common)
-        try:
-            self.accept_tokens(token_ids[common:])
-        except GrammarError:
-            self.accept_tokens(previous)
-            raise
 
     def can_finish(self) -> bool:
         """EOS is allowed now (the output so far is a complete match), or was accepted."""
