@@ -17,26 +17,8 @@ from runtime.entrypoints.tool_calls import grammar as tool_grammar
 from runtime.entrypoints.tool_calls.base import Call, get_parser
 from runtime.entrypoints.tool_calls.grammar import forced_lark
 from runtime.entrypoints.tool_calls.schema import ToolChoice, ToolRequestError, parse_tools
+from tests.tool_fixtures import CALC, TOOLS, WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
-            "required": ["city", "days"],
-        },
-    },
-}
-CALC = {
-    "type": "function",
-    "function": {
-        "name": "calc",
-        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
-    },
-}
-TOOLS = parse_tools([WEATHER, CALC])
 PARSERS = ["hermes", "llama3", "mistral", "qwen"]
 
 

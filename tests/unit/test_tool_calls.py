@@ -18,27 +18,7 @@ from runtime.entrypoints.tool_calls.schema import (
     parse_tool_choice,
     parse_tools,
 )
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
-            "required": ["city", "days"],
-        },
-    },
-}
-CALC = {
-    "type": "function",
-    "function": {
-        "name": "calc",
-        "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]},
-    },
-}
-TOOLS = parse_tools([WEATHER, CALC])
+from tests.tool_fixtures import CALC, TOOLS, WEATHER
 
 
 def reassemble(parser_name: str, text: str, constrained: bool, seed: int = 0) -> tuple[str, list]:
