@@ -76,25 +76,21 @@ def _raise_for_victim(fn):
     return wrapper
 
 
-# Each stage of one request's life, and the scheduler attribute whose call fails for the victim only.
+# Each stage of one request's life: (object, attribute) whose call fails for the victim only.
 STAGES = {
-    "admission": lambda s: ("_validate", _raise_for_victim(s._validate)),
-    "scheduling": lambda s: ("cm.start", _raise_for_victim(s.cm.start)),
-    "grammar_mask": lambda s: ("grammars.vocab_mask", _raise_for_victim(s.grammars.vocab_mask)),
-    "sampling": lambda s: ("_sample", _raise_for_victim(s._sample)),
-    "stop_check": lambda s: ("stop.check", _raise_for_victim(s.stop.check)),
-    "output": lambda s: ("outputs.output_of", _raise_for_victim(s.outputs.output_of)),
+    "admission": lambda s: (Req, "input_problem"),
+    "scheduling": lambda s: (s.cm, "start"),
+    "grammar_mask": lambda s: (s.grammars, "vocab_mask"),
+    "sampling": lambda s: (s, "_sample"),
+    "stop_check": lambda s: (s.stop, "check"),
+    "output": lambda s: (s.outputs, "output_of"),
 }
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_fault_in_one_request_fails_it_alone(sched, monkeypatch, stage):
-    attr, fake = STAGES[stage](sched)
-    target = sched
-    *path, name = attr.split(".")
-    for p in path:
-        target = getattr(target, p)
-    monkeypatch.setattr(target, name, fake)
+    target, name = STAGES[stage](sched)
+    monkeypatch.setattr(target, name, _raise_for_victim(getattr(target, name)))
     res = drive(sched, [msg(rid, p) for rid, p in PROMPTS.items()])
     assert_only_victim_failed(res)
     monkeypatch.undo()
