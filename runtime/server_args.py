@@ -180,7 +180,17 @@ class ServerArgs:
         "-1: a quarter of the pool; 0 disables pinning",
     )
 
+    # ---- wire APIs (Responses store, Anthropic Messages) ----
+    responses_store_max_count: int = _opt(
+        1000,
+        "most responses kept for `previous_response_id` (least recently used out first)",
+    )
+    responses_store_max_mb: int = _opt(
+        64, "most megabytes of stored responses (response objects + their conversations) kept together"
+    )
+
     def __post_init__(self) -> None:
+        self._check_wire_apis()
         self._check_sessions()
         self._check_security()
         self._check_grammar_sandbox()
@@ -231,6 +241,13 @@ class ServerArgs:
                 raise ValueError(
                     "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
                     "port and does not check the Host header (see README 'Security')"
+                )
+
+    def _check_wire_apis(self) -> None:
+        for name in ("responses_store_max_count", "responses_store_max_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0 (0: store nothing), got {getattr(self, name)}"
                 )
 
     def _check_sessions(self) -> None:

@@ -28,7 +28,9 @@ from runtime.entrypoints.openai.formatters import (
 )
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from runtime.entrypoints.streaming import stream_response
-from runtime.entrypoints.tool_calls import ToolRequestError, plan_chat
+from runtime.entrypoints.tool_calls import ToolRequestError
+from runtime.entrypoints.wire import register_messages_routes, register_responses_routes
+from runtime.entrypoints.wire.conversation import plan_tools
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
@@ -44,6 +46,10 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             raise RequestError(
                 f"the model '{name}' does not exist; this server serves '{args.model_name}'", 404
             )
+
+    # Responses and Anthropic Messages: front ends over the same conversation layer (runtime/entrypoints/wire)
+    register_responses_routes(app, tm, args, check_model)
+    register_messages_routes(app, tm, args, check_model)
 
     @app.get("/v1/models")
     async def models():
@@ -76,14 +82,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         check_bounds(tm, body, 1)
         # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
         try:
-            plan = await plan_chat(
-                msgs,
-                [m.model_extra or {} for m in body.messages],
-                body,
-                tm.tokenizer,
-                args.tool_call_parser,
-                tm.grammar_validator,
-            )
+            plan = await plan_tools(msgs, [m.model_extra or {} for m in body.messages], body, tm, args)
         except ToolRequestError as e:
             raise RequestError(str(e), 400) from None
         grammar = grammar_of(body)
