@@ -180,13 +180,24 @@ class ServerArgs:
         "-1: a quarter of the pool; 0 disables pinning",
     )
 
-    # ---- wire APIs (Responses store, Anthropic Messages) ----
+    # ---- wire APIs (Responses store, reasoning parser) ----
     responses_store_max_count: int = _opt(
         1000,
         "most responses kept for `previous_response_id` (least recently used out first)",
     )
     responses_store_max_mb: int = _opt(
         64, "most megabytes of stored responses (response objects + their conversations) kept together"
+    )
+    reasoning_parser: str = _opt(
+        "auto",
+        "split a reasoning model's <think>...</think> from the answer (reasoning_content, reasoning items, "
+        "thinking blocks); auto picks from the chat template (none when it has no <think>)",
+        ("auto", "none", "deepseek-r1", "qwen3"),
+    )
+    reasoning_in_history: bool = _opt(
+        False,
+        "keep an assistant turn's thoughts in the re-rendered history (stored responses byte-identically) so "
+        "the next turn's prompt extends the previous one and its prefix stays cached",
     )
 
     def __post_init__(self) -> None:

@@ -31,6 +31,8 @@ from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.tool_calls import ToolRequestError
 from runtime.entrypoints.wire import register_messages_routes, register_responses_routes
 from runtime.entrypoints.wire.conversation import plan_tools
+from runtime.entrypoints.wire.reasoning import grammar_after_thoughts, history_text
+from runtime.entrypoints.wire.reasoning import resolve as resolve_reasoning
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
@@ -77,6 +79,11 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             {"role": m.role if m.role != "developer" else "system", "content": content_text(m.content)}
             for m in body.messages
         ]
+        if args.reasoning_in_history:  # thoughts the client sent back stay in the rendered history
+            for msg, m in zip(msgs, body.messages, strict=True):
+                thoughts = (m.model_extra or {}).get("reasoning_content")
+                if msg["role"] == "assistant" and isinstance(thoughts, str):
+                    msg["content"] = history_text(thoughts, msg["content"], None)
         # Bounds and admission before the template is rendered and the prompt tokenized.
         tm.check_prompt_chars(sum(len(m["content"]) for m in msgs))
         check_bounds(tm, body, 1)
@@ -90,6 +97,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             if grammar:
                 raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
             grammar = {"regex": plan.regex}
+        reasoning = resolve_reasoning(args.reasoning_parser, tm.tokenizer.chat_template)
+        reasoning = reasoning if body.separate_reasoning else None
+        grammar = await grammar_after_thoughts(reasoning, grammar)
         ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
         # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -98,11 +108,15 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         req = single_request(body, ids, params, body.logprobs or top > 0, top)
         rid = "chatcmpl-" + req.rid
         if body.stream:
-            return await stream_response(tm, [req], ChatFormatter(rid, args.model_name, tm, body, plan))
+            fmt = ChatFormatter(rid, args.model_name, tm, body, plan, reasoning)
+            return await stream_response(tm, [req], fmt)
         results = await run_unless_disconnected(request, tm.generate_all([req]))
         choices = []
         for i, r in enumerate(results):
-            message = plan.message(r["text"])
+            split = reasoning.split(r["text"]) if reasoning else None
+            message = plan.message(split.answer if split else r["text"])
+            if split is not None and split.reasoning is not None:
+                message["reasoning_content"] = split.reasoning
             choice = {
                 "index": i,
                 "message": message,

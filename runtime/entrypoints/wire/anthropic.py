@@ -119,8 +119,10 @@ def _messages(body: CountTokensRequest) -> list[Message]:
                 if b.get("is_error") is True:
                     text = f"Error: {text}"
                 out.append(Message("tool", text, call_id=b["tool_use_id"]))
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # not re-rendered: radixlm returns no thinking blocks without a reasoning parser
+            elif kind == "thinking" and role == "assistant" and isinstance(b.get("thinking"), str):
+                current.reasoning = (current.reasoning or "") + b["thinking"]
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # another server's encrypted thoughts: nothing radixlm can render
             else:
                 raise RequestError(f"'{where}.type' {kind!r} is not supported in a {role} message", 400)
         if current.text or current.tool_calls or not content:
@@ -176,8 +178,8 @@ def tool_error(message: str) -> str:
 
 
 def conversation_of(body: CountTokensRequest) -> Conversation:
-    if body.thinking is not None and body.thinking.get("type") != "disabled":
-        raise RequestError('\'thinking\' is not supported by radixlm (only {"type": "disabled"})', 400)
+    if body.thinking is not None and body.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise RequestError("'thinking.type' must be enabled, disabled or adaptive", 400)
     choice, parallel = _tool_choice(body.tool_choice)
     conv = Conversation(
         _messages(body), tools=_tools(body.tools), tool_choice=choice, parallel_tool_calls=parallel
@@ -218,9 +220,11 @@ def usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
 
 
 def message_object(mid: str, model: str, reply: Reply) -> dict[str, Any]:
-    content: list[dict[str, Any]] = (
-        [{"type": "text", "text": reply.text}] if reply.text or not reply.calls else []
-    )
+    content: list[dict[str, Any]] = []
+    if reply.reasoning is not None:
+        content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.text or not reply.calls:
+        content.append({"type": "text", "text": reply.text})
     content += [
         {"type": "tool_use", "id": c.id, "name": c.name, "input": call_input(c.arguments)}
         for c in reply.calls
@@ -245,8 +249,8 @@ class MessagesStream(TurnStream):
     """message_start, then per block content_block_start / _delta (text_delta, input_json_delta) / _stop,
     message_delta (stop_reason, usage), message_stop."""
 
-    def __init__(self, plan, mid: str, model: str):
-        super().__init__(plan)
+    def __init__(self, prepared, mid: str, model: str):
+        super().__init__(prepared)
         self.mid, self.model = mid, model
         self.block = -1  # index of the open block
         self.open_kind: str | None = None
@@ -276,6 +280,12 @@ class MessagesStream(TurnStream):
         self.open_kind = block["type"]
         return out + [event("content_block_start", {"index": self.block, "content_block": block})]
 
+    def on_reasoning(self, delta: str) -> list[bytes]:
+        block = {"type": "thinking", "thinking": "", "signature": ""}
+        out = [] if self.open_kind == "thinking" else self._begin(block)
+        d = {"type": "thinking_delta", "thinking": delta}
+        return out + [event("content_block_delta", {"index": self.block, "delta": d})]
+
     def on_text(self, delta: str) -> list[bytes]:
         out = [] if self.open_kind == "text" else self._begin({"type": "text", "text": ""})
         return out + [
@@ -292,7 +302,9 @@ class MessagesStream(TurnStream):
         return [event("content_block_delta", {"index": self.block, "delta": d})]
 
     def on_finish(self, reply: Reply) -> list[bytes]:
-        out = self._stop() if self.block >= 0 else self._begin({"type": "text", "text": ""}) + self._stop()
+        out = self._stop()
+        if not reply.text and not reply.calls:  # an empty answer is one empty text block, as the plain one
+            out += self._begin({"type": "text", "text": ""}) + self._stop()
         u = usage(reply.prompt_tokens, reply.cached_tokens, reply.output_tokens)
         delta = {"stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence}
         return out + [event("message_delta", {"delta": delta, "usage": u}), event("message_stop", {})]
@@ -315,9 +327,7 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
         prepared = await guarded(prepare(conv, sampling, tm, args, body.stream))
         mid = new_id("msg")
         if body.stream:
-            return await stream_response(
-                tm, [prepared.req], MessagesStream(prepared.plan, mid, args.model_name)
-            )
+            return await stream_response(tm, [prepared.req], MessagesStream(prepared, mid, args.model_name))
         reply = await run(prepared, tm, request)
         return FastJSONResponse(message_object(mid, args.model_name, reply))
 

@@ -20,6 +20,13 @@ from fastapi import Request
 from runtime.entrypoints.http_common import run_unless_disconnected
 from runtime.entrypoints.tool_calls import ToolPlan, ToolRequestError, plan_chat
 from runtime.entrypoints.tool_calls.output import new_call_id
+from runtime.entrypoints.wire.reasoning import (
+    ReasoningParser,
+    Split,
+    grammar_after_thoughts,
+    history_text,
+    resolve,
+)
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
@@ -40,9 +47,13 @@ class Message:
     text: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     call_id: str | None = None  # a tool result: the id of the call it answers
+    reasoning: str | None = None  # an assistant turn's thoughts
+    reasoning_prefix: str | None = None  # the raw text the model wrote before the answer, when known
 
-    def template_fields(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(role + content, extra fields) as the chat-template renderer reads them."""
+    def template_fields(self, keep_reasoning: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(role + content, extra fields) as the chat-template renderer reads them; with `keep_reasoning`
+        an assistant turn's thoughts stay in its content (the next prompt then extends this one)."""
+        text = history_text(self.reasoning, self.text, self.reasoning_prefix) if keep_reasoning else self.text
         extra: dict[str, Any] = {}
         if self.tool_calls:
             extra["tool_calls"] = [
@@ -51,7 +62,7 @@ class Message:
             ]
         if self.call_id is not None:
             extra["tool_call_id"] = self.call_id
-        return {"role": self.role, "content": self.text}, extra
+        return {"role": self.role, "content": text}, extra
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,11 +70,13 @@ class Message:
             "text": self.text,
             "tool_calls": [[c.id, c.name, c.arguments] for c in self.tool_calls],
             "call_id": self.call_id,
+            "reasoning": [self.reasoning, self.reasoning_prefix],
         }
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Message:
-        return Message(d["role"], d["text"], [ToolCall(*c) for c in d["tool_calls"]], d["call_id"])
+        calls = [ToolCall(*c) for c in d["tool_calls"]]
+        return Message(d["role"], d["text"], calls, d["call_id"], *d["reasoning"])
 
 
 @dataclass
@@ -77,6 +90,7 @@ class Conversation:
     parallel_tool_calls: bool | None = None
     json_schema: dict[str, Any] | None = None  # the answer's JSON Schema (structured output)
     continue_final_message: bool = False
+    separate_reasoning: bool = True  # False: thoughts stay in the answer (no reasoning parser)
 
 
 @dataclass
@@ -101,10 +115,12 @@ class Reply:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int
+    reasoning: str | None = None
+    reasoning_prefix: str | None = None
 
     def message(self) -> Message:
         """The answer as the next turn's history renders it."""
-        return Message("assistant", self.text, list(self.calls))
+        return Message("assistant", self.text, list(self.calls), None, self.reasoning, self.reasoning_prefix)
 
 
 @dataclass
@@ -112,6 +128,10 @@ class Prepared:
     plan: ToolPlan
     req: SingleRequest
     prompt_tokens: int
+    reasoning: ReasoningParser | None
+
+    def split(self, text: str, final: bool = True) -> Split:
+        return self.reasoning.split(text, final) if self.reasoning else Split(None, text, "")
 
 
 def tool_request_error(e: ToolRequestError) -> RequestError:
@@ -133,7 +153,7 @@ async def plan_tools(
 
 
 async def plan_conversation(conv: Conversation, tm: TokenizerManager, args: ServerArgs) -> ToolPlan:
-    fields = [m.template_fields() for m in conv.messages]
+    fields = [m.template_fields(args.reasoning_in_history) for m in conv.messages]
     return await plan_tools([f[0] for f in fields], [f[1] for f in fields], conv, tm, args)
 
 
@@ -162,6 +182,10 @@ async def prepare(
                 "forced tool calls (tools with tool_choice) cannot be combined with a JSON schema", 400
             )
         grammar = {"regex": plan.regex}
+    reasoning = (
+        resolve(args.reasoning_parser, tm.tokenizer.chat_template) if conv.separate_reasoning else None
+    )
+    grammar = await grammar_after_thoughts(reasoning, grammar)
     ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
     try:
         max_tokens = sampling.max_tokens
@@ -179,7 +203,7 @@ async def prepare(
     except ValueError as e:
         raise RequestError(str(e), 400) from None
     req = SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream)
-    return Prepared(plan, req, len(ids))
+    return Prepared(plan, req, len(ids), reasoning)
 
 
 def _finish(meta: dict[str, Any], has_calls: bool) -> tuple[str, str | None]:
@@ -195,14 +219,17 @@ def usage_numbers(meta: dict[str, Any]) -> tuple[int, int, int]:
     return meta["prompt_tokens"], meta["completion_tokens"], meta.get("cached_tokens", 0)
 
 
-def reply_of(plan: ToolPlan, result: dict[str, Any]) -> Reply:
-    msg = plan.message(result["text"])
+def reply_of(prepared: Prepared, result: dict[str, Any]) -> Reply:
+    split = prepared.split(result["text"])
+    msg = prepared.plan.message(split.answer)
     calls = [
         ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
         for c in msg.get("tool_calls", [])
     ]
     finish, stop = _finish(result["meta_info"], bool(calls))
-    return Reply(msg.get("content") or "", calls, finish, stop, *usage_numbers(result["meta_info"]))
+    usage = usage_numbers(result["meta_info"])
+    prefix = split.prefix if split.reasoning is not None else None
+    return Reply(msg.get("content") or "", calls, finish, stop, *usage, split.reasoning, prefix)
 
 
 async def count_prompt_tokens(conv: Conversation, tm: TokenizerManager, args: ServerArgs) -> int:
@@ -219,7 +246,7 @@ async def count_prompt_tokens(conv: Conversation, tm: TokenizerManager, args: Se
 async def run(prepared: Prepared, tm: TokenizerManager, request: Request) -> Reply:
     """Generate the whole answer (cancelled if the client goes away)."""
     results = await run_unless_disconnected(request, tm.generate_all([prepared.req]))
-    return reply_of(prepared.plan, results[0])
+    return reply_of(prepared, results[0])
 
 
 class TurnStream:
@@ -228,15 +255,21 @@ class TurnStream:
 
     done_marker = False  # no trailing `data: [DONE]` (the Responses and Messages streams end with an event)
 
-    def __init__(self, plan: ToolPlan):
-        self.tool_stream = plan.stream()
+    def __init__(self, prepared: Prepared):
+        self.prepared = prepared
+        self.tool_stream = prepared.plan.stream()
         self.started = False
+        self.reasoning: str | None = None
+        self.answer_sent = 0  # characters of the answer fed on (no tool parser)
         self.text = ""
         self.calls: list[list[str]] = []  # [id, name, arguments] per call index
 
     # ---- hooks: each returns the events to send ----
     def on_start(self, meta: dict[str, Any]) -> list[bytes]:
         """Before the first delta; `meta`: the first output's meta_info (prompt and cached tokens)."""
+        return []
+
+    def on_reasoning(self, delta: str) -> list[bytes]:
         return []
 
     def on_text(self, delta: str) -> list[bytes]:
@@ -261,12 +294,20 @@ class TurnStream:
         if not self.started:
             self.started = True
             events += self.on_start(meta)
+        finished = bool(meta["finish_reason"])
+        split = self.prepared.split(out["text"], finished)
+        if split.reasoning is not None and len(split.reasoning) > len(self.reasoning or ""):
+            delta = split.reasoning[len(self.reasoning or "") :]
+            self.reasoning = split.reasoning
+            events += self.on_reasoning(delta)
         if self.tool_stream is None:
-            if text_delta:
-                self.text += text_delta
-                events += self.on_text(text_delta)
+            if len(split.answer) > self.answer_sent:
+                delta = split.answer[self.answer_sent :]
+                self.answer_sent = len(split.answer)
+                self.text += delta
+                events += self.on_text(delta)
         else:
-            for d in self.tool_stream.feed(out["text"], bool(meta["finish_reason"])):
+            for d in self.tool_stream.feed(split.answer, finished):
                 if d.get("content"):
                     self.text += d["content"]
                     events += self.on_text(d["content"])
@@ -278,10 +319,12 @@ class TurnStream:
                     if fn.get("arguments"):
                         self.calls[k][2] += fn["arguments"]
                         events += self.on_call_arguments(k, fn["arguments"])
-        if meta["finish_reason"]:
+        if finished:
             calls = [ToolCall(*c) for c in self.calls]
             finish, stop = _finish(meta, bool(calls))
-            events += self.on_finish(Reply(self.text, calls, finish, stop, *usage_numbers(meta)))
+            prefix = split.prefix if split.reasoning is not None else None
+            reply = Reply(self.text, calls, finish, stop, *usage_numbers(meta), split.reasoning, prefix)
+            events += self.on_finish(reply)
         return b"".join(events) or None
 
     def end(self, finals: list[dict[str, Any]]) -> list[bytes]:

@@ -87,6 +87,7 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[Message]:
     if isinstance(raw, str):
         return [Message("user", raw)]
     out: list[Message] = []
+    thoughts: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -102,6 +103,8 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[Message]:
                 out[-1].text += text
             else:
                 out.append(Message(role, text))
+                if role == "assistant":
+                    out[-1].reasoning, thoughts = thoughts, None
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not all(isinstance(v, str) for v in (name, args, call_id)):
@@ -109,7 +112,8 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[Message]:
                     f"'{where}': a function_call needs string name, arguments and call_id", 400
                 )
             if not (out and out[-1].role == "assistant"):
-                out.append(Message("assistant"))
+                out.append(Message("assistant", reasoning=thoughts))
+                thoughts = None
             out[-1].tool_calls.append(ToolCall(call_id, name, args))
         elif kind == "function_call_output":
             call_id = item.get("call_id")
@@ -117,7 +121,8 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[Message]:
                 raise RequestError(f"'{where}.call_id' must be a string", 400)
             out.append(Message("tool", _text_of(item.get("output"), f"{where}.output"), call_id=call_id))
         elif kind == "reasoning":
-            continue  # not re-rendered: radixlm returns no reasoning items without a parser
+            parts = item.get("content") or []
+            thoughts = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
         else:
             raise RequestError(
                 f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output)",
@@ -260,6 +265,12 @@ class ResponseShell:
         }
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def output_items(reply: Reply) -> list[dict[str, Any]]:
-    items = [message_item(new_id("msg"), reply.text)] if reply.text or not reply.calls else []
+    items = [reasoning_item(new_id("rs"), reply.reasoning)] if reply.reasoning is not None else []
+    items += [message_item(new_id("msg"), reply.text)] if reply.text or not reply.calls else []
     return items + [call_item(new_id("fc"), c) for c in reply.calls]

@@ -23,6 +23,7 @@ from runtime.entrypoints.wire.responses import (
     message_item,
     new_id,
     output_items,
+    reasoning_item,
     sampling_of,
     tool_error,
 )
@@ -42,7 +43,7 @@ class ResponsesStream(TurnStream):
     output_item.done, and response.completed (the same response object a non-streamed request returns)."""
 
     def __init__(self, prepared, shell: ResponseShell, finished: Callable[[Reply, dict[str, Any]], None]):
-        super().__init__(prepared.plan)
+        super().__init__(prepared)
         self.shell, self.finished = shell, finished
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items, completed ones in their final form
@@ -64,10 +65,13 @@ class ResponsesStream(TurnStream):
         item = self.output[i]
         item["status"] = "completed"
         out = []
-        if kind == "message":
+        if kind in ("message", "reasoning"):
             part = item["content"][0]
             common = {"item_id": item["id"], "output_index": i, "content_index": 0}
-            out.append(self._ev("response.output_text.done", **common, text=part["text"], logprobs=[]))
+            if kind == "message":
+                out.append(self._ev("response.output_text.done", **common, text=part["text"], logprobs=[]))
+            else:
+                out.append(self._ev("response.reasoning_text.done", **common, text=part["text"]))
             out.append(self._ev("response.content_part.done", **common, part=part))
         else:
             common = {"item_id": item["id"], "output_index": i}
@@ -89,6 +93,31 @@ class ResponsesStream(TurnStream):
                 "response.content_part.added", item_id=item["id"], output_index=i, content_index=0, part=part
             ),
         ]
+
+    def on_reasoning(self, delta: str) -> list[bytes]:
+        out = []
+        if not (self.open and self.open[0] == "reasoning"):
+            out = self._close()
+            i = len(self.output)
+            item = reasoning_item(new_id("rs"), "", "in_progress")
+            self.output.append(item)
+            self.open = ("reasoning", i)
+            part = {"type": "reasoning_text", "text": ""}
+            out += [
+                self._ev("response.output_item.added", output_index=i, item={**item, "content": []}),
+                self._ev(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=i,
+                    content_index=0,
+                    part=part,
+                ),
+            ]
+        i = self.open[1]
+        item = self.output[i]
+        item["content"][0]["text"] += delta
+        data = {"item_id": item["id"], "output_index": i, "content_index": 0, "delta": delta}
+        return out + [self._ev("response.reasoning_text.delta", **data)]
 
     def on_text(self, delta: str) -> list[bytes]:
         out = [] if self.open and self.open[0] == "message" else self._close() + self._open_message()
@@ -118,7 +147,7 @@ class ResponsesStream(TurnStream):
 
     def on_finish(self, reply: Reply) -> list[bytes]:
         out = self._close()
-        if not self.output:  # an empty answer is still one (empty) message, as the non-streamed one
+        if not reply.text and not reply.calls:  # an empty answer is one empty message, as the non-streamed
             out += self._open_message() + self._close()
         resp = self.shell.object("completed", self.output, reply)
         self.finished(reply, resp)
