@@ -120,8 +120,6 @@ class Guard:
                 )
         if args.api_key and scope["path"] != "/health":
             authorization = headers.get(b"authorization", b"")
-            if not authorization and b"x-api-key" in headers:  # the `anthropic` client's header
-                authorization = b"Bearer " + headers[b"x-api-key"]
             # The admin key grants everything the normal key does.
             if not (
                 _bearer_matches(authorization, args.api_key)
