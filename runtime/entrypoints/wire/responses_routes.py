@@ -199,4 +199,4 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
     async def delete_response(response_id: str):
         stored(response_id, "id")
         store.delete(response_id)
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
+        return {"id": response_id, "object": "response", "deleted": True}
