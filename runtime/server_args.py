@@ -189,7 +189,28 @@ class ServerArgs:
         ("auto", "outlines", "llguidance", "xgrammar"),
     )
 
+    # ---- wire APIs (Responses store, reasoning parser) ----
+    responses_store_max_count: int = _opt(
+        1000,
+        "most responses kept for `previous_response_id` (least recently used out first)",
+    )
+    responses_store_max_mb: int = _opt(
+        64, "most megabytes of stored responses (response objects + their conversations) kept together"
+    )
+    reasoning_parser: str = _opt(
+        "auto",
+        "split a reasoning model's <think>...</think> from the answer (reasoning_content, reasoning items, "
+        "thinking blocks); auto picks from the chat template (none when it has no <think>)",
+        ("auto", "none", "deepseek-r1", "qwen3"),
+    )
+    reasoning_in_history: bool = _opt(
+        False,
+        "keep an assistant turn's thoughts in the re-rendered history (stored responses byte-identically) so "
+        "the next turn's prompt extends the previous one and its prefix stays cached",
+    )
+
     def __post_init__(self) -> None:
+        self._check_wire_apis()
         self._check_grammar_backend()
         self._check_sessions()
         self._check_security()
@@ -241,6 +262,13 @@ class ServerArgs:
                 raise ValueError(
                     "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
                     "port and does not check the Host header (see README 'Security')"
+                )
+
+    def _check_wire_apis(self) -> None:
+        for name in ("responses_store_max_count", "responses_store_max_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0 (0: store nothing), got {getattr(self, name)}"
                 )
 
     def _check_sessions(self) -> None:

@@ -31,6 +31,8 @@ from runtime.entrypoints.http_common import (
 from runtime.entrypoints.metrics import Metrics
 from runtime.entrypoints.security import Guard, require_admin
 from runtime.entrypoints.streaming import stream_response
+from runtime.entrypoints.wire.anthropic import PATH_PREFIX as ANTHROPIC_PATHS
+from runtime.entrypoints.wire.anthropic import anthropic_error
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
@@ -235,20 +237,26 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every error, ours or the client's, as OpenAI's error object."""
+    """Every error, ours or the client's, as OpenAI's error object (Anthropic's on the /v1/messages routes,
+    where the `anthropic` client reads it)."""
+
+    def error(request: Request, status: int, message: str, headers: dict[str, str] | None = None):
+        if request.url.path.startswith(ANTHROPIC_PATHS):
+            return anthropic_error(status, message)
+        return error_response(status, message, headers=headers)
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, e: RequestError):
-        return error_response(e.status, e.message)
+    async def _request_error(request: Request, e: RequestError):
+        return error(request, e.status, e.message)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        return error_response(400, _describe_validation(e))
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error(request, 400, _describe_validation(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         """Routing errors (404, 405) and body decode failures, in the same error object as everything else."""
-        return error_response(e.status_code, _describe_http_error(request, e), headers=e.headers)
+        return error(request, e.status_code, _describe_http_error(request, e), headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
@@ -257,7 +265,7 @@ def add_error_handlers(app: FastAPI) -> None:
         error_id = "err-" + secrets.token_hex(6)
         path = request.url.path
         logger.error("internal server error %s on %s %s", error_id, request.method, path, exc_info=e)
-        return error_response(500, f"internal server error (id {error_id}); see the server log")
+        return error(request, 500, f"internal server error (id {error_id}); see the server log")
 
 
 class _NativeFormatter:

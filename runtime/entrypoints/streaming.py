@@ -63,7 +63,8 @@ async def stream_events(
             finals[i] = out
     for event in fmt.end([finals[k] for k in sorted(finals)]):
         yield event
-    yield SSE_DONE
+    if getattr(fmt, "done_marker", True):  # Responses and Messages streams end with their own last event
+        yield SSE_DONE
 
 
 async def stream_response(

@@ -41,6 +41,9 @@ VALID_BODIES = {
         "max_tokens": 1,
     },
     "/abort_request": {"rid": "nothing-to-abort"},
+    "/v1/responses": {"model": "default", "input": "Hi", "max_output_tokens": 1},
+    "/v1/messages": {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+    "/v1/messages/count_tokens": {"model": "default", "messages": [{"role": "user", "content": "Hi"}]},
 }
 
 
@@ -134,8 +137,9 @@ def _routes(server: ServerProcess) -> list[tuple[str, str]]:
 
 
 # Routes whose answer past the guard is not 200 for the literal path: DELETE of the session named
-# "{session_id}", which holds nothing (404 from the route itself, after the key was accepted).
-PAST_GUARD_STATUS = {"/v1/sessions/{session_id}": 404}
+# "{session_id}", which holds nothing, and GET / DELETE of the stored response "{response_id}", which does not
+# exist (404 from the route itself, after the key was accepted).
+PAST_GUARD_STATUS = {"/v1/sessions/{session_id}": 404, "/v1/responses/{response_id}": 404}
 
 
 def test_api_key_guards_every_route_but_health(srv):

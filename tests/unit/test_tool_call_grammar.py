@@ -259,3 +259,19 @@ def test_a_tool_the_grammar_cannot_enforce_is_named(default_tokenizer):
     ):
         _plan(default_tokenizer, tools, "llguidance", validator)
     assert validator.kinds == ["lark", "lark", "lark"]  # the set, then each tool alone until the culprit
+
+
+@pytest.mark.parametrize("reasoning", ["qwen3", "deepseek-r1"])
+def test_tool_grammar_after_thoughts(reasoning):
+    """With a reasoning parser the forced-call Lark grammar constrains the answer after the thoughts only."""
+    from runtime.entrypoints.wire.reasoning import lark_after_thoughts, resolve
+
+    p = get_parser("hermes")
+    call = p.format_calls([Call("calc", '{"expr": "2*3"}')])
+    lark = lark_after_thoughts(resolve(reasoning, None), forced_lark(p, TOOLS, ToolChoice("required"), True))
+    assert accepts(lark, "<think>\nany </thin text / here\n</think>\n\n" + call)
+    assert not accepts(lark, "<think>\nthoughts\n</think>\n\nfree text")
+    assert not accepts(lark, "<think>\nno close tag" + call)
+    # qwen3 may skip the thoughts; deepseek-r1's output starts inside them (the template opened the tag)
+    assert accepts(lark, call) == (reasoning == "qwen3")
+    assert accepts(lark, "thoughts</think>\n" + call) == (reasoning == "deepseek-r1")

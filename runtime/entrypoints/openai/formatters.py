@@ -9,6 +9,7 @@ from typing import Any
 from runtime.entrypoints.http_common import sse
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from runtime.entrypoints.tool_calls import ToolPlan
+from runtime.entrypoints.wire.reasoning import ReasoningParser
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -117,12 +118,20 @@ class ChatFormatter(OpenAIFormatter):
     object_name = "chat.completion.chunk"
 
     def __init__(
-        self, rid: str, model: str, tm: TokenizerManager, body: ChatCompletionRequest, plan: ToolPlan
+        self,
+        rid: str,
+        model: str,
+        tm: TokenizerManager,
+        body: ChatCompletionRequest,
+        plan: ToolPlan,
+        reasoning: ReasoningParser | None = None,
     ):
         super().__init__(rid, model, tm, body)
         self.logprobs = body.logprobs
         self.plan = plan
         self.tool_streams: dict[int, Any] = {}  # choice index -> the parser's stream state
+        self.reasoning = reasoning
+        self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (reasoning, answer) characters sent
 
     def start(self, num_choices: int) -> list[bytes]:
         role = {"role": "assistant", "content": ""}
@@ -142,7 +151,23 @@ class ChatFormatter(OpenAIFormatter):
         lp = None
         if self.logprobs:
             lp = {"content": chat_logprobs(self.tm, out["meta_info"], logprob_start)}
+        thoughts = b""
+        if self.reasoning is not None:  # thoughts go out as reasoning_content; the rest reads the answer
+            split = self.reasoning.split(out["text"], bool(finish))
+            sent_r, sent_a = self.sent.get(index, (0, 0))
+            if split.reasoning is not None and len(split.reasoning) > sent_r:
+                delta = {"reasoning_content": split.reasoning[sent_r:]}
+                thoughts = self._chunk(
+                    [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}]
+                )
+                lp, sent_r = None, len(split.reasoning)
+            out = {**out, "text": split.answer}
+            text_delta = split.answer[sent_a:]
+            self.sent[index] = (sent_r, len(split.answer))
+            if not (text_delta or finish):
+                return thoughts or None
         if self.plan.parses_calls:
+            return thoughts + (self._tool_update(index, out, lp, finish) or b"") or None
             return self._tool_update(index, out, lp, finish)
         choice = {
             "index": index,
@@ -150,7 +175,7 @@ class ChatFormatter(OpenAIFormatter):
             "logprobs": lp,
             "finish_reason": finish_reason(out) if finish else None,
         }
-        return self._chunk([choice])
+        return thoughts + self._chunk([choice])
 
     def _tool_update(self, index: int, out: dict[str, Any], lp: Any, finish: Any) -> bytes | None:
         """Content and tool_calls deltas from the parser; several deltas go out as several SSE events."""

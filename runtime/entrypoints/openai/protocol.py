@@ -54,8 +54,9 @@ class CommonRequest(BaseModel):
     session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     cache_ttl_s: float | None = Field(default=None, ge=0)
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # seconds; shortens the server's
-    # sglang-router (`--dp-size`) sends these with every request it forwards. Reasoning is never separated
-    # (radixlm has no reasoning parser), so the two reasoning flags change nothing; hidden states only off.
+    # sglang-router (`--dp-size`) sends these with every request it forwards. separate_reasoning=False keeps
+    # the thoughts in `content` (see --reasoning-parser); thoughts always stream as they come, so
+    # stream_reasoning changes nothing; hidden states only off.
     separate_reasoning: StrictBool = True
     stream_reasoning: StrictBool = True
     return_hidden_states: StrictBool = False

@@ -28,7 +28,11 @@ from runtime.entrypoints.openai.formatters import (
 )
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from runtime.entrypoints.streaming import stream_response
-from runtime.entrypoints.tool_calls import ToolRequestError, plan_chat
+from runtime.entrypoints.tool_calls import ToolRequestError
+from runtime.entrypoints.wire import register_messages_routes, register_responses_routes
+from runtime.entrypoints.wire.conversation import plan_tools
+from runtime.entrypoints.wire.reasoning import grammar_after_thoughts, history_text
+from runtime.entrypoints.wire.reasoning import resolve as resolve_reasoning
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
@@ -44,6 +48,10 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             raise RequestError(
                 f"the model '{name}' does not exist; this server serves '{args.model_name}'", 404
             )
+
+    # Responses and Anthropic Messages: front ends over the same conversation layer (runtime/entrypoints/wire)
+    register_responses_routes(app, tm, args, check_model)
+    register_messages_routes(app, tm, args, check_model)
 
     @app.get("/v1/models")
     async def models():
@@ -71,20 +79,17 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             {"role": m.role if m.role != "developer" else "system", "content": content_text(m.content)}
             for m in body.messages
         ]
+        if args.reasoning_in_history:  # thoughts the client sent back stay in the rendered history
+            for msg, m in zip(msgs, body.messages, strict=True):
+                thoughts = (m.model_extra or {}).get("reasoning_content")
+                if msg["role"] == "assistant" and isinstance(thoughts, str):
+                    msg["content"] = history_text(thoughts, msg["content"], None)
         # Bounds and admission before the template is rendered and the prompt tokenized.
         tm.check_prompt_chars(sum(len(m["content"]) for m in msgs))
         check_bounds(tm, body, 1)
         # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
         try:
-            plan = await plan_chat(
-                msgs,
-                [m.model_extra or {} for m in body.messages],
-                body,
-                tm.tokenizer,
-                args.tool_call_parser,
-                tm.grammar_validator,
-                args.grammar_backend,
-            )
+            plan = await plan_tools(msgs, [m.model_extra or {} for m in body.messages], body, tm, args)
         except ToolRequestError as e:
             raise RequestError(str(e), 400) from None
         grammar = grammar_of(body)
@@ -92,6 +97,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             if grammar:
                 raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
             grammar = plan.grammar
+        reasoning = resolve_reasoning(args.reasoning_parser, tm.tokenizer.chat_template)
+        reasoning = reasoning if body.separate_reasoning else None
+        grammar = await grammar_after_thoughts(reasoning, grammar)
         ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
         # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -100,11 +108,15 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         req = single_request(body, ids, params, body.logprobs or top > 0, top)
         rid = "chatcmpl-" + req.rid
         if body.stream:
-            return await stream_response(tm, [req], ChatFormatter(rid, args.model_name, tm, body, plan))
+            fmt = ChatFormatter(rid, args.model_name, tm, body, plan, reasoning)
+            return await stream_response(tm, [req], fmt)
         results = await run_unless_disconnected(request, tm.generate_all([req]))
         choices = []
         for i, r in enumerate(results):
-            message = plan.message(r["text"])
+            split = reasoning.split(r["text"]) if reasoning else None
+            message = plan.message(split.answer if split else r["text"])
+            if split is not None and split.reasoning is not None:
+                message["reasoning_content"] = split.reasoning
             choice = {
                 "index": i,
                 "message": message,

@@ -1,0 +1,276 @@
+"""OpenAI's Responses API as a front end of `conversation`: the request body, its input items and tools
+converted to a `Conversation`, and a `Reply` converted to the `response` object and its output items."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from runtime.entrypoints.wire.conversation import Conversation, Message, Reply, Sampling, ToolCall
+from runtime.errors import RequestError
+
+UNSUPPORTED_TOOLS = {
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "computer",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "custom",
+    "namespace",
+    "tool_search",
+}
+
+
+class ResponsesRequest(BaseModel):
+    """The `POST /v1/responses` body. Fields a client library sends by default are accepted (and say
+    nothing radixlm must act on); anything else unknown is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    truncation: Literal["disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    background: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
+    # radixlm's extras
+    top_k: int = -1
+    seed: int | None = None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (input_text / output_text / text)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"'{where}' must be a string or a list of content parts", 400)
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise RequestError(
+                f"'{where}[{j}].type' {kind!r} is not supported (only input_text / output_text parts)", 400
+            )
+        out.append(part["text"])
+    return "".join(out)
+
+
+def input_messages(raw: str | list[dict[str, Any]]) -> list[Message]:
+    """The `input` items as messages: consecutive assistant text and function_call items form one assistant
+    turn; each function_call_output is a tool result."""
+    if isinstance(raw, str):
+        return [Message("user", raw)]
+    out: list[Message] = []
+    thoughts: str | None = None  # a reasoning item's text, for the assistant turn after it
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise RequestError(
+                    f"'{where}.role' must be user, system, developer or assistant, got {role!r}", 400
+                )
+            text = _text_of(item.get("content"), f"{where}.content")
+            role = "system" if role == "developer" else role
+            if role == "assistant" and out and out[-1].role == "assistant" and not out[-1].tool_calls:
+                out[-1].text += text
+            else:
+                out.append(Message(role, text))
+                if role == "assistant":
+                    out[-1].reasoning, thoughts = thoughts, None
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not all(isinstance(v, str) for v in (name, args, call_id)):
+                raise RequestError(
+                    f"'{where}': a function_call needs string name, arguments and call_id", 400
+                )
+            if not (out and out[-1].role == "assistant"):
+                out.append(Message("assistant", reasoning=thoughts))
+                thoughts = None
+            out[-1].tool_calls.append(ToolCall(call_id, name, args))
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str):
+                raise RequestError(f"'{where}.call_id' must be a string", 400)
+            out.append(Message("tool", _text_of(item.get("output"), f"{where}.output"), call_id=call_id))
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            thoughts = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
+        else:
+            raise RequestError(
+                f"'{where}.type' {kind!r} is not supported (message, function_call, function_call_output)",
+                400,
+            )
+    return out
+
+
+def chat_tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools in Chat Completions' shape. `strict` defaults to true, as OpenAI's."""
+    if raw is None:
+        return None
+    out = []
+    for i, t in enumerate(raw):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            why = "is not supported by radixlm" if kind in UNSUPPORTED_TOOLS else "is unknown"
+            raise RequestError(f"'tools[{i}].type' {kind!r} {why} (only function tools)", 400)
+        extra = set(t) - {"type", "name", "description", "parameters", "strict"}
+        if extra:
+            raise RequestError(f"'tools[{i}]': unknown field(s) {sorted(extra)}", 400)
+        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        fn["strict"] = t.get("strict") if t.get("strict") is not None else True
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(raw: str | dict[str, Any] | None) -> Any:
+    if raw is None or isinstance(raw, str):
+        return raw
+    if raw.get("type") == "function" and isinstance(raw.get("name"), str):
+        return {"type": "function", "function": {"name": raw["name"]}}
+    raise RequestError(
+        "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}", 400
+    )
+
+
+def output_schema(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise RequestError("'text.format.schema' must be a JSON Schema object", 400)
+        return fmt["schema"]
+    raise RequestError(
+        f"'text.format.type' must be text, json_object or json_schema, got {fmt.get('type')!r}", 400
+    )
+
+
+def tool_error(message: str) -> str:
+    """The planner names Chat Completions' fields; say them as Responses spells them."""
+    return message.replace("].function.", "].").replace("tool_choice.function.name", "tool_choice.name")
+
+
+def conversation_of(body: ResponsesRequest, history: list[Message]) -> Conversation:
+    """`history`: the stored conversation of `previous_response_id` (its instructions are not carried over,
+    as OpenAI's); the new instructions lead, then the history, then the new input."""
+    lead = [Message("system", body.instructions)] if body.instructions is not None else []
+    return Conversation(
+        lead + history + input_messages(body.input),
+        tools=chat_tools(body.tools),
+        tool_choice=chat_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        json_schema=output_schema(body.text),
+    )
+
+
+def sampling_of(body: ResponsesRequest) -> Sampling:
+    return Sampling(body.max_output_tokens, body.temperature, body.top_p, body.top_k, [], body.seed)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+def usage(reply: Reply) -> dict[str, Any]:
+    return {
+        "input_tokens": reply.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": reply.cached_tokens},
+        "output_tokens": reply.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": reply.prompt_tokens + reply.output_tokens,
+    }
+
+
+class ResponseShell:
+    """The response object's fields that do not depend on the answer (what `response.created` carries)."""
+
+    def __init__(self, body: ResponsesRequest, model: str):
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.body = body
+        self.model = model
+
+    def object(self, status: str, output: list[dict[str, Any]], reply: Reply | None = None) -> dict[str, Any]:
+        b = self.body
+        incomplete = reply is not None and reply.finish == "length"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "incomplete" if incomplete else status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": b.previous_response_id,
+            "store": b.store,
+            "temperature": b.temperature,
+            "top_p": b.top_p,
+            "text": b.text or {"format": {"type": "text"}},
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+            "tools": b.tools or [],
+            "truncation": "disabled",
+            "metadata": b.metadata or {},
+            "user": b.user,
+            "usage": usage(reply) if reply is not None else None,
+        }
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def output_items(reply: Reply) -> list[dict[str, Any]]:
+    items = [reasoning_item(new_id("rs"), reply.reasoning)] if reply.reasoning is not None else []
+    items += [message_item(new_id("msg"), reply.text)] if reply.text or not reply.calls else []
+    return items + [call_item(new_id("fc"), c) for c in reply.calls]
