@@ -54,9 +54,16 @@ class GrammarBackend:
 
     name: str = ""
     kinds: frozenset[str] = frozenset()  # grammar kinds this engine can express
+    package: str | None = None  # the optional package the engine needs
 
     def unavailable(self) -> str | None:
         """Why this backend cannot be used in this environment (its package is missing), or None."""
+        if self.package is None:
+            return None
+        try:
+            importlib.import_module(self.package)
+        except ImportError as err:
+            return f"the {self.package} package is not installed ({err})"
         return None
 
     def prepare(self, vocab) -> None:

@@ -105,17 +105,11 @@ def _explain(kind: str, message: str) -> str:
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
     kinds = frozenset({"regex", "json_schema", "json_object", "lark"})
+    package = "llguidance"
 
     def __init__(self):
         self._tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TokenVocabulary ->
         self._lock = threading.Lock()
-
-    def unavailable(self) -> str | None:
-        try:
-            import llguidance  # noqa: F401
-        except ImportError as err:
-            return f"the llguidance package is not installed ({err})"
-        return None
 
     def prepare(self, vocab) -> None:
         import llguidance  # noqa: F401

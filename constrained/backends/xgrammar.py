@@ -208,13 +208,7 @@ def _reject_warnings(kind: str, warnings: list[str]) -> None:
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
     kinds = frozenset({"regex", "json_schema", "json_object"})  # not lark: llguidance's dialect
-
-    def unavailable(self) -> str | None:
-        try:
-            import xgrammar  # noqa: F401
-        except ImportError as err:
-            return f"the xgrammar package is not installed ({err})"
-        return None
+    package = "xgrammar"
 
     def prepare(self, vocab) -> None:
         """Worker start-up, before its memory cap: xgrammar's imports (torch, transformers: ~3 s, ~600 MB of
