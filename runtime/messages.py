@@ -76,6 +76,7 @@ class ReqOutput(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
     # logprob entries are [logprob | None, token_id, top_logprobs | None]
     input_token_logprobs: list[list[Any]] | None = None
@@ -102,6 +103,7 @@ class ReqTextOutput(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None

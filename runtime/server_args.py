@@ -180,8 +180,16 @@ class ServerArgs:
         "-1: a quarter of the pool; 0 disables pinning",
     )
 
+    # ---- KV tiers (host memory under the radix cache) ----
+    kv_host_tier_gb: float = _opt(
+        0.0,
+        "GiB of host memory (pinned on CUDA) that keeps KV evicted from the KV pool; a prefix hit there is "
+        "copied back instead of recomputed, and session pins past --max-pinned-tokens move there; 0: off",
+    )
+
     def __post_init__(self) -> None:
         self._check_sessions()
+        self._check_kv_tiers()
         self._check_security()
         self._check_grammar_sandbox()
         self._check_parallel()
@@ -241,6 +249,14 @@ class ServerArgs:
             )
         if self.max_pinned_tokens < -1:
             raise ValueError(f"--max-pinned-tokens must be >= -1, got {self.max_pinned_tokens}")
+
+    def _check_kv_tiers(self) -> None:
+        if not 0 <= self.kv_host_tier_gb < 1 << 20:
+            raise ValueError(f"--kv-host-tier-gb must be >= 0 (GiB; 0: off), got {self.kv_host_tier_gb:g}")
+        if self.kv_host_tier_gb and self.disable_radix_cache:
+            raise ValueError("--kv-host-tier-gb needs the radix cache (drop --disable-radix-cache)")
+        if self.kv_host_tier_gb and self.tp_size > 1:
+            raise ValueError("--kv-host-tier-gb does not support --tp-size > 1 (each rank holds a KV shard)")
 
     def _check_request_bounds(self) -> None:
         for name in (

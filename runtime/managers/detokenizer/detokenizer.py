@@ -94,6 +94,7 @@ class IncrementalDetokenizer:
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
+            cached_tokens_host=out.cached_tokens_host,
             cache_miss=out.cache_miss,
             input_token_logprobs=out.input_token_logprobs,
             output_token_logprobs=out.output_token_logprobs,

@@ -7,6 +7,10 @@ When a request leaves (finish, abort, retraction) its tokens are inserted into t
 the lock dropped, so the accounting invariant holds after every step:
 
     allocator.available() + cache.total_size() + sum(own slots of live requests) == pool size
+
+With a host tier (`--kv-host-tier-gb`) the cache's evictions are copied there first, and `start` loads a
+prefix the host holds beyond the device match back into fresh device slots (inserted into the cache like any
+computed KV) instead of leaving it to be recomputed.
 """
 
 from __future__ import annotations
@@ -14,15 +18,26 @@ from __future__ import annotations
 import torch
 
 from runtime.managers.scheduler.req import Req
+from runtime.mem_cache.host_tier import HostTier
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
-from runtime.mem_cache.radix_cache import BasePrefixCache
+from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
 
 
 class CacheManager:
-    def __init__(self, cache: BasePrefixCache, req_pool: ReqToTokenPool, allocator: SlotAllocator):
+    def __init__(
+        self,
+        cache: BasePrefixCache,
+        req_pool: ReqToTokenPool,
+        allocator: SlotAllocator,
+        host: HostTier | None = None,
+    ):
         self.cache = cache
         self.req_pool = req_pool
         self.allocator = allocator
+        self.host = host
+        if host is not None:
+            assert isinstance(cache, RadixCache), "a host tier sits under the radix cache"
+            cache.on_evict = host.save
 
     # ---- lookup ----------------------------------------------------------------------------------------
     def match(self, req: Req) -> int:
@@ -52,10 +67,41 @@ class CacheManager:
         req.req_pool_idx = row
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
+        req.host_loaded_len = self._load_from_host(req) if self.host is not None else 0
         req.cache_owned_len = req.kv_len = req.match_len
         if req.match_len:
             self.req_pool.write(row, 0, req.match_indices)
         return True
+
+    def _load_from_host(self, req: Req) -> int:
+        """Extend the request's locked device match with what the host tier holds past it: fresh device
+        slots, a copy, an insert into the cache, the lock moved to the longer path. Returns the tokens
+        loaded (0: nothing more in the host tier, or no device slots for it: those tokens are recomputed)."""
+        key = req.cache_key(req.prefix_limit())
+        d = req.match_len
+        if len(key) <= d:
+            return 0
+        hit = self.host.match(key)
+        h = hit.indices.numel()
+        if h <= d:
+            return 0
+        self.host.lock(hit.last_node)  # the device evictions below copy into the host: keep ours there
+        try:
+            slots = self.alloc_slots(h - d)
+            if slots is None:
+                return 0
+            self.host.load(hit.indices[d:], slots)
+            dup = self.cache.insert(key[:h], torch.cat([req.match_indices, slots]))
+            self.allocator.free(slots[: max(0, dup - d)])  # not expected: the device held only d tokens
+        finally:
+            self.host.unlock(hit.last_node)
+        res = self.cache.match_prefix(key[:h])
+        assert res.indices.numel() == h, "a just-loaded prefix must match in full"
+        self.cache.lock(res.last_node)
+        self.cache.unlock(req.locked_node)
+        req.locked_node = req.match_node = res.last_node
+        req.match_len, req.match_indices = h, res.indices
+        return h - d
 
     def append_slots(self, req: Req, slots: torch.Tensor) -> None:
         """Record slots for the request's next tokens (their KV is written by the coming forward)."""
@@ -108,10 +154,15 @@ class CacheManager:
 
     def flush(self) -> bool:
         """Drop the whole cache; only possible while no request holds a lock."""
-        if self.cache.protected_size() > 0:
+        if self.cache.protected_size() > 0 or (self.host is not None and self.host.tree.protected_size()):
             return False
         self.allocator.free(self.cache.reset())
+        if self.host is not None:
+            self.host.reset()
         return True
+
+    def tier_info(self) -> dict:
+        return self.host.info() if self.host is not None else {"host_tier_tokens": 0}
 
     # ---- invariants -------------------------------------------------------------------------------------
     def check_accounting(self, live: list[Req]) -> None:
@@ -130,3 +181,5 @@ class CacheManager:
         )
         assert torch.unique(held).numel() == size, "KV accounting broken: a slot is held twice"
         self.cache.check_integrity()
+        if self.host is not None:
+            self.host.check()

@@ -124,6 +124,7 @@ class OutputStream:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.prefix_hit_len,
+            cached_tokens_host=req.prefix_hit_host,
             error=req.error,
             error_status=req.error_status,
         )

@@ -33,6 +33,7 @@ from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, Pr
 from runtime.managers.scheduler.sessions import SessionPins
 from runtime.managers.scheduler.stats import ThroughputLog, new_counters
 from runtime.managers.scheduler.stop_checker import StopChecker
+from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
     AbortReq,
@@ -74,13 +75,16 @@ class Scheduler:
         self.runner = runner or ModelRunner.from_server_args(args, model_dir, tp)
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
-        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator)
+        host = None
+        if args.kv_host_tier_gb:
+            host = HostTier(self.runner.kv_pool, host_tier_tokens(args.kv_host_tier_gb, self.runner.kv_pool))
+        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator, host)
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
         pool = self.runner.allocator.size
         max_pinned = args.max_pinned_tokens if args.max_pinned_tokens >= 0 else pool // 4
-        self.sessions = SessionPins(self.cm.cache, max_pinned)
+        self.sessions = SessionPins(self.cm.cache, max_pinned, host)
         self.rng = random.Random(args.random_seed)
         torch.manual_seed(args.random_seed)
 
@@ -296,7 +300,7 @@ class Scheduler:
         for req in started:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
-                req.prefix_hit_len = req.match_len
+                req.prefix_hit_len, req.prefix_hit_host = req.match_len, req.host_loaded_len
                 if req.session_id:
                     self._explain_cache_miss(req)
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
@@ -553,5 +557,6 @@ class Scheduler:
             "attention_backend": self.runner.backend_name,
             "grammar": self.grammars.stats(),
             **self.sessions.info(),
+            **self.cm.tier_info(),
             **{k: v for k, v in self.stats.items()},
         }
