@@ -77,6 +77,7 @@ class ReqOutput(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
+    cached_tokens_disk: int = 0  # of cached_tokens, those loaded from the disk tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
     # logprob entries are [logprob | None, token_id, top_logprobs | None]
     input_token_logprobs: list[list[Any]] | None = None
@@ -104,6 +105,7 @@ class ReqTextOutput(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
+    cached_tokens_disk: int = 0  # of cached_tokens, those loaded from the disk tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None

@@ -4,6 +4,7 @@ in meta_info and in OpenAI usage, and shows the tier in /get_server_info and /me
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -69,3 +70,30 @@ def test_openai_usage_splits_cached_tokens_by_tier(srv):
     details = r.json()["usage"]["prompt_tokens_details"]
     assert details["cached_tokens_by_tier"]["host"] > 0
     assert sum(details["cached_tokens_by_tier"].values()) == details["cached_tokens"]
+
+
+def test_a_restart_with_the_same_disk_dir_serves_from_disk(tmp_path):
+    """Stop (SIGTERM) a server with --kv-disk-dir, start another on the same directory: a prompt cached by
+    the first is loaded from disk by the second; a server in another dtype refuses those entries."""
+    disk = ["--kv-disk-dir", str(tmp_path / "kv"), "--max-total-tokens", "2048"]
+    prompt = long_prompt(100)
+    first = ServerProcess(extra_args=disk).start()
+    try:
+        assert generate(first.url, prompt)["cached_tokens"] < 8
+    finally:
+        assert first.stop(grace_s=60) == 0, first.log_tail()
+    assert any(n.endswith(".kv") for n in os.listdir(tmp_path / "kv"))
+    second = ServerProcess(extra_args=disk).start()
+    try:
+        meta = generate(second.url, prompt)
+        tiers = meta["cached_tokens_by_tier"]
+        assert tiers["disk"] >= 64 and tiers["disk"] + tiers["device"] == meta["cached_tokens"], meta
+        assert server_info(second.url)["disk_loaded_tokens"] >= tiers["disk"]
+    finally:
+        assert second.stop(grace_s=60) == 0, second.log_tail()
+    other = ServerProcess(extra_args=[*disk, "--dtype", "bfloat16"]).start()
+    try:
+        meta = generate(other.url, prompt)
+        assert meta["cached_tokens_by_tier"]["disk"] == 0, meta  # another dtype's entries: never used
+    finally:
+        assert other.stop(grace_s=60) == 0, other.log_tail()

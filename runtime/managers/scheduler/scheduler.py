@@ -20,7 +20,7 @@ import torch
 
 from constrained.errors import GrammarUnavailable
 from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
-from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
 from runtime.managers.scheduler.grammar_manager import GrammarManager
 from runtime.managers.scheduler.output_stream import (
     OutputStream,
@@ -33,7 +33,6 @@ from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, Pr
 from runtime.managers.scheduler.sessions import SessionPins
 from runtime.managers.scheduler.stats import ThroughputLog, new_counters
 from runtime.managers.scheduler.stop_checker import StopChecker
-from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
     AbortReq,
@@ -75,10 +74,8 @@ class Scheduler:
         self.runner = runner or ModelRunner.from_server_args(args, model_dir, tp)
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
-        host = None
-        if args.kv_host_tier_gb:
-            host = HostTier(self.runner.kv_pool, host_tier_tokens(args.kv_host_tier_gb, self.runner.kv_pool))
-        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator, host)
+        host, disk = make_tiers(args, model_dir, self.runner)
+        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator, host, disk)
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
@@ -301,6 +298,7 @@ class Scheduler:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
                 req.prefix_hit_len, req.prefix_hit_host = req.match_len, req.host_loaded_len
+                req.prefix_hit_disk = req.disk_loaded_len
                 if req.session_id:
                     self._explain_cache_miss(req)
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
