@@ -76,6 +76,8 @@ class ReqOutput(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
+    cached_tokens_disk: int = 0  # of cached_tokens, those loaded from the disk tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
     # logprob entries are [logprob | None, token_id, top_logprobs | None]
     input_token_logprobs: list[list[Any]] | None = None
@@ -103,6 +105,8 @@ class ReqTextOutput(Message):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
+    cached_tokens_disk: int = 0  # of cached_tokens, those loaded from the disk tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None

@@ -209,10 +209,25 @@ class ServerArgs:
         "the next turn's prompt extends the previous one and its prefix stays cached",
     )
 
+    # ---- KV tiers (host memory under the radix cache) ----
+    kv_host_tier_gb: float = _opt(
+        0.0,
+        "GiB of host memory (pinned on CUDA) that keeps KV evicted from the KV pool; a prefix hit there is "
+        "copied back instead of recomputed, and session pins past --max-pinned-tokens move there; 0: off",
+    )
+    kv_disk_dir: str | None = _opt(
+        None,
+        "directory of a disk KV tier that survives restarts: cached prefixes are written there in the "
+        "background (and on SIGTERM) and loaded instead of recomputed; entries of another model or dtype "
+        "are refused",
+    )
+    kv_disk_gb: float = _opt(10.0, "size cap of --kv-disk-dir in GiB (least recently used files go first)")
+
     def __post_init__(self) -> None:
         self._check_wire_apis()
         self._check_grammar_backend()
         self._check_sessions()
+        self._check_kv_tiers()
         self._check_security()
         self._check_grammar_sandbox()
         self._check_parallel()
@@ -279,6 +294,23 @@ class ServerArgs:
             )
         if self.max_pinned_tokens < -1:
             raise ValueError(f"--max-pinned-tokens must be >= -1, got {self.max_pinned_tokens}")
+
+    def _check_kv_tiers(self) -> None:
+        if not 0 <= self.kv_host_tier_gb < 1 << 20:
+            raise ValueError(f"--kv-host-tier-gb must be >= 0 (GiB; 0: off), got {self.kv_host_tier_gb:g}")
+        if self.kv_host_tier_gb and self.disable_radix_cache:
+            raise ValueError("--kv-host-tier-gb needs the radix cache (drop --disable-radix-cache)")
+        if self.kv_host_tier_gb and self.tp_size > 1:
+            raise ValueError("--kv-host-tier-gb does not support --tp-size > 1 (each rank holds a KV shard)")
+        if not 0 < self.kv_disk_gb < 1 << 30:
+            raise ValueError(f"--kv-disk-gb must be > 0 (GiB), got {self.kv_disk_gb:g}")
+        if self.kv_disk_dir is not None:
+            if not self.kv_disk_dir.strip():
+                raise ValueError("--kv-disk-dir must name a directory")
+            if self.disable_radix_cache or self.tp_size > 1:
+                raise ValueError("--kv-disk-dir needs the radix cache and --tp-size 1")
+            if os.path.exists(self.kv_disk_dir) and not os.path.isdir(self.kv_disk_dir):
+                raise ValueError(f"--kv-disk-dir {self.kv_disk_dir!r} exists and is not a directory")
 
     def _check_request_bounds(self) -> None:
         for name in (

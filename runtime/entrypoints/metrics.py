@@ -22,6 +22,19 @@ class Metrics:
         self.cached_tokens = Counter(
             "radixlm_cached_tokens_total", "Prompt tokens served from the radix cache", registry=r
         )
+        self.cached_tokens_host = Counter(
+            "radixlm_cached_tokens_host_total", "Prompt tokens loaded back from the host KV tier", registry=r
+        )
+        self.host_tier_used = Gauge(
+            "radixlm_host_tier_used_tokens", "Tokens of KV held in the host tier", registry=r
+        )
+        self.host_tier_size = Gauge("radixlm_host_tier_tokens", "Host tier capacity in tokens", registry=r)
+        self.cached_tokens_disk = Counter(
+            "radixlm_cached_tokens_disk_total", "Prompt tokens loaded from the disk KV tier", registry=r
+        )
+        self.disk_tier_used = Gauge(
+            "radixlm_disk_tier_used_bytes", "Bytes of KV files in --kv-disk-dir", registry=r
+        )
         self.ttft = Histogram(
             "radixlm_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -55,6 +68,8 @@ class Metrics:
         self.prompt_tokens.inc(st.prompt_tokens)
         self.generation_tokens.inc(len(st.output_ids))
         self.cached_tokens.inc(getattr(st, "cached_tokens", 0))
+        self.cached_tokens_host.inc(getattr(st, "cached_tokens_host", 0))
+        self.cached_tokens_disk.inc(getattr(st, "cached_tokens_disk", 0))
         if st.first_token_time is not None:
             self.ttft.observe(st.first_token_time - st.created)
         self.e2e.observe(time.perf_counter() - st.created)
@@ -67,4 +82,7 @@ class Metrics:
             self.cache_hit_rate.set(scheduler_info.get("cache_hit_rate", 0.0))
             self.sessions_pinned.set(scheduler_info.get("sessions_pinned", 0))
             self.session_pinned_tokens.set(scheduler_info.get("session_pinned_tokens", 0))
+            self.host_tier_used.set(scheduler_info.get("host_tier_used_tokens", 0))
+            self.host_tier_size.set(scheduler_info.get("host_tier_tokens", 0))
+            self.disk_tier_used.set(scheduler_info.get("disk_tier_used_bytes", 0))
         return generate_latest(self.registry)

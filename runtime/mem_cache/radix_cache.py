@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -170,6 +170,9 @@ class RadixCache(BasePrefixCache):
         self.root = TreeNode()
         self._evictable = 0
         self._protected = 0
+        # Called with (path key, path slots) of each leaf `evict` is about to drop, while its slots still
+        # hold its KV: the host tier (`host_tier.HostTier.save`) copies it there first.
+        self.on_evict: Callable[[Key, torch.Tensor], None] | None = None
 
     # ---- lookup / insert -------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
@@ -252,6 +255,12 @@ class RadixCache(BasePrefixCache):
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
 
+    def path(self, node: TreeNode) -> tuple[Key, torch.Tensor]:
+        """The whole key from the root to the end of `node`, and its slots."""
+        nodes = self._path_to_root(node)[::-1]
+        key = tuple(t for n in nodes for t in n.key)
+        return key, torch.cat([n.value for n in nodes]) if nodes else _empty_slots()
+
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
         """`node` and its ancestors, root excluded; raises ValueError for a node not in this tree."""
         path = []
@@ -275,6 +284,8 @@ class RadixCache(BasePrefixCache):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
+            if self.on_evict is not None:
+                self.on_evict(*self.path(leaf))
             del parent.children[leaf.key[0]]
             leaf.parent = None  # detached: a stale lock/unlock on it now fails loudly
             self._evictable -= len(leaf.key)

@@ -27,14 +27,20 @@ def tool_finish_reason(finish: str, has_calls: bool) -> str:
 def usage_of(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = results[0]["meta_info"]["prompt_tokens"] if results else 0
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    cached = max((r["meta_info"]["cached_tokens"] for r in results), default=0)
+    best = max(results, key=lambda r: r["meta_info"]["cached_tokens"], default=None)
+    cached = best["meta_info"]["cached_tokens"] if best else 0
+    by_tier = best["meta_info"].get("cached_tokens_by_tier") if best else None
     misses = [r["meta_info"]["cache_miss"] for r in results if r["meta_info"].get("cache_miss")]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         # radixlm's extra: why a session's request found less cached than its previous request left
-        "prompt_tokens_details": {"cached_tokens": cached, **({"cache_miss": misses[0]} if misses else {})},
+        "prompt_tokens_details": {
+            "cached_tokens": cached,
+            **({"cached_tokens_by_tier": by_tier} if by_tier else {}),
+            **({"cache_miss": misses[0]} if misses else {}),
+        },
     }
 
 

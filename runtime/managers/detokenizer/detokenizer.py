@@ -106,6 +106,8 @@ class IncrementalDetokenizer:
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
+            cached_tokens_host=out.cached_tokens_host,
+            cached_tokens_disk=out.cached_tokens_disk,
             cache_miss=out.cache_miss,
             input_token_logprobs=out.input_token_logprobs,
             output_token_logprobs=out.output_token_logprobs,

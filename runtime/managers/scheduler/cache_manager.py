@@ -7,22 +7,42 @@ When a request leaves (finish, abort, retraction) its tokens are inserted into t
 the lock dropped, so the accounting invariant holds after every step:
 
     allocator.available() + cache.total_size() + sum(own slots of live requests) == pool size
+
+With a host tier (`--kv-host-tier-gb`) the cache's evictions are copied there first, and `start` loads a
+prefix the host holds beyond the device match back into fresh device slots (inserted into the cache like any
+computed KV) instead of leaving it to be recomputed.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from runtime.managers.scheduler.req import Req
+from runtime.mem_cache.disk_tier import DiskTier
+from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
-from runtime.mem_cache.radix_cache import BasePrefixCache
+from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
 
 
 class CacheManager:
-    def __init__(self, cache: BasePrefixCache, req_pool: ReqToTokenPool, allocator: SlotAllocator):
+    def __init__(
+        self,
+        cache: BasePrefixCache,
+        req_pool: ReqToTokenPool,
+        allocator: SlotAllocator,
+        host: HostTier | None = None,
+        disk: DiskTier | None = None,
+    ):
         self.cache = cache
         self.req_pool = req_pool
         self.allocator = allocator
+        self.host = host
+        self.disk = disk
+        if host is not None:
+            assert isinstance(cache, RadixCache), "a host tier sits under the radix cache"
+            cache.on_evict = host.save
 
     # ---- lookup ----------------------------------------------------------------------------------------
     def match(self, req: Req) -> int:
@@ -52,10 +72,68 @@ class CacheManager:
         req.req_pool_idx = row
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
+        req.host_loaded_len = self._load_from_host(req) if self.host is not None else 0
+        req.disk_loaded_len = self._load_from_disk(req) if self.disk is not None else 0
         req.cache_owned_len = req.kv_len = req.match_len
         if req.match_len:
             self.req_pool.write(row, 0, req.match_indices)
         return True
+
+    def _load_from_host(self, req: Req) -> int:
+        """Extend the request's locked device match with what the host tier holds past it: fresh device
+        slots, a copy, an insert into the cache, the lock moved to the longer path. Returns the tokens
+        loaded (0: nothing more in the host tier, or no device slots for it: those tokens are recomputed)."""
+        key = req.cache_key(req.prefix_limit())
+        d = req.match_len
+        if len(key) <= d:
+            return 0
+        hit = self.host.match(key)
+        h = hit.indices.numel()
+        if h <= d:
+            return 0
+        self.host.lock(hit.last_node)  # the device evictions below copy into the host: keep ours there
+        try:
+            slots = self.alloc_slots(h - d)
+            if slots is None:
+                return 0
+            self.host.load(hit.indices[d:], slots)
+        finally:
+            self.host.unlock(hit.last_node)
+        self._adopt(req, key[:h], slots)
+        return h - d
+
+    def _load_from_disk(self, req: Req) -> int:
+        """The same as `_load_from_host` for the blocks the disk tier holds past the match (a file that fails
+        its checks ends the run there: what follows is recomputed)."""
+        key = req.cache_key(req.prefix_limit())
+        d = req.match_len
+        names = self.disk.block_names(key)
+        n = self.disk.cached_len(names)
+        if n <= d:
+            return 0
+        got = self.disk.read(key, names, d, n)
+        if got is None:
+            return 0
+        k, v, m = got
+        slots = self.alloc_slots(m)
+        if slots is None:
+            return 0
+        self.disk.load(k, v, slots)
+        self._adopt(req, key[: d + m], slots)
+        return m
+
+    def _adopt(self, req: Req, key: list[int], slots: torch.Tensor) -> None:
+        """Insert loaded KV (`slots`, for the tokens of `key` past the request's match) into the cache and
+        move the request's lock onto the longer path."""
+        d = req.match_len
+        dup = self.cache.insert(key, torch.cat([req.match_indices, slots]))
+        self.allocator.free(slots[: max(0, dup - d)])  # not expected: the device held only d tokens
+        res = self.cache.match_prefix(key)
+        assert res.indices.numel() == len(key), "a just-loaded prefix must match in full"
+        self.cache.lock(res.last_node)
+        self.cache.unlock(req.locked_node)
+        req.locked_node = req.match_node = res.last_node
+        req.match_len, req.match_indices = len(key), res.indices
 
     def append_slots(self, req: Req, slots: torch.Tensor) -> None:
         """Record slots for the request's next tokens (their KV is written by the coming forward)."""
@@ -82,6 +160,8 @@ class CacheManager:
             return
         key = req.cache_key(req.kv_len)
         slots = self.req_pool.read(req.req_pool_idx, req.kv_len).clone()
+        if self.disk is not None:
+            self.disk.offer(key, slots)
         dup = self.cache.insert(key, slots)
         self.allocator.free(slots[req.cache_owned_len : max(dup, req.cache_owned_len)])
         res = self.cache.match_prefix(key)
@@ -98,7 +178,10 @@ class CacheManager:
         row = req.req_pool_idx
         slots = self.req_pool.read(row, req.kv_len).clone()
         if cache_tokens and req.kv_len:
-            dup = self.cache.insert(req.cache_key(req.kv_len), slots)
+            key = req.cache_key(req.kv_len)
+            if self.disk is not None:
+                self.disk.offer(key, slots)
+            dup = self.cache.insert(key, slots)
             self.allocator.free(slots[req.cache_owned_len : max(dup, req.cache_owned_len)])
         else:
             self.allocator.free(slots[req.cache_owned_len :])
@@ -108,10 +191,24 @@ class CacheManager:
 
     def flush(self) -> bool:
         """Drop the whole cache; only possible while no request holds a lock."""
-        if self.cache.protected_size() > 0:
+        if self.cache.protected_size() > 0 or (self.host is not None and self.host.tree.protected_size()):
             return False
         self.allocator.free(self.cache.reset())
+        if self.host is not None:
+            self.host.reset()
         return True
+
+    def tier_info(self) -> dict:
+        info = self.host.info() if self.host is not None else {"host_tier_tokens": 0}
+        return {**info, **(self.disk.info() if self.disk is not None else {"disk_tier_bytes": 0})}
+
+    def save_to_disk(self) -> None:
+        """Graceful shutdown: queue every cached prefix not on disk yet, then wait for the writer."""
+        if self.disk is None or not isinstance(self.cache, RadixCache):
+            return
+        for node in [n for n in self.cache._nodes() if n.is_leaf()]:
+            self.disk.offer(*self.cache.path(node))
+        self.disk.flush()
 
     # ---- invariants -------------------------------------------------------------------------------------
     def check_accounting(self, live: list[Req]) -> None:
@@ -130,3 +227,21 @@ class CacheManager:
         )
         assert torch.unique(held).numel() == size, "KV accounting broken: a slot is held twice"
         self.cache.check_integrity()
+        if self.host is not None:
+            self.host.check()
+
+
+def make_tiers(args, model_dir: str, runner) -> tuple[HostTier | None, DiskTier | None]:
+    """The KV tiers `args` ask for under the runner's KV pool (`--kv-host-tier-gb`, `--kv-disk-dir`)."""
+    pool = runner.kv_pool
+    host = HostTier(pool, host_tier_tokens(args.kv_host_tier_gb, pool)) if args.kv_host_tier_gb else None
+    disk = None
+    if args.kv_disk_dir:
+        c = runner.config
+        # what makes KV differ: the weights (their folder), quantization and the attention geometry
+        identity = (
+            f"{os.path.realpath(model_dir)}|{args.quantization}|{c.architecture}|{c.num_layers}x"
+            f"{pool.num_kv_heads}x{pool.head_dim}|rope={getattr(c, 'rope_theta', '')}"
+        )
+        disk = DiskTier(args.kv_disk_dir, int(args.kv_disk_gb * 2**30), pool, identity)
+    return host, disk

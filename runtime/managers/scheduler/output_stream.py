@@ -125,6 +125,8 @@ class OutputStream:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.prefix_hit_len,
+            cached_tokens_host=req.prefix_hit_host,
+            cached_tokens_disk=req.prefix_hit_disk,
             error=req.error,
             error_status=req.error_status,
         )

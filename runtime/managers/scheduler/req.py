@@ -51,6 +51,10 @@ class Req:
     locked_node: TreeNode | None = None  # radix node locked for the cached prefix we use
     cache_owned_len: int = 0  # leading tokens of kv whose slots the radix cache owns (not this request)
     prefix_hit_len: int = 0  # prompt tokens found cached at first admission (the client's cached_tokens)
+    prefix_hit_host: int = 0  # of those, the tokens loaded from the host tier
+    host_loaded_len: int = 0  # tokens the latest admission loaded from the host tier (`CacheManager.start`)
+    prefix_hit_disk: int = 0  # of prefix_hit_len, the tokens loaded from the disk tier
+    disk_loaded_len: int = 0  # tokens the latest admission loaded from the disk tier
     # set by the prefill adder: prefix length matched at scheduling time and the node it ends in
     match_len: int = 0
     match_node: TreeNode | None = None

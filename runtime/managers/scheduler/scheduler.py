@@ -20,7 +20,7 @@ import torch
 
 from constrained.errors import GrammarUnavailable
 from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
-from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
 from runtime.managers.scheduler.grammar_manager import GrammarManager
 from runtime.managers.scheduler.output_stream import (
     OutputStream,
@@ -72,13 +72,14 @@ class Scheduler:
         self.runner = runner or ModelRunner.from_server_args(args, model_dir, tp)
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
-        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator)
+        host, disk = make_tiers(args, model_dir, self.runner)
+        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator, host, disk)
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
         pool = self.runner.allocator.size
         max_pinned = args.max_pinned_tokens if args.max_pinned_tokens >= 0 else pool // 4
-        self.sessions = SessionPins(self.cm.cache, max_pinned)
+        self.sessions = SessionPins(self.cm.cache, max_pinned, host)
         self.rng = random.Random(args.random_seed)
         torch.manual_seed(args.random_seed)
 
@@ -280,7 +281,8 @@ class Scheduler:
         for req in started:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
-                req.prefix_hit_len = req.match_len
+                req.prefix_hit_len, req.prefix_hit_host = req.match_len, req.host_loaded_len
+                req.prefix_hit_disk = req.disk_loaded_len
                 if req.session_id:
                     self._explain_cache_miss(req)
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
@@ -517,5 +519,6 @@ class Scheduler:
             "attention_backend": self.runner.backend_name,
             "grammar": self.grammars.stats(),
             **self.sessions.info(),
+            **self.cm.tier_info(),
             **{k: v for k, v in self.stats.items()},
         }

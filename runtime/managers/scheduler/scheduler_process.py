@@ -58,7 +58,10 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
     poller = zmq.Poller()
     poller.register(recv_sock, zmq.POLLIN)
     was_busy = False
-    while True:
+    stopping: list[int] = []
+    if args.kv_disk_dir:  # SIGTERM (the supervisor's graceful stop): write the cache to disk, then exit
+        signal.signal(signal.SIGTERM, lambda sig, frame: stopping.append(sig))
+    while not stopping:
         scheduler.runner.keepalive()  # tensor parallel: idle rank 0 heartbeats to the waiting ranks
         if not scheduler.has_work():
             if was_busy:
@@ -85,6 +88,9 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
                 _check_accounting_or_exit(scheduler, logger)
             if outputs:
                 ipc.send(detok_sock, BatchTokenIDOut(outputs=outputs))
+    logger.info("SIGTERM: writing the prefix cache to %s", args.kv_disk_dir)
+    scheduler.cm.save_to_disk()
+    logger.info("prefix cache written: %s", scheduler.cm.disk.info())
 
 
 def _check_accounting_or_exit(scheduler, logger: logging.Logger) -> None:

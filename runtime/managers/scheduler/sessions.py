@@ -6,7 +6,9 @@ session's next request will reuse. A session holds one pin: its next request's p
 path usually extends the old one). Pins end at their TTL, on `DELETE /v1/sessions/{id}`, or when the pinned
 total would pass `--max-pinned-tokens` (the oldest goes first); the scheduler also drops the oldest pin
 rather than stall when pinned memory is what keeps a request from being admitted. A released pin only
-unlocks: the tokens stay in the cache as ordinary LRU entries.
+unlocks: the tokens stay in the cache as ordinary LRU entries. With a host tier, a pin pushed out by
+--max-pinned-tokens is demoted instead: its path is copied to the host tier and locked there until its TTL
+(its device copy becomes ordinary LRU); it is dropped only when the host tier has no room for it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.mem_cache.radix_cache import BasePrefixCache, TreeNode
+from runtime.mem_cache.host_tier import HostTier
+from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache, TreeNode
 
 MAX_SESSION_RECORDS = 1024  # sessions whose last request is remembered for the cache-miss explainer
 SNIPPET_TOKENS = 8  # tokens of context either side of a divergence in an explanation
@@ -37,15 +40,20 @@ class Pin:
     node: TreeNode  # the last node of the pinned path (locking it locks the whole path)
     tokens: int  # path length: what the pin protects at most (paths of two sessions may share tokens)
     expires_at: float  # time.monotonic()
+    on_host: bool = False  # `node` is in the host tier's tree (demoted past --max-pinned-tokens)
 
 
 class SessionPins:
-    def __init__(self, cache: BasePrefixCache, max_pinned_tokens: int):
+    def __init__(self, cache: BasePrefixCache, max_pinned_tokens: int, host: HostTier | None = None):
         self.cache = cache
+        self.host = host
         self.max_pinned_tokens = max_pinned_tokens
         self._pins: OrderedDict[str, Pin] = OrderedDict()  # oldest first
-        self.pinned_tokens = 0  # sum of the pins' path lengths (an upper bound of the tokens they protect)
-        self.counts = dict(pinned=0, expired=0, deleted=0, evicted_for_limit=0, evicted_for_memory=0)
+        self.pinned_tokens = 0  # sum of the device pins' path lengths (an upper bound of what they protect)
+        self.host_pinned_tokens = 0  # the same for pins demoted to the host tier
+        self.counts = dict(
+            pinned=0, expired=0, deleted=0, evicted_for_limit=0, evicted_for_memory=0, demoted_to_host=0
+        )
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently finished first
 
     def __len__(self) -> int:
@@ -60,8 +68,12 @@ class SessionPins:
         res = self.cache.match_prefix(key)
         if not res.indices.numel():
             return False
-        while self._pins and self.pinned_tokens + res.indices.numel() > self.max_pinned_tokens:
-            self.release(next(iter(self._pins)), reason="evicted_for_limit")
+        while self.pinned_tokens + res.indices.numel() > self.max_pinned_tokens:
+            oldest = next((s for s, p in self._pins.items() if not p.on_host), None)
+            if oldest is None:
+                break
+            if not self._demote(oldest):
+                self.release(oldest, reason="evicted_for_limit")
         self.cache.lock(res.last_node)
         self._pins[session_id] = Pin(res.last_node, res.indices.numel(), time.monotonic() + ttl_s)
         self.pinned_tokens += res.indices.numel()
@@ -74,13 +86,37 @@ class SessionPins:
         pin = self._pins.pop(session_id, None)
         if pin is None:
             return 0
-        self.cache.unlock(pin.node)
-        self.pinned_tokens -= pin.tokens
+        if pin.on_host:
+            self.host.unlock(pin.node)
+            self.host_pinned_tokens -= pin.tokens
+        else:
+            self.cache.unlock(pin.node)
+            self.pinned_tokens -= pin.tokens
         if reason:
             self.counts[reason] += 1
             if session_id in self._records:
                 self._records[session_id].state = reason
         return pin.tokens
+
+    def _demote(self, session_id: str) -> bool:
+        """Move a device pin to the host tier (copy its path there, lock it there, unlock it here). False
+        when there is no host tier or it has no room."""
+        pin = self._pins[session_id]
+        if self.host is None or not isinstance(self.cache, RadixCache):
+            return False
+        key, slots = self.cache.path(pin.node)
+        key, slots = key[: pin.tokens], slots[: pin.tokens]
+        self.host.save(key, slots)
+        hit = self.host.match(key)
+        if hit.indices.numel() < len(key):
+            return False
+        self.host.lock(hit.last_node)
+        self.cache.unlock(pin.node)
+        self.pinned_tokens -= pin.tokens
+        self.host_pinned_tokens += pin.tokens
+        pin.node, pin.on_host = hit.last_node, True
+        self.counts["demoted_to_host"] += 1
+        return True
 
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -89,9 +125,10 @@ class SessionPins:
 
     def release_oldest(self) -> bool:
         """Memory is short: drop the oldest pin. False when there is none."""
-        if not self._pins:
+        oldest = next((s for s, p in self._pins.items() if not p.on_host), None)
+        if oldest is None:  # host pins hold no device memory
             return False
-        self.release(next(iter(self._pins)), reason="evicted_for_memory")
+        self.release(oldest, reason="evicted_for_memory")
         return True
 
     def release_all(self) -> None:
@@ -146,6 +183,7 @@ class SessionPins:
         return {
             "sessions_pinned": len(self._pins),
             "session_pinned_tokens": self.pinned_tokens,
+            "session_host_pinned_tokens": self.host_pinned_tokens,
             "max_pinned_tokens": self.max_pinned_tokens,
             **{f"session_pins_{k}": v for k, v in self.counts.items()},
         }

@@ -25,6 +25,7 @@ from runtime.server_args import ServerArgs
 logger = logging.getLogger("radixlm.supervisor")
 STARTUP_TIMEOUT_S = 600
 WATCH_INTERVAL_S = 0.5
+DISK_FLUSH_S = 60.0  # how long a stopping scheduler may write its cached prefixes to --kv-disk-dir
 
 
 class Supervisor:
@@ -127,7 +128,12 @@ class Supervisor:
                 return
 
     def stop(self) -> None:
-        """Kill the children and reap them (idempotent)."""
+        """Stop the children and reap them (idempotent). With `--kv-disk-dir` the scheduler first gets a
+        SIGTERM and up to DISK_FLUSH_S to write its cached prefixes to disk; the rest are killed."""
+        scheduler = self.procs.get("scheduler")
+        if getattr(self.args, "kv_disk_dir", None) and scheduler is not None and scheduler.is_alive():
+            scheduler.terminate()
+            scheduler.join(timeout=DISK_FLUSH_S)
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()

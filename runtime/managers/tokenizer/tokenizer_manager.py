@@ -61,6 +61,8 @@ class ReqState:
     finished: bool = False
     first_token_time: float | None = None
     cached_tokens: int = 0
+    cached_tokens_host: int = 0
+    cached_tokens_disk: int = 0
     cache_miss: dict[str, Any] | None = None
     finish_type: str | None = None
     input_logprobs: list = field(default_factory=list)
@@ -368,7 +370,8 @@ class TokenizerManager:
         if st.first_token_time is None and st.output_ids:
             st.first_token_time = time.perf_counter()
         st.text += c.text_delta
-        st.cached_tokens = c.cached_tokens
+        st.cached_tokens, st.cached_tokens_host = c.cached_tokens, c.cached_tokens_host
+        st.cached_tokens_disk = c.cached_tokens_disk
         if c.cache_miss is not None:
             st.cache_miss = c.cache_miss
         if c.input_token_logprobs:
@@ -398,6 +401,11 @@ class TokenizerManager:
             "prompt_tokens": st.prompt_tokens,
             "completion_tokens": len(st.output_ids),
             "cached_tokens": last.cached_tokens,
+            "cached_tokens_by_tier": {
+                "device": last.cached_tokens - last.cached_tokens_host - last.cached_tokens_disk,
+                "host": last.cached_tokens_host,
+                "disk": last.cached_tokens_disk,
+            },
             "finish_reason": last.finished_reason,
             "e2e_latency": time.perf_counter() - st.created,
         }

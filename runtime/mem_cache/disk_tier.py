@@ -1,0 +1,239 @@
+"""Disk tier under the radix cache: cached prefixes survive a restart in `--kv-disk-dir`.
+
+A cache key is cut into blocks of BLOCK tokens; block i's file holds the KV of tokens [i*B, (i+1)*B) and is
+named by a chained hash: h_i = blake2b(h_{i-1}, the model's identity, the dtype, block i's tokens), so a file
+stands for exactly one prefix of one model in one dtype. Files are written by a background thread (tmp file +
+rename: a reader never sees a half-written entry) from copies taken when a prefix enters the device cache, and
+the queue is drained on a graceful shutdown. The directory is capped at `--kv-disk-gb`; past it the least
+recently used files go. On a lookup the longest run of consecutive blocks on disk is loaded; each file's
+header (identity, dtype, shape, tokens) is checked before use, and a file that fails (corrupt, another model
+or dtype, another prefix) is ignored with a warning and deleted, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from runtime.mem_cache.memory_pool import KVPool
+
+logger = logging.getLogger("radixlm.disk_tier")
+
+BLOCK = 64  # tokens per file
+SUFFIX = ".kv"
+QUEUE_BLOCKS = 1024  # blocks waiting to be written at most; past it new blocks are not written
+
+
+class DiskTier:
+    def __init__(self, directory: str, cap_bytes: int, device_pool: KVPool, identity: str):
+        self.dir = directory
+        self.cap_bytes = cap_bytes
+        self.device_pool = device_pool
+        self.identity = identity
+        self.dtype = str(device_pool.dtype).removeprefix("torch.")
+        self._salt = f"{identity}|{self.dtype}".encode()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: dict[str, tuple[int, float]] = {}  # name -> (bytes, last use)
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if name.endswith(SUFFIX) and os.path.isfile(path):
+                st = os.stat(path)
+                self._index[name[: -len(SUFFIX)]] = (st.st_size, st.st_mtime)
+        self._pending: set[str] = set()
+        self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
+        self.counts = dict(disk_written_blocks=0, disk_loaded_tokens=0, disk_rejected_files=0, disk_dropped=0)
+        self._writer = threading.Thread(target=self._write_loop, name="radixlm-kv-disk", daemon=True)
+        self._writer.start()
+
+    # ---- naming --------------------------------------------------------------------------------------
+    def block_names(self, key: list[int] | tuple[int, ...]) -> list[str]:
+        """The file names of the full blocks of `key`, in order."""
+        names, prev = [], b""
+        for i in range(len(key) // BLOCK):
+            ids = ",".join(map(str, key[i * BLOCK : (i + 1) * BLOCK])).encode()  # salted keys pass 2**64
+            h = hashlib.blake2b(prev + self._salt + ids, digest_size=20)
+            prev = h.digest()
+            names.append(h.hexdigest())
+        return names
+
+    def cached_len(self, names: list[str]) -> int:
+        """Tokens of the longest run of blocks, from the first, that are on disk."""
+        with self._lock:
+            n = next((i for i, name in enumerate(names) if name not in self._index), len(names))
+        return n * BLOCK
+
+    # ---- device -> disk (background) -----------------------------------------------------------------
+    def offer(self, key: list[int], device_slots: torch.Tensor) -> int:
+        """Queue the full blocks of a just-cached prefix that are not on disk yet (their KV is copied now:
+        the slots may be reused before the writer runs). Returns the blocks queued."""
+        names = self.block_names(key)
+        queued = 0
+        for i, name in enumerate(names):
+            with self._lock:
+                if name in self._index or name in self._pending:
+                    continue
+                self._pending.add(name)
+            sl = device_slots[i * BLOCK : (i + 1) * BLOCK].to(self.device_pool.k[0].device)
+            k = torch.stack([layer.index_select(0, sl) for layer in self.device_pool.k]).cpu()
+            v = torch.stack([layer.index_select(0, sl) for layer in self.device_pool.v]).cpu()
+            entry = {
+                "identity": self.identity,
+                "dtype": self.dtype,
+                "tokens": [int(t) for t in key[i * BLOCK : (i + 1) * BLOCK]],
+                "prev": names[i - 1] if i else "",
+                "k": k,
+                "v": v,
+            }
+            try:
+                self._queue.put_nowait((name, entry))
+                queued += 1
+            except queue.Full:
+                with self._lock:
+                    self._pending.discard(name)
+                self.counts["disk_dropped"] += 1
+                break
+        return queued
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:
+                logger.exception("writing a KV block to %s failed", self.dir)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, name: str, entry: dict) -> None:
+        path = os.path.join(self.dir, name + SUFFIX)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            torch.save(entry, tmp)
+            os.replace(tmp, path)
+        finally:
+            with self._lock:
+                self._pending.discard(name)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        size = os.path.getsize(path)
+        with self._lock:
+            self._index[name] = (size, time.time())
+        self.counts["disk_written_blocks"] += 1
+        self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        with self._lock:
+            total = sum(s for s, _ in self._index.values())
+            victims = []
+            for name, (size, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
+                if total <= self.cap_bytes:
+                    break
+                victims.append(name)
+                total -= size
+            for name in victims:
+                del self._index[name]
+        for name in victims:
+            try:
+                os.unlink(os.path.join(self.dir, name + SUFFIX))
+            except FileNotFoundError:
+                pass
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued block is written (graceful shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    # ---- disk -> device ------------------------------------------------------------------------------
+    def read(self, key: list[int], names: list[str], start: int, end: int) -> tuple[torch.Tensor, ...] | None:
+        """K and V [layers, tokens, heads, dim] of key[start:end] (block-aligned end) from the files, or the
+        longest valid leading part: (k, v, tokens read). None when not even the first block is usable."""
+        ks, vs = [], []
+        first = start // BLOCK
+        for i in range(first, end // BLOCK):
+            entry = self._load(names[i], key[i * BLOCK : (i + 1) * BLOCK])
+            if entry is None:
+                break
+            ks.append(entry["k"])
+            vs.append(entry["v"])
+        if not ks:
+            return None
+        off = start - first * BLOCK
+        k, v = torch.cat(ks, dim=1)[:, off:], torch.cat(vs, dim=1)[:, off:]
+        return k, v, k.shape[1]
+
+    def _load(self, name: str, tokens: list[int]) -> dict | None:
+        path = os.path.join(self.dir, name + SUFFIX)
+        pool = self.device_pool
+        shape = (pool.num_layers, BLOCK, pool.num_kv_heads, pool.head_dim)
+        try:
+            entry = torch.load(path, map_location="cpu", weights_only=True)
+            problem = None
+            if not isinstance(entry, dict):
+                problem = "not a KV block"
+            elif entry.get("identity") != self.identity:
+                problem = f"another model ({str(entry.get('identity'))[:80]!r})"
+            elif entry.get("dtype") != self.dtype:
+                problem = f"dtype {entry.get('dtype')!r}, this server runs {self.dtype!r}"
+            elif entry.get("tokens") != [int(t) for t in tokens]:
+                problem = "another prefix"
+            elif any(
+                not isinstance(entry.get(x), torch.Tensor)
+                or tuple(entry[x].shape) != shape
+                or entry[x].dtype != pool.dtype
+                for x in ("k", "v")
+            ):
+                problem = "wrong KV shape or dtype"
+        except Exception as e:  # unreadable, truncated, not a torch file
+            entry, problem = None, f"unreadable ({type(e).__name__}: {str(e)[:120]})"
+        if problem is None:
+            with self._lock:
+                if name in self._index:
+                    self._index[name] = (self._index[name][0], time.time())
+            return entry
+        logger.warning("ignoring KV disk entry %s: %s", path, problem)
+        self.counts["disk_rejected_files"] += 1
+        with self._lock:
+            self._index.pop(name, None)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return None
+
+    def load(self, k: torch.Tensor, v: torch.Tensor, device_slots: torch.Tensor) -> None:
+        dev = self.device_pool.k[0].device
+        dst = device_slots.to(dev)
+        for layer in range(self.device_pool.num_layers):
+            self.device_pool.k[layer].index_copy_(0, dst, k[layer].to(dev))
+            self.device_pool.v[layer].index_copy_(0, dst, v[layer].to(dev))
+        self.counts["disk_loaded_tokens"] += device_slots.numel()
+
+    # ---- sizes ---------------------------------------------------------------------------------------
+    def info(self) -> dict:
+        with self._lock:
+            used = sum(s for s, _ in self._index.values())
+            files = len(self._index)
+        return {
+            "disk_tier_bytes": self.cap_bytes,
+            "disk_tier_used_bytes": used,
+            "disk_tier_files": files,
+            **self.counts,
+        }
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.flush(timeout_s)
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass

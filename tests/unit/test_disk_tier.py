@@ -1,0 +1,134 @@
+"""Disk KV tier: blocks written in the background (tmp + rename) are found again by a new instance on the
+same directory (a restart) and loaded into the device pool; entries of another model or dtype, corrupt or
+forged files are refused with a warning and never used; the size cap holds."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.req import Req
+from runtime.mem_cache.disk_tier import BLOCK, SUFFIX, DiskTier
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from runtime.mem_cache.radix_cache import RadixCache
+from runtime.sampling_params import SamplingParams
+from runtime.server_args import ServerArgs
+
+POOL = 4 * BLOCK
+
+
+def make_cm(directory, identity: str = "model-a", dtype=torch.float32, cap: int = 1 << 30) -> CacheManager:
+    kv = KVPool(POOL, num_layers=2, num_kv_heads=2, head_dim=4, dtype=dtype)
+    disk = DiskTier(str(directory), cap, kv, identity)
+    return CacheManager(RadixCache(), ReqToTokenPool(4, 4 * BLOCK), SlotAllocator(POOL), disk=disk)
+
+
+def fill(cm: CacheManager, prompt: list[int]) -> Req:
+    """Run a request's prompt through the cache manager: its KV names its tokens (k = token + layer)."""
+    req = Req(rid="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))
+    cm.match(req)
+    assert cm.start(req)
+    slots = cm.alloc_slots(len(prompt) - req.kv_len)
+    kv = cm.disk.device_pool
+    vals = torch.tensor(prompt[req.kv_len :], dtype=torch.float32)[:, None, None].expand(-1, 2, 4)
+    for layer in range(2):
+        kv.write(layer, slots, vals + layer, vals - layer)
+    cm.append_slots(req, slots)
+    return req
+
+
+def prompt_of(n: int, base: int = 1000) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def test_a_restart_loads_cached_blocks_from_disk(tmp_path):
+    cm = make_cm(tmp_path)
+    prompt = prompt_of(2 * BLOCK + 10)
+    cm.release(fill(cm, prompt))  # cached: 2 full blocks go to disk in the background
+    assert cm.disk.flush()
+    assert sorted(os.listdir(tmp_path)) == sorted(n + SUFFIX for n in cm.disk.block_names(prompt))
+    assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+
+    fresh = make_cm(tmp_path)  # a new process: empty device cache, same directory
+    req = Req(rid="r2", prompt_ids=prompt + [5], params=SamplingParams(max_new_tokens=1))
+    assert fresh.match(req) == 0
+    assert fresh.start(req)
+    assert (req.match_len, req.disk_loaded_len) == (2 * BLOCK, 2 * BLOCK)
+    slots = fresh.req_pool.read(req.req_pool_idx, 2 * BLOCK)
+    kv = fresh.disk.device_pool
+    want = torch.tensor(prompt[: 2 * BLOCK], dtype=torch.float32)
+    assert torch.equal(kv.k[1][slots][:, 0, 0], want + 1) and torch.equal(kv.v[1][slots][:, 1, 3], want - 1)
+    fresh.check_accounting([req])
+    fresh.release(req, cache_tokens=False)
+    fresh.check_accounting([])
+
+
+@pytest.mark.parametrize("other", [dict(identity="model-b"), dict(dtype=torch.float16)])
+def test_entries_of_another_model_or_dtype_are_never_used(tmp_path, other):
+    cm = make_cm(tmp_path)
+    prompt = prompt_of(BLOCK + 1)
+    cm.release(fill(cm, prompt))
+    assert cm.disk.flush()
+    names = cm.disk.block_names(prompt)
+    other_cm = make_cm(tmp_path, **other)
+    assert other_cm.disk.block_names(prompt) != names  # keyed by model and dtype: never looked up
+    req = Req(rid="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))
+    other_cm.match(req)
+    assert other_cm.start(req) and req.disk_loaded_len == 0
+
+
+def test_forged_corrupt_and_mismatched_files_are_refused_with_a_warning(tmp_path, caplog):
+    a = make_cm(tmp_path / "a")
+    prompt = prompt_of(BLOCK + 1)
+    a.release(fill(a, prompt))
+    assert a.disk.flush()
+    (name,) = a.disk.block_names(prompt)
+    b_dir = tmp_path / "b"
+    b = make_cm(b_dir, identity="model-b")
+    # model-b's name for the prompt, holding model-a's entry (a forged or renamed file)
+    (b_name,) = b.disk.block_names(prompt)
+    (b_dir / (b_name + SUFFIX)).write_bytes((tmp_path / "a" / (name + SUFFIX)).read_bytes())
+    c = make_cm(b_dir, identity="model-b")
+    req = Req(rid="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))
+    c.match(req)
+    with caplog.at_level(logging.WARNING, logger="radixlm.disk_tier"):
+        assert c.start(req) and req.disk_loaded_len == 0
+    assert "another model" in caplog.text and c.disk.counts["disk_rejected_files"] == 1
+    assert not (b_dir / (b_name + SUFFIX)).exists()  # dropped, never used
+    c.release(req, cache_tokens=False)
+    # a truncated file
+    (b_dir / (b_name + SUFFIX)).write_bytes(b"\x80\x02garbage")
+    d = make_cm(b_dir, identity="model-b")
+    req = Req(rid="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))
+    d.match(req)
+    with caplog.at_level(logging.WARNING, logger="radixlm.disk_tier"):
+        assert d.start(req) and req.disk_loaded_len == 0
+    assert "unreadable" in caplog.text
+    d.check_accounting([req])
+
+
+def test_the_size_cap_drops_least_recently_used_files(tmp_path):
+    one = make_cm(tmp_path)
+    one.release(fill(one, prompt_of(BLOCK + 1)))
+    assert one.disk.flush()
+    size = os.path.getsize(next(iter(tmp_path.iterdir())))
+    cm = make_cm(tmp_path, cap=int(2.5 * size))
+    for base in (2000, 3000, 4000):
+        cm.release(fill(cm, prompt_of(BLOCK + 1, base)))
+        assert cm.disk.flush()
+    assert len(os.listdir(tmp_path)) == 2 and cm.disk.info()["disk_tier_used_bytes"] <= 2.5 * size
+
+
+def test_server_args_check_the_disk_tier(tmp_path):
+    assert ServerArgs(kv_disk_dir=str(tmp_path)).kv_disk_gb == 10.0
+    with pytest.raises(ValueError, match="--kv-disk-gb"):
+        ServerArgs(kv_disk_dir=str(tmp_path), kv_disk_gb=0)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        ServerArgs(kv_disk_dir=str(tmp_path / "f"))
+    with pytest.raises(ValueError, match="radix cache"):
+        ServerArgs(kv_disk_dir=str(tmp_path), disable_radix_cache=True)
