@@ -128,6 +128,12 @@ class BasePrefixCache(ABC):
         `len(match.indices)`) belong to the cache and must not be freed.
         """
 
+    def exact_node(self, node: TreeNode, matched: int) -> TreeNode:
+        """The node whose path is exactly the first `matched` tokens of `node`'s path (`node` from a match
+        of that length): a match that ends inside `node` splits it there, so a lock protects only what the
+        request uses and not the rest of a long cached sequence that merely shares its first tokens."""
+        return node
+
     @abstractmethod
     def lock(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from eviction (reference counted); refresh their LRU time."""
@@ -216,6 +222,12 @@ class RadixCache(BasePrefixCache):
             pos += n
             node = child
         return pos  # everything was cached already (possibly ending inside a node: no split needed)
+
+    def exact_node(self, node: TreeNode, matched: int) -> TreeNode:
+        depth = sum(len(n.key) for n in self._path_to_root(node))
+        inside = len(node.key) - (depth - matched)  # tokens of `node` the match covers
+        assert 0 < inside <= len(node.key) or node is self.root, (node, matched, depth)
+        return self._split(node, inside) if 0 < inside < len(node.key) else node
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Split `node` so that its first `at` tokens become a new parent; returns that parent.

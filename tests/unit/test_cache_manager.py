@@ -214,3 +214,26 @@ def test_salted_keys_never_collide_with_token_ids():
     r2 = make_req([0, 1, 2**31])
     r2.cache_salt = "t"
     assert not set(key) & set(r2.cache_key(3))
+
+
+def test_a_match_ending_inside_a_node_locks_only_the_matched_tokens():
+    """A prompt sharing one token with a long cached sequence locks that token, not the whole sequence:
+    otherwise a 9-token prompt never fits a 16-slot pool holding a 12-token sequence (it waited forever)."""
+    cm = make_cm(16)
+    cache_tokens(cm, list(range(1, 13)))  # 12 slots cached, 4 free
+    req = make_req([1, *range(50, 58)])  # shares the first token only
+    assert cm.match(req) == 1
+    assert cm.start(req)
+    assert cm.cache.protected_size() == 1 and cm.available() == 15
+    cm.append_slots(req, cm.alloc_slots(req.seq_len - req.kv_len))  # 8 slots: evicts the unlocked part
+    cm.check_accounting([req])
+    cm.release(req)
+    assert cm.cache.protected_size() == 0
+    cm.check_accounting([])
+    # a full match ending inside a node (a cached prefix of a longer sequence) is exact too
+    cache_tokens(cm, [100, 101, 102, 103, 104, 105])
+    short = make_req([100, 101, 102, 103, 200])
+    assert cm.match(short) == 4 and cm.start(short)
+    assert cm.cache.protected_size() == 4
+    cm.release(short, cache_tokens=False)
+    cm.check_accounting([])

@@ -70,6 +70,7 @@ class CacheManager:
         if row is None:
             return False
         req.req_pool_idx = row
+        req.match_node = self.cache.exact_node(req.match_node, req.match_len)
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
         req.host_loaded_len = self._load_from_host(req) if self.host is not None else 0
@@ -130,9 +131,10 @@ class CacheManager:
         self.allocator.free(slots[: max(0, dup - d)])  # not expected: the device held only d tokens
         res = self.cache.match_prefix(key)
         assert res.indices.numel() == len(key), "a just-loaded prefix must match in full"
-        self.cache.lock(res.last_node)
+        node = self.cache.exact_node(res.last_node, len(key))
+        self.cache.lock(node)
         self.cache.unlock(req.locked_node)
-        req.locked_node = req.match_node = res.last_node
+        req.locked_node = req.match_node = node
         req.match_len, req.match_indices = len(key), res.indices
 
     def append_slots(self, req: Req, slots: torch.Tensor) -> None:
@@ -167,9 +169,10 @@ class CacheManager:
         res = self.cache.match_prefix(key)
         assert len(res.indices) == req.kv_len, "a just-inserted prefix must match in full"
         self.req_pool.write(req.req_pool_idx, 0, res.indices)
-        self.cache.lock(res.last_node)
+        node = self.cache.exact_node(res.last_node, req.kv_len)
+        self.cache.lock(node)
         self.cache.unlock(req.locked_node)
-        req.locked_node, req.cache_owned_len = res.last_node, req.kv_len
+        req.locked_node, req.cache_owned_len = node, req.kv_len
 
     def release(self, req: Req, cache_tokens: bool = True) -> None:
         """Return a request's KV: its tokens go into the cache (duplicates freed), then its lock and row."""

@@ -74,8 +74,9 @@ class SessionPins:
                 break
             if not self._demote(oldest):
                 self.release(oldest, reason="evicted_for_limit")
-        self.cache.lock(res.last_node)
-        self._pins[session_id] = Pin(res.last_node, res.indices.numel(), time.monotonic() + ttl_s)
+        node = self.cache.exact_node(res.last_node, res.indices.numel())
+        self.cache.lock(node)
+        self._pins[session_id] = Pin(node, res.indices.numel(), time.monotonic() + ttl_s)
         self.pinned_tokens += res.indices.numel()
         self.counts["pinned"] += 1
         return True
