@@ -224,9 +224,11 @@ class RadixCache(BasePrefixCache):
         return pos  # everything was cached already (possibly ending inside a node: no split needed)
 
     def exact_node(self, node: TreeNode, matched: int) -> TreeNode:
-        depth = sum(len(n.key) for n in self._path_to_root(node))
-        inside = len(node.key) - (depth - matched)  # tokens of `node` the match covers
-        assert 0 < inside <= len(node.key) or node is self.root, (node, matched, depth)
+        depth = sum(len(n.key) for n in self._path_to_root(node))  # tokens from the root to node's end
+        while node is not self.root and depth - len(node.key) >= matched:
+            depth -= len(node.key)  # split since the match (another request's lock): the match ends above
+            node = node.parent
+        inside = matched - (depth - len(node.key))  # tokens of `node` the match covers
         return self._split(node, inside) if 0 < inside < len(node.key) else node
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:

@@ -237,3 +237,18 @@ def test_a_match_ending_inside_a_node_locks_only_the_matched_tokens():
     assert cm.cache.protected_size() == 4
     cm.release(short, cache_tokens=False)
     cm.check_accounting([])
+
+
+def test_matches_taken_before_another_request_splits_the_node_stay_exact():
+    """Two requests matched in the same step, both inside one cached node: the first one's start splits
+    the node, the second one's match then ends above its node's new start and is still locked exactly."""
+    cm = make_cm(16)
+    cache_tokens(cm, list(range(1, 11)))
+    deep, shallow = make_req([1, 2, 3, 4, 5, 6, 60]), make_req([1, 2, 70])
+    assert cm.match(deep) == 6 and cm.match(shallow) == 2
+    assert cm.start(deep) and cm.start(shallow)
+    assert cm.cache.protected_size() == 6
+    cm.release(deep, cache_tokens=False)
+    assert cm.cache.protected_size() == 2
+    cm.release(shallow, cache_tokens=False)
+    cm.check_accounting([])
