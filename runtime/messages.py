@@ -77,6 +77,8 @@ class ReqOutput(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
+    # speculative decoding so far (None: the request never looked for a draft): verify steps, accepted tokens
+    spec: list[int] | None = None
     # logprob entries are [logprob | None, token_id, top_logprobs | None]
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None
@@ -103,6 +105,7 @@ class ReqTextOutput(Message):
     completion_tokens: int = 0
     cached_tokens: int = 0
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
+    spec: list[int] | None = None  # as ReqOutput.spec
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None
     error: str | None = None

@@ -95,6 +95,7 @@ class IncrementalDetokenizer:
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             cache_miss=out.cache_miss,
+            spec=out.spec,
             input_token_logprobs=out.input_token_logprobs,
             output_token_logprobs=out.output_token_logprobs,
             error=out.error,

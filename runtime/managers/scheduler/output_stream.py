@@ -126,6 +126,7 @@ class OutputStream:
             cached_tokens=req.prefix_hit_len,
             error=req.error,
             error_status=req.error_status,
+            spec=[req.spec.verify_steps, req.spec.accepted] if req.spec is not None else None,
         )
         if not sent.first_chunk_sent:
             p = req.params
