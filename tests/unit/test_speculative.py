@@ -59,6 +59,16 @@ def test_draft_length_adapts_to_acceptance():
     assert (st.verify_steps, st.accepted) == (4, 6)
 
 
+def test_server_args_reject_bad_speculative_options():
+    from runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="speculative-num-draft-tokens must be in 1..32"):
+        ServerArgs(speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="speculative-algorithm must be one of"):
+        ServerArgs(speculative_algorithm="eagle")
+    assert ServerArgs().speculative_algorithm == "none"
+
+
 # ---- scheduler helpers -------------------------------------------------------------------------------------
 def drive(sched, msgs, abort_at: dict[int, str] | None = None) -> dict:
     """Submit `msgs`, step until idle (checking the KV accounting every step); {rid: (ids, finish, out)}."""
