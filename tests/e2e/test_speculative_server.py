@@ -15,6 +15,7 @@ from tests.e2e.server_utils import ServerProcess
 
 ITEMS = ["apple_17", "river_42", "stone_88", "cloud_05", "paper_61", "green_33", "delta_90", "omega_12"]
 COPY = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nRepeat this list exactly, one item per line:\n"
     + "\n".join(ITEMS)
     + "<|im_end|>\n<|im_start|>assistant\n"
@@ -62,10 +63,11 @@ def test_streaming_and_stop_string_inside_a_copied_run(spec_url):
         json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")
     ]
     assert chunks[-1]["text"] == full
-    assert ITEMS[4] in full, full  # the model copies the list; stop in the middle of it
-    stopped = _gen(spec_url, {"text": COPY, "sampling_params": {**GREEDY, "stop": [ITEMS[4]]}})
-    assert stopped["text"] == full[: full.index(ITEMS[4])]
-    assert stopped["meta_info"]["finish_reason"]["matched"] == ITEMS[4]
+    # a stop string from the middle of the output (the copied part, drafted and accepted in runs)
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
+    stopped = _gen(spec_url, {"text": COPY, "sampling_params": {**GREEDY, "stop": [stop]}})
+    assert stopped["text"] == full[: full.index(stop)]
+    assert stopped["meta_info"]["finish_reason"]["matched"] == stop
 
 
 def test_openai_n2_and_grammar(spec_url):
@@ -80,12 +82,13 @@ def test_openai_n2_and_grammar(spec_url):
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert len(choices) == 2 and choices[0]["message"]["content"] == choices[1]["message"]["content"]
-    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+    items = {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8}
+    schema = {"type": "object", "properties": {"items": items}, "required": ["items"]}
     out = _gen(
         spec_url,
         {
             "text": COPY,
-            "sampling_params": {**GREEDY, "max_new_tokens": 80, "json_schema": json.dumps(schema)},
+            "sampling_params": {**GREEDY, "max_new_tokens": 160, "json_schema": json.dumps(schema)},
         },
     )
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out
