@@ -79,6 +79,8 @@ class ReqOutput(Message):
     cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
     cached_tokens_disk: int = 0  # of cached_tokens, those loaded from the disk tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
+    # speculative decoding so far (None: the request never looked for a draft): verify steps, accepted tokens
+    spec: list[int] | None = None
     # logprob entries are [logprob | None, token_id, top_logprobs | None]
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None
@@ -108,6 +110,7 @@ class ReqTextOutput(Message):
     cached_tokens_host: int = 0  # of cached_tokens, those loaded back from the host tier
     cached_tokens_disk: int = 0  # of cached_tokens, those loaded from the disk tier
     cache_miss: dict[str, Any] | None = None  # first chunk: the session cache-miss explanation, if any
+    spec: list[int] | None = None  # as ReqOutput.spec
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None
     error: str | None = None

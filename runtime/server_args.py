@@ -223,9 +223,21 @@ class ServerArgs:
     )
     kv_disk_gb: float = _opt(10.0, "size cap of --kv-disk-dir in GiB (least recently used files go first)")
 
+    # ---- speculative decoding (drafts from the request's own tokens and finished sequences) ----
+    speculative_algorithm: str = _opt(
+        "none",
+        "draft tokens to verify in one forward: 'ngram' (prompt lookup in the request's own prompt and "
+        "output), 'suffix' (that, then n-gram counts over finished requests' sequences), 'none'",
+        choices=("none", "ngram", "suffix"),
+    )
+    speculative_num_draft_tokens: int = _opt(
+        4, "most draft tokens per request and step (each request adapts below it to its acceptance)"
+    )
+
     def __post_init__(self) -> None:
         self._check_wire_apis()
         self._check_grammar_backend()
+        self._check_speculative()
         self._check_sessions()
         self._check_kv_tiers()
         self._check_security()
@@ -285,6 +297,12 @@ class ServerArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 0 (0: store nothing), got {getattr(self, name)}"
                 )
+
+    def _check_speculative(self) -> None:
+        if not 1 <= self.speculative_num_draft_tokens <= 32:
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be in 1..32, got {self.speculative_num_draft_tokens}"
+            )
 
     def _check_sessions(self) -> None:
         if not 0 <= self.session_ttl_s <= self.max_session_ttl_s:

@@ -58,6 +58,23 @@ class Metrics:
             "radixlm_session_pinned_tokens", "Tokens held by session pins (an upper bound)", registry=r
         )
 
+        self.spec_accept_length = Gauge(
+            "radixlm_spec_accept_length",
+            "Speculative decoding: mean tokens per verified draft (accepted draft tokens + the sampled one)",
+            registry=r,
+        )
+        self.spec_draft_seconds_per_step = Gauge(
+            "radixlm_spec_draft_seconds_per_step",
+            "Speculative decoding: drafting time per decode step",
+            registry=r,
+        )
+        self.spec_verify_steps = Gauge(
+            "radixlm_spec_verify_steps", "Speculative decoding: forwards that verified drafts", registry=r
+        )
+        self.spec_accepted_tokens = Gauge(
+            "radixlm_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", registry=r
+        )
+
     def on_request_start(self) -> None:
         self.in_flight.inc()
 
@@ -85,4 +102,8 @@ class Metrics:
             self.host_tier_used.set(scheduler_info.get("host_tier_used_tokens", 0))
             self.host_tier_size.set(scheduler_info.get("host_tier_tokens", 0))
             self.disk_tier_used.set(scheduler_info.get("disk_tier_used_bytes", 0))
+            self.spec_accept_length.set(scheduler_info.get("spec_accept_length", 0.0))
+            self.spec_draft_seconds_per_step.set(scheduler_info.get("spec_draft_seconds_per_step", 0.0))
+            self.spec_verify_steps.set(scheduler_info.get("spec_verify_steps", 0))
+            self.spec_accepted_tokens.set(scheduler_info.get("spec_accepted_tokens", 0))
         return generate_latest(self.registry)

@@ -109,6 +109,7 @@ class IncrementalDetokenizer:
             cached_tokens_host=out.cached_tokens_host,
             cached_tokens_disk=out.cached_tokens_disk,
             cache_miss=out.cache_miss,
+            spec=out.spec,
             input_token_logprobs=out.input_token_logprobs,
             output_token_logprobs=out.output_token_logprobs,
             error=out.error,

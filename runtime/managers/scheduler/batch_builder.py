@@ -65,3 +65,26 @@ def build_decode_batch(
         device=device,
     )
     return BuiltBatch(batch, [range(i, i + 1) for i in range(len(reqs))])
+
+
+def build_verify_batch(
+    reqs: list[Req], drafts: list[list[int]], req_pool: ReqToTokenPool, device: str | torch.device = "cpu"
+) -> BuiltBatch:
+    """Speculative verify: per request an extend of its last token + its draft over its cached prefix, with
+    slots for all of them already appended (`kv_len` counts them). Every position gets a logits row: row j
+    of a request scores the token after its draft's first j tokens. A request without a draft is a decode
+    step in extend form (one token, one row)."""
+    tokens, prefix_lens, sel, logit_rows = [], [], [], []
+    for req, draft in zip(reqs, drafts):
+        n = 1 + len(draft)
+        tokens.append([req.last_token_id, *draft])
+        prefix_lens.append(req.kv_len - n)
+        logit_rows.append(range(len(sel), len(sel) + n))
+        sel.extend(range(len(sel), len(sel) + n))
+    slots = torch.cat(
+        [req_pool.read(r.req_pool_idx, r.kv_len, r.kv_len - 1 - len(d)) for r, d in zip(reqs, drafts)]
+    )
+    batch = ForwardBatch.build_extend(
+        tokens, prefix_lens, [r.req_pool_idx for r in reqs], slots, logits_indices=sel, device=device
+    )
+    return BuiltBatch(batch, logit_rows)

@@ -129,6 +129,7 @@ class OutputStream:
             cached_tokens_disk=req.prefix_hit_disk,
             error=req.error,
             error_status=req.error_status,
+            spec=[req.spec.verify_steps, req.spec.accepted] if req.spec is not None else None,
         )
         if not sent.first_chunk_sent:
             p = req.params

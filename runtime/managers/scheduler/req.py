@@ -67,6 +67,7 @@ class Req:
     generator: torch.Generator | None = None
     retractions: int = 0
     stop_scan: Any = None  # stop_checker.StopScan: the incremental stop-string scan, owned by StopChecker
+    spec: Any = None  # drafting.SpecState: speculative decoding's index and counters (None: never drafted)
 
     @classmethod
     def from_message(cls, msg: TokenizedGenerateReq, timeout_s: float | None = None) -> Req:

@@ -30,6 +30,7 @@ from runtime.managers.scheduler.output_stream import (
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, PrefillAdder, admit
 from runtime.managers.scheduler.sessions import SessionPins
+from runtime.managers.scheduler.speculative import SpeculativeDecoder, spec_info
 from runtime.managers.scheduler.stats import ThroughputLog, new_counters
 from runtime.managers.scheduler.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
@@ -81,6 +82,7 @@ class Scheduler:
         max_pinned = args.max_pinned_tokens if args.max_pinned_tokens >= 0 else pool // 4
         self.sessions = SessionPins(self.cm.cache, max_pinned, host)
         self.rng = random.Random(args.random_seed)
+        self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
         torch.manual_seed(args.random_seed)
 
         self.grammar_wait: list[Req] = []  # grammar compiling
@@ -366,6 +368,8 @@ class Scheduler:
             self.outputs.touch(req)
 
     def _run_decode(self) -> None:
+        if self.spec is not None and self.spec.step(self):
+            return
         slots = self.cm.alloc_slots(len(self.running))
         while slots is None and self.sessions.release_oldest():  # pins go before running requests do
             slots = self.cm.alloc_slots(len(self.running))
@@ -482,6 +486,8 @@ class Scheduler:
         if session:
             pinned = bool(key) and self.sessions.pin(session, key, req.cache_ttl_s)
             self.sessions.remember(session, req.all_ids, req.cache_salt, pinned)
+        if self.spec is not None:
+            self.spec.learn(req, self.stats)
         self.outputs.touch(req)
         if req.finished_reason and req.finished_reason.get("type") != "abort":
             self.stats["requests_finished"] += 1
@@ -521,4 +527,5 @@ class Scheduler:
             **self.sessions.info(),
             **self.cm.tier_info(),
             **{k: v for k, v in self.stats.items()},
+            **spec_info(self.stats),
         }

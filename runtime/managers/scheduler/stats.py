@@ -21,6 +21,13 @@ COUNTERS = (
     "requests_aborted",
     "requests_timed_out",
     "requests_failed_internal",
+    # speculative decoding (runtime.managers.scheduler.speculative)
+    "spec_draft_steps",  # decode steps in which drafts were looked for
+    "spec_draft_seconds",  # time spent drafting and indexing finished sequences
+    "spec_verify_steps",  # forwards that verified at least one draft
+    "spec_verified_drafts",  # (request, draft) pairs verified
+    "spec_draft_tokens",  # draft tokens verified
+    "spec_accepted_tokens",  # draft tokens accepted
 )
 
 

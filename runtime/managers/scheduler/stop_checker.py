@@ -205,10 +205,11 @@ class StopChecker:
         self.eos_ids = eos
         self.tokenizer = tokenizer
 
-    def banned_ids(self, req: Req) -> list[int]:
-        """Tokens that would end the request before `min_new_tokens` (so the sampler never picks them)."""
+    def banned_ids(self, req: Req, ahead: int = 0) -> list[int]:
+        """Tokens that would end the request before `min_new_tokens` (so the sampler never picks them);
+        `ahead`: output tokens assumed beyond `req.output_ids` (a speculative draft's position)."""
         p = req.params
-        if len(req.output_ids) >= p.min_new_tokens:
+        if len(req.output_ids) + ahead >= p.min_new_tokens:
             return []
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
 

@@ -64,6 +64,7 @@ class ReqState:
     cached_tokens_host: int = 0
     cached_tokens_disk: int = 0
     cache_miss: dict[str, Any] | None = None
+    spec: list[int] | None = None  # speculative decoding: [verify steps, accepted draft tokens]
     finish_type: str | None = None
     input_logprobs: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
@@ -374,6 +375,8 @@ class TokenizerManager:
         st.cached_tokens_disk = c.cached_tokens_disk
         if c.cache_miss is not None:
             st.cache_miss = c.cache_miss
+        if c.spec is not None:
+            st.spec = c.spec
         if c.input_token_logprobs:
             st.input_logprobs.extend(self._lp_entries(st, c.input_token_logprobs))
         if c.output_token_logprobs:
@@ -411,6 +414,10 @@ class TokenizerManager:
         }
         if st.cache_miss is not None:
             meta["cache_miss"] = st.cache_miss
+        if st.spec is not None:  # tokens per verify step: accepted draft tokens + the sampled one
+            steps, accepted = st.spec
+            meta["spec_verify_steps"] = steps
+            meta["spec_accept_len"] = (accepted + steps) / steps if steps else 0.0
         if st.input_logprobs or st.output_logprobs:
             meta["input_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.input_logprobs]
             meta["output_token_logprobs"] = [[lp, t, x] for lp, t, x, _ in st.output_logprobs]

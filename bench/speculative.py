@@ -1,0 +1,201 @@
+"""Speculative decoding: output tok/s with `--speculative-algorithm` none / ngram / suffix, single stream and
+batch 8, on four workloads (greedy, the default model, the offline Engine):
+
+(a) `agent`: tool-call JSON turns of an agent (the agent_loop catalogue's tools; earlier calls in context),
+(b) `edit`: a ~300-line code file with one change requested, the whole file written back,
+(c) `extract`: fields of a document returned as JSON,
+(d) `chat`: free chat (nothing to copy: speculation must not cost much here).
+
+Per cell: output tokens / wall seconds over the requests (batch 8: 8 requests submitted together), the mean
+tokens per verified draft (accepted draft tokens + the sampled one; from the scheduler's counters) and the
+draft's cost share (drafting seconds / wall seconds). Each workload runs once unmeasured per engine first
+(warm-up) on another request, so the shared index of `suffix` has seen one such request, as it would in a
+serving process; then the measured prompts are prefilled once (max_new_tokens 1), so a cell times decoding.
+
+    python -m bench.speculative --quick
+    python -m bench.speculative --max-new-tokens 256 --workloads agent,edit,extract,chat
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+from bench import agent_catalogue as cat
+from bench.harness import common
+
+ALGORITHMS = ("none", "ngram", "suffix")
+_SPEC_KEYS = ("spec_draft_seconds", "spec_verified_drafts", "spec_accepted_tokens", "generated_tokens")
+
+
+def _agent(i: int) -> list[dict[str, str]]:
+    rng = random.Random(i)
+    tools = cat.TOOLS[:5]
+    names = [t["function"]["name"] for t in tools]
+    system = "You are an agent. Answer only with one tool call as JSON. Tools:\n" + json.dumps(tools)
+    msgs = [{"role": "system", "content": system}]
+    cities = ["Paris", "Berlin", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth"]
+    for turn in range(3):
+        city = rng.choice(cities)
+        msgs.append({"role": "user", "content": f"Check the weather in {city}, in celsius."})
+        call = {"name": names[0], "arguments": {"city": city, "unit": "celsius"}}
+        msgs.append({"role": "assistant", "content": json.dumps(call)})
+        msgs.append({"role": "user", "content": f"Tool result: {{'city': '{city}', 'temp_c': {10 + turn}}}"})
+    msgs.append(
+        {"role": "user", "content": f"Now the weather in {rng.choice(cities)}, in celsius, then stop."}
+    )
+    return msgs
+
+
+def _code_file(i: int, lines: int = 300) -> str:
+    rng = random.Random(i)
+    out, n = [], 0
+    while len(out) < lines:
+        name = f"compute_{rng.choice(['total', 'score', 'offset', 'weight'])}_{n}"
+        a, b = rng.randrange(2, 9), rng.randrange(10, 99)
+        out += [
+            f"def {name}(values, factor={a}):",
+            f'    """Return the {name.split("_")[1]} of the values scaled by factor."""',
+            "    result = 0",
+            "    for v in values:",
+            f"        result += v * factor + {b}",
+            "    return result",
+            "",
+        ]
+        n += 1
+    return "\n".join(out[:lines])
+
+
+def _edit(i: int, lines: int) -> list[dict[str, str]]:
+    src = _code_file(i, lines)
+    ask = "Rename the parameter `factor` to `scale` in the first function only. Reply with the whole file."
+    return [{"role": "user", "content": f"```python\n{src}\n```\n{ask}"}]
+
+
+def _extract(i: int) -> list[dict[str, str]]:
+    rng = random.Random(i)
+    name = rng.choice(["Alice Martin", "Bo Chen", "Carla Diaz", "Dev Patel"])
+    doc = (
+        f"INVOICE 2026-{rng.randrange(1000, 9999)}\nCustomer: {name}\nAddress: {rng.randrange(1, 99)} "
+        f"Harbour Street, {rng.choice(['Leeds', 'Porto', 'Graz'])}\nDate: 2026-0{rng.randrange(1, 9)}-1"
+        f"{rng.randrange(0, 9)}\nItems: {rng.randrange(2, 9)} x widget at {rng.randrange(5, 50)}.00 EUR\n"
+        f"Total due: {rng.randrange(100, 999)}.00 EUR\nNotes: deliver to the side entrance, ring twice.\n"
+    ) * 2
+    ask = "Extract customer, address, date, items, total and notes from this document as one JSON object."
+    return [{"role": "user", "content": doc + "\n" + ask}]
+
+
+def _chat(i: int) -> list[dict[str, str]]:
+    topics = [
+        "the sea",
+        "a lighthouse",
+        "autumn",
+        "a train journey",
+        "a lost key",
+        "the moon",
+        "bees",
+        "rain",
+    ]
+    return [{"role": "user", "content": f"Write a short story about {topics[i % len(topics)]}."}]
+
+
+def workload(name: str, i: int, code_lines: int) -> list[dict[str, str]]:
+    if name == "agent":
+        return _agent(i)
+    if name == "edit":
+        return _edit(i, code_lines)
+    if name == "extract":
+        return _extract(i)
+    if name == "chat":
+        return _chat(i)
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def _counters(engine) -> dict[str, float]:
+    info = engine.server_info()
+    return {k: float(info.get(k, 0)) for k in _SPEC_KEYS}
+
+
+def run_cell(engine, prompts: list[str], batch: int, max_new: int) -> dict[str, Any]:
+    params = {"max_new_tokens": max_new, "temperature": 0.0}
+    before = _counters(engine)
+    t0 = time.perf_counter()
+    tokens = 0
+    for at in range(0, len(prompts), batch):
+        group = prompts[at : at + batch]
+        outs = engine.generate(group, [params] * len(group))
+        outs = outs if isinstance(outs, list) else [outs]
+        tokens += sum(o["meta_info"]["completion_tokens"] for o in outs)
+    wall = time.perf_counter() - t0
+    d = {k: v - before[k] for k, v in _counters(engine).items()}
+    verified = d["spec_verified_drafts"]
+    return {
+        "output_tokens": tokens,
+        "seconds": round(wall, 3),
+        "tok_per_s": round(tokens / wall, 2),
+        "accept_length": round((d["spec_accepted_tokens"] + verified) / verified, 3) if verified else None,
+        "draft_cost_share": round(d["spec_draft_seconds"] / wall, 4),
+    }
+
+
+def main() -> None:
+    common.setup_env()
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="agent,edit,extract,chat")
+    p.add_argument("--batches", default="1,8", help="batch sizes (requests submitted together)")
+    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--requests", type=int, default=0, help="requests per cell (default: the batch size)")
+    p.add_argument("--code-lines", type=int, default=300)
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args()
+    if a.quick:
+        a.max_new_tokens, a.code_lines = min(a.max_new_tokens, 48), min(a.code_lines, 60)
+    from runtime.engine import Engine
+
+    workloads, batches = common.csv_list(a.workloads), common.csv_list(a.batches, int)
+    env = common.environment()
+    results: dict[str, Any] = {}
+    for alg in common.csv_list(a.algorithms):
+        engine = Engine(
+            speculative_algorithm=alg,
+            speculative_num_draft_tokens=a.num_draft_tokens,
+            dtype=a.dtype,
+            log_interval=0,
+        )
+        try:
+            tok = engine.tokenizer
+            for wl in workloads:
+                for bs in batches:
+                    n = a.requests or bs
+                    prompts = [
+                        tok.apply_chat_template(
+                            workload(wl, i, a.code_lines), add_generation_prompt=True, tokenize=False
+                        )
+                        for i in [*range(n), 1000]
+                    ]
+                    # warm-up: another request of the workload (what suffix's shared index has seen), then
+                    # the measured prompts' prefill (cached), so the cell times decoding
+                    run_cell(engine, prompts[n:], 1, a.max_new_tokens)
+                    prompts = prompts[:n]
+                    run_cell(engine, prompts, bs, 1)
+                    cell = run_cell(engine, prompts, bs, a.max_new_tokens)
+                    results.setdefault(wl, {}).setdefault(f"batch{bs}", {})[alg] = cell
+                    print(wl, f"batch {bs}", alg, cell, flush=True)
+        finally:
+            engine.shutdown()
+    for by_bs in results.values():
+        for cells in by_bs.values():
+            base = cells.get("none", {}).get("tok_per_s")
+            for cell in cells.values():
+                cell["speedup"] = round(cell["tok_per_s"] / base, 3) if base else None
+    config = {"command": common.command_line(), **vars(a)}
+    name = a.name or ("speculative_quick" if a.quick else "speculative")
+    common.write_results(name, config, results, env, results_dir=a.results_dir)
+
+
+if __name__ == "__main__":
+    main()

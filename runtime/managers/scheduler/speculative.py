@@ -1,0 +1,194 @@
+"""Speculative decoding: the decode step with drafts, verified in one forward (`--speculative-algorithm`).
+
+Each running request without a grammar gets a draft from `drafting.Drafter` (its own tokens, and with
+`suffix` the finished sequences too). If any request has one, the step is one EXTEND forward in which each
+request feeds its last token plus its draft (a request without a draft feeds its last token alone, as a
+decode would), so drafted and plain requests share the forward.
+
+Verification samples row j of a request (the distribution after its draft's first j tokens) exactly as a
+decode step would sample that position: same penalties (the draft's tokens count as output), bans, mask,
+temperature and filters, same generator. Row j is kept while the token sampled there equals draft token j;
+the first token that differs is kept too, and the rest is dropped (with all draft tokens accepted the last
+row adds one more). For greedy rows this is "the longest prefix equal to the argmax, plus the bonus token".
+For sampled rows it is the standard accept/resample rule for a deterministic draft: with y ~ p, x is
+accepted with probability p(x), and on rejection y is distributed as p with x's mass removed, renormalised.
+So every emitted token has exactly the non-speculative distribution. A seeded request's generator is rewound
+and advanced once per emitted token, so its tokens are those it would draw without speculation (up to the
+round-off of a different batch shape).
+
+KV: slots are allocated for the last token and every draft token; after verification the slots of
+rejected positions are freed at once (`CacheManager.drop_kv_from`), so a request's KV row only ever holds
+tokens it keeps, and the radix cache never receives a rejected token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.managers.scheduler.batch_builder import build_verify_batch
+from runtime.managers.scheduler.drafting import Drafter, SpecState
+from runtime.managers.scheduler.req import Req
+from runtime.model_executor.sampler import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from runtime.managers.scheduler.scheduler import Scheduler
+
+
+class SpeculativeDecoder:
+    def __init__(self, algorithm: str, max_draft: int):
+        self.drafter = Drafter(algorithm, max_draft)
+        self.max_draft = max_draft
+
+    @classmethod
+    def from_args(cls, args) -> SpeculativeDecoder | None:
+        if args.speculative_algorithm == "none":
+            return None
+        return cls(args.speculative_algorithm, args.speculative_num_draft_tokens)
+
+    # ---- drafting ------------------------------------------------------------------------------------------
+    def draft(self, req: Req) -> list[int]:
+        """The draft for `req`'s next step ([] when it has none or may not speculate)."""
+        if req.grammar is not None:  # constrained requests do not speculate (jump-forward serves them)
+            return []
+        k = min(self.max_draft, req.remaining_new_tokens - 1)  # room for the bonus token: max_new exact
+        if k < 1:
+            return []
+        if req.spec is None:
+            req.spec = SpecState(k=self.max_draft)
+        k = min(k, req.spec.k)
+        return self.drafter.propose(req.spec, req.all_ids, k, shared_ok=req.cache_salt is None)
+
+    def learn(self, req: Req, stats: dict) -> None:
+        """A request left with valid tokens: its new part feeds the shared index (`suffix`)."""
+        if self.drafter.shared is None or req.cache_salt is not None or req.error is not None:
+            return
+        t0 = time.perf_counter()
+        self.drafter.learn(req.all_ids, req.prefix_hit_len)
+        stats["spec_draft_seconds"] += time.perf_counter() - t0
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def step(self, s: Scheduler) -> bool:
+        """Run the decode step of `s.running` with drafts; False (nothing done) when no request has a draft
+        or the pool cannot hold them now (the plain decode step then runs, with its retraction logic)."""
+        t0 = time.perf_counter()
+        reqs = list(s.running)
+        drafts = [self.draft(r) for r in reqs]
+        s.stats["spec_draft_steps"] += 1
+        s.stats["spec_draft_seconds"] += time.perf_counter() - t0
+        if not any(drafts):
+            return False
+        slots = s.cm.alloc_slots(sum(1 + len(d) for d in drafts))
+        if slots is None:
+            return False
+        at = 0
+        for req, d in zip(reqs, drafts):
+            s.cm.append_slots(req, slots[at : at + 1 + len(d)])
+            at += 1 + len(d)
+        ran = s._forward(
+            reqs,
+            lambda: build_verify_batch(reqs, drafts, s.cm.req_pool, device=s.runner.device),
+            "verifying the draft of",
+        )
+        if ran is None:
+            return True
+        built, logits = ran
+        s.stats["decode_steps"] += 1
+        s.stats["spec_verify_steps"] += 1
+        s.running = []
+        self._verify(s, reqs, drafts, built.logit_rows, logits)
+        for req in reqs:
+            s.outputs.touch(req)
+            s._place(req)
+        return True
+
+    def _verify(self, s: Scheduler, reqs: list[Req], drafts: list[list[int]], rows, logits) -> None:
+        gens = {id(r.generator): (r.generator, r.generator.get_state()) for r in reqs if r.generator}
+        try:
+            out = self._sample(s, reqs, drafts, logits)
+            parts = [(reqs, drafts, rows, out)]
+        except Exception:  # sample each request alone, so only the request at fault fails
+            parts = []
+            for req, d, r in zip(reqs, drafts, rows):
+                for gen, state in gens.values():
+                    gen.set_state(state)
+                try:
+                    one = self._sample(s, [req], [d], logits[r.start : r.stop])
+                except Exception:
+                    s._dequeue(req)
+                    s._fail_internal(req, "sampling the next tokens of")
+                    continue
+                parts.append(([req], [d], [range(0, len(r))], one))
+        for gen, state in gens.values():
+            gen.set_state(state)
+        for part_reqs, part_drafts, part_rows, out in parts:
+            next_ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()
+            for req, draft, r in zip(part_reqs, part_drafts, part_rows):
+                self._apply(s, req, draft, r, out, next_ids, logprobs)
+
+    def _sample(self, s: Scheduler, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
+        """Sample every row: row j of a request as its decode step after draft[:j] would be sampled."""
+        row_reqs, outs, bans, tops = [], [], [], []
+        for req, draft in zip(reqs, drafts):
+            for j in range(1 + len(draft)):
+                row_reqs.append(req)
+                outs.append(req.output_ids + draft[:j] if j else req.output_ids)
+                bans.append(s.stop.banned_ids(req, ahead=j))
+                tops.append(req.top_logprobs_num if req.return_logprob else 0)
+        vocab = logits.shape[-1]
+        info = SamplingBatchInfo.from_requests([r.params for r in row_reqs], vocab, logits.device)
+        return s.sampler(
+            logits,
+            info,
+            outs,
+            [r.prompt_ids for r in row_reqs],
+            vocab_mask=s.grammars.vocab_mask(row_reqs, vocab, logits.device),
+            banned_token_ids=bans if any(bans) else None,
+            top_logprobs_nums=tops if any(tops) else None,
+            generators=[r.generator for r in row_reqs],
+        )
+
+    def _apply(self, s: Scheduler, req: Req, draft: list[int], rows: range, out, next_ids, logprobs) -> None:
+        """Emit the verified tokens of one request, stopping at the first rejection or finish; free the KV
+        of every position past the last accepted draft token."""
+        from runtime.managers.scheduler.scheduler import RequestFailed
+
+        old_seq = req.seq_len  # the last token sits at old_seq - 1; draft token j at old_seq + j
+        accepted = emitted = 0
+        try:
+            with s._isolated(req, "advancing"):
+                for j, i in enumerate(rows):
+                    tok = next_ids[i]
+                    s._advance(req, out, i, tok, logprobs[i])
+                    emitted += 1
+                    if j < len(draft) and tok == draft[j]:
+                        accepted += 1
+                    else:
+                        break
+                    if req.finished:
+                        break
+                if req.generator is not None and not req.params.is_greedy:
+                    for _ in range(emitted):  # one draw per emitted token, as decode steps would make
+                        torch.rand(1, generator=req.generator, device=req.generator.device)
+                if draft:  # KV is valid for the last token and the accepted draft tokens; a running
+                    # request keeps none for its newest token (kv_len == seq_len - 1)
+                    s.cm.drop_kv_from(req, min(old_seq + accepted, req.seq_len - 1))
+        except RequestFailed:
+            return
+        if draft:
+            s.stats["spec_verified_drafts"] += 1
+            s.stats["spec_draft_tokens"] += len(draft)
+            s.stats["spec_accepted_tokens"] += accepted
+            req.spec.record(len(draft), accepted, self.max_draft)
+
+
+def spec_info(stats: dict) -> dict:
+    """Derived figures for /get_server_info and the metrics: mean tokens per verified draft (accepted + the
+    sampled one) and drafting seconds per step."""
+    verified, steps = stats["spec_verified_drafts"], stats["spec_draft_steps"]
+    return {
+        "spec_accept_length": (stats["spec_accepted_tokens"] + verified) / verified if verified else 0.0,
+        "spec_draft_seconds_per_step": stats["spec_draft_seconds"] / steps if steps else 0.0,
+    }

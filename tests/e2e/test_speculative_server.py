@@ -1,0 +1,124 @@
+"""A server with `--speculative-algorithm suffix`: the same greedy text as the plain shared server over HTTP
+(native, streaming, OpenAI with n > 1, stop strings, grammar), acceptance reported per request in
+`meta_info` and in /metrics, and no KV held by requests once idle after a client disconnects mid-stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from tests.e2e.server_utils import ServerProcess
+
+ITEMS = ["apple_17", "river_42", "stone_88", "cloud_05", "paper_61", "green_33", "delta_90", "omega_12"]
+COPY = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nRepeat this list exactly, one item per line:\n"
+    + "\n".join(ITEMS)
+    + "<|im_end|>\n<|im_start|>assistant\n"
+)
+FREE = "<|im_start|>user\nWrite one sentence about autumn.<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = {"max_new_tokens": 40, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def spec_url() -> Iterator[str]:
+    srv = ServerProcess(
+        extra_args=["--max-total-tokens", "20000", "--speculative-algorithm", "suffix"]
+    ).start()
+    try:
+        yield srv.url
+    finally:
+        assert srv.stop() == 0, srv.log_tail()
+
+
+def _gen(url: str, body: dict) -> dict:
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_text_same_as_without_speculation(spec_url, server_url):
+    for prompt in (COPY, FREE):
+        on = _gen(spec_url, {"text": prompt, "sampling_params": GREEDY})
+        off = _gen(server_url, {"text": prompt, "sampling_params": GREEDY})
+        assert on["text"] == off["text"]
+        assert "spec_verify_steps" in on["meta_info"] and "spec_verify_steps" not in off["meta_info"]
+    meta = _gen(spec_url, {"text": COPY, "sampling_params": GREEDY})["meta_info"]
+    assert meta["spec_verify_steps"] > 0 and meta["spec_accept_len"] > 1.5, meta
+
+
+def test_streaming_and_stop_string_inside_a_copied_run(spec_url):
+    full = _gen(spec_url, {"text": COPY, "sampling_params": GREEDY})["text"]
+    r = requests.post(
+        spec_url + "/generate",
+        json={"text": COPY, "sampling_params": GREEDY, "stream": True},
+        stream=True,
+        timeout=600,
+    )
+    chunks = [
+        json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True) if line.startswith("data: {")
+    ]
+    assert chunks[-1]["text"] == full
+    # a stop string from the middle of the output (the copied part, drafted and accepted in runs)
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
+    stopped = _gen(spec_url, {"text": COPY, "sampling_params": {**GREEDY, "stop": [stop]}})
+    assert stopped["text"] == full[: full.index(stop)]
+    assert stopped["meta_info"]["finish_reason"]["matched"] == stop
+
+
+def test_openai_n2_and_grammar(spec_url):
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta alpha beta gamma"}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "n": 2,
+    }
+    r = requests.post(spec_url + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["message"]["content"] == choices[1]["message"]["content"]
+    items = {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 8}
+    schema = {"type": "object", "properties": {"items": items}, "required": ["items"]}
+    out = _gen(
+        spec_url,
+        {
+            "text": COPY,
+            "sampling_params": {**GREEDY, "max_new_tokens": 160, "json_schema": json.dumps(schema)},
+        },
+    )
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert isinstance(json.loads(out["text"])["items"], list)
+
+
+def test_disconnect_mid_stream_leaves_no_kv_and_metrics(spec_url):
+    r = requests.post(
+        spec_url + "/generate",
+        json={
+            "text": COPY,
+            "sampling_params": {**GREEDY, "max_new_tokens": 200, "ignore_eos": True},
+            "stream": True,
+        },
+        stream=True,
+        timeout=600,
+    )
+    for i, _ in enumerate(r.iter_lines()):
+        if i >= 3:
+            break
+    r.close()
+    deadline = time.time() + 120
+    while True:
+        info = requests.get(spec_url + "/get_server_info", timeout=60).json()
+        if info["num_running_reqs"] == 0 and info["num_queued_reqs"] == 0 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert info["request_held_tokens"] == 0, info
+    assert info["spec_verify_steps"] > 0 and info["spec_accept_length"] > 1.0
+    assert _gen(spec_url, {"text": FREE, "sampling_params": GREEDY})["text"]  # still serving
+    metrics = requests.get(spec_url + "/metrics", timeout=60).text
+    line = next(x for x in metrics.splitlines() if x.startswith("radixlm_spec_accept_length "))
+    assert float(line.split()[1]) > 1.0

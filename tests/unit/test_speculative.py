@@ -1,0 +1,349 @@
+"""Speculative decoding (`--speculative-algorithm`): drafting, and verification that never changes what is
+generated: greedy outputs identical, sampled distributions identical (chi-square), seeded draws identical,
+stop conditions and max_new_tokens honoured inside an accepted run, every KV slot back after aborts."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from runtime.managers.scheduler.drafting import LocalIndex, SequenceIndex, SpecState
+from runtime.messages import AbortReq, TokenizedGenerateReq
+from runtime.sampling_params import SamplingParams
+from tests.scheduler_utils import make_scheduler
+
+
+# ---- drafting, no model ------------------------------------------------------------------------------------
+def test_local_index_proposes_the_latest_continuation_of_the_longest_tail():
+    idx = LocalIndex()
+    ids = [1, 2, 3, 9, 8, 5, 2, 3, 7, 7, 4, 1, 2]
+    idx.update(ids)
+    # tail [1, 2] last occurred at 0..1 -> continuation 3, 9, 8
+    assert idx.propose(ids, 3) == [3, 9, 8]
+    ids += [3]  # tail [1, 2, 3]: same place, longest n wins over the later [2, 3] -> 7
+    idx.update(ids)
+    assert idx.propose(ids, 2) == [9, 8]
+    ids2 = [5, 6, 7]
+    idx2 = LocalIndex()
+    idx2.update(ids2)
+    assert idx2.propose(ids2, 4) == []  # 7 never occurred before the end
+
+
+def test_sequence_index_follows_the_most_frequent_continuation():
+    idx = SequenceIndex()
+    idx.add([10, 11, 12, 13, 14])
+    idx.add([10, 11, 12, 13, 14])
+    idx.add([10, 11, 12, 99, 98])
+    assert idx.propose([5, 10, 11, 12], 3) == [13, 14]  # then no context (12, 13, 14) -> (13, 14) -> ends
+    assert idx.propose([5, 6], 3) == []
+    small = SequenceIndex(max_keys=20)
+    for i in range(30):
+        small.add([i, i + 100, i + 200, i + 300])
+    assert len(small) <= 20
+
+
+def test_draft_length_adapts_to_acceptance():
+    st = SpecState(k=4)
+    st.record(4, 4, max_k=8)
+    assert st.k == 8
+    st.record(8, 2, max_k=8)
+    assert st.k == 3
+    st.record(3, 0, max_k=8)
+    assert st.k == 1
+    st.record(1, 0, max_k=8)
+    assert st.k == 1 and st.skip == 1  # at 1 token and still rejected: skip drafting for a while
+    assert (st.verify_steps, st.accepted) == (4, 6)
+
+
+def test_server_args_reject_bad_speculative_options():
+    from runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="speculative-num-draft-tokens must be in 1..32"):
+        ServerArgs(speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="speculative-algorithm must be one of"):
+        ServerArgs(speculative_algorithm="eagle")
+    assert ServerArgs().speculative_algorithm == "none"
+
+
+# ---- scheduler helpers -------------------------------------------------------------------------------------
+def drive(sched, msgs, abort_at: dict[int, str] | None = None) -> dict:
+    """Submit `msgs`, step until idle (checking the KV accounting every step); {rid: (ids, finish, out)}."""
+    for m in msgs:
+        sched.handle(m)
+    res: dict[str, list] = {}
+    steps = 0
+    while sched.has_work():
+        if abort_at and steps in abort_at:
+            sched.handle(AbortReq(rid=abort_at[steps]))
+        for o in sched.step():
+            r = res.setdefault(o.rid, [[], None, []])
+            r[0].extend(o.new_token_ids)
+            r[2].extend(o.output_token_logprobs or [])
+            if o.finished_reason:
+                r[1] = o.finished_reason
+        sched.check_accounting()
+        steps += 1
+        assert steps < 20_000
+    return res
+
+
+def gen(rid: str, ids: list[int], return_logprob: bool = False, **params) -> TokenizedGenerateReq:
+    params = {"max_new_tokens": 24, "temperature": 0.0, **params}
+    return TokenizedGenerateReq(
+        rid=rid, input_ids=ids, sampling_params=SamplingParams(**params), return_logprob=return_logprob
+    )
+
+
+def assert_all_free(sched) -> None:
+    assert not sched.has_work()
+    sched.check_accounting()
+    assert sched.flush_cache()
+    assert sched.cm.allocator.available() == sched.cm.allocator.size
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """54 prompts: half ask to copy or transform text in the prompt (long accepted runs), half free text."""
+    rng = random.Random(7)
+    words = "alpha beta gamma delta omega river stone cloud paper green quick lazy fox".split()
+    repetitive, free = [], []
+    for i in range(27):
+        items = [f"{rng.choice(words)}_{rng.randrange(100)}" for _ in range(8)]
+        kind = i % 3
+        if kind == 0:
+            text = "Repeat this list exactly, one item per line:\n" + "\n".join(items)
+        elif kind == 1:
+            tags = json.dumps(items[1:5])
+            text = f'Return this JSON unchanged: {{"name": "{items[0]}", "tags": {tags}, "id": {i}}}'
+        else:
+            text = f"def f{i}(x):\n    return x + {i}\n\nCopy the function above and rename it to g{i}."
+        repetitive.append(text)
+        free.append(
+            rng.choice(["Tell me about", "Write a short poem about", "Why is the sky", "Explain"])
+            + f" {rng.choice(words)} {rng.choice(words)}."
+        )
+    msgs = [[{"role": "user", "content": t}] for t in repetitive + free]
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+# ---- greedy: identical outputs ----------------------------------------------------------------------------
+def test_greedy_identical_with_speculation_default_model(default_model_dir, default_tokenizer):
+    """54 chat prompts (fp32), half copy-style, half free text: the suffix drafter (prompt lookup, then the
+    shared index of finished requests) must not change one token or logprob."""
+    prompts = chat_prompts(default_tokenizer)
+    msgs = [gen(f"p{i}", p, max_new_tokens=16, return_logprob=True) for i, p in enumerate(prompts)]
+
+    def outputs(alg):
+        sched = make_scheduler(
+            default_model_dir, default_tokenizer, max_running_requests=54, speculative_algorithm=alg
+        )
+        res = drive(sched, msgs)
+        assert_all_free(sched)
+        return res, sched.server_info()
+
+    off, _ = outputs("none")
+    on, info = outputs("suffix")
+    assert {r: v[0] for r, v in on.items()} == {r: v[0] for r, v in off.items()}
+    for rid in off:  # every emitted token has its logprob, as without speculation
+        lp_on, lp_off = [e[0] for e in on[rid][2]], [e[0] for e in off[rid][2]]
+        assert lp_on == pytest.approx(lp_off, abs=1e-3)
+    assert info["spec_accept_length"] > 1.3, info  # the copy prompts are drafted well
+    assert info["decode_steps"] < info["generated_tokens"] - len(prompts) * 3
+
+
+def test_greedy_identical_with_ngram_drafts_tiny_model(tiny_model_dir, default_tokenizer, tiny_refs):
+    """The real prompt-lookup drafter on prompts that repeat themselves (a random model loops, too)."""
+    rng = random.Random(3)
+    prompts = [p + out[:10] + p[: rng.randrange(2, 8)] for p, out in tiny_refs] + [p for p, _ in tiny_refs]
+    msgs = [gen(f"g{i}", p, max_new_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)]
+    off = drive(make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=8), msgs)
+    sched = make_scheduler(
+        tiny_model_dir, default_tokenizer, max_running_requests=8, speculative_algorithm="ngram"
+    )
+    on = drive(sched, msgs)
+    assert {r: v[0] for r, v in on.items()} == {r: v[0] for r, v in off.items()}
+    assert sched.stats["spec_accepted_tokens"] > 0
+    assert_all_free(sched)
+
+
+# ---- tiny model: exact distributions, stops inside accepted runs, KV ---------------------------------------
+def tiny_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(8, 40))] for _ in range(n)]
+
+
+def oracle(refs: list[tuple[list[int], list[int]]], wrong: bool = False):
+    """A drafter that knows each prompt's greedy output (or, with `wrong`, proposes a different token at
+    every position): full acceptance (or none) makes the edge cases of verification deterministic."""
+
+    def propose(state, ids, k, shared_ok):
+        for p, o in refs:
+            t = len(ids) - len(p)
+            if t >= 0 and ids[: len(p)] == p and ids[len(p) :] == o[:t]:
+                return [(x + 1) % 512 if wrong else x for x in o[t : t + k]]
+        return []
+
+    return propose
+
+
+@pytest.fixture(scope="module")
+def tiny_refs(tiny_model_dir, default_tokenizer):
+    prompts = tiny_prompts(12)
+    sched = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=4)
+    res = drive(sched, [gen(f"r{i}", p, max_new_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)])
+    return [(p, res[f"r{i}"][0]) for i, p in enumerate(prompts)]
+
+
+def spec_sched(tiny_model_dir, tokenizer, refs, wrong=False, **kw):
+    sched = make_scheduler(tiny_model_dir, tokenizer, speculative_algorithm="ngram", **kw)
+    sched.spec.drafter.propose = oracle(refs, wrong)
+    return sched
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_oracle_and_wrong_drafts_keep_outputs_logprobs_and_cache(
+    tiny_model_dir, default_tokenizer, tiny_refs, wrong
+):
+    msgs = [
+        gen(f"r{i}", p, max_new_tokens=40, ignore_eos=True, return_logprob=True)
+        for i, (p, _) in enumerate(tiny_refs)
+    ]
+    off = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=4)
+    res_off = drive(off, msgs)
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, wrong, max_running_requests=4)
+    res = drive(sched, msgs)
+    for i, (_, out) in enumerate(tiny_refs):
+        assert res[f"r{i}"][0] == out
+        assert [e[1] for e in res[f"r{i}"][2]] == out  # one logprob entry per emitted token
+        assert [e[0] for e in res[f"r{i}"][2]] == pytest.approx([e[0] for e in res_off[f"r{i}"][2]], abs=1e-4)
+    st = sched.stats
+    assert st["spec_verified_drafts"] > 0
+    if wrong:
+        assert st["spec_accepted_tokens"] == 0
+    else:
+        assert st["spec_accepted_tokens"] == st["spec_draft_tokens"]
+        assert st["decode_steps"] < off.stats["decode_steps"] / 2
+    # rejected tokens never reach the radix cache: it holds exactly what it holds without speculation
+    assert sched.cm.cache.total_size() == off.cm.cache.total_size()
+    assert_all_free(sched)
+
+
+def test_max_new_tokens_and_stop_token_inside_an_accepted_run(tiny_model_dir, default_tokenizer, tiny_refs):
+    p, out = tiny_refs[0]
+    i = next(j for j in range(5, len(out)) if out[j] not in out[:j])  # a token's first occurrence
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, speculative_num_draft_tokens=8)
+    res = drive(
+        sched,
+        [
+            gen("len", p, max_new_tokens=11, ignore_eos=True),
+            gen("stop", p, max_new_tokens=40, ignore_eos=True, stop_token_ids=[out[i]]),
+        ],
+    )
+    assert res["len"][0] == out[:11] and res["len"][1] == {"type": "length", "length": 11}
+    assert res["stop"][0] == out[: i + 1] and res["stop"][1] == {"type": "stop", "matched": out[i]}
+    assert sched.stats["spec_accepted_tokens"] > 0
+    assert_all_free(sched)
+
+
+def test_stop_string_inside_an_accepted_run(tiny_model_dir, default_tokenizer, tiny_refs):
+    p, out = tiny_refs[1]
+    text = default_tokenizer.decode(out, skip_special_tokens=True)
+    at = next(
+        j for j in range(len(text) // 3, len(text)) if text[j : j + 3].isascii() and text[j : j + 3].isalpha()
+    )
+    stop = text[at : at + 3]
+    msgs = [gen("s", p, max_new_tokens=40, ignore_eos=True, stop=[stop])]
+    res_off = drive(make_scheduler(tiny_model_dir, default_tokenizer), msgs)
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, speculative_num_draft_tokens=16)
+    res = drive(sched, msgs)
+    assert res["s"][1] == {"type": "stop", "matched": stop} == res_off["s"][1]
+    assert res["s"][0] == res_off["s"][0] and 3 < len(res["s"][0]) < 40
+    assert sched.stats["spec_accepted_tokens"] > 0
+    assert_all_free(sched)
+
+
+def test_aborts_and_retraction_leave_no_kv(tiny_model_dir, default_tokenizer, tiny_refs):
+    msgs = [gen(f"r{i}", p, max_new_tokens=40, ignore_eos=True) for i, (p, _) in enumerate(tiny_refs)]
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, max_running_requests=12)
+    res = drive(sched, msgs, abort_at={3: "r0", 5: "r4", 6: "r7"})
+    assert {res[r][1]["type"] for r in ("r0", "r4", "r7")} == {"abort"}
+    assert_all_free(sched)
+    # a pool too small for all of them: decode retracts, outputs survive
+    small = spec_sched(
+        tiny_model_dir,
+        default_tokenizer,
+        tiny_refs,
+        max_running_requests=12,
+        max_total_tokens=300,
+        new_token_ratio=0.0,
+    )
+    res = drive(small, msgs)
+    assert small.stats["retractions"] > 0
+    assert all(res[f"r{i}"][0] == out for i, (_, out) in enumerate(tiny_refs))
+    assert_all_free(small)
+
+
+def _chi_square_p(a: Counter, b: Counter) -> float:
+    """p-value of a two-sample chi-square homogeneity test (categories under 10 expected are pooled);
+    Wilson-Hilferty approximation of the chi-square tail (no scipy here)."""
+    na, nb = sum(a.values()), sum(b.values())
+    pooled: Counter = Counter()
+    for key in set(a) | set(b):
+        pooled[key if a[key] + b[key] >= 20 else "rest"] += 0
+    cats = list(pooled)
+    ca = Counter({c: 0 for c in cats})
+    cb = Counter({c: 0 for c in cats})
+    for key, v in a.items():
+        ca[key if key in pooled else "rest"] += v
+    for key, v in b.items():
+        cb[key if key in pooled else "rest"] += v
+    stat = 0.0
+    for c in cats:
+        tot = ca[c] + cb[c]
+        if tot == 0:
+            continue
+        for obs, n in ((ca[c], na), (cb[c], nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    df = max(1, len([c for c in cats if ca[c] + cb[c]]) - 1)
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampled_distribution_unchanged_chi_square(tiny_model_dir, default_tokenizer, tiny_refs):
+    """Drafts are the greedy continuation (the oracle), so sampled tokens often equal them (accepted) and
+    often do not (resampled); the distribution of whole outputs must not move."""
+    p, out = tiny_refs[2]
+    n = 600
+    params = dict(max_new_tokens=4, ignore_eos=True, temperature=0.8, top_k=4, repetition_penalty=1.2)
+    msgs = [gen(f"d{i}", p, **params) for i in range(n)]
+
+    def draws(sched):
+        res = drive(sched, msgs)
+        assert_all_free(sched)
+        return Counter(tuple(v[0]) for v in res.values())
+
+    off = draws(make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=64))
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, max_running_requests=64)
+    on = draws(sched)
+    stats = sched.stats
+    assert stats["spec_accepted_tokens"] > n // 4  # the rule was exercised: many drafts accepted
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"] * 0.9  # and many rejected
+    assert _chi_square_p(on, off) > 0.001, (on.most_common(8), off.most_common(8))
+    # an always-accept rule would be caught: the drafted sequence is far likelier with it
+    drafted = tuple(out[:4])
+    assert abs(on[drafted] - off[drafted]) < 0.1 * n, (on[drafted], off[drafted])
+
+
+def test_seeded_sampling_draws_the_same_tokens(tiny_model_dir, default_tokenizer, tiny_refs):
+    params = dict(max_new_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9)
+    msgs = [gen(f"s{i}", tiny_refs[i % 4][0], seed=i, **params) for i in range(24)]
+    off = drive(make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=8), msgs)
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, max_running_requests=8)
+    on = drive(sched, msgs)
+    assert {r: v[0] for r, v in on.items()} == {r: v[0] for r, v in off.items()}
+    assert sched.stats["spec_accepted_tokens"] > 0
