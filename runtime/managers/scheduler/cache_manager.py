@@ -201,9 +201,23 @@ class CacheManager:
             self.host.reset()
         return True
 
-    def tier_info(self) -> dict:
-        info = self.host.info() if self.host is not None else {"host_tier_tokens": 0}
-        return {**info, **(self.disk.info() if self.disk is not None else {"disk_tier_bytes": 0})}
+    def info(self) -> dict:
+        """The KV pool, the radix cache and the tiers below it, for server_info."""
+        cache, alloc = self.cache, self.allocator
+        host = self.host.info() if self.host is not None else {"host_tier_tokens": 0}
+        disk = self.disk.info() if self.disk is not None else {"disk_tier_bytes": 0}
+        return {
+            "max_total_tokens": alloc.size,
+            "free_slots": alloc.available(),
+            "cache_tokens": cache.total_size(),
+            "cache_evictable_tokens": cache.evictable_size(),
+            "cache_protected_tokens": cache.protected_size(),
+            "request_held_tokens": alloc.size - alloc.available() - cache.total_size(),
+            "token_usage": 1 - (alloc.available() + cache.evictable_size()) / alloc.size,
+            "radix_cache_enabled": cache.enabled,
+            **host,
+            **disk,
+        }
 
     def save_to_disk(self) -> None:
         """Graceful shutdown: queue every cached prefix not on disk yet, then wait for the writer."""

@@ -508,24 +508,15 @@ class Scheduler:
         self.cm.check_accounting(self.live_requests())
 
     def server_info(self) -> dict[str, Any]:
-        cache, alloc = self.cm.cache, self.cm.allocator
         prompt = self.stats["prompt_tokens"]
         return {
             "num_running_reqs": len(self.running) + len(self.reextend),
             "num_queued_reqs": len(self.waiting) + len(self.grammar_wait),
-            "max_total_tokens": alloc.size,
-            "free_slots": alloc.available(),
-            "cache_tokens": cache.total_size(),
-            "cache_evictable_tokens": cache.evictable_size(),
-            "cache_protected_tokens": cache.protected_size(),
-            "request_held_tokens": alloc.size - alloc.available() - cache.total_size(),
-            "token_usage": 1 - (alloc.available() + cache.evictable_size()) / alloc.size,
+            **self.cm.info(),
             "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
-            "radix_cache_enabled": cache.enabled,
             "attention_backend": self.runner.backend_name,
             "grammar": self.grammars.stats(),
             **self.sessions.info(),
-            **self.cm.tier_info(),
-            **{k: v for k, v in self.stats.items()},
+            **self.stats,
             **spec_info(self.stats),
         }
