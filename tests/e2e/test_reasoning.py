@@ -89,6 +89,7 @@ def test_responses_reasoning_items_and_cached_continuation(oai):
     assert [o.type for o in first.output] == ["reasoning", "message"]
     thoughts = first.output[0].content[0].text
     assert thoughts.strip() and first.output_text
+    assert 0 < first.usage.output_tokens_details.reasoning_tokens < first.usage.output_tokens
     events = list(oai.responses.create(input=SHOTS, stream=True, **args))
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")

@@ -117,6 +117,7 @@ class Reply:
     cached_tokens: int
     reasoning: str | None = None
     reasoning_prefix: str | None = None
+    reasoning_tokens: int = 0  # the thoughts' text re-tokenized (tags and whitespace after them included)
 
     def message(self) -> Message:
         """The answer as the next turn's history renders it."""
@@ -129,9 +130,15 @@ class Prepared:
     req: SingleRequest
     prompt_tokens: int
     reasoning: ReasoningParser | None
+    tokenizer: Any = None
 
     def split(self, text: str, final: bool = True) -> Split:
         return self.reasoning.split(text, final) if self.reasoning else Split(None, text, "")
+
+    def reasoning_tokens(self, prefix: str | None) -> int:
+        if not prefix or self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.encode(prefix, add_special_tokens=False))
 
 
 def tool_request_error(e: ToolRequestError) -> RequestError:
@@ -204,7 +211,7 @@ async def prepare(
     except ValueError as e:
         raise RequestError(str(e), 400) from None
     req = SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream)
-    return Prepared(plan, req, len(ids), reasoning)
+    return Prepared(plan, req, len(ids), reasoning, tm.tokenizer)
 
 
 def _finish(meta: dict[str, Any], has_calls: bool) -> tuple[str, str | None]:
@@ -230,7 +237,8 @@ def reply_of(prepared: Prepared, result: dict[str, Any]) -> Reply:
     finish, stop = _finish(result["meta_info"], bool(calls))
     usage = usage_numbers(result["meta_info"])
     prefix = split.prefix if split.reasoning is not None else None
-    return Reply(msg.get("content") or "", calls, finish, stop, *usage, split.reasoning, prefix)
+    thoughts = prepared.reasoning_tokens(prefix)
+    return Reply(msg.get("content") or "", calls, finish, stop, *usage, split.reasoning, prefix, thoughts)
 
 
 async def count_prompt_tokens(conv: Conversation, tm: TokenizerManager, args: ServerArgs) -> int:
@@ -324,7 +332,8 @@ class TurnStream:
             calls = [ToolCall(*c) for c in self.calls]
             finish, stop = _finish(meta, bool(calls))
             prefix = split.prefix if split.reasoning is not None else None
-            reply = Reply(self.text, calls, finish, stop, *usage_numbers(meta), split.reasoning, prefix)
+            usage, thoughts = usage_numbers(meta), self.prepared.reasoning_tokens(prefix)
+            reply = Reply(self.text, calls, finish, stop, *usage, split.reasoning, prefix, thoughts)
             events += self.on_finish(reply)
         return b"".join(events) or None
 

@@ -222,7 +222,7 @@ def usage(reply: Reply) -> dict[str, Any]:
         "input_tokens": reply.prompt_tokens,
         "input_tokens_details": {"cached_tokens": reply.cached_tokens},
         "output_tokens": reply.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens},
         "total_tokens": reply.prompt_tokens + reply.output_tokens,
     }
 
