@@ -41,6 +41,7 @@ VALID_BODIES = {
         "max_tokens": 1,
     },
     "/abort_request": {"rid": "nothing-to-abort"},
+    "/concate_and_append_request": {"src_rids": ["a"], "dst_rid": "b"},
     "/v1/responses": {"model": "default", "input": "Hi", "max_output_tokens": 1},
     "/v1/messages": {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
     "/v1/messages/count_tokens": {"model": "default", "messages": [{"role": "user", "content": "Hi"}]},
