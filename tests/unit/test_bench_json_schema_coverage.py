@@ -199,6 +199,6 @@ def test_auto_choice_ranks_by_targets_then_coverage_then_mask_time():
     assert auto_choice({"x": _overall(1.0, math.nan)})["targets_met"]["x"]["mask_p99"] is False
 
 
-def test_backends_flag_defaults_to_every_backend():
-    assert cov.parse_args([]).backends == "outlines,llguidance,xgrammar"
+def test_backends_flag_defaults_to_auto_and_every_backend():
+    assert cov.parse_args([]).backends == "auto,outlines,llguidance,xgrammar"
     assert cov.parse_args(["--backends", "xgrammar", "--walk-steps", "8"]).walk_steps == 8
