@@ -1,7 +1,9 @@
 """Attention backends behind one interface (`radixlm_kernels.base.AttentionBackend`), chosen by name.
 
 `create_backend(name, ...)` resolves "auto" to the best backend available on this machine and raises a
-clear error when an explicitly requested backend cannot run here.
+clear error when an explicitly requested backend cannot run here. On the CPU "auto" is `cpu` (the C++
+paged-attention op, which the runtime builds and loads first and which falls back to `torch_native` when it
+cannot be built).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import importlib.util
 
 import torch
 
-BACKENDS = ("torch_native", "triton", "flashinfer")
+BACKENDS = ("torch_native", "cpu", "triton", "flashinfer")
 
 
 def available_backends() -> list[str]:
@@ -26,10 +28,17 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: str) -> str:
-    """'auto' -> flashinfer on NVIDIA, triton on a GPU where Triton runs, torch_native otherwise."""
+    """'auto' -> flashinfer on NVIDIA, triton on a GPU where Triton runs, cpu on the CPU, torch_native
+    otherwise."""
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    if name == "torch_native" or (name == "auto" and device != "cuda"):
+    if name == "cpu" and device != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on the CPU only, not on device {device!r}")
+    if name in ("torch_native", "cpu"):
+        return name
+    if name == "auto" and device == "cpu":
+        return "cpu"
+    if name == "auto" and device != "cuda":
         return "torch_native"
     avail = available_backends()
     if name == "auto":
@@ -60,6 +69,10 @@ def create_backend(name: str, kv_pool, req_to_token_pool):
         from radixlm_kernels.torch_native import TorchNativeBackend
 
         return TorchNativeBackend(kv_pool, req_to_token_pool)
+    if name == "cpu":
+        from radixlm_kernels.cpu_backend import CpuPagedBackend
+
+        return CpuPagedBackend(kv_pool, req_to_token_pool)
     if name == "triton":
         from radixlm_kernels.triton_backend import TritonBackend
 

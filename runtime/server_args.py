@@ -50,7 +50,10 @@ class ServerArgs:
     )
     disable_radix_cache: bool = _opt(False, "never reuse cached prefixes (baseline for comparison)")
     attention_backend: str = _opt(
-        "auto", "attention kernels", ("auto", "torch_native", "triton", "flashinfer")
+        "auto",
+        "attention kernels; auto = flashinfer/triton on GPU, cpu (C++ paged attention, built on first use) "
+        "on the CPU, falling back to torch_native",
+        ("auto", "torch_native", "cpu", "triton", "flashinfer"),
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
     quantization: str = _opt(

@@ -82,7 +82,9 @@ class ModelRunner:
         self.kv_pool = KVPool(
             max_total_tokens, cfg.num_layers, self.local_kv_heads, cfg.head_dim, self.dtype, self.device
         )
-        self.backend_name = resolve_backend_name(attention_backend, self.device.type)
+        self.backend_name = _load_backend_ops(
+            resolve_backend_name(attention_backend, self.device.type), explicit=attention_backend != "auto"
+        )
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
         self.graph_runner = None
         if tp.size > 1 and (enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)):
@@ -200,6 +202,23 @@ class ModelRunner:
         else:
             free = _available_host_memory()
         return int(max(1024, min(MAX_AUTO_TOTAL_TOKENS, free * KV_MEMORY_FRACTION // per_token)))
+
+
+def _load_backend_ops(name: str, explicit: bool) -> str:
+    """Build/load the C++ op the `cpu` backend calls; without it `auto` falls back to torch_native (logged)
+    and an explicit `--attention-backend cpu` fails with the reason."""
+    if name != "cpu":
+        return name
+    from runtime.models.native_kernels import PAGED_ATTENTION, KernelUnavailable
+
+    try:
+        PAGED_ATTENTION.load()
+    except KernelUnavailable as e:
+        if explicit:
+            raise ValueError(f"--attention-backend cpu: {e}") from e
+        logger.warning("attention backend cpu unavailable (%s); using torch_native", e)
+        return "torch_native"
+    return name
 
 
 def _available_host_memory() -> int:

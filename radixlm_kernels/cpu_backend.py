@@ -1,0 +1,76 @@
+"""CPU attention that reads the paged KV pool in place: `torch.ops.radixlm.paged_attention` (C++).
+
+The torch_native backend gathers each request's whole K/V out of the pool every layer (index_select) and
+runs SDPA over the copy; over a long cached prefix that copy is most of a decode step, and SDPA's fp32
+single-query path has a per-call cost that dominates short contexts. The C++ op walks the request's slots
+itself, keeps an online softmax per query row, and splits long requests across threads (see
+runtime/models/csrc/paged_attention.cpp). It serves decode and extends whose requests all add at most
+`FUSED_MAX_EXTEND` tokens (speculative verification, small appends after a cached prefix); longer extends,
+where the prefix copy is amortised over many queries and SDPA's blocked kernel wins, stay on torch_native.
+
+The op is built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
+backend is created; kernels never import the runtime, so `op_available()` only checks that it is there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm_kernels.base import AttentionBatch, AttentionLayer
+from radixlm_kernels.torch_native import TorchNativeBackend
+
+FUSED_MAX_EXTEND = 32
+OP = "radixlm::paged_attention"
+
+
+def op_available() -> bool:
+    """True when the C++ op has a CPU implementation loaded in this process."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU")
+    except RuntimeError:  # the op's schema is not even declared
+        return False
+
+
+class CpuPagedBackend(TorchNativeBackend):
+    name = "cpu"
+
+    def __init__(self, kv_pool, req_to_token_pool):
+        if not op_available():
+            raise RuntimeError(
+                f"the cpu attention backend needs the C++ op {OP}, which is not loaded: build it with "
+                "runtime.models.native_kernels.PAGED_ATTENTION.load() or use --attention-backend torch_native"
+            )
+        super().__init__(kv_pool, req_to_token_pool)
+        self._fused = False
+        self._ext_lens: torch.Tensor | None = None
+
+    def init_forward_metadata(self, batch: AttentionBatch) -> None:
+        if batch.is_decode:
+            self._fused = True
+            self._ext_lens = torch.ones(batch.batch_size, dtype=torch.int64, device=batch.seq_lens.device)
+            return
+        self._fused = max(batch.extend_seq_lens_cpu) <= FUSED_MAX_EXTEND
+        if self._fused:
+            self._ext_lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
+        else:
+            super().init_forward_metadata(batch)
+
+    def _attend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        return torch.ops.radixlm.paged_attention(
+            q.contiguous(),
+            self.kv_pool.k[layer.layer_id],
+            self.kv_pool.v[layer.layer_id],
+            self.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            self._ext_lens,
+            layer.scaling,
+        )
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        if self._fused:
+            return self._attend(q, layer, batch)
+        return super().forward_extend(q, layer, batch)
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        return self._attend(q, layer, batch)

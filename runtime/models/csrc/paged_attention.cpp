@@ -1,0 +1,298 @@
+// CPU paged attention for decode and short extends, reading K/V in place from the slot pool.
+//
+// Why: the torch path gathers every request's K/V out of the pool (index_select: a copy of the whole
+// context per layer and step) and then runs SDPA over the copy. Over a long cached prefix the copy alone
+// costs as much as the attention, and SDPA's fp32 single-query path carries per-call overhead that
+// dominates short contexts. Here each (request, KV head, key split) is one task that walks the request's
+// slots through req_to_token and keeps an online softmax per query row; splits of one request are merged
+// with their log-sum-exp afterwards (flash-decoding), so one long request still uses every thread.
+//
+// Shapes: q [T, H, D] (T = sum of ext_lens; request b's queries are its last ext_lens[b] positions, query j
+// at position seq_lens[b] - ext_lens[b] + j, causal); k_cache, v_cache [S, Hkv, D] (float32, bfloat16 or
+// float16); req_to_token [R, C] int64; req_pool_indices, seq_lens, ext_lens [B] int64. Query head h reads KV
+// head h / (H / Hkv). Math is float32 whatever the storage types; the output has q's dtype.
+//
+// The op is declared from Python (runtime/models/native_kernels.py); this file adds its CPU implementation.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXLM_PORTABLE)
+#define RADIXLM_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;        // keys scored together before the softmax update
+constexpr int64_t MIN_SPLIT = 128;   // fewest keys worth a task of their own
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// ------------------------------------------------------------------------------------------- vector math
+inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef RADIXLM_AVX2
+  if (n % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    const __m256 s = _mm256_add_ps(s0, s1);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// acc[i] = acc[i] * keep + w * x[i]
+inline void scale_add(float* acc, float keep, float w, const float* x, int64_t n) {
+#ifdef RADIXLM_AVX2
+  if (n % 8 == 0) {
+    const __m256 k = _mm256_set1_ps(keep), ww = _mm256_set1_ps(w);
+    for (int64_t i = 0; i < n; i += 8)
+      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(ww, _mm256_loadu_ps(x + i), _mm256_mul_ps(k, _mm256_loadu_ps(acc + i))));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * keep + w * x[i];
+}
+
+// exp for x <= 0 (softmax arguments): Cody-Waite range reduction and a degree-6 polynomial, ~2 ulp.
+inline void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef RADIXLM_AVX2
+  const __m256 lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f),
+               p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f),
+               p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f),
+               one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + i), lo);  // exp(-87.3) ~ 1e-38: below it, 0 is exact enough
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_sub_ps(v, _mm256_mul_ps(fx, c1));
+    v = _mm256_sub_ps(v, _mm256_mul_ps(fx, c2));
+    const __m256 z = _mm256_mul_ps(v, v);
+    __m256 y = p0;
+    y = _mm256_fmadd_ps(y, v, p1);
+    y = _mm256_fmadd_ps(y, v, p2);
+    y = _mm256_fmadd_ps(y, v, p3);
+    y = _mm256_fmadd_ps(y, v, p4);
+    y = _mm256_fmadd_ps(y, v, p5);
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(v, one));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + i, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+// ------------------------------------------------------------------------------------------- one task
+// Rows of a task: the request's ext queries x the G query heads of one KV head, row = j * G + g.
+struct Partial {  // per (row, split): running max, sum of exp, unnormalised output
+  float* m;
+  float* l;
+  float* acc;  // [D]
+};
+
+template <typename KV>
+void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const int64_t* slots, int64_t begin,
+                  int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride, int64_t head_off,
+                  int64_t D, float* m, float* l, float* acc) {
+  std::vector<float> scores(rows * BLOCK), kbuf(D), vbuf(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = NEG_INF;
+    l[r] = 0.f;
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  for (int64_t t0 = begin; t0 < end; t0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, end - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = as_float(k_cache + slots[t0 + t] * slot_stride + head_off, kbuf.data(), D);
+      for (int64_t r = 0; r < rows; ++r)
+        scores[r * BLOCK + t] = (t0 + t <= pos[r]) ? dot(q_rows + r * D, k, D) : NEG_INF;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores.data() + r * BLOCK;
+      float mx = m[r];
+      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+      if (mx == NEG_INF) continue;  // every key of the block is in this row's future
+      const float keep = std::exp(m[r] - mx);  // 0 on the first block
+      for (int64_t t = 0; t < n; ++t) s[t] -= mx;
+      exp_inplace(s, n);
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) sum += s[t];
+      l[r] = l[r] * keep + sum;
+      m[r] = mx;
+      if (keep != 1.f) scale_add(acc + r * D, keep, 0.f, acc + r * D, D);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = as_float(v_cache + slots[t0 + t] * slot_stride + head_off, vbuf.data(), D);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float p = scores[r * BLOCK + t];
+        if (p != 0.f) scale_add(acc + r * D, 1.f, p, v, D);
+      }
+    }
+  }
+}
+
+template <typename KV, typename QT>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
+         const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
+         at::Tensor& out) {
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv, B = seq_lens.size(0);
+  const int64_t slot_stride = Hkv * D, C = req_to_token.size(1);
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t* rows_idx = req_pool_indices.data_ptr<int64_t>();
+  const int64_t* seq = seq_lens.data_ptr<int64_t>();
+  const int64_t* ext = ext_lens.data_ptr<int64_t>();
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const KV* kp = k_cache.data_ptr<KV>();
+  const KV* vp = v_cache.data_ptr<KV>();
+
+  // Splits: enough tasks for ~4 per thread, none shorter than MIN_SPLIT keys.
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = std::max<int64_t>(1, (4 * threads + B * Hkv - 1) / (B * Hkv));
+  std::vector<int64_t> q_start(B + 1, 0), nsplit(B), task_start(B + 1, 0), part_start(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    q_start[b + 1] = q_start[b] + ext[b];
+    nsplit[b] = std::clamp<int64_t>((seq[b] + MIN_SPLIT - 1) / MIN_SPLIT, 1, want);
+    task_start[b + 1] = task_start[b] + Hkv * nsplit[b];
+    part_start[b + 1] = part_start[b] + Hkv * nsplit[b] * ext[b] * G;  // one Partial row per (task, row)
+  }
+  const int64_t parts = part_start[B];
+  std::vector<float> pm(parts), pl(parts), pacc(parts * D);
+
+  at::parallel_for(0, task_start[B], 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qbuf, posf;
+    std::vector<int64_t> pos;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+      const int64_t local = task - task_start[b], kvh = local / nsplit[b], split = local % nsplit[b];
+      const int64_t rows = ext[b] * G, len = seq[b];
+      const int64_t per = (len + nsplit[b] - 1) / nsplit[b];
+      const int64_t begin = split * per, end = std::min(len, begin + per);
+      qbuf.resize(rows * D);
+      pos.resize(rows);
+      for (int64_t j = 0; j < ext[b]; ++j)
+        for (int64_t g = 0; g < G; ++g) {
+          const QT* src = qp + ((q_start[b] + j) * H + kvh * G + g) * D;
+          float* dst = qbuf.data() + (j * G + g) * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
+          pos[j * G + g] = len - ext[b] + j;
+        }
+      const int64_t p0 = part_start[b] + (kvh * nsplit[b] + split) * rows;
+      if (begin >= end) {  // an empty split (len < nsplit * per): contributes nothing
+        for (int64_t r = 0; r < rows; ++r) {
+          pm[p0 + r] = NEG_INF;
+          pl[p0 + r] = 0.f;
+        }
+        continue;
+      }
+      attend_split<KV>(qbuf.data(), pos.data(), rows, table + rows_idx[b] * C, begin, end, kp, vp, slot_stride,
+                       kvh * D, D, pm.data() + p0, pl.data() + p0, pacc.data() + p0 * D);
+    }
+  });
+
+  // Merge the splits of each (request, KV head, row).
+  at::parallel_for(0, task_start[B] / 1, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> o(D);
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+      const int64_t local = task - task_start[b];
+      if (local % nsplit[b] != 0) continue;  // the split-0 task merges its KV head's rows
+      const int64_t kvh = local / nsplit[b], rows = ext[b] * G;
+      for (int64_t r = 0; r < rows; ++r) {
+        float mx = NEG_INF;
+        for (int64_t s = 0; s < nsplit[b]; ++s) mx = std::max(mx, pm[part_start[b] + (kvh * nsplit[b] + s) * rows + r]);
+        std::fill(o.begin(), o.end(), 0.f);
+        float total = 0.f;
+        for (int64_t s = 0; s < nsplit[b]; ++s) {
+          const int64_t p = part_start[b] + (kvh * nsplit[b] + s) * rows + r;
+          if (pl[p] == 0.f) continue;
+          const float w = std::exp(pm[p] - mx);
+          total += w * pl[p];
+          scale_add(o.data(), 1.f, w, pacc.data() + p * D, D);
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const int64_t j = r / G, g = r % G;
+        QT* dst = op + ((q_start[b] + j) * H + kvh * G + g) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<QT>(o[i] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be contiguous [T, H, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: k_cache and v_cache must be contiguous [S, Hkv, D] of one dtype");
+  TORCH_CHECK(k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
+              "paged_attention: head_dim differs or H is not a multiple of Hkv");
+  for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &seq_lens, &ext_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_attention: index tensors must be int64");
+  TORCH_CHECK(seq_lens.size(0) == req_pool_indices.size(0) && ext_lens.size(0) == seq_lens.size(0),
+              "paged_attention: req_pool_indices, seq_lens and ext_lens must have one entry per request");
+  {
+    const int64_t B = seq_lens.size(0), C = req_to_token.size(1), R = req_to_token.size(0);
+    const int64_t *seq = seq_lens.data_ptr<int64_t>(), *ext = ext_lens.data_ptr<int64_t>();
+    const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ext[b] >= 1 && ext[b] <= seq[b] && seq[b] <= C && rows[b] >= 0 && rows[b] < R,
+                  "paged_attention: request ", b, " needs 1 <= ext_len <= seq_len <= req_to_token's width and a "
+                  "valid row");
+      total += ext[b];
+    }
+    TORCH_CHECK(total == q.size(0), "paged_attention: sum(ext_lens) must equal q.size(0)");
+  }
+  at::Tensor out = at::empty_like(q);
+  const auto kv = k_cache.scalar_type();
+  const auto qt = q.scalar_type();
+#define RADIXLM_RUN(KV_T, Q_T) run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, out)
+#define RADIXLM_BY_Q(KV_T)                                        \
+  if (qt == at::kFloat) RADIXLM_RUN(KV_T, float);                 \
+  else if (qt == at::kBFloat16) RADIXLM_RUN(KV_T, c10::BFloat16); \
+  else if (qt == at::kHalf) RADIXLM_RUN(KV_T, c10::Half);         \
+  else TORCH_CHECK(false, "paged_attention: q must be float32, bfloat16 or float16");
+  if (kv == at::kFloat) { RADIXLM_BY_Q(float) }
+  else if (kv == at::kBFloat16) { RADIXLM_BY_Q(c10::BFloat16) }
+  else if (kv == at::kHalf) { RADIXLM_BY_Q(c10::Half) }
+  else TORCH_CHECK(false, "paged_attention: the KV cache must be float32, bfloat16 or float16");
+#undef RADIXLM_BY_Q
+#undef RADIXLM_RUN
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(radixlm, CPU, lib) { lib.impl("paged_attention", &paged_attention); }

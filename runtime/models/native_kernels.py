@@ -1,0 +1,171 @@
+"""radixlm's C++ CPU kernels: each built on first use, cached on disk, and loaded as `torch.ops.radixlm.*`.
+
+A `NativeLibrary` is one source file under csrc/ that implements ops declared from Python
+(`torch.library.Library("radixlm", "FRAGMENT")`). It is built with the system C++ compiler
+(`runtime.platform.find_cxx_compiler`) against torch's headers and cached under $RADIXLM_CACHE_DIR/kernels
+(default ~/.cache/radixlm/kernels), keyed by the source, the flags, torch's version and the CPU's flags (it
+is built with -march=native, so a cache shared by two CPUs never hands one the other's build). The
+directory is 0700 and a cached .so is loaded only when this user owns it and nobody else can write to it;
+otherwise it is rebuilt (runtime/cache_dir.py). Processes starting together build beside the target and
+rename, so none loads a half-written file.
+
+Libraries: `w4a8` (runtime/models/w4a8.py: Q4_1 / Q8_0 GEMMs) and `paged_attention` (`PAGED_ATTENTION`
+below: decode and short-extend attention reading the KV pool in place, used by the `cpu` attention backend).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from runtime.cache_dir import UnsafeCacheDir, cache_subdir, unsafe_reason
+from runtime.platform import cpu_flags, find_cxx_compiler
+
+logger = logging.getLogger("radixlm.native_kernels")
+CSRC = Path(__file__).parent / "csrc"
+
+
+class KernelUnavailable(RuntimeError):
+    """A C++ kernel could not be built or loaded here (no compiler, or it failed)."""
+
+
+class NativeLibrary:
+    """One C++ source built into one cached shared library; `load()` makes its ops callable."""
+
+    def __init__(self, name: str, source: Path, what: str, instead: str, portable_env: str | None = None):
+        self.name = name  # the cache file's stem
+        self.source = source
+        self.what = what  # "the w4a8 kernel": how messages name it
+        self.instead = instead  # what to do without it: "use --quantization w8a8"
+        self.portable_env = portable_env  # set to 1: build without the vector paths (tests compare both)
+        self.loaded: Path | None = None
+        self._lock = threading.Lock()
+
+    def portable(self) -> bool:
+        return self.portable_env is not None and os.environ.get(self.portable_env) == "1"
+
+    def load(self) -> Path:
+        """Build (once per cache key) and load the library; returns its path. Raises KernelUnavailable."""
+        with self._lock:
+            if self.loaded is None:
+                path = self.build()
+                reason = untrusted(path)  # checked again right before loading: it is what gets executed
+                if reason:
+                    raise KernelUnavailable(f"refusing to load {self.what} {path}: it {reason}")
+                try:
+                    torch.ops.load_library(str(path))
+                except OSError as e:  # a damaged cache entry: say which file to delete
+                    raise KernelUnavailable(f"loading {self.what} {path} failed ({e}): delete it") from e
+                self.loaded = path
+                logger.info("%s loaded from %s", self.what, path)
+            return self.loaded
+
+    def compile_command(self) -> list[str]:
+        """The compiler invocation for the source, less its output path (the cache key is derived from it)."""
+        from torch.utils import cpp_extension
+
+        cxx = find_cxx_compiler()
+        if cxx is None:
+            raise KernelUnavailable(
+                f"{self.what} is a C++ kernel built on first use, and no C++ compiler was found ($CXX, g++, "
+                f"clang++, c++): install one (apt-get install g++) or {self.instead}"
+            )
+        abi = int(torch.compiled_with_cxx11_abi())
+        flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w"]
+        flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
+        if self.portable():
+            flags.append("-DRADIXLM_PORTABLE")
+        includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+        libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
+        return [cxx, *flags, *includes, str(self.source), *libs]
+
+    def build(self) -> Path:
+        """The cached library for this source/flags/torch/CPU, built (atomically, mode 0700) when missing or
+        when the cached file is not safe to load (not ours, or writable by others: see `untrusted`)."""
+        try:
+            root = cache_subdir("kernels")
+        except UnsafeCacheDir as e:
+            raise KernelUnavailable(str(e)) from e
+        command = self.compile_command()
+        key = hashlib.sha256(
+            "\0".join(
+                [
+                    self.source.read_text(),
+                    " ".join(command[1:]),
+                    torch.__version__,
+                    " ".join(sorted(cpu_flags())),
+                ]
+            ).encode()
+        ).hexdigest()[:16]
+        target = root / f"{self.name}-{key}.so"
+        if os.path.lexists(target):
+            reason = untrusted(target)
+            if reason is None:
+                return target
+            logger.warning(
+                "the cached %s %s %s: not loading it, building a fresh one", self.what, target, reason
+            )
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
+        os.close(fd)
+        logger.info("building %s (%s), about 10 s", self.what, target.name)
+        try:
+            done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise KernelUnavailable(
+                    f"building {self.what} failed (exit {done.returncode}): {done.stderr[-2000:]}"
+                )
+            os.chmod(tmp, 0o700)
+            os.replace(tmp, target)
+        except subprocess.TimeoutExpired as e:
+            raise KernelUnavailable(f"building {self.what} took over 300 s") from e
+        except OSError as e:  # $CXX names no runnable program
+            raise KernelUnavailable(
+                f"building {self.what} could not run the C++ compiler: {e}; set $CXX to a working compiler "
+                f"or {self.instead}"
+            ) from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return target
+
+
+def untrusted(path: Path) -> str | None:
+    """Why the library at `path` must not be loaded (None when it may): dlopen runs its code, so it must be
+    a regular file (not a symlink) owned by this user and not group- or world-writable."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    return unsafe_reason(st)
+
+
+# ------------------------------------------------------------------------------------------ paged attention
+_LIB = torch.library.Library("radixlm", "FRAGMENT")
+_LIB.define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
+    "Tensor seq_lens, Tensor ext_lens, float scale) -> Tensor"
+)
+
+
+@torch.library.register_fake("radixlm::paged_attention", lib=_LIB)
+def _paged_attention_fake(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale):
+    return torch.empty_like(q)
+
+
+PAGED_ATTENTION = NativeLibrary(
+    "paged_attention",
+    CSRC / "paged_attention.cpp",
+    "the paged attention kernel",
+    "use --attention-backend torch_native",
+    portable_env="RADIXLM_PAGED_ATTENTION_PORTABLE",
+)
