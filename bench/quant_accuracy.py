@@ -4,8 +4,10 @@ minutes-long check that a mode's logits stay close to fp32's.
 
     python bench/quant_accuracy.py --modes int8,int4,gguf --threads 1
     python bench/quant_accuracy.py --modes bfloat16,w8a8,bfloat16+none --threads 1
+    python -m bench.quant_accuracy --modes w4a8,bfloat16,w8a8 --threads 1 --name quant_accuracy
 
-A mode is QUANT (float32 activations), DTYPE (no quantization) or DTYPE+QUANT.
+A mode is QUANT (float32 activations), DTYPE (no quantization) or DTYPE+QUANT. With --name the figures
+also go to bench/results/NAME.json (the source `--quantization auto`'s table cites).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="int8,int4,gguf", help="comma-separated quantization modes")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--name", default=None, help="also write bench/results/NAME.json")
+    p.add_argument("--results-dir", default=None, help="where NAME.json goes (default: bench/results)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,11 +78,28 @@ def main(argv: list[str] | None = None) -> None:
     seqs = [tok(t)["input_ids"] for t in PROMPTS]
     ref = F.log_softmax(all_logits(model_dir, "none", seqs), -1)
     print(f"{ref.shape[0]} positions; reference: fp32 (the GGUF dequantized)")
+    modes = {}
     for mode in args.modes.split(","):
         lq = F.log_softmax(all_logits(model_dir, mode, seqs), -1)
         kl = (ref.exp() * (ref - lq)).sum(-1)
         agree = (lq.argmax(-1) == ref.argmax(-1)).float().mean().item()
         print(f"{mode:>14}: top-1 agreement {agree:.3f}, KL mean {kl.mean():.4f} max {kl.max():.4f}")
+        modes[mode] = {"top1_agreement": agree, "kl_mean": kl.mean().item(), "kl_max": kl.max().item()}
+    if args.name:
+        from bench.harness import common
+        from runtime.platform import cpu_flags
+
+        flags = sorted(f for f in cpu_flags() if f in ("avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16"))
+        config = {
+            "command": common.command_line(),
+            "modes": list(modes),
+            "positions": ref.shape[0],
+            "prompts": len(PROMPTS),
+            "reference": "float32, quantization none",
+            "threads": torch.get_num_threads(),
+            "cpu_flags": flags,  # which kernels ran: w4a8's VNNI loop or its scalar one, native bf16 or not
+        }
+        common.write_results(args.name, config, {"modes": modes}, results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

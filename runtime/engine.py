@@ -7,6 +7,7 @@ The TokenizerManager runs on a private asyncio loop in a background thread; `gen
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
 
 _END = object()
+logger = logging.getLogger("radixlm.engine")
 
 
 class Engine:
@@ -28,6 +30,8 @@ class Engine:
             raise ValueError(
                 "Engine runs one replica in this process; --dp-size is for the HTTP server (radixlm serve)"
             )
+        a = self.args
+        logger.info("quantization %s, dtype %s: %s", a.quantization, a.dtype, a.quantization_reason)
         self.model_dir = resolve_model_path(self.args.model)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(

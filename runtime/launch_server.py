@@ -97,6 +97,7 @@ def run_server(args: ServerArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(name)s: %(message)s"
     )
+    logger.info("--quantization %s --dtype %s: %s", args.quantization, args.dtype, args.quantization_reason)
     model_dir = resolve_model_path(args.model)
     if args.node_rank > 0:
         return run_worker_node(args, model_dir)

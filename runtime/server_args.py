@@ -12,12 +12,19 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from runtime.models.quantization import QUANTIZATION_METHODS, check_model, check_supported
+from runtime import platform
+from runtime.models.quantization import (
+    QUANTIZATION_CHOICES,
+    check_model,
+    check_supported,
+    measured_model,
+    resolve_auto,
+)
 from runtime.platform import auto_num_threads, cpu_has_native_bf16, free_port
 
 
-def _opt(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -33,8 +40,9 @@ class ServerArgs:
     port: int = _opt(30000, "HTTP port")
     dtype: str = _opt(
         "auto",
-        "weights/activation dtype; auto = bfloat16 on GPU and on CPUs with native bf16 dot products "
-        "(avx512_bf16 or AMX: measured faster at batch 8-32, same MMLU accuracy), else float32",
+        "weights/activation dtype; auto = float32 under a quantization (w4a8 where --quantization auto "
+        "picks it), else bfloat16 on GPU and on CPUs with native bf16 dot products (avx512_bf16 or AMX: "
+        "measured faster at batch 8-32, same MMLU accuracy), else float32",
         ("auto", "float32", "bfloat16", "float16"),
     )
     device: str = _opt("auto", "cpu or cuda; auto picks cuda when available", ("auto", "cpu", "cuda"))
@@ -57,12 +65,14 @@ class ServerArgs:
     )
     disable_cuda_graph: bool = _opt(False, "run decode eagerly on GPU")
     quantization: str = _opt(
-        "none",
+        "auto",
         "quantization of linear layers and LM head (CPU, float32 activations): int8/int4 weight-only, gguf "
         "keeps the file's Q4_1 blocks, w8a8 = int8 weights and dynamic int8 activations (fbgemm), w4a8 = "
         "llama.cpp's Q4_1 layers / Q8_0 head with int8 activations per block of 32 (C++ kernel built on "
-        "first use); see runtime/models/quantization.py",
-        QUANTIZATION_METHODS,
+        "first use); auto = the fastest mode measured within 1 MMLU point of float32 with next-token top-1 "
+        "agreement >= 0.99 for this model and CPU (w4a8 for the default model on AVX512-VNNI CPUs), none "
+        "for unmeasured models; see runtime/models/quantization.py",
+        QUANTIZATION_CHOICES,
     )
     enable_torch_compile: bool = _opt(
         False, "CPU: compile the decode forward with inductor per batch-size bucket (minutes at start-up)"
@@ -235,6 +245,10 @@ class ServerArgs:
     )
     speculative_num_draft_tokens: int = _opt(
         4, "most draft tokens per request and step (each request adapts below it to its acceptance)"
+    )
+    # ---- measured defaults (--quantization auto) ----
+    quantization_reason: str = _opt(
+        "", "set by resolve(): why --quantization is what it is (shown in /server_info)", cli=False
     )
 
     def __post_init__(self) -> None:
@@ -435,7 +449,8 @@ class ServerArgs:
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     def resolve(self) -> ServerArgs:
-        """Return a copy with 'auto' device, dtype and thread count fixed for this machine."""
+        """Return a copy with 'auto' device, dtype, quantization and thread count fixed for this machine
+        (idempotent: the scheduler resolves again, and a resolved quantization keeps its reason)."""
         import torch
 
         device = self.device
@@ -443,16 +458,23 @@ class ServerArgs:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA device is available")
-        dtype = self.dtype
+        dtype, quantization, reason = self.dtype, self.quantization, self.quantization_reason
+        if quantization == "auto":
+            has_cxx = platform.find_cxx_compiler() is not None
+            dtype, quantization, reason = resolve_auto(
+                dtype, device, self._measured_model(), platform.cpu_flags(), has_cxx
+            )
+        elif not reason:
+            reason = f"--quantization {quantization} given"
         if dtype == "auto":
             if device == "cuda":
                 dtype = "bfloat16"
-            elif self.quantization != "none":
+            elif quantization != "none":
                 dtype = "float32"  # every --quantization mode runs float32 activations (check_supported)
             else:
                 dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
-        check_supported(self.quantization, device, dtype)
-        check_model(self.quantization, self.model)
+        check_supported(quantization, device, dtype)
+        check_model(quantization, self.model)
         num_threads = self.num_threads
         if num_threads is None:  # the CPUs are shared by this node's ranks: never oversubscribe them
             num_threads = max(1, auto_num_threads() // len(self.tp_ranks_here))
@@ -463,9 +485,23 @@ class ServerArgs:
             self,
             device=device,
             dtype=dtype,
+            quantization=quantization,
+            quantization_reason=reason,
             num_threads=num_threads,
             dist_init_addr=dist_init_addr,
         )
+
+    def _measured_model(self):
+        """The `MEASURED` entry `--model` is (runtime/models/quantization.py), or None."""
+        path = os.path.expanduser(self.model)
+        if self.model == "default":
+            from runtime.models.model_loader import default_gguf_path
+
+            try:
+                path = default_gguf_path()
+            except FileNotFoundError:  # not installed: loading the model names the problem
+                return None
+        return measured_model(path)
 
     @property
     def model_name(self) -> str:
@@ -479,6 +515,8 @@ class ServerArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if not f.metadata.get("cli", True):
+                continue
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
             if hints[f.name] is bool:
@@ -495,7 +533,8 @@ class ServerArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
+        return cls(**{f.name: getattr(ns, f.name) for f in fields})
 
 
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:

@@ -12,6 +12,7 @@ def make_scheduler(model_dir: str, tokenizer, **kw) -> Scheduler:
     args = ServerArgs(
         model=model_dir,
         dtype="float32",
+        quantization="none",
         device="cpu",
         log_interval=0,
         attention_backend="torch_native",

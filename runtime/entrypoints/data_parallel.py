@@ -87,6 +87,8 @@ def replica_cli_args(args: ServerArgs, port: int) -> list[str]:
         value = getattr(args, f.name)
         if f.name in _FRONT_ONLY or f.name in _SECRETS or value == f.default:
             continue
+        if not f.metadata.get("cli", True):  # set by resolve(), which each replica runs itself
+            continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):  # every bool option defaults to False: a set one is a bare flag
             out.append(flag)

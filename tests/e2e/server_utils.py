@@ -138,10 +138,13 @@ class ServerProcess:
             str(self.port),
             "--log-level",
             self.log_level,
-            # exactness tests (batch composition, cache hits, transformers parity) assume float32; `auto`
-            # is bfloat16 on CPUs with native bf16. extra_args may override it (argparse: last one wins).
+            # exactness tests (batch composition, cache hits, transformers parity) assume float32 without
+            # quantization; `auto` is w4a8 or bfloat16 on some CPUs (runtime/models/quantization.py).
+            # extra_args may override them (argparse: last one wins).
             "--dtype",
             "float32",
+            "--quantization",
+            "none",
             *self.extra_args,
         ]
 

@@ -16,7 +16,13 @@ from tests.e2e.server_utils import descendants
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(max_total_tokens=16384, log_level="warning", max_running_requests=32, dtype="float32")
+    eng = Engine(
+        max_total_tokens=16384,
+        log_level="warning",
+        max_running_requests=32,
+        dtype="float32",
+        quantization="none",
+    )
     yield eng
     pids = [p.pid for p in eng.tm.supervisor.procs.values()]
     eng.shutdown()

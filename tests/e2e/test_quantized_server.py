@@ -40,3 +40,27 @@ def test_w4a8_server_matches_the_runner_and_reuses_its_cache(default_model_dir):
     # the scheduler really swapped every layer (30 x 4 Q4_1) and the head (Q8_0): w4a8's tokens can equal
     # float32's, so the equality above alone would not show it
     assert "'q4_1': 120, 'q8_0': 1" in log, log[-3000:]
+
+
+def test_default_flags_pick_the_measured_mode_and_say_why():
+    """`--dtype auto --quantization auto` (the defaults ServerProcess overrides): the server runs what
+    `ServerArgs.resolve()` picks on this machine (w4a8 on AVX512-VNNI CPUs, else bf16 or float32), logs it
+    with its figures at start-up and reports both in /server_info."""
+    from runtime.server_args import ServerArgs
+
+    want = ServerArgs(device="cpu").resolve()
+    assert want.quantization_reason
+    args = ["--dtype", "auto", "--quantization", "auto", "--max-total-tokens", "4096"]
+    with ServerProcess(extra_args=args, log_level="info") as srv:
+        r = requests.post(
+            srv.url + "/generate",
+            json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+            timeout=HTTP_TIMEOUT_S,
+        )
+        assert r.status_code == 200, r.text
+        info = requests.get(srv.url + "/server_info", timeout=HTTP_TIMEOUT_S).json()
+        log = srv.log()
+    assert (info["dtype"], info["quantization"]) == (want.dtype, want.quantization)
+    assert info["quantization_reason"] == want.quantization_reason
+    line = f"--quantization {want.quantization} --dtype {want.dtype}: {want.quantization_reason}"
+    assert line in log, log[-3000:]

@@ -32,9 +32,10 @@ def prompts(default_tokenizer):
 def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenizer, prompts):
     from transformers import AutoModelForCausalLM
 
-    args = ServerArgs(  # float32 explicitly: `auto` is bfloat16 on CPUs with native bf16
+    args = ServerArgs(  # float32 explicitly: `auto` is bfloat16 or w4a8 on some CPUs
         model=default_model_dir,
         dtype="float32",
+        quantization="none",
         max_total_tokens=4096,
         log_interval=0,
         attention_backend="torch_native",

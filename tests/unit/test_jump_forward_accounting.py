@@ -47,6 +47,7 @@ def test_kv_accounting_holds_after_every_step(default_model_dir, default_tokeniz
     args = ServerArgs(
         model=default_model_dir,
         dtype="float32",
+        quantization="none",
         max_total_tokens=700,  # a few requests' worth: eviction and retraction happen
         chunked_prefill_size=8,
         log_interval=0,

@@ -247,8 +247,9 @@ def test_gguf_mode_rejects_hf_folder(tiny_model_dir):
 
 
 # ----------------------------------------------------------------------------------------------- options
-def test_auto_resolves_and_bad_combos_are_named():
-    assert ServerArgs(device="cpu").resolve().quantization == "none"  # measured default (quantization.py)
+def test_auto_resolves_and_bad_combos_are_named(tmp_path):
+    # auto on a model nobody measured (a folder; test_quantization_auto.py has every rule) is none
+    assert ServerArgs(model=str(tmp_path), device="cpu").resolve().quantization == "none"
     assert ServerArgs(device="cpu", quantization="int4").resolve().quantization == "int4"
     with pytest.raises(ValueError, match="needs --dtype float32"):
         ServerArgs(device="cpu", dtype="bfloat16", quantization="int8").resolve()
@@ -264,19 +265,20 @@ def test_auto_resolves_and_bad_combos_are_named():
         check_supported("fp8", "cpu", "float32")
 
 
-def test_auto_is_no_method_and_both_errors_name_the_methods(capsys):
-    """`auto` always resolved to `none` (the measured default), so it was removed: asking for it is an error
-    that lists what there is, from ServerArgs and from the command line."""
+def test_auto_is_the_default_and_both_errors_name_the_methods(capsys):
+    """`auto` (the measured pick) is the default and a choice; an unknown method is an error listing them,
+    from ServerArgs and from the command line."""
     from runtime.launch_server import parse_args
 
-    methods = "'none', 'int8', 'int4', 'gguf', 'w8a8', 'w4a8'"
+    methods = "'auto', 'none', 'int8', 'int4', 'gguf', 'w8a8', 'w4a8'"
     with pytest.raises(ValueError, match=rf"must be one of \({methods}\)"):
-        ServerArgs(quantization="auto")
+        ServerArgs(quantization="fp4")
     with pytest.raises(SystemExit):
-        parse_args(["--quantization", "auto"])
+        parse_args(["--quantization", "fp4"])
     err = capsys.readouterr().err
-    assert "invalid choice: 'auto'" in err and methods in err
-    assert ServerArgs().quantization == "none"
+    assert "invalid choice: 'fp4'" in err and methods in err
+    assert ServerArgs().quantization == "auto"
+    assert parse_args(["--quantization", "auto"]).quantization == "auto"
 
 
 def test_tied_head_shares_the_embedding_until_quantized(default_model_dir):

@@ -71,7 +71,8 @@ def schedulers(default_model_dir, default_tokenizer):
     for jf in (True, False):
         args = ServerArgs(
             model=default_model_dir,
-            dtype="float32",  # token-exact comparisons below; `auto` may be bfloat16 on this CPU
+            dtype="float32",  # token-exact comparisons below; `auto` may be bfloat16 or w4a8 on this CPU
+            quantization="none",
             max_total_tokens=8192,
             log_interval=0,
             attention_backend="torch_native",

@@ -45,6 +45,7 @@ def test_llguidance_requests_with_jump_forward_keep_kv_accounting(default_model_
     args = ServerArgs(
         model=default_model_dir,
         dtype="float32",
+        quantization="none",
         max_total_tokens=600,  # a few requests' worth: eviction happens
         chunked_prefill_size=16,
         log_interval=0,

@@ -18,9 +18,9 @@ from runtime.server_args import ServerArgs
 )
 def test_auto_dtype_follows_cpu_flags(monkeypatch, flags, want):
     monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
-    args = ServerArgs(device="cpu").resolve()
+    args = ServerArgs(device="cpu", quantization="none").resolve()  # auto's picks: test_quantization_auto
     assert args.dtype == want
-    assert args.quantization == "none"  # the default; a bf16 pick never brings a quantization
+    assert args.quantization == "none"
 
 
 def test_explicit_dtype_is_kept(monkeypatch):
