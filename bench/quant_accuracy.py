@@ -6,7 +6,8 @@ minutes-long check that a mode's logits stay close to fp32's.
     python bench/quant_accuracy.py --modes bfloat16,w8a8,bfloat16+none --threads 1
     python -m bench.quant_accuracy --modes w4a8,bfloat16,w8a8 --threads 1 --name quant_accuracy
 
-A mode is QUANT (float32 activations), DTYPE (no quantization) or DTYPE+QUANT. With --name the figures
+A mode is QUANT (float32 activations), DTYPE (no quantization) or DTYPE+QUANT, optionally followed by
+@KV_DTYPE, the KV cache's storage dtype (`--kv-cache-dtype`; e.g. `w4a8@float16`). With --name the figures
 also go to bench/results/NAME.json (the source `--quantization auto`'s table cites).
 """
 
@@ -49,8 +50,16 @@ def all_logits(model_dir: str, mode: str, seqs: list[list[int]]) -> torch.Tensor
     from runtime.model_executor.forward_batch import ForwardBatch
     from runtime.model_executor.model_runner import ModelRunner
 
+    mode, _, kv_dtype = mode.partition("@")
     dtype, quant = parse_mode(mode)
-    r = ModelRunner(model_dir, max_total_tokens=1024, max_running_requests=8, dtype=dtype, quantization=quant)
+    r = ModelRunner(
+        model_dir,
+        max_total_tokens=1024,
+        max_running_requests=8,
+        dtype=dtype,
+        quantization=quant,
+        kv_cache_dtype=kv_dtype or None,
+    )
     rows = [r.req_to_token_pool.alloc() for _ in seqs]
     n = sum(len(s) for s in seqs)
     slots = r.allocator.alloc(n)

@@ -7,7 +7,7 @@ requests are interleaved through the pool (request i's token t is slot t * bs + 
 as a server's pool is after requests arrive together, so attention reads are as scattered as in serving.
 
     python -m bench.step_profile --cases 1x128,4x1400,32x128 --dtype bfloat16 --threads 2
-    python -m bench.step_profile --cases 4x1400 --dtype float32 --quantization w4a8 --attention-backend cpu
+    python -m bench.step_profile --cases 4x1400 --dtype float32 --quantization w4a8 --kv-cache-dtype float16
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cases", default="1x128,4x1400,32x128", help="BSxCONTEXT,... (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto: the model's dtype")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resolve_model_path("default"),
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         max_total_tokens=need,
         max_running_requests=max(bs for bs, _ in cases),
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "attention_backend": runner.backend_name,
         "threads": args.threads,
         "load_avg": os.getloadavg()[0],

@@ -13,6 +13,7 @@ def make_scheduler(model_dir: str, tokenizer, **kw) -> Scheduler:
         model=model_dir,
         dtype="float32",
         quantization="none",
+        kv_cache_dtype="float32",
         device="cpu",
         log_interval=0,
         attention_backend="torch_native",

@@ -34,6 +34,7 @@ class ModelRunner:
         model_dir: str,
         *,
         dtype: str = "float32",
+        kv_cache_dtype: str | None = None,
         device: str = "cpu",
         max_total_tokens: int | None = None,
         max_running_requests: int = 64,
@@ -51,6 +52,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
+        self.kv_dtype = DTYPES[kv_cache_dtype] if kv_cache_dtype not in (None, "auto") else self.dtype
         self.config = ModelConfig.from_hf(load_hf_config(model_dir))
         cfg = self.config
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -80,7 +82,7 @@ class ModelRunner:
         )
         self.allocator = SlotAllocator(max_total_tokens, self.device)
         self.kv_pool = KVPool(
-            max_total_tokens, cfg.num_layers, self.local_kv_heads, cfg.head_dim, self.dtype, self.device
+            max_total_tokens, cfg.num_layers, self.local_kv_heads, cfg.head_dim, self.kv_dtype, self.device
         )
         self.backend_name = _load_backend_ops(
             resolve_backend_name(attention_backend, self.device.type), explicit=attention_backend != "auto"
@@ -105,12 +107,13 @@ class ModelRunner:
         if enable_torch_compile:
             self.compiled_decode = self._compile_decode(min(max_running_requests, torch_compile_max_bs))
         logger.info(
-            "model loaded in %.2fs: %s, %d layers, dtype=%s, quantization=%s, device=%s, backend=%s, "
+            "model loaded in %.2fs: %s, %d layers, dtype=%s, KV %s, quantization=%s, device=%s, backend=%s, "
             "KV pool %d tokens (%.0f MiB), tp rank %d/%d",
             self.load_seconds,
             cfg.architecture,
             cfg.num_layers,
             dtype,
+            str(self.kv_dtype).removeprefix("torch."),
             quantization,
             device,
             self.backend_name,
@@ -128,6 +131,7 @@ class ModelRunner:
         return cls(
             model_dir,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             max_total_tokens=args.max_total_tokens,
             max_running_requests=args.max_running_requests,
@@ -196,7 +200,7 @@ class ModelRunner:
 
     def _auto_total_tokens(self) -> int:
         c = self.config
-        per_token = KVPool.bytes_per_token_for(c.num_layers, self.local_kv_heads, c.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token_for(c.num_layers, self.local_kv_heads, c.head_dim, self.kv_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:

@@ -139,12 +139,15 @@ class ServerProcess:
             "--log-level",
             self.log_level,
             # exactness tests (batch composition, cache hits, transformers parity) assume float32 without
-            # quantization; `auto` is w4a8 or bfloat16 on some CPUs (runtime/models/quantization.py).
+            # quantization and with float32 K/V; `auto` is w4a8 or bfloat16 on some CPUs
+            # (runtime/models/quantization.py) and float16 K/V on the CPU.
             # extra_args may override them (argparse: last one wins).
             "--dtype",
             "float32",
             "--quantization",
             "none",
+            "--kv-cache-dtype",
+            "float32",
             *self.extra_args,
         ]
 

@@ -40,3 +40,23 @@ def test_this_machine_flags_are_read():
     flags = cpu_flags()
     assert isinstance(flags, frozenset)
     assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+@pytest.mark.parametrize(
+    "dtype,kv,want",
+    [
+        ("float32", "auto", "float16"),  # CPU, float32 math: float16 K/V (measured: quant_accuracy_kv.json)
+        ("bfloat16", "auto", "bfloat16"),
+        ("float32", "float32", "float32"),
+        ("float32", "bfloat16", "bfloat16"),
+    ],
+)
+def test_kv_cache_dtype_auto_on_the_cpu(dtype, kv, want):
+    args = ServerArgs(device="cpu", dtype=dtype, quantization="none", kv_cache_dtype=kv).resolve()
+    assert args.kv_cache_dtype == want
+    assert args.resolve().kv_cache_dtype == want  # idempotent: the scheduler resolves again
+
+
+def test_kv_cache_dtype_is_a_choice():
+    with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
+        ServerArgs(kv_cache_dtype="int3")

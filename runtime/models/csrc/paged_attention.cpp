@@ -36,7 +36,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;        // keys scored together before the softmax update
-constexpr int64_t MIN_SPLIT = 128;   // fewest keys worth a task of their own
+constexpr int64_t SPLIT = 256;       // keys per task (the last split of a request may be shorter)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------------------------------------- vector math
@@ -102,6 +102,7 @@ inline void exp_inplace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// A K or V row as float32: float32 rows are read in place, half-precision rows widened into `buf`.
 template <typename T>
 inline const float* as_float(const T* src, float* buf, int64_t n) {
   for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
@@ -111,6 +112,32 @@ template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
+#ifdef RADIXLM_AVX2
+template <>
+inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* buf, int64_t n) {
+  if (n % 8 != 0) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+  for (int64_t i = 0; i < n; i += 8) {  // bf16 is the top half of a float32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  return buf;
+}
+#ifdef __F16C__
+template <>
+inline const float* as_float<c10::Half>(const c10::Half* src, float* buf, int64_t n) {
+  if (n % 8 != 0) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  return buf;
+}
+#endif
+#endif
 
 // ------------------------------------------------------------------------------------------- one task
 // Rows of a task: the request's ext queries x the G query heads of one KV head, row = j * G + g.
@@ -141,7 +168,10 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const i
       float* s = scores.data() + r * BLOCK;
       float mx = m[r];
       for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-      if (mx == NEG_INF) continue;  // every key of the block is in this row's future
+      if (mx == NEG_INF) {  // every key so far is in this row's future: nothing to add
+        std::fill(s, s + n, 0.f);
+        continue;
+      }
       const float keep = std::exp(m[r] - mx);  // 0 on the first block
       for (int64_t t = 0; t < n; ++t) s[t] -= mx;
       exp_inplace(s, n);
@@ -176,13 +206,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const KV* kp = k_cache.data_ptr<KV>();
   const KV* vp = v_cache.data_ptr<KV>();
 
-  // Splits: enough tasks for ~4 per thread, none shorter than MIN_SPLIT keys.
-  const int64_t threads = at::get_num_threads();
-  const int64_t want = std::max<int64_t>(1, (4 * threads + B * Hkv - 1) / (B * Hkv));
+  // Splits of SPLIT keys: a request's result never depends on the rest of the batch (the same float sums
+  // whatever runs beside it), and a long request still spreads over every thread.
   std::vector<int64_t> q_start(B + 1, 0), nsplit(B), task_start(B + 1, 0), part_start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     q_start[b + 1] = q_start[b] + ext[b];
-    nsplit[b] = std::clamp<int64_t>((seq[b] + MIN_SPLIT - 1) / MIN_SPLIT, 1, want);
+    nsplit[b] = std::max<int64_t>(1, (seq[b] + SPLIT - 1) / SPLIT);
     task_start[b + 1] = task_start[b] + Hkv * nsplit[b];
     part_start[b + 1] = part_start[b] + Hkv * nsplit[b] * ext[b] * G;  // one Partial row per (task, row)
   }
@@ -196,8 +225,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
       const int64_t local = task - task_start[b], kvh = local / nsplit[b], split = local % nsplit[b];
       const int64_t rows = ext[b] * G, len = seq[b];
-      const int64_t per = (len + nsplit[b] - 1) / nsplit[b];
-      const int64_t begin = split * per, end = std::min(len, begin + per);
+      const int64_t begin = split * SPLIT, end = std::min(len, begin + SPLIT);
       qbuf.resize(rows * D);
       pos.resize(rows);
       for (int64_t j = 0; j < ext[b]; ++j)
@@ -208,13 +236,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           pos[j * G + g] = len - ext[b] + j;
         }
       const int64_t p0 = part_start[b] + (kvh * nsplit[b] + split) * rows;
-      if (begin >= end) {  // an empty split (len < nsplit * per): contributes nothing
-        for (int64_t r = 0; r < rows; ++r) {
-          pm[p0 + r] = NEG_INF;
-          pl[p0 + r] = 0.f;
-        }
-        continue;
-      }
       attend_split<KV>(qbuf.data(), pos.data(), rows, table + rows_idx[b] * C, begin, end, kp, vp, slot_stride,
                        kvh * D, D, pm.data() + p0, pl.data() + p0, pacc.data() + p0 * D);
     }
