@@ -147,48 +147,121 @@ struct Partial {  // per (row, split): running max, sum of exp, unnormalised out
   float* acc;  // [D]
 };
 
+// scores[r][t] = dot(q_r, key_t) for rows r (q rows of D floats) and n keys (row pointers).
+inline void block_scores(const float* q, int64_t rows, const float* const* keys, int64_t n, int64_t D,
+                         float* scores) {
+#ifdef RADIXLM_AVX2
+  if (D % 8 == 0) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {  // four rows share each key load; four sums reduced at once
+      const float *q0 = q + r * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+      for (int64_t t = 0; t < n; ++t) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < D; c += 8) {
+          const __m256 k = _mm256_loadu_ps(keys[t] + c);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), k, a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), k, a1);
+          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + c), k, a2);
+          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + c), k, a3);
+        }
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        alignas(16) float out[4];
+        _mm_store_ps(out, sum);
+        for (int i = 0; i < 4; ++i) scores[(r + i) * BLOCK + t] = out[i];
+      }
+    }
+    for (; r < rows; ++r)
+      for (int64_t t = 0; t < n; ++t) scores[r * BLOCK + t] = dot(q + r * D, keys[t], D);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < n; ++t) scores[r * BLOCK + t] = dot(q + r * D, keys[t], D);
+}
+
+// acc[r] += sum_t p[r][t] * value_t for rows r and n values (row pointers).
+inline void block_accumulate(float* acc, int64_t rows, const float* p, const float* const* values, int64_t n,
+                             int64_t D) {
+#ifdef RADIXLM_AVX2
+  if (D % 8 == 0) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {  // four rows' accumulators stay in registers over the block
+      const float *p0 = p + r * BLOCK, *p1 = p0 + BLOCK, *p2 = p1 + BLOCK, *p3 = p2 + BLOCK;
+      for (int64_t c = 0; c < D; c += 8) {
+        float* o = acc + r * D + c;
+        __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + D), a2 = _mm256_loadu_ps(o + 2 * D),
+               a3 = _mm256_loadu_ps(o + 3 * D);
+        for (int64_t t = 0; t < n; ++t) {
+          const __m256 v = _mm256_loadu_ps(values[t] + c);
+          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + t), v, a0);
+          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + t), v, a1);
+          a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p2 + t), v, a2);
+          a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p3 + t), v, a3);
+        }
+        _mm256_storeu_ps(o, a0);
+        _mm256_storeu_ps(o + D, a1);
+        _mm256_storeu_ps(o + 2 * D, a2);
+        _mm256_storeu_ps(o + 3 * D, a3);
+      }
+    }
+    for (; r < rows; ++r)
+      for (int64_t t = 0; t < n; ++t) scale_add(acc + r * D, 1.f, p[r * BLOCK + t], values[t], D);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < n; ++t) scale_add(acc + r * D, 1.f, p[r * BLOCK + t], values[t], D);
+}
+
 template <typename KV>
 void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const int64_t* slots, int64_t begin,
                   int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride, int64_t head_off,
                   int64_t D, float* m, float* l, float* acc) {
-  std::vector<float> scores(rows * BLOCK), kbuf(D), vbuf(D);
+  // Rows padded to a multiple of 4 (the register blocks): padding rows score but are never read.
+  const int64_t padded = (rows + 3) / 4 * 4;
+  std::vector<float> scores(padded * BLOCK), qpad(padded * D, 0.f), accpad(padded * D, 0.f);
+  std::vector<float> kbuf(BLOCK * D), vbuf(BLOCK * D);
+  const float* keys[BLOCK];
+  const float* values[BLOCK];
+  std::copy(q_rows, q_rows + rows * D, qpad.begin());
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = NEG_INF;
     l[r] = 0.f;
   }
-  std::fill(acc, acc + rows * D, 0.f);
   for (int64_t t0 = begin; t0 < end; t0 += BLOCK) {
     const int64_t n = std::min(BLOCK, end - t0);
     for (int64_t t = 0; t < n; ++t) {
-      const float* k = as_float(k_cache + slots[t0 + t] * slot_stride + head_off, kbuf.data(), D);
-      for (int64_t r = 0; r < rows; ++r)
-        scores[r * BLOCK + t] = (t0 + t <= pos[r]) ? dot(q_rows + r * D, k, D) : NEG_INF;
+      keys[t] = as_float(k_cache + slots[t0 + t] * slot_stride + head_off, kbuf.data() + t * D, D);
+      values[t] = as_float(v_cache + slots[t0 + t] * slot_stride + head_off, vbuf.data() + t * D, D);
     }
-    for (int64_t r = 0; r < rows; ++r) {
+    block_scores(qpad.data(), padded, keys, n, D, scores.data());
+    for (int64_t r = 0; r < padded; ++r) {
       float* s = scores.data() + r * BLOCK;
+      if (r >= rows) {
+        std::fill(s, s + n, 0.f);
+        continue;
+      }
+      for (int64_t t = 0; t < n; ++t)
+        if (t0 + t > pos[r]) s[t] = NEG_INF;  // causal: a key after this query's position
       float mx = m[r];
       for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
       if (mx == NEG_INF) {  // every key so far is in this row's future: nothing to add
         std::fill(s, s + n, 0.f);
         continue;
       }
-      const float keep = std::exp(m[r] - mx);  // 0 on the first block
+      const float keep = std::exp(m[r] - mx);  // 0 on the row's first block
       for (int64_t t = 0; t < n; ++t) s[t] -= mx;
       exp_inplace(s, n);
       float sum = 0.f;
       for (int64_t t = 0; t < n; ++t) sum += s[t];
       l[r] = l[r] * keep + sum;
       m[r] = mx;
-      if (keep != 1.f) scale_add(acc + r * D, keep, 0.f, acc + r * D, D);
+      if (keep != 1.f) scale_add(accpad.data() + r * D, keep, 0.f, accpad.data() + r * D, D);
     }
-    for (int64_t t = 0; t < n; ++t) {
-      const float* v = as_float(v_cache + slots[t0 + t] * slot_stride + head_off, vbuf.data(), D);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = scores[r * BLOCK + t];
-        if (p != 0.f) scale_add(acc + r * D, 1.f, p, v, D);
-      }
-    }
+    block_accumulate(accpad.data(), padded, scores.data(), values, n, D);
   }
+  std::copy(accpad.begin(), accpad.begin() + rows * D, acc);
 }
 
 template <typename KV, typename QT>
