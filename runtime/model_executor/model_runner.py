@@ -71,6 +71,10 @@ class ModelRunner:
         quantize_model(model, quantization, model_dir)
         self.quantization = quantization
         self.model = model.eval()
+        self.fused_cpu_ops = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and not enable_torch_compile
+        ) and _load_fused_layers()
+        model.use_fused_cpu_ops(self.fused_cpu_ops)
         self.load_seconds = time.perf_counter() - t0
 
         if max_total_tokens is None:
@@ -206,6 +210,18 @@ class ModelRunner:
         else:
             free = _available_host_memory()
         return int(max(1024, min(MAX_AUTO_TOTAL_TOKENS, free * KV_MEMORY_FRACTION // per_token)))
+
+
+def _load_fused_layers() -> bool:
+    """Whether the fused rope / SiLU * up kernels loaded (without them the layers run as torch ops)."""
+    from runtime.models.native_kernels import FUSED_LAYERS, KernelUnavailable
+
+    try:
+        FUSED_LAYERS.load()
+    except KernelUnavailable as e:
+        logger.warning("fused CPU layer kernels unavailable (%s); running rope and SiLU as torch ops", e)
+        return False
+    return True
 
 
 def _load_backend_ops(name: str, explicit: bool) -> str:

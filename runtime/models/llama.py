@@ -88,6 +88,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, tp, (s.q_start * d, s.q_stop * d))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.fused_rope = False  # set by LlamaForCausalLM.use_fused_cpu_ops
 
     def forward(self, h, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         m = self.meta
@@ -97,7 +98,10 @@ class Attention(nn.Module):
         v = v.view(-1, m.num_kv_heads, m.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        if self.fused_rope:
+            torch.ops.radixlm.rope_(q, k, cos, sin)  # in place, one call for q and k
+        else:
+            q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         out = backend.forward(q, k, v, m, batch)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -110,8 +114,11 @@ class MLP(nn.Module):
         self.inter = stop - start
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(full, start, stop)] * 2)
         self.down_proj = RowParallelLinear(full, cfg.hidden_size, tp, (start, stop))
+        self.fused_silu_mul = False  # set by LlamaForCausalLM.use_fused_cpu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu_mul:
+            return self.down_proj(torch.ops.radixlm.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -146,6 +153,14 @@ class LlamaForCausalLM(nn.Module):
         Called again when loading: `to_empty` (meta -> device) gives every module a Parameter of its own."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def use_fused_cpu_ops(self, enable: bool = True) -> None:
+        """Run rope and SiLU * up as one C++ call each (runtime.models.native_kernels.FUSED_LAYERS, which
+        the caller has loaded): float32 on the CPU, where eager dispatch of the small elementwise ops costs
+        more than their arithmetic at decode batch sizes."""
+        for layer in self.layers:
+            layer.self_attn.fused_rope = enable
+            layer.mlp.fused_silu_mul = enable
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:

@@ -9,8 +9,9 @@ directory is 0700 and a cached .so is loaded only when this user owns it and nob
 otherwise it is rebuilt (runtime/cache_dir.py). Processes starting together build beside the target and
 rename, so none loads a half-written file.
 
-Libraries: `w4a8` (runtime/models/w4a8.py: Q4_1 / Q8_0 GEMMs) and `paged_attention` (`PAGED_ATTENTION`
-below: decode and short-extend attention reading the KV pool in place, used by the `cpu` attention backend).
+Libraries: `w4a8` (runtime/models/w4a8.py: Q4_1 / Q8_0 GEMMs), `paged_attention` (`PAGED_ATTENTION`
+below: decode and short-extend attention reading the KV pool in place, used by the `cpu` attention backend)
+and `fused_layers` (`FUSED_LAYERS`: rope and SiLU * up in one call each, used by float32 models on the CPU).
 """
 
 from __future__ import annotations
@@ -168,4 +169,28 @@ PAGED_ATTENTION = NativeLibrary(
     "the paged attention kernel",
     "use --attention-backend torch_native",
     portable_env="RADIXLM_PAGED_ATTENTION_PORTABLE",
+)
+
+
+# ------------------------------------------------------------------------------------------- fused layers
+_LIB.define("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()")
+_LIB.define("silu_mul(Tensor x) -> Tensor")
+
+
+@torch.library.register_fake("radixlm::rope_", lib=_LIB)
+def _rope_fake(q, k, cos, sin):
+    return None
+
+
+@torch.library.register_fake("radixlm::silu_mul", lib=_LIB)
+def _silu_mul_fake(x):
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+FUSED_LAYERS = NativeLibrary(
+    "fused_layers",
+    CSRC / "fused_layers.cpp",
+    "the fused layer kernels (rope, silu * up)",
+    "nothing: the layers run as separate torch ops",
+    portable_env="RADIXLM_FUSED_LAYERS_PORTABLE",
 )

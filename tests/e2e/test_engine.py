@@ -22,6 +22,7 @@ def engine():
         max_running_requests=32,
         dtype="float32",
         quantization="none",
+        kv_cache_dtype="float32",
     )
     yield eng
     pids = [p.pid for p in eng.tm.supervisor.procs.values()]

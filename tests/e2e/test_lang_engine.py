@@ -18,7 +18,9 @@ except ImportError as e:  # the runtime is being built alongside the DSL
 
 @pytest.fixture(scope="module")
 def backend():
-    engine = Engine(model="default", max_total_tokens=4000, dtype="float32", quantization="none")
+    engine = Engine(
+        model="default", max_total_tokens=4000, dtype="float32", quantization="none", kv_cache_dtype="float32"
+    )
     try:
         yield lang.EngineBackend(engine)
     finally:

@@ -113,7 +113,14 @@ def test_two_nodes_serve_and_a_lost_node_stops_the_server(tiny_model_dir, tmp_pa
         want = requests.post(srv.url + "/generate", json=ids, timeout=60).json()["output_ids"]
     addr = f"tcp://127.0.0.1:{free_port()}"
     common = ["--model", tiny_model_dir, "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
-    common += ["--dtype", "float32", "--quantization", "none"]  # as ServerProcess pins them for node 0
+    common += [
+        "--dtype",
+        "float32",
+        "--quantization",
+        "none",
+        "--kv-cache-dtype",
+        "float32",
+    ]  # as ServerProcess pins them for node 0
     log = open(tmp_path / "node1.log", "wb")
     node1 = subprocess.Popen(
         [sys.executable, "-m", "runtime.launch_server", *common, "--node-rank", "1", "--log-level", "info"],

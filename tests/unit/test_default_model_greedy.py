@@ -36,6 +36,7 @@ def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenize
         model=default_model_dir,
         dtype="float32",
         quantization="none",
+        kv_cache_dtype="float32",
         max_total_tokens=4096,
         log_interval=0,
         attention_backend="torch_native",

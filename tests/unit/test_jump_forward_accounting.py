@@ -48,6 +48,7 @@ def test_kv_accounting_holds_after_every_step(default_model_dir, default_tokeniz
         model=default_model_dir,
         dtype="float32",
         quantization="none",
+        kv_cache_dtype="float32",
         max_total_tokens=700,  # a few requests' worth: eviction and retraction happen
         chunked_prefill_size=8,
         log_interval=0,

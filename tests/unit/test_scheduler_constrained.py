@@ -73,6 +73,7 @@ def schedulers(default_model_dir, default_tokenizer):
             model=default_model_dir,
             dtype="float32",  # token-exact comparisons below; `auto` may be bfloat16 or w4a8 on this CPU
             quantization="none",
+            kv_cache_dtype="float32",
             max_total_tokens=8192,
             log_interval=0,
             attention_backend="torch_native",

@@ -46,6 +46,7 @@ def test_llguidance_requests_with_jump_forward_keep_kv_accounting(default_model_
         model=default_model_dir,
         dtype="float32",
         quantization="none",
+        kv_cache_dtype="float32",
         max_total_tokens=600,  # a few requests' worth: eviction happens
         chunked_prefill_size=16,
         log_interval=0,

@@ -1,0 +1,147 @@
+// Fused elementwise steps of a decoder layer on the CPU: rotary embedding of q and k, and SiLU(gate) * up.
+//
+// Why: in eager mode each is several ATen ops (rope: slice, neg, cat, two muls and an add, for q and for k;
+// the MLP: split, silu, mul), and at decode batch sizes the tensors are tiny, so dispatch and the temporary
+// tensors cost more than the arithmetic: measured 65 us for rope of q and k and 72 us for silu * up at 32
+// tokens per layer on one thread (x 30 layers per step), against a few us here.
+//
+// rope_(q, k, cos, sin): q [T, H, D], k [T, Hkv, D] (last dim contiguous; any row strides, e.g. views into
+// the fused qkv projection) rotated in place with the rotate-half convention:
+//   x' = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]); cos, sin [T, D] float32.
+// silu_mul(x): x [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, computed in float32.
+// Tensors may be float32, bfloat16 or float16 (math in float32). The ops are declared from Python
+// (runtime/models/native_kernels.py); this file adds their CPU implementations.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXLM_PORTABLE)
+#define RADIXLM_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef RADIXLM_AVX2
+// exp(x) for any float x (clamped to [-87.3, 88.3]): Cody-Waite reduction and a degree-6 polynomial, ~2 ulp.
+inline __m256 exp256(__m256 v) {
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  v = _mm256_sub_ps(v, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 z = _mm256_mul_ps(v, v);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(v, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+template <typename T>
+void rope_rows(T* x, int64_t T_, int64_t heads, int64_t s0, int64_t s1, int64_t D, const float* cos,
+               const float* sin) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T_ * heads, 64, [&](int64_t lo, int64_t hi) {
+    float a[512], b[512];  // D <= 1024 (checked)
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      T* row = x + t * s0 + h * s1;
+      const float* c = cos + t * D;
+      const float* s = sin + t * D;
+      for (int64_t j = 0; j < half; ++j) {
+        a[j] = static_cast<float>(row[j]);
+        b[j] = static_cast<float>(row[j + half]);
+      }
+      for (int64_t j = 0; j < half; ++j) {  // first half: x*cos - x2*sin; second: x2*cos + x*sin
+        row[j] = static_cast<T>(a[j] * c[j] - b[j] * s[j]);
+        row[j + half] = static_cast<T>(b[j] * c[j + half] + a[j] * s[j + half]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rope_one(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  rope_rows<T>(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), x.stride(1), x.size(2),
+               cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes(),
+              "rope_: cos and sin must be contiguous float32 [T, D]");
+  for (at::Tensor* x : {&q, &k}) {
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == cos.size(0) && x->size(2) == cos.size(1) &&
+                    x->size(2) % 2 == 0 && x->size(2) <= 1024,
+                "rope_: q and k must be [T, heads, D] with a contiguous last dim matching cos [T, D]");
+    switch (x->scalar_type()) {
+      case at::kFloat: rope_one<float>(*x, cos, sin); break;
+      case at::kBFloat16: rope_one<c10::BFloat16>(*x, cos, sin); break;
+      case at::kHalf: rope_one<c10::Half>(*x, cos, sin); break;
+      default: TORCH_CHECK(false, "rope_: q and k must be float32, bfloat16 or float16");
+    }
+  }
+}
+
+template <typename T>
+void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t inter, int64_t xs) {
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const T* g = x + r * xs;
+      const T* u = g + inter;
+      T* o = y + r * inter;
+      int64_t j = 0;
+#ifdef RADIXLM_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        for (; j + 8 <= inter; j += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + j);
+          const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+          _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + j)));
+        }
+      }
+#endif
+      for (; j < inter; ++j) {
+        const float gv = static_cast<float>(g[j]);
+        o[j] = static_cast<T>(gv / (1.f + std::exp(-gv)) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_mul: x must be [T, 2 * intermediate] with a contiguous last dim");
+  const int64_t inter = x.size(1) / 2;
+  at::Tensor y = at::empty({x.size(0), inter}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_mul_rows<float>(x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), inter, x.stride(0)); break;
+    case at::kBFloat16:
+      silu_mul_rows<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), x.size(0), inter,
+                                   x.stride(0));
+      break;
+    case at::kHalf:
+      silu_mul_rows<c10::Half>(x.data_ptr<c10::Half>(), y.data_ptr<c10::Half>(), x.size(0), inter, x.stride(0));
+      break;
+    default: TORCH_CHECK(false, "silu_mul: x must be float32, bfloat16 or float16");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
+  lib.impl("rope_", &rope_);
+  lib.impl("silu_mul", &silu_mul);
+}
