@@ -8,7 +8,8 @@ weight-only kernels `--quantization` uses, and for comparison bf16 `F.linear` (x
 fbgemm's dynamic int8 linear (activations quantized per call, per tensor, 7 bits: not weight-only) and
 `--quantization w8a8`'s layer (the same kernel with per-token scaling, 8 bits on VNNI CPUs) and
 `--quantization w4a8`'s Q4_1 layer (int8 activations per block of 32, radixlm's C++ kernel), then per-M sums.
-Timings on a shared machine are noisy: record `uptime` next to them.
+Timings on a shared machine are noisy: record `uptime` next to them. With `--name NAME` the figures (and the
+load average before and after) are also written to bench/results/NAME.json.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.harness import common  # noqa: E402
 from runtime.models.quantized_linear import (  # noqa: E402
     DynamicInt8Linear,
     pack_int4,
@@ -85,7 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--kernels", default="fp32,int8,int4,bf16,w8a8dyn,w8a8,w4a8", help="comma-separated subset"
     )
+    p.add_argument("--name", default=None, help="also write bench/results/NAME.json")
     args = p.parse_args(argv)
+    env = common.environment() if args.name else None
+    if env is not None:
+        env["load_before"] = common.load_average()
+    rows: list[dict] = []
     torch.manual_seed(0)
     names = args.kernels.split(",")
     layers = [(name, _kernels(torch.randn(n, k) * 0.02), k) for name, n, k in SHAPES]
@@ -100,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 x = torch.randn(m, k)
                 ms = {n: _median_ms(lambda f=kernels[n], x=x: f(x), args.seconds) for n in names}
                 totals = {n: totals[n] + ms[n] for n in names}
+                rows.append({"threads": threads, "m": m, "layer": name, "ms": ms})
                 print(f"{threads:>3} {m:>4} {name:>8} " + " ".join(f"{ms[n]:11.3f}" for n in names))
             print(
                 f"{threads:>3} {m:>4} {'sum':>8} "
@@ -108,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
                 + " ".join(f"{n}={totals['fp32'] / totals[n]:.2f}" for n in names if n != "fp32"),
                 flush=True,
             )
+            rows.append({"threads": threads, "m": m, "layer": "sum", "ms": totals})
+    if env is not None:
+        config = {"command": common.command_line(), **vars(args), "shapes": SHAPES}
+        common.write_results(args.name, config, {"rows": rows}, env)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Why: a batch-1 decode step is bound by reading weights. w8a8 (fbgemm) reads one byte per weight, 134 MB a
 token for SmolLM2-135M; the GGUF file's own Q4_1 layers and Q8_0 head read ~96 MB, and llama.cpp decodes
 them with int8 activations quantized per block of 32. This module runs the same arithmetic in a small C++
-kernel (csrc/w4a8_gemm.cpp: AVX512-VNNI, a scalar loop elsewhere) behind two ops, `radixlm::q4_1_linear`
-and `radixlm::q8_0_linear`, opaque calls to inductor, so `--enable-torch-compile` still gives one graph.
+kernel (csrc/w4a8_gemm.cpp: AVX512-VNNI, else AVX2, else a scalar loop; `kernel_isa()` says which) behind
+two ops, `radixlm::q4_1_linear` and `radixlm::q8_0_linear`, opaque calls to inductor, so
+`--enable-torch-compile` still gives one graph.
 
 Weights: the linear layers are Q4_1 (w = q*d + m, q in 0..15, fp16 d and m per block of 32 inputs) and the LM
 head is Q8_0 (w = q*d, q int8). With a GGUF model (`--model default`) the file's blocks are used byte for byte
@@ -20,6 +21,7 @@ else can write to it; otherwise it is rebuilt (see runtime/cache_dir.py).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -39,10 +41,11 @@ from runtime.platform import cpu_flags, find_cxx_compiler
 logger = logging.getLogger("radixlm.w4a8")
 
 QK = 32  # elements per block
-GROUP_ROWS = 16  # the kernel interleaves weight rows in groups of 16 (one 512-bit register of outputs)
+GROUP_ROWS = 16  # weight rows interleaved per group: one 512-bit register of outputs, or two 256-bit (AVX2)
 SOURCE = Path(__file__).parent / "csrc" / "w4a8_gemm.cpp"
-# Set to 1 to build the scalar loop instead of the AVX512-VNNI one (tests check both give the same results).
+# Set one to 1 to build the scalar loop, or the AVX2 path on an AVX512 CPU (tests check all agree).
 PORTABLE_ENV = "RADIXLM_W4A8_PORTABLE"
+AVX2_ENV = "RADIXLM_W4A8_AVX2"
 
 _LIB = torch.library.Library("radixlm", "FRAGMENT")
 _LIB.define("q4_1_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int out_features) -> Tensor")
@@ -65,12 +68,20 @@ class KernelUnavailable(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------- the build
 _loaded: Path | None = None
+_isa = ""
 _load_lock = threading.Lock()
+
+
+def kernel_isa() -> str:
+    """The path the loaded kernel library was compiled for: "avx512_vnni", "avx2" or "scalar" (it says so
+    itself, so a forced or cross-built library is never mistaken for what the CPU flags suggest)."""
+    load_kernels()
+    return _isa
 
 
 def load_kernels() -> Path:
     """Build (once per cache key) and load the kernel library; returns its path. Raises KernelUnavailable."""
-    global _loaded
+    global _loaded, _isa
     with _load_lock:
         if _loaded is None:
             path = _build()
@@ -81,12 +92,15 @@ def load_kernels() -> Path:
                 torch.ops.load_library(str(path))
             except OSError as e:  # a damaged cache entry: say which file to delete
                 raise KernelUnavailable(f"loading the w4a8 kernel {path} failed ({e}): delete it") from e
+            isa_fn = ctypes.CDLL(str(path)).radixlm_w4a8_isa
+            isa_fn.restype = ctypes.c_char_p
+            _isa = isa_fn().decode()
             _loaded = path
-            logger.info("w4a8 kernels loaded from %s", _loaded)
-            if "avx512_vnni" not in cpu_flags() or os.environ.get(PORTABLE_ENV) == "1":
+            logger.info("w4a8 kernels (%s) loaded from %s", _isa, _loaded)
+            if _isa == "scalar":
                 logger.warning(
-                    "w4a8 runs its scalar loop here (no AVX512-VNNI): it is correct but several times "
-                    "slower than the vectorised kernel; --quantization w8a8 is faster on this CPU"
+                    "w4a8 runs its scalar loop here (built without AVX512-VNNI or AVX2): it is correct but "
+                    "several times slower than the vectorised kernel; --quantization w8a8 is faster here"
                 )
         return _loaded
 
@@ -106,6 +120,8 @@ def _compile_command() -> list[str]:
     flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
     if os.environ.get(PORTABLE_ENV) == "1":
         flags.append("-DRADIXLM_PORTABLE")
+    if os.environ.get(AVX2_ENV) == "1":
+        flags.append("-DRADIXLM_FORCE_AVX2")
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
     return [cxx, *flags, *includes, str(SOURCE), *libs]

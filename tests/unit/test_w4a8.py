@@ -20,12 +20,16 @@ from torch import nn
 from runtime.models.gguf import q4_1_blocks, q8_0_blocks
 from runtime.models.quantization import check_supported
 from runtime.models.w4a8 import (
+    AVX2_ENV,
+    PORTABLE_ENV,
     KernelUnavailable,
     W4A8Linear,
+    kernel_isa,
     quantize_activations,
     quantize_q4_1,
     quantize_q8_0,
 )
+from runtime.platform import cpu_flags
 from tests.unit.test_quantization import _run, _runner
 
 TOL = dict(atol=1e-4, rtol=1e-5)
@@ -113,6 +117,46 @@ def test_bad_inputs_are_named():
         check_supported("w4a8", "cpu", "bfloat16")
 
 
+def integer_case(kind: str) -> tuple[W4A8Linear, torch.Tensor, torch.Tensor]:
+    """(layer, x, exact y) where every scale is 1 and each activation block's max |x| is 127, so da = 1, the
+    kernel's result is its int32 block dots summed in fp32 (exact below 2^24) and must equal the integer
+    product. Rows of +-127 against weights at the ends of their ranges (15; -128 and 127) make the largest
+    partial sums: they would saturate an int16 lane if the AVX2 path summed them there."""
+    torch.manual_seed(5)
+    n, k = 100, 128
+    if kind == "q4_1":
+        q = torch.randint(0, 16, (n, k))
+        q[:5] = 15
+        layer = W4A8Linear("q4_1", q.to(torch.uint8), torch.ones(n, k // 32), torch.zeros(n, k // 32))
+    else:
+        q = torch.randint(-128, 128, (n, k))
+        q[:5], q[5:10] = -128, 127
+        q[10:15] = torch.where(torch.arange(k) % 2 == 0, -128, 127)
+        layer = W4A8Linear("q8_0", q.to(torch.int8), torch.ones(n, k // 32))
+    x = torch.randint(-127, 128, (9, k)).float()
+    x[:, ::32] = 127
+    x[0], x[1] = 127, -127
+    x[2] = torch.where(torch.arange(k) % 2 == 0, 127.0, -127.0)
+    return layer, x, x.double() @ q.double().T
+
+
+def expected_isa(env: dict[str, str]) -> str:
+    """The path a -march=native build of the kernel takes on this CPU under the build variables `env`."""
+    flags = cpu_flags()
+    if env.get(PORTABLE_ENV) == "1":
+        return "scalar"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags and env.get(AVX2_ENV) != "1":
+        return "avx512_vnni"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+
+
+def test_native_kernel_takes_the_widest_path_and_its_block_dots_are_exact():
+    assert kernel_isa() == expected_isa(dict(os.environ))
+    for kind in ("q4_1", "q8_0"):
+        layer, x, want = integer_case(kind)
+        torch.testing.assert_close(layer(x).double(), want, atol=0, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------------- the build
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -125,26 +169,39 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.model  # builds the C++ kernel twice
-def test_scalar_build_matches_the_vnni_build(tmp_path):
-    """CPUs without AVX512-VNNI run the scalar loop over the same layout: it must give the same numbers."""
+@pytest.mark.model  # builds the C++ kernel three times
+def test_every_build_gives_the_same_numbers(tmp_path):
+    """The native build, the AVX2 one (forced past AVX512) and the scalar loop share one layout: same block
+    dots (exactly, on integer_case) and the same results up to fp32 summation order."""
     code = """
         import torch
-        from runtime.models.w4a8 import W4A8Linear
+        from runtime.models.w4a8 import W4A8Linear, kernel_isa
+        from tests.unit.test_w4a8 import integer_case
         torch.manual_seed(0)
         x = torch.randn(6, 128) * 2
         kinds = ("q4_1", "q8_0")
         ys = [W4A8Linear.from_float(k, torch.randn(50, 128) * 0.05, torch.randn(50))(x) for k in kinds]
-        torch.save(ys, "{out}")
+        exact = [(layer(xi), want) for layer, xi, want in map(integer_case, kinds)]
+        torch.save((kernel_isa(), ys, exact), "{out}")
     """
-    outs = []
-    for portable in ("0", "1"):
-        out = tmp_path / f"y{portable}.pt"
-        done = _python(code.replace("{out}", str(out)), RADIXLM_W4A8_PORTABLE=portable)
+    builds = {
+        "native": {PORTABLE_ENV: "0", AVX2_ENV: "0"},
+        "avx2": {PORTABLE_ENV: "0", AVX2_ENV: "1"},
+        "scalar": {PORTABLE_ENV: "1", AVX2_ENV: "0"},
+    }
+    outs = {}
+    for name, env in builds.items():
+        out = tmp_path / f"{name}.pt"
+        done = _python(code.replace("{out}", str(out)), **env)
         assert done.returncode == 0, done.stderr[-2000:]
-        outs.append(torch.load(out))
-    for vnni, scalar in zip(*outs, strict=True):
-        torch.testing.assert_close(scalar, vnni, atol=1e-5, rtol=1e-5)
+        isa, ys, exact = torch.load(out)
+        assert isa == expected_isa(env), name
+        for got, want in exact:
+            torch.testing.assert_close(got.double(), want, atol=0, rtol=0)
+        outs[name] = ys
+    for name in ("avx2", "scalar"):
+        for got, native in zip(outs[name], outs["native"], strict=True):
+            torch.testing.assert_close(got, native, atol=1e-5, rtol=1e-5)
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path):

@@ -10,12 +10,19 @@
 // the arithmetic llama.cpp uses for the same file, reading 0.625 (Q4_1) / 1.06 (Q8_0) bytes per weight.
 //
 // Layout (built by runtime/models/w4a8.py): weight rows are interleaved in groups of 16 so that one 512-bit
-// u8 x s8 dot-product instruction (vpdpbusd) advances 16 outputs by 4 inputs each. For a group g and block b:
+// u8 x s8 dot-product instruction (vpdpbusd) advances 16 outputs by 4 inputs each, or with AVX2 one vpmaddubsw
+// + vpmaddwd pair advances 8 (each 64-byte quad row is read as two 256-bit halves). For a group g, block b:
 //   Q4_1 qs[g][b][p][i][t] (p, t < 4, i < 16): GGUF's nibble byte 4p + t of row 16g + i, i.e. low nibble =
 //        element 4p + t, high nibble = element 16 + 4p + t;
 //   Q8_0 qs[g][b][j][i][t] (j < 8): element 4j + t of row 16g + i, plus 128;
 //   d, m [g][b][i] fp16.
-// Rows past out_features are zero padding. Without AVX512-VNNI a scalar loop over the same layout runs.
+// Rows past out_features are zero padding.
+//
+// Three builds, one layout and the same int32 block dots: AVX512-VNNI, else AVX2 + FMA + F16C (vpmaddubsw
+// saturates at int16: Q4_1's 16 products of <= 15 * 127 per lane stay below 32767, and Q8_0 multiplies |q| by
+// sign(q) * qa, llama.cpp's trick, so a pair is <= 2 * 128 * 127), else a scalar loop. -DRADIXLM_FORCE_AVX2
+// skips the AVX512 path and -DRADIXLM_PORTABLE both vector paths, so every build can be tested on one CPU;
+// radixlm_w4a8_isa() says which one was compiled.
 //
 // The ops are declared from Python (runtime/models/w4a8.py); this file only adds their CPU implementations.
 #include <ATen/Parallel.h>
@@ -29,8 +36,12 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(RADIXLM_PORTABLE)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(RADIXLM_PORTABLE) && \
+    !defined(RADIXLM_FORCE_AVX2)
 #define RADIXLM_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(RADIXLM_PORTABLE)
+#define RADIXLM_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -38,7 +49,11 @@ namespace {
 
 constexpr int64_t QK = 32;  // elements per block
 constexpr int64_t NG = 16;  // weight rows per interleaved group
-constexpr int ROW_TILE = 4; // activation rows sharing one unpacked weight block
+#if defined(RADIXLM_AVX2)
+constexpr int ROW_TILE = 32; // activation rows sharing one pass over a weight group
+#else
+constexpr int ROW_TILE = 4;  // activation rows sharing one unpacked weight block (sums in registers)
+#endif
 
 struct Acts {  // quantized activations: rows of K int8 and per-block da / sa / asum
   const int8_t* qa;
@@ -74,6 +89,76 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
     }
   });
 }
+
+#if defined(RADIXLM_AVX2)
+// ------------------------------------------------------------------------------------------- AVX2 group
+// y[r][0..valid) for `rows` (<= ROW_TILE) activation rows and one group of 16 weight rows, one pass over the
+// group's blocks (rows innermost, sums in a small array): re-walking a group per few rows, as the AVX512
+// path does, defeated the hardware prefetcher on AMD Zen 3 once the weights outgrew the cache (5x slower).
+template <bool kQ4>
+void group_avx2(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const Acts& a, int rows, float* y,
+                int64_t ldy, int64_t valid) {
+  const int64_t nb = a.nb;
+  constexpr int64_t blk_bytes = kQ4 ? QK / 2 * NG : QK * NG;
+  alignas(32) float acc[ROW_TILE][NG];
+  std::memset(acc, 0, sizeof(float) * NG * rows);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int h = 0; h < 2; ++h) {  // the 8 rows of each 32-byte half of a 64-byte quad row
+      const uint8_t* wb = qs + b * blk_bytes + 32 * h;
+      __m256i w[8];   // Q4_1: nibbles 0..15; Q8_0: |q| as u8
+      __m256i sg[8];  // Q8_0: q (int8), whose sign goes onto the activations
+      if (kQ4) {
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
+          w[p] = _mm256_and_si256(v, low4);
+          w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          sg[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), flip);
+          w[j] = _mm256_sign_epi8(sg[j], sg[j]);  // |q|; -128 stays 0x80 = 128 as u8
+        }
+      }
+      const int64_t s = b * NG + 8 * h;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + s)));
+      __m256 mw;
+      if (kQ4) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + s)));
+      for (int r = 0; r < rows; ++r) {
+        int32_t aq[8];
+        std::memcpy(aq, a.qa + r * a.K + b * QK, sizeof(aq));
+        __m256i dot32;
+        if (kQ4) {  // int16 lanes sum 16 products of <= 15 * 127: exact
+          __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(aq[0]));
+          __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(aq[1]));
+          for (int j = 2; j < 8; j += 2) {
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(aq[j])));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(aq[j + 1])));
+          }
+          dot32 = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+        } else {  // |q| * (sign(q) * qa) = q * qa; pairs widen to int32 at once
+          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+          for (int j = 0; j < 8; j += 2) {
+            const __m256i x0 = _mm256_sign_epi8(_mm256_set1_epi32(aq[j]), sg[j]);
+            const __m256i x1 = _mm256_sign_epi8(_mm256_set1_epi32(aq[j + 1]), sg[j + 1]);
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x0), ones));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j + 1], x1), ones));
+          }
+          dot32 = _mm256_add_epi32(s0, s1);
+        }
+        float* out = acc[r] + 8 * h;
+        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32),
+                                     _mm256_mul_ps(dw, _mm256_set1_ps(a.da[r * nb + b])), _mm256_load_ps(out));
+        if (kQ4) sum = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sa[r * nb + b]), sum);
+        _mm256_store_ps(out, sum);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) std::memcpy(y + r * ldy, acc[r], valid * sizeof(float));
+}
+#endif
 
 // ------------------------------------------------------------------------------------------- one group
 // y[r][0..valid) for R activation rows and one group of 16 weight rows.
@@ -149,12 +234,16 @@ void group_kernel(const uint8_t* qs, const c10::Half* d, const c10::Half* m, con
 template <bool kQ4>
 void group_rows(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const Acts& a, int rows, float* y,
                 int64_t ldy, int64_t valid) {
+#if defined(RADIXLM_AVX2)
+  group_avx2<kQ4>(qs, d, m, a, rows, y, ldy, valid);
+#else
   switch (rows) {
     case 1: return group_kernel<1, kQ4>(qs, d, m, a, y, ldy, valid);
     case 2: return group_kernel<2, kQ4>(qs, d, m, a, y, ldy, valid);
     case 3: return group_kernel<3, kQ4>(qs, d, m, a, y, ldy, valid);
     default: return group_kernel<4, kQ4>(qs, d, m, a, y, ldy, valid);
   }
+#endif
 }
 
 template <bool kQ4>
@@ -216,6 +305,17 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 }
 
 }  // namespace
+
+// Which path this build compiled (runtime/models/w4a8.py reads it through ctypes).
+extern "C" const char* radixlm_w4a8_isa() {
+#if defined(RADIXLM_AVX512)
+  return "avx512_vnni";
+#elif defined(RADIXLM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
   lib.impl("q4_1_linear", &q4_1_linear);
