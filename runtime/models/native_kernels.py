@@ -23,6 +23,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,17 +42,25 @@ class KernelUnavailable(RuntimeError):
 class NativeLibrary:
     """One C++ source built into one cached shared library; `load()` makes its ops callable."""
 
-    def __init__(self, name: str, source: Path, what: str, instead: str, portable_env: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        source: Path,
+        what: str,
+        instead: str,
+        flag_envs: dict[str, str] | None = None,
+        on_load: Callable[[Path], None] | None = None,
+    ):
         self.name = name  # the cache file's stem
         self.source = source
         self.what = what  # "the w4a8 kernel": how messages name it
         self.instead = instead  # what to do without it: "use --quantization w8a8"
-        self.portable_env = portable_env  # set to 1: build without the vector paths (tests compare both)
+        # environment variable -> compiler flag added when it is "1" (e.g. build the scalar loops, which
+        # tests compare with the vector ones); part of the cache key like every flag
+        self.flag_envs = flag_envs or {}
+        self.on_load = on_load  # called with the path once the library is loaded (e.g. to ask it its ISA)
         self.loaded: Path | None = None
         self._lock = threading.Lock()
-
-    def portable(self) -> bool:
-        return self.portable_env is not None and os.environ.get(self.portable_env) == "1"
 
     def load(self) -> Path:
         """Build (once per cache key) and load the library; returns its path. Raises KernelUnavailable."""
@@ -65,6 +74,8 @@ class NativeLibrary:
                     torch.ops.load_library(str(path))
                 except OSError as e:  # a damaged cache entry: say which file to delete
                     raise KernelUnavailable(f"loading {self.what} {path} failed ({e}): delete it") from e
+                if self.on_load is not None:
+                    self.on_load(path)
                 self.loaded = path
                 logger.info("%s loaded from %s", self.what, path)
             return self.loaded
@@ -82,8 +93,7 @@ class NativeLibrary:
         abi = int(torch.compiled_with_cxx11_abi())
         flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w"]
         flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
-        if self.portable():
-            flags.append("-DRADIXLM_PORTABLE")
+        flags += [flag for env, flag in self.flag_envs.items() if os.environ.get(env) == "1"]
         includes = [f"-I{p}" for p in cpp_extension.include_paths()]
         libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
         return [cxx, *flags, *includes, str(self.source), *libs]
@@ -168,7 +178,7 @@ PAGED_ATTENTION = NativeLibrary(
     CSRC / "paged_attention.cpp",
     "the paged attention kernel",
     "use --attention-backend torch_native",
-    portable_env="RADIXLM_PAGED_ATTENTION_PORTABLE",
+    flag_envs={"RADIXLM_PAGED_ATTENTION_PORTABLE": "-DRADIXLM_PORTABLE"},
 )
 
 
@@ -192,5 +202,5 @@ FUSED_LAYERS = NativeLibrary(
     CSRC / "fused_layers.cpp",
     "the fused layer kernels (rope, silu * up)",
     "nothing: the layers run as separate torch ops",
-    portable_env="RADIXLM_FUSED_LAYERS_PORTABLE",
+    flag_envs={"RADIXLM_FUSED_LAYERS_PORTABLE": "-DRADIXLM_PORTABLE"},
 )

@@ -12,31 +12,22 @@ head is Q8_0 (w = q*d, q int8). With a GGUF model (`--model default`) the file's
 where they are Q4_1 / Q8_0; otherwise the fp32 weights are quantized here the way llama.cpp's quantizer does.
 Activations: per row and block of 32, a = qa * da with da = max|a| / 127, qa rounded half to even.
 
-The kernel is built on first use with the system C++ compiler (`runtime.platform.find_cxx_compiler`) against
-torch's headers (~10 s on 2 cores) and cached under $RADIXLM_CACHE_DIR/kernels (default
-~/.cache/radixlm/kernels), keyed by the source, the flags, torch's version and the CPU's flags (it is built
-with -march=native). The directory is 0700 and a cached .so is loaded only when this user owns it and nobody
-else can write to it; otherwise it is rebuilt (see runtime/cache_dir.py).
+The kernel is built on first use (~10 s on 2 cores) and cached like radixlm's other C++ kernels
+(runtime/models/native_kernels.py: `LIBRARY` below).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import stat
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from runtime.cache_dir import UnsafeCacheDir, cache_subdir, unsafe_reason
+from runtime.models.native_kernels import KernelUnavailable as KernelUnavailable  # re-exported
+from runtime.models.native_kernels import NativeLibrary
 from runtime.models.parallel import TensorParallel
-from runtime.platform import cpu_flags, find_cxx_compiler
 
 logger = logging.getLogger("radixlm.w4a8")
 
@@ -62,125 +53,44 @@ def _q8_0_fake(x, qs, d, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-class KernelUnavailable(RuntimeError):
-    """The w4a8 C++ kernel could not be built or loaded here (no compiler, or it failed)."""
-
-
 # ----------------------------------------------------------------------------------------------- the build
-_loaded: Path | None = None
 _isa = ""
-_load_lock = threading.Lock()
 
 
-def kernel_isa() -> str:
-    """The path the loaded kernel library was compiled for: "avx512_vnni", "avx2" or "scalar" (it says so
-    itself, so a forced or cross-built library is never mistaken for what the CPU flags suggest)."""
-    load_kernels()
-    return _isa
+def _read_isa(path: Path) -> None:
+    """Ask the loaded library which path it was compiled for (a forced or cross-built library is never
+    mistaken for what the CPU flags suggest), and warn when it is the scalar loop."""
+    global _isa
+    isa_fn = ctypes.CDLL(str(path)).radixlm_w4a8_isa
+    isa_fn.restype = ctypes.c_char_p
+    _isa = isa_fn().decode()
+    logger.info("w4a8 kernels built for %s", _isa)
+    if _isa == "scalar":
+        logger.warning(
+            "w4a8 runs its scalar loop here (built without AVX512-VNNI or AVX2): it is correct but "
+            "several times slower than the vectorised kernel; --quantization w8a8 is faster here"
+        )
+
+
+LIBRARY = NativeLibrary(
+    "w4a8_gemm",
+    SOURCE,
+    "the w4a8 kernel",
+    "use --quantization w8a8",
+    flag_envs={PORTABLE_ENV: "-DRADIXLM_PORTABLE", AVX2_ENV: "-DRADIXLM_FORCE_AVX2"},
+    on_load=_read_isa,
+)
 
 
 def load_kernels() -> Path:
     """Build (once per cache key) and load the kernel library; returns its path. Raises KernelUnavailable."""
-    global _loaded, _isa
-    with _load_lock:
-        if _loaded is None:
-            path = _build()
-            reason = _untrusted(path)  # checked again right before loading: it is what gets executed
-            if reason:
-                raise KernelUnavailable(f"refusing to load the w4a8 kernel {path}: it {reason}")
-            try:
-                torch.ops.load_library(str(path))
-            except OSError as e:  # a damaged cache entry: say which file to delete
-                raise KernelUnavailable(f"loading the w4a8 kernel {path} failed ({e}): delete it") from e
-            isa_fn = ctypes.CDLL(str(path)).radixlm_w4a8_isa
-            isa_fn.restype = ctypes.c_char_p
-            _isa = isa_fn().decode()
-            _loaded = path
-            logger.info("w4a8 kernels (%s) loaded from %s", _isa, _loaded)
-            if _isa == "scalar":
-                logger.warning(
-                    "w4a8 runs its scalar loop here (built without AVX512-VNNI or AVX2): it is correct but "
-                    "several times slower than the vectorised kernel; --quantization w8a8 is faster here"
-                )
-        return _loaded
+    return LIBRARY.load()
 
 
-def _compile_command() -> list[str]:
-    """The compiler invocation for SOURCE, less its output path (the cache key is derived from it)."""
-    from torch.utils import cpp_extension
-
-    cxx = find_cxx_compiler()
-    if cxx is None:
-        raise KernelUnavailable(
-            "--quantization w4a8 builds a C++ kernel on first use, and no C++ compiler was found ($CXX, "
-            "g++, clang++, c++): install one (apt-get install g++) or use --quantization w8a8"
-        )
-    abi = int(torch.compiled_with_cxx11_abi())
-    flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w"]
-    flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
-    if os.environ.get(PORTABLE_ENV) == "1":
-        flags.append("-DRADIXLM_PORTABLE")
-    if os.environ.get(AVX2_ENV) == "1":
-        flags.append("-DRADIXLM_FORCE_AVX2")
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libs = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
-    return [cxx, *flags, *includes, str(SOURCE), *libs]
-
-
-def _build() -> Path:
-    """The cached library for this source/flags/torch/CPU, built (atomically, mode 0700) when missing or
-    when the cached file is not safe to load (not ours, or writable by others: see `_untrusted`)."""
-    try:
-        root = cache_subdir("kernels")
-    except UnsafeCacheDir as e:
-        raise KernelUnavailable(str(e)) from e
-    command = _compile_command()
-    key = hashlib.sha256(
-        "\0".join(
-            [SOURCE.read_text(), " ".join(command[1:]), torch.__version__, " ".join(sorted(cpu_flags()))]
-        ).encode()
-    ).hexdigest()[:16]
-    target = root / f"w4a8_gemm-{key}.so"
-    if os.path.lexists(target):
-        reason = _untrusted(target)
-        if reason is None:
-            return target
-        logger.warning("the cached w4a8 kernel %s %s: not loading it, building a fresh one", target, reason)
-    # build beside the target and rename: processes starting together never load a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)
-    os.close(fd)
-    logger.info("building the w4a8 CPU kernel (%s), about 10 s", target.name)
-    try:
-        done = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise KernelUnavailable(
-                f"building the w4a8 kernel failed (exit {done.returncode}): {done.stderr[-2000:]}"
-            )
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, target)
-    except subprocess.TimeoutExpired as e:
-        raise KernelUnavailable("building the w4a8 kernel took over 300 s") from e
-    except OSError as e:  # $CXX names no runnable program
-        raise KernelUnavailable(
-            f"building the w4a8 kernel could not run the C++ compiler: {e}; set $CXX to a working compiler "
-            "or use --quantization w8a8"
-        ) from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _untrusted(path: Path) -> str | None:
-    """Why the library at `path` must not be loaded (None when it may): dlopen runs its code, so it must be
-    a regular file (not a symlink) owned by this user and not group- or world-writable."""
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        return f"cannot be checked ({e.strerror})"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link"
-    return unsafe_reason(st)
+def kernel_isa() -> str:
+    """The path the loaded kernel library was compiled for: "avx512_vnni", "avx2" or "scalar"."""
+    load_kernels()
+    return _isa
 
 
 # ----------------------------------------------------------------------------------------------- quantizers

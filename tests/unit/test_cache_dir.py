@@ -148,18 +148,18 @@ def fake_cxx(tmp_path, monkeypatch):
 
 
 def test_kernel_is_written_0700_into_a_0700_dir_and_reused(fake_cxx, tmp_path, loose_umask):
-    target = w4a8._build()
+    target = w4a8.LIBRARY.build()
     assert target.parent == tmp_path / "cache" / "kernels" and _mode(target.parent) == 0o700
     assert _mode(target) == 0o700 and target.read_text() == "built 1\n"
-    assert w4a8._build() == target and fake_cxx() == 1  # a trusted cached file is used as it is
+    assert w4a8.LIBRARY.build() == target and fake_cxx() == 1  # a trusted cached file is used as it is
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temp file left
 
 
 def _rebuilt_after(tamper, fake_cxx, caplog) -> str:
-    target = w4a8._build()
+    target = w4a8.LIBRARY.build()
     tamper(target)
-    with caplog.at_level(logging.WARNING, logger="radixlm.w4a8"):
-        assert w4a8._build() == target
+    with caplog.at_level(logging.WARNING, logger="radixlm.native_kernels"):
+        assert w4a8.LIBRARY.build() == target
     assert fake_cxx() == 2 and target.read_text() == "built 2\n"  # a fresh file replaced it
     st = os.lstat(target)
     assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o700
@@ -193,8 +193,8 @@ def test_load_refuses_an_unsafe_file_before_loading_it(tmp_path, monkeypatch):
     dummy = tmp_path / "w4a8_gemm-x.so"
     dummy.write_text("not a library")
     os.chmod(dummy, 0o666)
-    monkeypatch.setattr(w4a8, "_loaded", None)
-    monkeypatch.setattr(w4a8, "_build", lambda: dummy)
+    monkeypatch.setattr(w4a8.LIBRARY, "loaded", None)
+    monkeypatch.setattr(w4a8.LIBRARY, "build", lambda: dummy)
     monkeypatch.setattr(w4a8.torch.ops, "load_library", lambda p: pytest.fail(f"loaded {p}"))
     with pytest.raises(w4a8.KernelUnavailable, match=f"refusing to load the w4a8 kernel {dummy}: it is "):
         w4a8.load_kernels()
@@ -204,7 +204,7 @@ def test_unsafe_kernel_dir_is_a_kernel_error(fake_cxx, tmp_path):
     (tmp_path / "cache" / "kernels").mkdir(parents=True)
     os.chmod(tmp_path / "cache" / "kernels", 0o777)
     with pytest.raises(w4a8.KernelUnavailable, match="kernels is group- and world-writable"):
-        w4a8._build()
+        w4a8.LIBRARY.build()
     assert fake_cxx() == 0
 
 

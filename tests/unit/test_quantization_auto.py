@@ -21,7 +21,8 @@ RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 VNNI = frozenset({"avx2", "avx512f", "avx512_vnni"})
 VNNI_BF16 = VNNI | {"avx512_bf16"}
 BF16 = frozenset({"avx2", "amx_bf16"})
-PLAIN = frozenset({"avx2"})
+PLAIN = frozenset({"avx2"})  # no FMA / F16C: w4a8's AVX2 path is not built
+AVX2 = frozenset({"avx2", "fma", "f16c"})
 
 
 # ----------------------------------------------------------------------------------------------- the rules
@@ -32,6 +33,8 @@ PLAIN = frozenset({"avx2"})
         (VNNI, True, ("float32", "w4a8")),
         (VNNI_BF16, False, ("bfloat16", "none")),  # no compiler for the kernel: the next mode
         (BF16, True, ("bfloat16", "none")),  # the scalar w4a8 loop is slow: not picked
+        (AVX2, True, ("float32", "w4a8")),  # the AVX2 kernel (decode_throughput_avx2_*.json)
+        (AVX2, False, ("float32", "none")),
         (PLAIN, True, ("float32", "none")),
         (frozenset(), True, ("float32", "none")),  # no /proc/cpuinfo
     ],
@@ -50,13 +53,13 @@ def test_default_model_on_cpu_gets_the_fastest_mode_that_can_run(flags, cxx, wan
         ):
             assert part in why, why
         assert "60.3 tok/s" in why and "issue 28" in why
-    if "avx512_vnni" not in flags:
-        assert "skipped w4a8: no avx512_vnni" in why, why
+    if "avx512_vnni" not in flags and not AVX2 <= flags:
+        assert "skipped w4a8: no avx512_vnni and no avx2+fma+f16c" in why, why
     elif not cxx:
         assert "skipped w4a8: no C++ compiler" in why, why
     if dtype == "bfloat16":
         assert "31.2%" in why and "mmlu_cloze_all_numerics.json" in why, why
-    if (dtype, quant) == ("float32", "none") and "avx512_vnni" not in flags:
+    if (dtype, quant) == ("float32", "none") and cxx and "avx512_vnni" not in flags:
         assert "reference" in why and "skipped bfloat16: no avx512_bf16 or amx_bf16" in why, why
 
 
