@@ -91,7 +91,10 @@ class NativeLibrary:
                 f"clang++, c++): install one (apt-get install g++) or {self.instead}"
             )
         abi = int(torch.compiled_with_cxx11_abi())
-        flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w"]
+        # -fopenmp: at::parallel_for is an inline `#pragma omp parallel` (ATen/ParallelOpenMP.h); without it
+        # the kernels run on one thread whatever torch.set_num_threads says. The libgomp.so.1 this links to
+        # resolves at load time to the one torch already loaded (same soname): one thread pool, one setting.
+        flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
         flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={abi}")
         flags += [flag for env, flag in self.flag_envs.items() if os.environ.get(env) == "1"]
         includes = [f"-I{p}" for p in cpp_extension.include_paths()]

@@ -147,32 +147,63 @@ struct Partial {  // per (row, split): running max, sum of exp, unnormalised out
   float* acc;  // [D]
 };
 
+#ifdef RADIXLM_AVX2
+// R query rows (R <= 4) against n keys: the key is loaded once per 8 dims for all R rows.
+template <int R>
+inline void scores_rows(const float* q, const float* const* keys, int64_t n, int64_t D, float* scores) {
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 k = _mm256_loadu_ps(keys[t] + c);
+      for (int i = 0; i < R; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + c), k, a[i]);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, sum);
+    for (int i = 0; i < R; ++i) scores[i * BLOCK + t] = out[i];
+  }
+}
+
+// R accumulator rows += p[r][t] * value_t over n values, 16 dims at a time: 2R independent FMA chains.
+template <int R>
+inline void accumulate_rows(float* acc, const float* p, const float* const* values, int64_t n, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < R; ++i) {
+      lo[i] = _mm256_loadu_ps(acc + i * D + c);
+      hi[i] = _mm256_loadu_ps(acc + i * D + c + 8);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 v0 = _mm256_loadu_ps(values[t] + c), v1 = _mm256_loadu_ps(values[t] + c + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 w = _mm256_broadcast_ss(p + i * BLOCK + t);
+        lo[i] = _mm256_fmadd_ps(w, v0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(w, v1, hi[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      _mm256_storeu_ps(acc + i * D + c, lo[i]);
+      _mm256_storeu_ps(acc + i * D + c + 8, hi[i]);
+    }
+  }
+}
+
+#endif
+
 // scores[r][t] = dot(q_r, key_t) for rows r (q rows of D floats) and n keys (row pointers).
 inline void block_scores(const float* q, int64_t rows, const float* const* keys, int64_t n, int64_t D,
                          float* scores) {
 #ifdef RADIXLM_AVX2
-  if (D % 8 == 0) {
+  if (D % 16 == 0) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {  // four rows share each key load; four sums reduced at once
-      const float *q0 = q + r * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-      for (int64_t t = 0; t < n; ++t) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t c = 0; c < D; c += 8) {
-          const __m256 k = _mm256_loadu_ps(keys[t] + c);
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), k, a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), k, a1);
-          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + c), k, a2);
-          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + c), k, a3);
-        }
-        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        alignas(16) float out[4];
-        _mm_store_ps(out, sum);
-        for (int i = 0; i < 4; ++i) scores[(r + i) * BLOCK + t] = out[i];
-      }
+    for (; r + 4 <= rows; r += 4) scores_rows<4>(q + r * D, keys, n, D, scores + r * BLOCK);
+    switch (rows - r) {
+      case 3: scores_rows<3>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 2: scores_rows<2>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 1: scores_rows<1>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      default: break;
     }
-    for (; r < rows; ++r)
-      for (int64_t t = 0; t < n; ++t) scores[r * BLOCK + t] = dot(q + r * D, keys[t], D);
     return;
   }
 #endif
@@ -184,29 +215,15 @@ inline void block_scores(const float* q, int64_t rows, const float* const* keys,
 inline void block_accumulate(float* acc, int64_t rows, const float* p, const float* const* values, int64_t n,
                              int64_t D) {
 #ifdef RADIXLM_AVX2
-  if (D % 8 == 0) {
+  if (D % 16 == 0) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) {  // four rows' accumulators stay in registers over the block
-      const float *p0 = p + r * BLOCK, *p1 = p0 + BLOCK, *p2 = p1 + BLOCK, *p3 = p2 + BLOCK;
-      for (int64_t c = 0; c < D; c += 8) {
-        float* o = acc + r * D + c;
-        __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + D), a2 = _mm256_loadu_ps(o + 2 * D),
-               a3 = _mm256_loadu_ps(o + 3 * D);
-        for (int64_t t = 0; t < n; ++t) {
-          const __m256 v = _mm256_loadu_ps(values[t] + c);
-          a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p0 + t), v, a0);
-          a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p1 + t), v, a1);
-          a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p2 + t), v, a2);
-          a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p3 + t), v, a3);
-        }
-        _mm256_storeu_ps(o, a0);
-        _mm256_storeu_ps(o + D, a1);
-        _mm256_storeu_ps(o + 2 * D, a2);
-        _mm256_storeu_ps(o + 3 * D, a3);
-      }
+    for (; r + 4 <= rows; r += 4) accumulate_rows<4>(acc + r * D, p + r * BLOCK, values, n, D);
+    switch (rows - r) {
+      case 3: accumulate_rows<3>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 2: accumulate_rows<2>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 1: accumulate_rows<1>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      default: break;
     }
-    for (; r < rows; ++r)
-      for (int64_t t = 0; t < n; ++t) scale_add(acc + r * D, 1.f, p[r * BLOCK + t], values[t], D);
     return;
   }
 #endif
@@ -218,30 +235,37 @@ template <typename KV>
 void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const int64_t* slots, int64_t begin,
                   int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride, int64_t head_off,
                   int64_t D, float* m, float* l, float* acc) {
-  // Rows padded to a multiple of 4 (the register blocks): padding rows score but are never read.
-  const int64_t padded = (rows + 3) / 4 * 4;
-  std::vector<float> scores(padded * BLOCK), qpad(padded * D, 0.f), accpad(padded * D, 0.f);
+  std::vector<float> scores(rows * BLOCK), accbuf(rows * D, 0.f);
   std::vector<float> kbuf(BLOCK * D), vbuf(BLOCK * D);
   const float* keys[BLOCK];
   const float* values[BLOCK];
-  std::copy(q_rows, q_rows + rows * D, qpad.begin());
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = NEG_INF;
     l[r] = 0.f;
   }
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KV));
+  auto prefetch_block = [&](int64_t from) {  // slots are scattered: the hardware prefetcher cannot guess them
+    const int64_t upto = std::min(end, from + BLOCK);
+    for (int64_t t = from; t < upto; ++t) {
+      const char* kr = reinterpret_cast<const char*>(k_cache + slots[t] * slot_stride + head_off);
+      const char* vr = reinterpret_cast<const char*>(v_cache + slots[t] * slot_stride + head_off);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(kr + off);
+        __builtin_prefetch(vr + off);
+      }
+    }
+  };
+  prefetch_block(begin);
   for (int64_t t0 = begin; t0 < end; t0 += BLOCK) {
     const int64_t n = std::min(BLOCK, end - t0);
+    if (t0 + BLOCK < end) prefetch_block(t0 + BLOCK);
     for (int64_t t = 0; t < n; ++t) {
       keys[t] = as_float(k_cache + slots[t0 + t] * slot_stride + head_off, kbuf.data() + t * D, D);
       values[t] = as_float(v_cache + slots[t0 + t] * slot_stride + head_off, vbuf.data() + t * D, D);
     }
-    block_scores(qpad.data(), padded, keys, n, D, scores.data());
-    for (int64_t r = 0; r < padded; ++r) {
+    block_scores(q_rows, rows, keys, n, D, scores.data());
+    for (int64_t r = 0; r < rows; ++r) {
       float* s = scores.data() + r * BLOCK;
-      if (r >= rows) {
-        std::fill(s, s + n, 0.f);
-        continue;
-      }
       for (int64_t t = 0; t < n; ++t)
         if (t0 + t > pos[r]) s[t] = NEG_INF;  // causal: a key after this query's position
       float mx = m[r];
@@ -257,11 +281,11 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const i
       for (int64_t t = 0; t < n; ++t) sum += s[t];
       l[r] = l[r] * keep + sum;
       m[r] = mx;
-      if (keep != 1.f) scale_add(accpad.data() + r * D, keep, 0.f, accpad.data() + r * D, D);
+      if (keep != 1.f) scale_add(accbuf.data() + r * D, keep, 0.f, accbuf.data() + r * D, D);
     }
-    block_accumulate(accpad.data(), padded, scores.data(), values, n, D);
+    block_accumulate(accbuf.data(), rows, scores.data(), values, n, D);
   }
-  std::copy(accpad.begin(), accpad.begin() + rows * D, acc);
+  std::copy(accbuf.begin(), accbuf.end(), acc);
 }
 
 template <typename KV, typename QT>
