@@ -19,8 +19,8 @@ float32's and whose next-token top-1 agreement with float32 is >= 0.99, from the
 (per model file, recognised by its bytes: w4a8's figures hold for a GGUF's own blocks, not for a folder
 re-quantized; any model nobody measured gets `none`). A mode counts only where it runs fast: w4a8 needs
 AVX512-VNNI or AVX2 (+FMA, F16C) and a C++ compiler (its scalar loop is 23-45x slower), bf16 native bf16
-dot products; GPUs and an explicit non-float32 `--dtype` get `none`. `resolve_auto` applies it. An earlier `auto`,
-picked before w4a8 existed, always meant `none` and was removed. This module imports only the
+dot products; GPUs and an explicit non-float32 `--dtype` get `none`. `resolve_auto` applies it. An
+earlier `auto`, picked before w4a8 existed, always meant `none` and was removed. This module imports only the
 standard library (torch lazily): `ServerArgs` validates `--quantization` with it in processes that never
 load a model.
 """
