@@ -14,10 +14,16 @@ from radixlm_kernels import create_backend, resolve_backend_name
 from radixlm_kernels.cpu_backend import FUSED_MAX_EXTEND, CpuPagedBackend
 from runtime.models.native_kernels import PAGED_ATTENTION, KernelUnavailable
 
-try:
-    PAGED_ATTENTION.load()
-except KernelUnavailable as err:  # no C++ compiler here
-    pytest.skip(f"the paged attention kernel cannot be built here: {err}", allow_module_level=True)
+pytestmark = pytest.mark.slow  # builds a C++ kernel on first use (the fast tier needs no compiler)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    try:
+        PAGED_ATTENTION.load()
+    except KernelUnavailable as err:  # no C++ compiler here
+        pytest.skip(f"the paged attention kernel cannot be built here: {err}")
+
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -9,10 +9,15 @@ import torch.nn.functional as F
 from runtime.models.llama import Rotary
 from runtime.models.native_kernels import FUSED_LAYERS, KernelUnavailable
 
-try:
-    FUSED_LAYERS.load()
-except KernelUnavailable as err:  # no C++ compiler here
-    pytest.skip(f"the fused layer kernels cannot be built here: {err}", allow_module_level=True)
+pytestmark = pytest.mark.slow  # builds a C++ kernel on first use (the fast tier needs no compiler)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel():
+    try:
+        FUSED_LAYERS.load()
+    except KernelUnavailable as err:  # no C++ compiler here
+        pytest.skip(f"the fused layer kernels cannot be built here: {err}")
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
