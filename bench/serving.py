@@ -524,7 +524,10 @@ def main(argv: list[str] | None = None) -> dict:
             fig = run_one(args, reqs, run.label, run.backend, run.body)
             if server is not None:
                 fig["start_s"] = server.start_seconds
-                fig["server"] = run.record or {"command": " ".join(run.cmd)}
+                fig["server"] = run.record or {
+                    "command": " ".join(run.cmd),
+                    "version": f"radixlm {common.git_commit()['commit']}" if run.label != LLAMACPP else None,
+                }
             runs.append(fig)
         finally:
             if server is not None:
