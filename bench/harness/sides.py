@@ -52,11 +52,12 @@ COUNTERS = (
 )
 
 
-def side_names(spec: str) -> list[str]:
+def side_names(spec: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The sides of `spec`, checked; `extra` names further sides the caller handles (e.g. the peers)."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for n in names:
-        if n != HF and n not in RADIXLM_VARIANTS:
-            raise ValueError(f"unknown side {n!r} (known: {', '.join([*RADIXLM_VARIANTS, HF])})")
+        if n != HF and n not in RADIXLM_VARIANTS and n not in extra:
+            raise ValueError(f"unknown side {n!r} (known: {', '.join([*RADIXLM_VARIANTS, HF, *extra])})")
     if len(set(names)) != len(names):
         raise ValueError(f"side listed twice in {spec!r}")
     return names

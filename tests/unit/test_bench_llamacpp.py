@@ -47,7 +47,7 @@ def test_gguf_file_is_the_default_models_file_or_a_gguf(tmp_path):
 
 def test_unknown_sides_are_rejected():
     with pytest.raises(SystemExit):
-        decode_throughput.main(["--sides", "radixlm,vllm"])
+        decode_throughput.main(["--sides", "radixlm,vllm-gpu"])
     with pytest.raises(SystemExit):
         serving.main(["--sides", "radixlm,llamacpp"])  # needs --launch-server
 
@@ -68,11 +68,12 @@ def test_serving_runs_each_server_alone_in_order(monkeypatch):
     runs = serving._servers(args, ["radixlm", "llamacpp"], 3, Tok())
     assert [r[0] for r in runs] == ["radixlm", "--disable-radix-cache", "llamacpp"]
     assert runs[0][1][-2:] == ["--num-threads", "3"] and runs[1][1][-1] == "--disable-radix-cache"
-    label, cmd, health, backend, body = runs[2]
+    label, cmd, health, backend, body = runs[2][:5]
     assert cmd == ["llama", "/m.gguf", 3] and health == "/v1/models" and backend == "openai"
     assert body == {"logit_bias": {"0": -100.0, "2": -100.0}}  # no ignore_eos in llama.cpp: EOS banned
     args.launch_server = False
-    assert serving._servers(args, ["radixlm"], 3, Tok()) == [("external", None, None, "native", None)]
+    external = serving.ServerRun("external", None, None, "native", None)
+    assert serving._servers(args, ["radixlm"], 3, Tok()) == [external]
 
 
 def test_headlines_compare_decode_with_llamacpp():
