@@ -31,7 +31,7 @@ RADIXLM_VARIANTS: dict[str, dict[str, Any]] = {
     "radixlm-llguidance": {"grammar_backend": "llguidance"},
     "radixlm-xgrammar": {"grammar_backend": "xgrammar"},
     # numerics variants: accuracy of a dtype / quantization on the same items in one invocation
-    "radixlm-fp32": {"dtype": "float32", "quantization": "none"},
+    "radixlm-fp32": {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "float32"},
     "radixlm-bf16": {"dtype": "bfloat16", "quantization": "none"},
     "radixlm-w8a8": {"dtype": "float32", "quantization": "w8a8"},
     "radixlm-w4a8": {"dtype": "float32", "quantization": "w4a8"},
