@@ -523,10 +523,10 @@ def _plot(name: str, results: dict[str, Any], results_dir: str) -> None:
             if any(y is not None for y in ys) and label not in series:
                 series[label] = (bss, [y if y is not None else float("nan") for y in ys])
         series[f"limit {dtype}"] = (bss, [d["batch_sizes"][str(b)]["roofline_tok_s"] for b in bss])
-    for name, d in results.get("servers", {}).items():
+    for server, d in results.get("servers", {}).items():
         bss = [int(b) for b in d["batch_sizes"]]
         ys = [d["batch_sizes"][str(b)].get("decode_tok_s") for b in bss]
-        series[f"{name} (server)"] = (bss, [y if y is not None else float("nan") for y in ys])
+        series[f"{server} (server)"] = (bss, [y if y is not None else float("nan") for y in ys])
     common.line_chart(
         common.plot_path(name, results_dir),
         series,
