@@ -175,13 +175,7 @@ def hf_decode(model: Any, bs: int, prompt_len: int, steps: int, gen: torch.Gener
         return time.perf_counter() - t0
 
     t1, tn = timed(1), timed(steps)
-    return {
-        "t1_s": t1,
-        "tN_s": tn,
-        "prefill_tok_s": bs * prompt_len / t1,
-        "decode_tok_s": bs * (steps - 1) / (tn - t1) if tn > t1 else None,
-        "step_ms": 1000 * (tn - t1) / (steps - 1),
-    }
+    return common.decode_figures(t1, tn, bs, prompt_len, steps)
 
 
 def best_run(samples: list[dict[str, Any]]) -> dict[str, Any]:

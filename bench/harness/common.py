@@ -126,6 +126,18 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def decode_figures(t1: float, tn: float, bs: int, prompt_len: int, steps: int) -> dict[str, float | None]:
+    """Decode speed from two timed generations of `bs` prompts: 1 token (`t1`: prefill and set-up) and
+    `steps` tokens (`tn`); the difference is steps - 1 decode steps."""
+    return {
+        "t1_s": t1,
+        "tN_s": tn,
+        "prefill_tok_s": bs * prompt_len / t1,
+        "decode_tok_s": bs * (steps - 1) / (tn - t1) if tn > t1 else None,
+        "step_ms": 1000 * (tn - t1) / (steps - 1) if steps > 1 else None,
+    }
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, or None where it is undefined (missing, zero or NaN denominator)."""
     if a is None or b is None or b == 0 or math.isnan(a) or math.isnan(b):

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.common import REPO_ROOT
+from bench.harness.common import REPO_ROOT, decode_figures
 
 VLLM = "vllm"
 LLAMA_SERVER = "llama-server"
@@ -235,13 +235,7 @@ def server_decode(url: str, model: str, bs: int, prompt_len: int, steps: int, ge
         return time.perf_counter() - t0
 
     t1, tn = timed(1), timed(steps)
-    return {
-        "t1_s": t1,
-        "tN_s": tn,
-        "prefill_tok_s": bs * prompt_len / t1,
-        "decode_tok_s": bs * (steps - 1) / (tn - t1) if tn > t1 else None,
-        "step_ms": 1000 * (tn - t1) / (steps - 1) if steps > 1 else None,
-    }
+    return decode_figures(t1, tn, bs, prompt_len, steps)
 
 
 def free_port() -> int:

@@ -12,17 +12,15 @@ import torch
 
 from radixlm_kernels import create_backend, resolve_backend_name
 from radixlm_kernels.cpu_backend import FUSED_MAX_EXTEND, CpuPagedBackend
-from runtime.models.native_kernels import PAGED_ATTENTION, KernelUnavailable
+from runtime.models.native_kernels import PAGED_ATTENTION
+from tests.kernels.native import load_native_or_skip
 
 pytestmark = pytest.mark.slow  # builds a C++ kernel on first use (the fast tier needs no compiler)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel():
-    try:
-        PAGED_ATTENTION.load()
-    except KernelUnavailable as err:  # no C++ compiler here
-        pytest.skip(f"the paged attention kernel cannot be built here: {err}")
+    load_native_or_skip(PAGED_ATTENTION)
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,17 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from runtime.models.llama import Rotary
-from runtime.models.native_kernels import FUSED_LAYERS, KernelUnavailable
+from runtime.models.native_kernels import FUSED_LAYERS
+from tests.kernels.native import load_native_or_skip
 
 pytestmark = pytest.mark.slow  # builds a C++ kernel on first use (the fast tier needs no compiler)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel():
-    try:
-        FUSED_LAYERS.load()
-    except KernelUnavailable as err:  # no C++ compiler here
-        pytest.skip(f"the fused layer kernels cannot be built here: {err}")
+    load_native_or_skip(FUSED_LAYERS)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 70])
