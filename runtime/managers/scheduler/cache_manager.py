@@ -255,9 +255,10 @@ def make_tiers(args, model_dir: str, runner) -> tuple[HostTier | None, DiskTier 
     disk = None
     if args.kv_disk_dir:
         c = runner.config
-        # what makes KV differ: the weights (their folder), quantization and the attention geometry
+        # what makes KV differ: the weights (their folder), quantization, the compute dtype (the pool's own
+        # dtype is DiskTier's: since --kv-cache-dtype they can differ) and the attention geometry
         identity = (
-            f"{os.path.realpath(model_dir)}|{args.quantization}|{c.architecture}|{c.num_layers}x"
+            f"{os.path.realpath(model_dir)}|{args.quantization}|{args.dtype}|{c.architecture}|{c.num_layers}x"
             f"{pool.num_kv_heads}x{pool.head_dim}|rope={getattr(c, 'rope_theta', '')}"
         )
         disk = DiskTier(args.kv_disk_dir, int(args.kv_disk_gb * 2**30), pool, identity)
