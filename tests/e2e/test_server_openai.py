@@ -244,11 +244,14 @@ def test_completion_stream_echo_logprobs_equals_non_streamed(client, n):
         assert g["tokens"] == want.logprobs.tokens
         assert len(want.logprobs.tokens) > n_prompt  # prompt and output tokens
         assert g["lps"][0] is None and want.logprobs.token_logprobs[0] is None
-        assert g["lps"][1:] == pytest.approx(want.logprobs.token_logprobs[1:], abs=1e-5)
+        # The second request finds the first's prompt cached: its logprobs come through the paged-attention
+        # kernel's short-extend / decode path instead of the prefill's SDPA, which agree to ~1e-5 in float32.
+        tol = 1e-4
+        assert g["lps"][1:] == pytest.approx(want.logprobs.token_logprobs[1:], abs=tol)
         assert g["offsets"] == want.logprobs.text_offset
         assert len(g["tops"]) == len(want.logprobs.top_logprobs)
         for a, b in zip(g["tops"][1:], want.logprobs.top_logprobs[1:], strict=True):
-            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-5)
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=tol)
 
 
 def test_cached_tokens_on_repeated_long_prompt(client):
