@@ -21,11 +21,14 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   ``formats.MAX_MIN_LENGTH`` a GrammarError; ``maxItems`` above ITEMS_CAP is lowered to it, ``minItems``
   above MAX_MIN_ITEMS is a GrammarError; numeric bounds beyond +-NUMERIC_BOUND_CAP are tightened to it: the
   automaton grows with each of these counts, and a 1 KB schema of ``maxLength: 8192`` fields needed 23 GB;
+* ``oneOf`` is made exact first (``constrained.one_of``, shared by every backend): an ``anyOf`` of branches
+  no two of which share an instance, or a GrammarError;
 * ``not`` around ``type`` or ``required``, subschemas without any keyword, ``{"not": {}}``, object/array
   ``const``/``enum``: see ``constrained.schema_keywords``; ``false`` subschemas are dropped from
-  ``anyOf``/``oneOf`` (``items: false`` means an empty array); ``AllOf`` (a miscased keyword seen in real
-  schemas) is read as ``allOf``: stricter than a validator, which ignores it, so output stays valid;
-  a local ``$ref`` into a top-level key that is no keyword has its target rewritten too;
+  ``anyOf`` (``items: false`` means an empty array; a ``false`` property is never emitted); ``AllOf`` (a
+  miscased keyword seen in real schemas) is read as ``allOf``: stricter than a validator, which ignores
+  it, so output stays valid; a local ``$ref`` into a top-level key that is no keyword has its target
+  rewritten too;
   ``patternProperties`` on an object without ``properties`` becomes ``additionalProperties`` (all values
   meet every pattern's subschema); ``minProperties: 1`` on a free-form object is enforced.
 
@@ -53,6 +56,7 @@ from constrained.formats import (
     pattern_within_length,
 )
 from constrained.numeric import integer_range_regex, number_range_regex
+from constrained.one_of import resolve_one_of
 from constrained.schema_keywords import (
     KEYWORDS,
     accepts_nothing,
@@ -168,6 +172,7 @@ def schema_to_regex(
         raise GrammarError("json_schema `false` accepts no value")
     if not isinstance(schema, dict):
         raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    schema = resolve_one_of(schema)
     layout = whitespace_pattern == DUMPS_LAYOUT
     ws = _WS_MARK if layout else whitespace_pattern
     fragments: list[str] = []
@@ -263,9 +268,11 @@ class _Rewriter:
         if free is not None:
             non_empty = node.get("minProperties") == 1
             return self.placeholder(json_value_regex(self.ws, free_depth, free, non_empty))
+        if "oneOf" in node:  # resolve_one_of left one it did not reach: never read it as anyOf
+            raise GrammarError("`oneOf` in this position cannot be enforced exactly by the grammar")
         out = {}
         for key, value in node.items():
-            if key in ("anyOf", "oneOf") and isinstance(value, list):
+            if key == "anyOf" and isinstance(value, list):
                 value = [{} if sub is True else sub for sub in value if not accepts_nothing(sub)]
                 if not value:
                     raise GrammarError(f"`{key}` has only `false` subschemas: no value is valid")

@@ -3,10 +3,12 @@ automaton over the vocabulary), so compile is milliseconds whatever the schema's
 
 * kinds: regex, json_schema, json_object, and lark (llguidance's Lark dialect; may embed ``%json{...}``).
 * strict JSON Schema: llguidance's ``lenient`` stays off, so a keyword it cannot enforce is an error, which
-  becomes a GrammarError naming it (a 400). ``oneOf`` is read as ``anyOf`` (``coerce_one_of``): the same
-  approximation outlines-core makes. A custom (non-standard) ``format`` is dropped first, as the JSON Schema
-  specification says unknown formats are ignored; a standard format llguidance lacks is a 400. No
-  bounded-string relaxation: ``maxLength`` is enforced as written.
+  becomes a GrammarError naming it (a 400). ``oneOf`` is rewritten exactly (or refused) by
+  ``constrained.one_of`` first, as on every backend; ``coerce_one_of`` stays off, so a ``oneOf`` llguidance
+  cannot prove disjoint (in a lark ``%json``) is a 400, never an ``anyOf``. A custom (non-standard)
+  ``format`` is dropped first, as the JSON Schema specification says unknown formats are ignored; a
+  standard format llguidance lacks is a 400. No bounded-string relaxation: ``maxLength`` is enforced as
+  written.
 * layout: ``DUMPS_LAYOUT`` (the server's) is ``", "`` / ``": "`` and no other whitespace, as on outlines.
 * the sandbox worker validates the grammar against the tokenizer and sends the grammar text back; the
   scheduler builds one template matcher per grammar and ``deep_copy``-s it per request (microseconds).
@@ -29,7 +31,7 @@ from constrained.errors import GrammarError, GrammarUnsupported
 MAX_LARK_CHARS = 400_000  # a tool-set grammar embeds every tool's schema: 40 tools of ~2-5 KB fit easily
 MAX_JUMP_BYTES = 256  # as constrained.grammar: longest forced string returned at once
 MATCHER_BASE_BYTES = 256 << 10  # memory_bytes(): a template matcher's parser and lexer tables, roughly
-_JSON_STRICT = {"lenient": False, "coerce_one_of": True}
+_JSON_STRICT = {"lenient": False, "coerce_one_of": False}
 _DUMPS_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
@@ -94,6 +96,8 @@ def _explain(kind: str, message: str) -> str:
         keys = text.split("Unimplemented keys:", 1)[1].split("]", 1)[0].strip(" [")
         names = ", ".join(k.strip(' "') for k in keys.split(",") if k.strip(' "'))
         return f"JSON Schema keyword(s) {names} cannot be enforced by the llguidance grammar backend"
+    if "oneOf constraints are not supported" in text:
+        return f"`oneOf` whose branches may overlap cannot be enforced exactly in this {kind}"
     if "Unknown format:" in text:
         name = text.split("Unknown format:", 1)[1].split("\n", 1)[0].strip()
         return f"format {name!r} cannot be enforced by the llguidance grammar backend"
@@ -134,6 +138,7 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance
 
         from constrained.json_schema import strip_anchors
+        from constrained.one_of import resolve_one_of
         from constrained.spec import MAX_REGEX_CHARS, check_size_limits
 
         if kind not in self.kinds:
@@ -171,7 +176,7 @@ class LLGuidanceBackend(GrammarBackend):
                 schema = {}
             if not isinstance(schema, dict):
                 raise GrammarError("json_schema must be a JSON object (or true)")
-            schema = _drop_custom_formats(schema)
+            schema = _drop_custom_formats(resolve_one_of(schema))
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 schema, overrides=_json_options(whitespace_pattern)

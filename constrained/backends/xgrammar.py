@@ -15,6 +15,9 @@ masks are computed per step in C++ (a few µs for most states). Three things mak
   ``not``, the formats it does not know). ``check`` rejects all of them with a GrammarError naming the
   keyword: the warnings are read from stderr around the conversion, the silent ones from a schema walk.
   These are ``GrammarUnsupported``: under ``--grammar-backend auto`` the next backend tries the spec.
+* ``oneOf`` reaches xgrammar already rewritten by ``constrained.one_of`` (an exact ``anyOf``, or a 400 as on
+  every backend), whose ``"properties": {key: false}`` (key absent) is dropped from ``properties`` here:
+  xgrammar rejects ``false``, and in strict mode emits only the listed keys.
 * control characters: bounded strings (``minLength``/``maxLength``) admit raw bytes 0x00-0x1F, which JSON
   forbids; with the json.dumps or compact layout no JSON output contains one, so tokens holding such a byte
   are masked out of every JSON grammar.
@@ -133,6 +136,58 @@ def narrow_enums(schema) -> None:
         node["enum"] = kept
 
 
+def drop_false_properties(node):
+    """``node`` with each property whose schema accepts nothing (``false``, ``{"not": {}}``) left out of
+    ``properties``, which xgrammar rejects: in strict mode an unlisted key is never emitted, the same
+    meaning. GrammarUnsupported where other keys may appear (``additionalProperties``,
+    ``patternProperties``), since the key could come back as one of them."""
+    from constrained.schema_keywords import accepts_nothing
+
+    if isinstance(node, list):
+        return [drop_false_properties(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {k: drop_false_properties(v) for k, v in value.items()}
+        elif key in _SCHEMA_VALUED:
+            value = drop_false_properties(value)
+        out[key] = value
+    props = out.get("properties")
+    if isinstance(props, dict) and any(accepts_nothing(v) for v in props.values()):
+        if out.get("additionalProperties", False) is not False or out.get("patternProperties"):
+            raise GrammarUnsupported(
+                "json_schema: a property that must be absent beside `additionalProperties`/"
+                "`patternProperties` cannot be enforced by the xgrammar backend"
+            )
+        out["properties"] = {k: v for k, v in props.items() if not accepts_nothing(v)}
+    return out
+
+
+# where drop_false_properties looks for subschemas: maps of them, and keywords holding one or a list
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SCHEMA_VALUED = frozenset(
+    {
+        "items",
+        "additionalProperties",
+        "additionalItems",
+        "contains",
+        "propertyNames",
+        "not",
+        "if",
+        "then",
+        "else",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "prefixItems",
+        "allOf",
+        "anyOf",
+        "oneOf",
+    }  # fmt: skip
+)
+
+
 def unenforced_keyword(schema) -> str | None:
     """The first keyword of ``schema`` xgrammar would drop without a warning, described; None if none."""
     from constrained.schema_keywords import KEYWORDS
@@ -243,6 +298,7 @@ class XGrammarBackend(GrammarBackend):
         import xgrammar as xgr
 
         from constrained.json_schema import strip_anchors
+        from constrained.one_of import resolve_one_of
         from constrained.spec import GRAMMAR_KINDS, check_size_limits
 
         if kind not in GRAMMAR_KINDS:
@@ -274,6 +330,7 @@ class XGrammarBackend(GrammarBackend):
                 if not isinstance(schema, (dict, bool)):
                     got = type(schema).__name__
                     raise GrammarError(f"json_schema must be an object or a boolean, got {got}")
+                schema = drop_false_properties(resolve_one_of(schema))
                 narrow_enums(schema)
                 dropped = unenforced_keyword(schema)
                 if dropped:

@@ -206,7 +206,6 @@ REJECTED = [
     ({"not": {"type": "string"}}, "not"),
     ({"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 1}}}}, "not"),
     ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
-    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
     ({"type": "integer", "multipleOf": 2, "minimum": 3}, "multipleOf"),
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength"),
@@ -247,6 +246,9 @@ ACCEPTED = [
         "properties": {"not": {"type": "string"}, "if": {"type": "integer"}},
     },  # names, not keywords
     {"oneOf": [{"type": "string"}, {"type": "integer"}]},  # disjoint branches: exact
+    # branches differing in `required`: made exclusive by constrained.one_of (an overlapping oneOf it cannot
+    # rewrite is a 400 on every backend alike: tests/unit/test_constrained_one_of.py)
+    {"type": "object", "properties": {"a": {}, "b": {}}, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
     {"allOf": [{"type": "integer", "minimum": 3}]},
     {"type": "array", "uniqueItems": False},
     {"type": "integer", "multipleOf": 7},

@@ -22,20 +22,21 @@ from typing import Any
 
 from constrained.errors import GrammarError
 from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS
+from constrained.one_of import resolve_one_of
 from constrained.schema_keywords import enforce_dependencies
 from runtime.entrypoints.tool_calls.base import ToolCallParser, lark_literal
 from runtime.entrypoints.tool_calls.schema import Tool, ToolChoice, ToolRequestError, enforced_parameters
 
 # json.dumps's layout (`{"a": 1, "b": [1, 2]}`), as constrained.spec.DEFAULT_WHITESPACE enforces on the regex
 # path: nothing optional, so separators are forced (jump-forward) and the model writes what it was trained on.
-# Keywords llguidance cannot enforce are errors (not `lenient`); `oneOf` is read as `anyOf`, as by the regex
-# path and the llguidance backend's json_schema kind (constrained/backends/llguidance.py).
+# Keywords llguidance cannot enforce are errors (not `lenient`); `oneOf` is rewritten exactly first
+# (constrained.one_of, as on the regex path and every backend's json_schema kind), so none is read as `anyOf`.
 LAYOUT = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
     "lenient": False,
-    "coerce_one_of": True,
+    "coerce_one_of": False,
 }
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 # Keys whose presence means the object's other members are governed elsewhere: left open.
@@ -100,8 +101,8 @@ def arguments_schema(tool: Tool, index: int) -> dict[str, Any]:
     """A tool's arguments as embedded: the enforced parameters, objects closed, json.dumps layout."""
     enforced = enforced_parameters(tool, index)
     try:
-        closed = closed_objects(enforced)
-    except ToolRequestError as e:
+        closed = closed_objects(resolve_one_of(enforced))
+    except (ToolRequestError, GrammarError) as e:
         raise ToolRequestError(f"'tools[{index}].function.parameters' cannot be enforced: {e}") from None
     return {"x-guidance": LAYOUT, **closed}
 

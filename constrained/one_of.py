@@ -1,0 +1,638 @@
+"""``oneOf`` made exact before any backend compiles it: every backend calls ``resolve_one_of`` on the parsed
+schema (outlines-core, llguidance and xgrammar alike), so none reads ``oneOf`` as ``anyOf``.
+
+An instance is valid under ``{P..., "oneOf": [B_1..B_n]}`` when it meets P and exactly one B_i, i.e. one of
+``P and B_i and not B_j (every j != i)``. Each ``oneOf`` becomes an ``anyOf`` of such terms:
+
+* branches that are provably disjoint within P (different JSON types, different ``const``/``enum`` values
+  of a property one of them requires, a key one requires that the other forbids or does not allow) need no
+  ``not``: the ``oneOf`` is an ``anyOf`` of P merged into each branch;
+* otherwise ``not B_j`` is spelled with what B_j necessarily demands: a key it requires is absent
+  (``"properties": {key: false}``), a key it forbids or does not allow is present (``required``), a type or
+  ``enum`` value it excludes. Branches that differ in ``required`` (the common ``[{"required": [a]},
+  {"required": [b, c]}]``) come out exact; a branch whose keys another branch always has too is dropped.
+  Where B_j also constrains values the others leave open, the terms only leave out B_j's instances by
+  presence (stricter, so output stays valid);
+* anything else (no such spelling, P not mergeable into a branch, too many terms) is a GrammarError naming
+  ``oneOf`` -- never an approximation that could emit an instance of two branches.
+
+P is merged into each branch (required united, properties united, a property both constrain under
+``allOf``) because outlines-core and xgrammar ignore an ``anyOf`` beside other keywords.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from constrained.errors import GrammarError
+from constrained.schema_keywords import JSON_TYPES, KEYWORDS, accepts_nothing
+
+MAX_TERMS = 64  # branches a oneOf may expand to (each one is a copy of the merged object schema)
+_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+                "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_ALL = frozenset(JSON_TYPES)
+_OBJECT = frozenset({"object"})
+_SUMMARISED = frozenset({"type", "required", "properties", "additionalProperties", "not", "const", "enum"})
+
+
+def resolve_one_of(schema: Any) -> Any:
+    """``schema`` with every ``oneOf`` rewritten as above (the input is not modified). GrammarError where a
+    ``oneOf`` cannot be enforced exactly, naming why."""
+    if not isinstance(schema, dict) or "oneOf" not in json.dumps(schema):
+        return schema
+    refs = _local_refs(schema)
+    if any("/oneOf/" in f"{ref}/" for ref in refs):
+        raise GrammarError("`oneOf` cannot be enforced when a `$ref` points into one of its branches")
+    out = _walk(schema, schema, 0)
+    for ref in refs:  # subschemas under a top-level key that is no keyword, reached only by `$ref`
+        top = ref[2:].split("/")[0].replace("~1", "/").replace("~0", "~")
+        if top and top not in KEYWORDS and top not in _MAP_KEYS and isinstance(out.get(top), (dict, list)):
+            out[top] = _walk_data(out[top], schema)
+    return out
+
+
+def _walk_data(node: Any, root: dict, depth: int = 0) -> Any:
+    """A non-keyword container a ``$ref`` reaches: its dicts may be schemas."""
+    if depth > 8:
+        return node
+    if isinstance(node, list):
+        return [_walk_data(v, root, depth + 1) for v in node]
+    if isinstance(node, dict):
+        return (
+            _walk(node, root, depth)
+            if set(node) & KEYWORDS
+            else {k: _walk_data(v, root, depth + 1) for k, v in node.items()}
+        )
+    return node
+
+
+def _walk(node: Any, root: dict, depth: int, trigger: str | None = None) -> Any:
+    """``node`` with its ``oneOf``s rewritten, innermost first. ``trigger``: the node is the schema of a
+    ``dependencies``/``dependentSchemas`` entry, applied only to objects holding that key."""
+    if not isinstance(node, dict) or depth > 200:
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "dependentSchemas" and isinstance(value, dict):
+            value = {k: _walk(v, root, depth + 1, k) for k, v in value.items()}
+        elif key in _MAP_KEYS and isinstance(value, dict):
+            value = {k: _walk(v, root, depth + 1) for k, v in value.items()}
+        elif key in _LIST_KEYS and isinstance(value, list):
+            value = [_walk(v, root, depth + 1) for v in value]
+        elif key in _SCHEMA_KEYS:
+            value = _walk(value, root, depth + 1)
+        elif key == "dependencies" and isinstance(value, dict):
+            value = {k: _walk(v, root, depth + 1, k) for k, v in value.items()}
+        out[key] = value
+    if isinstance(out.get("oneOf"), list):
+        out = _rewrite(out, root, trigger)
+    return out
+
+
+def _local_refs(node: Any) -> set[str]:
+    if isinstance(node, list):
+        return set().union(*map(_local_refs, node)) if node else set()
+    if not isinstance(node, dict):
+        return set()
+    refs = {node["$ref"]} if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") else set()
+    return refs.union(*map(_local_refs, node.values()))
+
+
+# ------------------------------------------------------------------------------------- facts
+def _canon(value: Any) -> str:
+    """A value's identity under JSON Schema equality (1 == 1.0, true != 1)."""
+
+    def norm(v):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def _type_of(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "null")
+
+
+def _types_and(a: frozenset, b: frozenset) -> frozenset:
+    """Intersection, where "number" includes "integer"."""
+    out = a & b
+    if ("number" in a and "integer" in b) or ("integer" in a and "number" in b):
+        out |= {"integer"}
+    return out
+
+
+def _types_minus(a: frozenset, b: frozenset) -> tuple[frozenset, bool]:
+    """(types of ``a`` no instance of which has a type of ``b``, exact): ``number`` minus ``integer`` has no
+    JSON Schema type, so it is left out (stricter) and the result is not exact."""
+    out = a - b
+    if "number" in b:
+        out -= {"integer"}
+    exact = True
+    if "integer" in b and "number" in out:
+        out -= {"number"}
+        exact = False
+    return out, exact
+
+
+class Facts:
+    """What an instance of a schema necessarily is: its possible types, literal values, keys required,
+    forbidden (a ``false`` property), allowed (``additionalProperties: false``), ``not: {required}`` sets,
+    and the subschemas each present key's value meets. ``complete``: nothing else constrains it."""
+
+    def __init__(self):
+        self.types = _ALL
+        self.values: frozenset | None = None
+        self.required: frozenset = frozenset()
+        self.forbidden: frozenset = frozenset()
+        self.allowed: frozenset | None = None
+        self.not_required: tuple = ()
+        self.props: dict[str, list] = {}
+        self.prefix: str | None = None  # every string instance starts with it (from an anchored pattern)
+        self.ranges: dict[str, tuple] = {}  # "length" / "items" / "number" -> (low, high), None: unbounded
+        self.complete = True
+
+    def add(self, other: Facts) -> Facts:
+        """The facts of both schemas at once (their conjunction)."""
+        out = Facts()
+        out.types = _types_and(self.types, other.types)
+        if self.values is None or other.values is None:
+            out.values = self.values if other.values is None else other.values
+        else:
+            out.values = self.values & other.values
+        out.required = self.required | other.required
+        out.forbidden = self.forbidden | other.forbidden
+        if self.allowed is None or other.allowed is None:
+            out.allowed = self.allowed if other.allowed is None else other.allowed
+        else:
+            out.allowed = self.allowed & other.allowed
+        out.not_required = self.not_required + other.not_required
+        out.props = {k: list(v) for k, v in self.props.items()}
+        for k, subs in other.props.items():
+            out.props.setdefault(k, []).extend(subs)
+        out.prefix = max(self.prefix or "", other.prefix or "", key=len) or None
+        out.ranges = dict(self.ranges)
+        for kind, (lo, hi) in other.ranges.items():
+            lo0, hi0 = out.ranges.get(kind, (None, None))
+            out.ranges[kind] = (_bound(max, lo0, lo), _bound(min, hi0, hi))
+        out.complete = self.complete and other.complete
+        return out
+
+
+def facts_of(node: Any, root: dict, depth: int = 0, memo: dict | None = None) -> Facts:
+    """The facts of ``node`` (``$ref``s resolved against ``root``). ``memo``: id -> (node, facts) of one
+    rewrite, so that a schema whose ``$ref``s branch and recurse costs each node once."""
+    memo = {} if memo is None else memo
+    hit = memo.get(id(node))
+    if hit is not None and hit[0] is node:
+        return hit[1]
+    facts = _facts(node, root, depth, memo)
+    memo[id(node)] = (node, facts)  # the node is held: its id cannot be reused meanwhile
+    return facts
+
+
+def _facts(node: Any, root: dict, depth: int, memo: dict) -> Facts:
+    facts = Facts()
+    if node is True or (isinstance(node, dict) and not set(node) & KEYWORDS):
+        return facts
+    if accepts_nothing(node) or not isinstance(node, dict) or depth > 20:
+        facts.types = frozenset() if accepts_nothing(node) else _ALL
+        facts.complete = accepts_nothing(node)
+        return facts
+    declared = node.get("type")
+    if isinstance(declared, str):
+        facts.types = frozenset({declared}) & _ALL
+    elif isinstance(declared, list):
+        facts.types = frozenset(t for t in declared if isinstance(t, str)) & _ALL
+    literals = [node["const"]] if "const" in node else node.get("enum")
+    if isinstance(literals, list):
+        if "const" in node and isinstance(node.get("enum"), list):
+            literals = [v for v in literals if _canon(v) in {_canon(e) for e in node["enum"]}]
+        facts.values = frozenset(_canon(v) for v in literals)
+        facts.types = _types_and(facts.types, frozenset(_type_of(v) for v in literals))
+    if isinstance(node.get("pattern"), str):
+        facts.prefix = pattern_prefix(node["pattern"])
+    for kind, low, high in _RANGE_KEYS:
+        lo, hi = node.get(low), node.get(high)
+        if kind == "number":  # an exclusive bound is read as inclusive: a wider range, still a fact
+            lo = _bound(max, lo, node.get("exclusiveMinimum"))
+            hi = _bound(min, hi, node.get("exclusiveMaximum"))
+        if _is_number(lo) or _is_number(hi):
+            facts.ranges[kind] = (lo if _is_number(lo) else None, hi if _is_number(hi) else None)
+    if isinstance(node.get("required"), list):
+        facts.required = frozenset(k for k in node["required"] if isinstance(k, str))
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    facts.forbidden = frozenset(k for k, sub in props.items() if accepts_nothing(sub))
+    facts.props = {k: [sub] for k, sub in props.items() if not accepts_nothing(sub) and sub not in (True, {})}
+    if node.get("additionalProperties") is False and not node.get("patternProperties"):
+        facts.allowed = frozenset(props) - facts.forbidden
+    elif node.get("additionalProperties", True) not in (True, {}):
+        facts.complete = False
+    sub_not = node.get("not")
+    if isinstance(sub_not, dict) and set(sub_not) & KEYWORDS == {"required"}:
+        names = sub_not["required"]
+        if isinstance(names, list) and names and all(isinstance(n, str) for n in names):
+            facts.not_required = (frozenset(names),)
+        else:
+            facts.complete = False
+    elif isinstance(sub_not, dict) and set(sub_not) & KEYWORDS == {"type"}:
+        facts.types, _ = _types_minus(facts.types, facts_of({"type": sub_not["type"]}, root).types)
+    elif "not" in node:
+        facts.complete = False
+    if set(node) & KEYWORDS - _SUMMARISED:
+        facts.complete = False
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        target = _resolve(ref, root)
+        facts = facts.add(facts_of(target, root, depth + 1, memo) if target is not None else _unknown())
+    for sub in node.get("allOf") or []:
+        facts = facts.add(facts_of(sub, root, depth + 1, memo))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            subs = [facts_of(sub, root, depth + 1, memo) for sub in node[key]]
+            facts.types = _types_and(facts.types, frozenset().union(*(f.types for f in subs)))
+            if subs and all(f.values is not None for f in subs):
+                values = frozenset().union(*(f.values for f in subs))
+                facts.values = values if facts.values is None else facts.values & values
+            facts.complete = False
+    return facts
+
+
+_RANGE_KEYS = (
+    ("length", "minLength", "maxLength"),
+    ("items", "minItems", "maxItems"),
+    ("number", "minimum", "maximum"),
+)
+_RANGE_TYPES = {"length": {"string"}, "items": {"array"}, "number": {"number", "integer"}}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bound(pick, a: Any, b: Any) -> Any:
+    """``pick`` (min or max) of the numeric ones of a and b, None if neither is."""
+    nums = [v for v in (a, b) if _is_number(v)]
+    return pick(nums) if nums else None
+
+
+def _admits(facts: Facts, value: str) -> bool:
+    """Whether a literal (canonical JSON) could be an instance, as far as the facts tell."""
+    v = json.loads(value)
+    if not _types_and(frozenset({_type_of(v)}), facts.types):
+        return False
+    if facts.values is not None and value not in facts.values:
+        return False
+    return not (isinstance(v, str) and facts.prefix is not None and not v.startswith(facts.prefix))
+
+
+def pattern_prefix(pattern: str) -> str | None:
+    """The literal text every match of an anchored ``pattern`` (``^...``, no ``|``) starts with, or None."""
+    if not pattern.startswith("^") or "|" in pattern:
+        return None
+    out: list[str] = []
+    i = 1
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            lit, step = pattern[i + 1], 2
+        elif c.isalnum() or c in " -_:/@,;'\"=<>!%&~`#":
+            lit, step = c, 1
+        else:
+            break
+        if pattern[i + step : i + step + 1] in ("?", "*", "{"):
+            break  # the literal is optional or repeated: stop before it
+        out.append(lit)
+        if pattern[i + step : i + step + 1] == "+":
+            break  # one or more: the first copy is certain
+        i += step
+    return "".join(out) or None
+
+
+def _unknown() -> Facts:
+    facts = Facts()
+    facts.complete = False
+    return facts
+
+
+def _resolve(ref: str, root: dict) -> Any:
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def disjoint(a: Facts, b: Facts, root: dict, depth: int = 0, memo: dict | None = None) -> bool:
+    """True when no instance can meet both (proved from the facts alone; False: not proved)."""
+    common = _types_and(a.types, b.types)
+    if not common:
+        return True
+    if a.values is not None and b.values is not None and not a.values & b.values:
+        return True
+    for x, y in ((a, b), (b, a)):
+        if x.values is not None and not any(_admits(y, v) for v in x.values):
+            return True
+    if common == {"string"} and a.prefix is not None and b.prefix is not None:
+        n = min(len(a.prefix), len(b.prefix))
+        if a.prefix[:n] != b.prefix[:n]:
+            return True
+    for kind, types in _RANGE_TYPES.items():
+        if common <= types and kind in a.ranges and kind in b.ranges:
+            (lo_a, hi_a), (lo_b, hi_b) = a.ranges[kind], b.ranges[kind]
+            if (hi_a is not None and lo_b is not None and hi_a < lo_b) or (
+                hi_b is not None and lo_a is not None and hi_b < lo_a
+            ):
+                return True
+    if not common <= _OBJECT or depth > 10:
+        return False
+    if a.required & b.forbidden or b.required & a.forbidden:
+        return True
+    for x, y in ((a, b), (b, a)):
+        if x.allowed is not None and y.required - x.allowed:
+            return True
+    for key in a.required | b.required:
+        for sa, sb in itertools.product(a.props.get(key, []), b.props.get(key, [])):
+            if disjoint(facts_of(sa, root, 0, memo), facts_of(sb, root, 0, memo), root, depth + 1, memo):
+                return True
+    return False
+
+
+# ------------------------------------------------------------------------------------- terms
+class _Term:
+    """One conjunct of the rewrite: the branch's facts narrowed by atoms that exclude the other branches."""
+
+    __slots__ = ("types", "values", "present", "absent")
+
+    def __init__(self, types, values, present, absent):
+        self.types, self.values, self.present, self.absent = types, values, present, absent
+
+    def key(self):
+        return (self.types, self.values, self.present, self.absent)
+
+    def covers(self, other: _Term) -> bool:
+        """Every instance of ``other`` is one of ``self`` (``other`` is redundant beside it)."""
+        values_ok = self.values is None or (other.values is not None and other.values <= self.values)
+        return (
+            other.types <= self.types
+            and values_ok
+            and self.present <= other.present
+            and self.absent <= other.absent
+        )
+
+
+def _apply(term: _Term, atom: tuple, ctx: Facts) -> _Term | None:
+    """``term`` narrowed by ``atom``, or None when nothing is left."""
+    kind, arg = atom
+    types, values, present, absent = term.types, term.values, term.present, term.absent
+    if kind == "types":
+        types = _types_and(types, arg)
+    elif kind == "values":
+        values = arg if values is None else values & arg
+    else:
+        types = _types_and(types, _OBJECT)
+        if kind == "absent":
+            absent = absent | {arg}
+        elif kind == "present":
+            present = present | {arg}
+        else:  # present_all
+            present = present | arg
+    if values is not None:
+        values = frozenset(v for v in values if _types_and(frozenset({_type_of(json.loads(v))}), types))
+        if not values:
+            return None
+    if not types or present & absent or present & ctx.forbidden or absent & ctx.required:
+        return None
+    if ctx.allowed is not None and present - ctx.allowed:
+        return None
+    return _Term(types, values, present, absent)
+
+
+def _exclusions(ci: Facts, cj: Facts) -> tuple[list, bool]:
+    """(atoms each of which rules out every instance of ``cj``, whether together they rule out exactly the
+    instances of ``cj`` among those of ``ci``)."""
+    atoms: list[tuple] = []
+    types, exact = _types_minus(ci.types, cj.types)
+    if types:
+        atoms.append(("types", types))
+    if cj.values is not None:
+        if ci.values is not None and ci.values - cj.values:
+            atoms.append(("values", ci.values - cj.values))
+        exact = exact and ci.values is not None
+    if "object" in cj.types:
+        atoms += [("absent", k) for k in sorted(cj.required)]
+        atoms += [("present", k) for k in sorted(cj.forbidden)]
+        atoms += [("present_all", s) for s in cj.not_required]
+        if cj.allowed is not None:
+            names = (set(ci.props) | ci.required | (ci.allowed or set())) - cj.allowed
+            atoms += [("present", k) for k in sorted(names)]
+            exact = exact and ci.allowed is not None
+        for key, subs in cj.props.items():
+            implied = key in ci.forbidden or (ci.allowed is not None and key not in ci.allowed)
+            if not implied and not all(sub in ci.props.get(key, []) for sub in subs):
+                exact = False  # "key present with a value outside B_j's" is not spelled out
+    return atoms, exact
+
+
+def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
+    branches = [{} if b is True else b for b in node["oneOf"] if not accepts_nothing(b)]
+    if not branches:
+        raise GrammarError("`oneOf` has only `false` subschemas: no value is valid")
+    if not all(isinstance(b, dict) for b in branches):
+        raise GrammarError("`oneOf` must hold schemas (objects or booleans)")
+    outer = {k: v for k, v in node.items() if k != "oneOf" and k not in KEYWORDS}
+    parent = {k: v for k, v in node.items() if k != "oneOf" and k in KEYWORDS}
+    memo: dict = {}
+    pf = facts_of(parent, root, 0, memo)
+    if trigger is not None:  # what every instance this node sees is
+        known = Facts()
+        known.types, known.required = _OBJECT, frozenset({trigger})
+        pf = pf.add(known)
+    own_facts = [facts_of(b, root, 0, memo) for b in branches]
+    facts = [pf.add(f) for f in own_facts]
+    overlap = [
+        [i != j and not disjoint(fi, fj, root, 0, memo) for j, fj in enumerate(facts)]
+        for i, fi in enumerate(facts)
+    ]
+    merged_out: list[dict] = []
+    if not any(map(any, overlap)):
+        merged = [_merge(parent, b, root) for b in branches]
+        if any(m is _UNMERGEABLE for m in merged):
+            return {**outer, **parent, "anyOf": branches}  # exact; P stays beside the anyOf
+        merged_out = [m for m in merged if m is not None]
+    else:
+        for i, branch in enumerate(branches):
+            terms, exact = _terms(i, facts, overlap[i], [f.complete for f in own_facts])
+            if not terms and not exact:
+                raise GrammarError(
+                    f"`oneOf` cannot be enforced exactly: the instances of branch {i} that match no other "
+                    "branch cannot be expressed by the grammar (the branches overlap)"
+                )
+            if not terms:
+                continue
+            # a `not: {required}` is spelled by the terms themselves (absent keys)
+            own = {k: v for k, v in branch.items() if not (k == "not" and own_facts[i].not_required)}
+            rest = {k: v for k, v in parent.items() if not (k == "not" and pf.not_required)}
+            base = _merge(rest, own, root)
+            if base is _UNMERGEABLE:
+                raise GrammarError(
+                    f"`oneOf` branch {i} cannot be combined with the keywords beside the `oneOf` "
+                    f"({', '.join(sorted(parent))}): not enforceable exactly"
+                )
+            if base is not None:
+                merged_out += [_term_schema(base, t, facts[i]) for t in terms]
+        if len(merged_out) > MAX_TERMS:
+            raise GrammarError(
+                f"`oneOf` expands to {len(merged_out)} exclusive branches (the limit is {MAX_TERMS})"
+            )
+        if not merged_out:
+            raise GrammarError("`oneOf`: no value matches exactly one branch (every instance of a branch "
+                               "meets another)")  # fmt: skip
+    if not merged_out:
+        raise GrammarError("`oneOf`: no branch is compatible with the keywords beside it: no value is valid")
+    if len(merged_out) == 1:
+        return {**outer, **merged_out[0]}
+    return {**outer, "anyOf": merged_out}
+
+
+def _terms(
+    i: int, facts: list[Facts], overlaps: list[bool], complete: list[bool]
+) -> tuple[list[_Term], bool]:
+    """The terms of branch ``i`` (instances of it and of no overlapping branch), and whether they are
+    exactly those instances."""
+    ci = facts[i]
+    terms = [_Term(ci.types, ci.values, frozenset(), frozenset())]
+    terms = [t for t in (_apply(terms[0], ("types", ci.types), ci),) if t]
+    exact = True
+    alternatives = [[("absent", k) for k in sorted(s)] for s in ci.not_required]
+    for j, overlapping in enumerate(overlaps):
+        if overlapping:
+            atoms, atoms_exact = _exclusions(ci, facts[j])
+            alternatives.append(atoms)
+            exact = exact and atoms_exact and complete[j]
+    for atoms in alternatives:
+        grown = [t2 for t in terms for a in atoms if (t2 := _apply(t, a, ci)) is not None]
+        unique: dict = {}
+        for t in grown:
+            unique.setdefault(t.key(), t)
+        terms = [t for t in unique.values() if not any(o is not t and o.covers(t) and not t.covers(o)
+                                                       for o in unique.values())]  # fmt: skip
+        if len(terms) > MAX_TERMS:
+            raise GrammarError(f"`oneOf` expands to more than {MAX_TERMS} exclusive branches")
+    return terms, exact
+
+
+def _term_schema(base: dict, term: _Term, ci: Facts) -> dict:
+    out = dict(base)
+    if term.types != ci.types or ("type" not in out and term.types != _ALL):
+        types = sorted(term.types)
+        out["type"] = types[0] if len(types) == 1 else types
+    if term.values is not None and term.values != ci.values:
+        out.pop("const", None)
+        out["enum"] = [json.loads(v) for v in sorted(term.values)]
+    if term.present or term.absent:
+        props = dict(out.get("properties") or {})
+        extra = out.get("additionalProperties", True)
+        for key in sorted(term.present):
+            if key not in props:
+                props[key] = extra if isinstance(extra, dict) else {}
+        for key in sorted(term.absent):
+            props[key] = False
+        required = list(out.get("required") or [])
+        out["required"] = required + sorted(term.present - set(required))
+        out["properties"] = props
+        if not out["required"]:
+            del out["required"]
+    return out
+
+
+_UNMERGEABLE = object()
+
+
+def _names(node: dict) -> set:
+    return set(node.get("properties") or {}) if isinstance(node.get("properties"), dict) else set()
+
+
+def _closed(node: dict) -> bool:
+    return node.get("additionalProperties", True) not in (True, {}) or bool(node.get("patternProperties"))
+
+
+def _merge(parent: dict, branch: dict, root: dict) -> Any:
+    """One schema meeting both, or None (they share no instance), or _UNMERGEABLE."""
+    branch = {k: v for k, v in branch.items() if k in KEYWORDS}
+    if not parent:
+        return branch
+    if set(branch) == {"$ref"} and isinstance(branch["$ref"], str):
+        target = _resolve(branch["$ref"], root)  # inlined: refs inside it are absolute, valid anywhere
+        if isinstance(target, dict) and "oneOf" not in json.dumps(target):
+            branch = {k: v for k, v in target.items() if k in KEYWORDS}
+    if "$ref" in parent or "$ref" in branch:
+        return _UNMERGEABLE
+    for a, b in ((parent, branch), (branch, parent)):
+        if _closed(a) and not _names(b) <= _names(a):
+            return _UNMERGEABLE  # b's names would escape a's additionalProperties
+    out = dict(parent)
+    for key, value in branch.items():
+        if key not in out:
+            out[key] = value
+        elif out[key] == value:
+            continue
+        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = [*out[key], *(r for r in value if r not in out[key])]
+        elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
+            props = dict(out[key])
+            for name, sub in value.items():
+                mine = props.get(name, True)
+                if mine in (True, {}) or accepts_nothing(sub):
+                    props[name] = sub
+                elif sub not in (True, {}) and not accepts_nothing(mine) and sub != mine:
+                    dicts = isinstance(mine, dict) and isinstance(sub, dict)
+                    both = _merge(mine, sub, root) if dicts else _UNMERGEABLE
+                    if both is _UNMERGEABLE:
+                        both = {"allOf": [mine, sub]}
+                    props[name] = False if both is None else both  # None: no value meets both
+            out[key] = props
+        elif key == "type":
+            both = _types_and(facts_of({"type": out[key]}, {}).types, facts_of({"type": value}, {}).types)
+            if not both:
+                return None
+            types = sorted(both)
+            out[key] = types[0] if len(types) == 1 else types
+        elif key in ("enum", "const"):
+            continue  # below
+        elif key == "allOf" and isinstance(value, list) and isinstance(out[key], list):
+            out[key] = [*out[key], *value]
+        else:
+            return _UNMERGEABLE
+    literals = [[side["const"]] for side in (parent, branch) if "const" in side]
+    literals += [side["enum"] for side in (parent, branch) if "enum" in side]
+    if len(literals) > 1:  # one `enum` of the values all allow (outlines-core reads only one of them)
+        if not all(isinstance(values, list) for values in literals):
+            return _UNMERGEABLE
+        keep = [v for v in literals[0] if all(_canon(v) in {_canon(x) for x in other} for other in literals)]
+        if not keep:
+            return None
+        out.pop("const", None)
+        out["enum"] = keep
+    return out
