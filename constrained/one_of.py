@@ -42,6 +42,7 @@ from constrained.schema_facts import (
 from constrained.schema_keywords import KEYWORDS, accepts_nothing
 
 MAX_TERMS = 64  # branches a oneOf may expand to (each one is a copy of the merged object schema)
+MAX_REWRITTEN_CHARS = 400_000  # the rewritten schema's JSON (4x constrained.spec.MAX_SCHEMA_CHARS)
 _MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
@@ -61,6 +62,12 @@ def resolve_one_of(schema: Any) -> Any:
         top = ref[2:].split("/")[0].replace("~1", "/").replace("~0", "~")
         if top and top not in KEYWORDS and top not in _MAP_KEYS and isinstance(out.get(top), (dict, list)):
             out[top] = _walk_data(out[top], schema)
+    size = len(json.dumps(out))
+    if size > MAX_REWRITTEN_CHARS:
+        raise GrammarError(
+            f"`oneOf` expands the schema to {size} characters (the limit is {MAX_REWRITTEN_CHARS}): its "
+            "branches, each with the keywords beside it, are too large to enforce"
+        )
     return out
 
 

@@ -342,3 +342,34 @@ def test_glaive_schema_whose_branches_overlap_by_value_is_a_400_everywhere():
     for name in BACKENDS:
         with pytest.raises(GrammarError, match="`oneOf` cannot be enforced exactly"):
             get_backend(name).check("json_schema", json.dumps(schema), "json.dumps")
+
+
+@pytest.mark.skipif(not is_available("llguidance"), reason="llguidance is not installed")
+def test_lark_json_and_tool_call_paths_do_not_read_one_of_as_any_of():
+    from runtime.entrypoints.tool_calls.grammar import arguments_schema
+    from runtime.entrypoints.tool_calls.schema import ToolRequestError, parse_tools
+
+    overlapping = {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^[a-z]+$"}]}
+    with pytest.raises(GrammarError, match="`oneOf` whose branches may overlap"):
+        get_backend("llguidance").check("lark", f"start: %json {json.dumps(overlapping)}", "json.dumps")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": overlapping}}}}  # fmt: skip
+    with pytest.raises(ToolRequestError, match="`oneOf` cannot be enforced exactly"):
+        arguments_schema(parse_tools([tool])[0], 0)
+    tool["function"]["parameters"] = DIMENSIONS
+    assert "oneOf" not in json.dumps(arguments_schema(parse_tools([tool])[0], 0))
+
+
+def test_a_oneof_expanding_past_the_limits_is_a_400():
+    names = [f"k{i}" for i in range(12)]
+    many = {"type": "object", "oneOf": [{"required": names[i : i + 2]} for i in range(0, 12, 2)]}
+    with pytest.raises(GrammarError, match="`oneOf` expands to .*exclusive branches"):
+        resolve_one_of(many)  # 2 ** 5 terms for each of 6 branches
+    large = {  # 3 branches of 4 terms, each a copy of 12 large properties: ~490 KB of JSON
+        "type": "object",
+        "properties": {n: {"type": "string", "description": "x" * 4000} for n in names},
+        "oneOf": [{"required": names[i : i + 2]} for i in range(0, 6, 2)],
+    }
+    assert len(json.dumps(large)) < 100_000
+    with pytest.raises(GrammarError, match="characters"):
+        resolve_one_of(large)
