@@ -15,6 +15,7 @@ import torch
 from radixlm_kernels import create_backend, resolve_backend_name
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
+from runtime.models.frozen_modules import freeze_attributes
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import HeadShard, TensorParallel
@@ -110,6 +111,8 @@ class ModelRunner:
         self.compiled_decode = None
         if enable_torch_compile:
             self.compiled_decode = self._compile_decode(min(max_running_requests, torch_compile_max_bs))
+        else:  # eager forwards: the tree is final now (see runtime.models.frozen_modules)
+            freeze_attributes(self.model)
         logger.info(
             "model loaded in %.2fs: %s, %d layers, dtype=%s, KV %s, quantization=%s, device=%s, backend=%s, "
             "KV pool %d tokens (%.0f MiB), tp rank %d/%d",

@@ -215,19 +215,21 @@ class W4A8Linear(nn.Module):
         return cls("q8_0", *quantize_q8_0(weight), bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32:
-            raise TypeError(f"W4A8Linear takes float32 activations, got {x2.dtype}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"W4A8Linear takes float32 activations, got {x.dtype}")
+        flat = x.dim() != 2  # the model's [tokens, features] activations skip the reshapes (decode hot path)
+        x2 = x.reshape(-1, self.in_features) if flat else x
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         if self.kind == "q4_1":
-            y = torch.ops.radixlm.q4_1_linear(x2.contiguous(), self.qs, self.d, self.m, self.out_features)
+            y = torch.ops.radixlm.q4_1_linear(x2, self.qs, self.d, self.m, self.out_features)
         else:
-            y = torch.ops.radixlm.q8_0_linear(x2.contiguous(), self.qs, self.d, self.out_features)
+            y = torch.ops.radixlm.q8_0_linear(x2, self.qs, self.d, self.out_features)
         if self.reduce_tp is not None:
             y = self.reduce_tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features) if flat else y
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The stored blocks in row order: (q [N, K] uint8 0..15 or int8, d fp16 [N, K/32], m or None)."""

@@ -158,6 +158,82 @@ void group_avx2(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const
   }
   for (int r = 0; r < rows; ++r) std::memcpy(y + r * ldy, acc[r], valid * sizeof(float));
 }
+
+// The same dots for R <= 4 activation rows (decode), sums held in registers. group_avx2 keeps them in memory,
+// which at one row makes every block wait on the previous block's store (a loop-carried store-to-load chain):
+// at M = 1 that ran 3x below this loop.
+template <int R, bool kQ4>
+void group_avx2_small(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const Acts& a, float* y,
+                      int64_t ldy, int64_t valid) {
+  const int64_t nb = a.nb;
+  constexpr int64_t blk_bytes = kQ4 ? QK / 2 * NG : QK * NG;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    float da[R], sa[R];
+    const int32_t* aq[R];
+    for (int r = 0; r < R; ++r) {
+      da[r] = a.da[r * nb + b];
+      sa[r] = a.sa[r * nb + b];
+      aq[r] = reinterpret_cast<const int32_t*>(a.qa + r * a.K + b * QK);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* wb = qs + b * blk_bytes + 32 * h;
+      const int64_t s = b * NG + 8 * h;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + s)));
+      if (kQ4) {
+        __m256i w[8];
+        for (int p = 0; p < 4; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
+          w[p] = _mm256_and_si256(v, low4);
+          w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + s)));
+        for (int r = 0; r < R; ++r) {
+          int32_t q4[8];
+          std::memcpy(q4, aq[r], sizeof(q4));
+          __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(q4[0]));
+          __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(q4[1]));
+          for (int j = 2; j < 8; j += 2) {
+            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(q4[j])));
+            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(q4[j + 1])));
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
+          acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[r])), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r]), acc[r][h]);
+        }
+      } else {
+        __m256i w[8], sg[8];
+        for (int j = 0; j < 8; ++j) {
+          sg[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * j)), flip);
+          w[j] = _mm256_sign_epi8(sg[j], sg[j]);
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t q8[8];
+          std::memcpy(q8, aq[r], sizeof(q8));
+          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+          for (int j = 0; j < 8; j += 2) {
+            const __m256i x0 = _mm256_sign_epi8(_mm256_set1_epi32(q8[j]), sg[j]);
+            const __m256i x1 = _mm256_sign_epi8(_mm256_set1_epi32(q8[j + 1]), sg[j + 1]);
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x0), ones));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j + 1], x1), ones));
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+          acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[r])), acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[NG];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    std::memcpy(y + r * ldy, out, valid * sizeof(float));
+  }
+}
 #endif
 
 // ------------------------------------------------------------------------------------------- one group
@@ -235,7 +311,13 @@ template <bool kQ4>
 void group_rows(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const Acts& a, int rows, float* y,
                 int64_t ldy, int64_t valid) {
 #if defined(RADIXLM_AVX2)
-  group_avx2<kQ4>(qs, d, m, a, rows, y, ldy, valid);
+  switch (rows) {
+    case 1: return group_avx2_small<1, kQ4>(qs, d, m, a, y, ldy, valid);
+    case 2: return group_avx2_small<2, kQ4>(qs, d, m, a, y, ldy, valid);
+    case 3: return group_avx2_small<3, kQ4>(qs, d, m, a, y, ldy, valid);
+    case 4: return group_avx2_small<4, kQ4>(qs, d, m, a, y, ldy, valid);
+    default: return group_avx2<kQ4>(qs, d, m, a, rows, y, ldy, valid);
+  }
 #else
   switch (rows) {
     case 1: return group_kernel<1, kQ4>(qs, d, m, a, y, ldy, valid);
@@ -267,20 +349,19 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& qs, const at::T
                 "w4a8 linear: mins must be float16 like the scales");
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
-  at::Tensor qa = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor da = at::empty({M, nb}, x.options());
-  at::Tensor sa = at::empty({M, nb}, x.options());
-  at::Tensor asum = at::empty({M, nb}, x.options().dtype(at::kInt));
-  quantize_rows(x.data_ptr<float>(), M, K, qa.data_ptr<int8_t>(), da.data_ptr<float>(), sa.data_ptr<float>(),
-                asum.data_ptr<int32_t>());
+  // One scratch allocation for the quantized activations: da, sa, asum (4 bytes each per block), then qa.
+  const int64_t scale_bytes = 3 * M * nb * 4;
+  at::Tensor scratch = at::empty({scale_bytes + M * K}, x.options().dtype(at::kByte));
+  uint8_t* base = scratch.data_ptr<uint8_t>();
+  auto* dap = reinterpret_cast<float*>(base);
+  float* sap = dap + M * nb;
+  auto* asp = reinterpret_cast<int32_t*>(sap + M * nb);
+  auto* qap = reinterpret_cast<int8_t*>(base + scale_bytes);
+  quantize_rows(x.data_ptr<float>(), M, K, qap, dap, sap, asp);
   const auto* wq = qs.data_ptr<uint8_t>();
   const auto* wd = d.data_ptr<c10::Half>();
   const c10::Half* wm = m != nullptr ? m->data_ptr<c10::Half>() : nullptr;
   float* out = y.data_ptr<float>();
-  const int8_t* qap = qa.data_ptr<int8_t>();
-  const float* dap = da.data_ptr<float>();
-  const float* sap = sa.data_ptr<float>();
-  const int32_t* asp = asum.data_ptr<int32_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t valid = std::min(NG, out_features - g * NG);
