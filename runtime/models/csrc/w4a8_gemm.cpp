@@ -64,6 +64,48 @@ struct Acts {  // quantized activations: rows of K int8 and per-block da / sa / 
 };
 
 // ------------------------------------------------------------------------------------------- activations
+#if defined(RADIXLM_AVX2) || defined(RADIXLM_AVX512)
+// One block of 32 with AVX2: the same numbers as the scalar loop below (cvtps rounds half to even under the
+// default MXCSR, as nearbyint does; the scale is the same float division). Returns false, leaving the block to
+// the scalar loop, when the MXCSR rounding mode is not round-to-nearest.
+inline bool quantize_block_avx2(const float* xb, int8_t* qb, float* da, float* sa, int32_t* asum) {
+  if ((_mm_getcsr() & 0x6000) != 0) return false;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  const __m256 scale = _mm256_set1_ps(id);
+  __m256i q[4];
+  __m256i sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+    sum = _mm256_add_epi32(sum, q[i]);
+  }
+  // int32 -> int8 in element order: packs interleave 128-bit lanes, the permute puts them back.
+  const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
+  const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), ordered);
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  const int32_t total = _mm_cvtsi128_si32(s4);
+  *da = d;
+  *asum = total;
+  *sa = d * static_cast<float>(total);
+  return true;
+}
+#endif
+
 // x [M, K] fp32 -> qa int8 (round half to even, as torch.round), da = max|x| / 127, asum, sa per block.
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, float* sa, int32_t* asum) {
   const int64_t nb = K / QK;
@@ -72,6 +114,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
       for (int64_t b = 0; b < nb; ++b) {
         const float* xb = x + r * K + b * QK;
         int8_t* qb = qa + r * K + b * QK;
+#if defined(RADIXLM_AVX2) || defined(RADIXLM_AVX512)
+        if (quantize_block_avx2(xb, qb, da + r * nb + b, sa + r * nb + b, asum + r * nb + b)) continue;
+#endif
         float amax = 0.f;
         for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
         const float d = amax / 127.f;
