@@ -72,9 +72,9 @@ class ModelRunner:
         quantize_model(model, quantization, model_dir)
         self.quantization = quantization
         self.model = model.eval()
-        self.fused_cpu_ops = (
-            self.device.type == "cpu" and self.dtype == torch.float32 and not enable_torch_compile
-        ) and _load_fused_layers()
+        # The library also holds the sampler's greedy argmax, so it is loaded for every CPU model.
+        fused_loaded = self.device.type == "cpu" and _load_fused_layers()
+        self.fused_cpu_ops = fused_loaded and self.dtype == torch.float32 and not enable_torch_compile
         model.use_fused_cpu_ops(self.fused_cpu_ops)
         self.load_seconds = time.perf_counter() - t0
 
@@ -216,13 +216,13 @@ class ModelRunner:
 
 
 def _load_fused_layers() -> bool:
-    """Whether the fused rope / SiLU * up kernels loaded (without them the layers run as torch ops)."""
+    """Whether the fused rope / SiLU * up / argmax kernels loaded (without them: torch ops)."""
     from runtime.models.native_kernels import FUSED_LAYERS, KernelUnavailable
 
     try:
         FUSED_LAYERS.load()
     except KernelUnavailable as e:
-        logger.warning("fused CPU layer kernels unavailable (%s); running rope and SiLU as torch ops", e)
+        logger.warning("fused CPU kernels unavailable (%s); rope, SiLU and argmax run as torch ops", e)
         return False
     return True
 

@@ -188,6 +188,7 @@ PAGED_ATTENTION = NativeLibrary(
 # ------------------------------------------------------------------------------------------- fused layers
 _LIB.define("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()")
 _LIB.define("silu_mul(Tensor x) -> Tensor")
+_LIB.define("row_argmax(Tensor x) -> (Tensor, Tensor)")
 
 
 @torch.library.register_fake("radixlm::rope_", lib=_LIB)
@@ -200,10 +201,15 @@ def _silu_mul_fake(x):
     return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 
+@torch.library.register_fake("radixlm::row_argmax", lib=_LIB)
+def _row_argmax_fake(x):
+    return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0])
+
+
 FUSED_LAYERS = NativeLibrary(
     "fused_layers",
     CSRC / "fused_layers.cpp",
-    "the fused layer kernels (rope, silu * up)",
+    "the fused layer kernels (rope, silu * up, greedy argmax)",
     "nothing: the layers run as separate torch ops",
     flag_envs={"RADIXLM_FUSED_LAYERS_PORTABLE": "-DRADIXLM_PORTABLE"},
 )

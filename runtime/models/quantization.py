@@ -134,8 +134,8 @@ SMOLLM2_135M_Q4_1 = MeasuredModel(
             "quant_accuracy.json",
             f"60.3 tok/s on one stream and 404 out tok/s on 32 against bfloat16's 15.9 and 230 ({ISSUE_28}); "
             "on an AVX2 CPU 27.8 / 141.4 / 188.1 tok/s at batch 1 / 8 / 32 against float32's 8.6 / 32.9 / "
-            "82.7, 1 thread (decode_throughput_avx2_after_1thread.json), and MMLU cloze 31.1% on that kernel path "
-            "(mmlu_cloze_all_w4a8_avx2.json)",
+            "82.7, 1 thread (decode_throughput_avx2_after_1thread.json), and MMLU cloze 31.1% on that "
+            "kernel path (mmlu_cloze_all_w4a8_avx2.json)",
             "int8_simd+cxx",
         ),
         MeasuredMode(

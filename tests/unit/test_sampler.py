@@ -481,3 +481,24 @@ def test_sampler_reuses_its_buffers_across_steps():
         assert 7 not in out.next_token_ids.tolist() and 4 != out.next_token_ids[0]
         ptrs.add(tuple(b.data_ptr() for b in sampler._scratch))
     assert len(ptrs) == 1
+
+
+def test_logprobs_are_skipped_only_when_not_asked():
+    """need_logprobs=False: the same ids (greedy and sampled), no log_softmax; top-k logprobs still come."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=5)):
+        info = info_for(params, params, params)
+        full = Sampler()(logits, info, [[]] * 3, [[]] * 3, generators=[torch.Generator().manual_seed(1)] * 3)
+        lean = Sampler()(
+            logits,
+            info,
+            [[]] * 3,
+            [[]] * 3,
+            generators=[torch.Generator().manual_seed(1)] * 3,
+            need_logprobs=False,
+            top_logprobs_nums=[2, 0, 1],
+        )
+        assert torch.equal(full.next_token_ids, lean.next_token_ids)
+        assert full.logprobs is not None and lean.logprobs is None
+        assert [len(t) for t in lean.top_logprobs] == [2, 0, 1]

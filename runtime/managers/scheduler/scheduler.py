@@ -434,7 +434,7 @@ class Scheduler:
                 self._sample_and_advance([req], logits[i : i + 1])
             return
         next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(reqs)  # unused then
         for i, req in enumerate(reqs):
             try:
                 with self._isolated(req, "advancing"):
@@ -456,6 +456,7 @@ class Scheduler:
             banned_token_ids=banned if any(banned) else None,
             top_logprobs_nums=tops if any(tops) else None,
             generators=[r.generator for r in reqs],
+            need_logprobs=any(r.return_logprob for r in reqs),
         )
 
     def _advance(self, req: Req, out, i: int, tok: int, logprob: float) -> None:

@@ -124,7 +124,8 @@ class SpeculativeDecoder:
         for gen, state in gens.values():
             gen.set_state(state)
         for part_reqs, part_drafts, part_rows, out in parts:
-            next_ids, logprobs = out.next_token_ids.tolist(), out.logprobs.tolist()
+            next_ids = out.next_token_ids.tolist()
+            logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(next_ids)
             for req, draft, r in zip(part_reqs, part_drafts, part_rows):
                 self._apply(s, req, draft, r, out, next_ids, logprobs)
 
@@ -148,6 +149,7 @@ class SpeculativeDecoder:
             banned_token_ids=bans if any(bans) else None,
             top_logprobs_nums=tops if any(tops) else None,
             generators=[r.generator for r in row_reqs],
+            need_logprobs=any(r.return_logprob for r in reqs),
         )
 
     def _apply(self, s: Scheduler, req: Req, draft: list[int], rows: range, out, next_ids, logprobs) -> None:
