@@ -8,7 +8,12 @@ runtime/models/csrc/paged_attention.cpp). It serves decode and extends whose req
 `FUSED_MAX_EXTEND` tokens (speculative verification, small appends after a cached prefix); longer extends,
 where the prefix copy is amortised over many queries and SDPA's blocked kernel wins, stay on torch_native.
 
-The op is built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
+`forward` (the per-layer call) goes through the sibling op `paged_attention_kv`, which also stores the new
+tokens' K/V in the pool, cast to its dtype, and takes q, k, v as the strided views the model's qkv split
+gives: one call per layer where the write alone was two casts and two index_copy_. `forward_decode` and
+`forward_extend` (attention over a pool already written) keep calling `paged_attention`.
+
+The ops are built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
 backend is created; kernels never import the runtime, so `op_available()` only checks that it is there.
 """
 
@@ -21,13 +26,14 @@ from radixlm_kernels.torch_native import TorchNativeBackend
 
 FUSED_MAX_EXTEND = 32
 OP = "radixlm::paged_attention"
+OPS = (OP, "radixlm::paged_attention_kv")
 
 
 def op_available() -> bool:
-    """True when the C++ op has a CPU implementation loaded in this process."""
+    """True when the C++ ops have CPU implementations loaded in this process."""
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CPU")
-    except RuntimeError:  # the op's schema is not even declared
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU") for op in OPS)
+    except RuntimeError:  # an op's schema is not even declared
         return False
 
 
@@ -55,9 +61,28 @@ class CpuPagedBackend(TorchNativeBackend):
         else:
             super().init_forward_metadata(batch)
 
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
+    ) -> torch.Tensor:
+        if not self._fused:  # a long extend: write through the pool, then torch_native's SDPA path
+            return super().forward(q, k, v, layer, batch)
+        return torch.ops.radixlm.paged_attention_kv(
+            q,
+            k,
+            v,
+            batch.out_cache_loc,
+            self.kv_pool.k[layer.layer_id],
+            self.kv_pool.v[layer.layer_id],
+            self.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            self._ext_lens,
+            layer.scaling,
+        )
+
     def _attend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         return torch.ops.radixlm.paged_attention(
-            q.contiguous(),
+            q,
             self.kv_pool.k[layer.layer_id],
             self.kv_pool.v[layer.layer_id],
             self.req_to_token_pool.req_to_token,

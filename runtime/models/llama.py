@@ -57,6 +57,7 @@ class Rotary(nn.Module):
         # A plain attribute, not a buffer: it must stay fp32 when the module is cast to bf16.
         self.inv_freq = inv_freq.float()
         self.scaling = scaling
+        self._table: torch.Tensor | None = None  # cos | sin [P, 2D] float32, see `cos_sin_rows`
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
@@ -64,6 +65,18 @@ class Rotary(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def cos_sin_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin [T, D] as row views of a table built once (grown to the next power of two past
+        `max_position`): one index_select per forward instead of building the angles (~10 small ops)."""
+        table = self._table
+        if table is None or table.shape[0] <= max_position or table.device != positions.device:
+            n = 1 << max(max_position, 255).bit_length()
+            cos, sin = self.cos_sin(torch.arange(n, device=positions.device), torch.float32)
+            table = self._table = torch.cat((cos, sin), dim=-1)
+        rows = table.index_select(0, positions)
+        d = table.shape[1] // 2
+        return rows[:, :d], rows[:, d:]
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,10 +105,14 @@ class Attention(nn.Module):
 
     def forward(self, h, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         m = self.meta
-        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, m.num_heads, m.head_dim)  # [T, H, D]
-        k = k.view(-1, m.num_kv_heads, m.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, m.num_kv_heads, m.head_dim)
+        if self.fused_rope:  # the same strided views in two ops instead of four
+            heads = (m.num_heads, m.num_kv_heads, m.num_kv_heads)
+            q, k, v = self.qkv_proj(h).view(-1, sum(heads), m.head_dim).split(heads, dim=1)
+        else:
+            q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, m.num_heads, m.head_dim)  # [T, H, D]
+            k = k.view(-1, m.num_kv_heads, m.head_dim)  # [T, Hkv, D]
+            v = v.view(-1, m.num_kv_heads, m.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused_rope:
@@ -135,6 +152,20 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_fused(self, h, residual, cos, sin, batch, backend) -> torch.Tensor:
+        """`forward` with the residual stream carried apart (float32 on the CPU, FUSED_LAYERS loaded): h is
+        the previous layer's MLP output, or None on the first layer, whose residual is the embedding.
+        `residual` is updated in place; returns this layer's MLP output (not yet added to it)."""
+        norm = self.input_layernorm
+        if h is None:
+            h = torch.ops.radixlm.rms_norm(residual, norm.weight, norm.eps)
+        else:  # residual += h; h = norm(residual)
+            torch.ops.radixlm.fused_add_rms_norm_(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, batch, backend)
+        norm = self.post_attention_layernorm
+        torch.ops.radixlm.fused_add_rms_norm_(h, residual, norm.weight, norm.eps)
+        return self.mlp(h)
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
@@ -146,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+        self.fused_cpu_ops = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -155,9 +187,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def use_fused_cpu_ops(self, enable: bool = True) -> None:
-        """Run rope and SiLU * up as one C++ call each (runtime.models.native_kernels.FUSED_LAYERS, which
-        the caller has loaded): float32 on the CPU, where eager dispatch of the small elementwise ops costs
-        more than their arithmetic at decode batch sizes."""
+        """Run rope, SiLU * up and residual add + RMSNorm as one C++ call each, and take rope's cos/sin from
+        a cached table (runtime.models.native_kernels.FUSED_LAYERS, which the caller has loaded): float32 on
+        the CPU, where eager dispatch of the small elementwise ops costs more than their arithmetic at
+        decode batch sizes. Results are within float32 rounding (~1e-6) of the unfused path."""
+        self.fused_cpu_ops = enable
         for layer in self.layers:
             layer.self_attn.fused_rope = enable
             layer.mlp.fused_silu_mul = enable
@@ -166,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Returns float32 logits [len(batch.logits_indices) or bs, vocab] for the selected tokens."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        if self.fused_cpu_ops:
+            return self._forward_fused(h, batch, backend)
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, batch, backend)
@@ -173,6 +209,17 @@ class LlamaForCausalLM(nn.Module):
             h = h[batch.logits_indices]
         h = self.norm(h)
         logits = self.lm_head(h)  # [T, this rank's padded vocabulary slice]
+        return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
+
+    def _forward_fused(self, residual: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend):
+        cos, sin = self.rotary.cos_sin_rows(batch.positions, max(batch.seq_lens_cpu) - 1)
+        h = None
+        for layer in self.layers:
+            h = layer.forward_fused(h, residual, cos, sin, batch, backend)
+        if batch.logits_indices is not None:
+            h, residual = h[batch.logits_indices], residual[batch.logits_indices]
+        torch.ops.radixlm.fused_add_rms_norm_(h, residual, self.norm.weight, self.norm.eps)
+        logits = self.lm_head(h)
         return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

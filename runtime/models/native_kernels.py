@@ -10,8 +10,9 @@ otherwise it is rebuilt (runtime/cache_dir.py). Processes starting together buil
 rename, so none loads a half-written file.
 
 Libraries: `w4a8` (runtime/models/w4a8.py: Q4_1 / Q8_0 GEMMs), `paged_attention` (`PAGED_ATTENTION`
-below: decode and short-extend attention reading the KV pool in place, used by the `cpu` attention backend)
-and `fused_layers` (`FUSED_LAYERS`: rope and SiLU * up in one call each, used by float32 models on the CPU).
+below: decode and short-extend attention reading the KV pool in place, and `paged_attention_kv`, which
+first stores the new tokens' K/V; used by the `cpu` attention backend) and `fused_layers` (`FUSED_LAYERS`:
+rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by float32 models on the CPU).
 """
 
 from __future__ import annotations
@@ -171,9 +172,24 @@ _LIB.define(
 )
 
 
+# paged_attention_kv: the same after storing the new tokens' k, v (cast to the pool's dtype) at out_cache_loc
+_LIB.define(
+    "paged_attention_kv(Tensor q, Tensor k, Tensor v, Tensor out_cache_loc, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor ext_lens, "
+    "float scale) -> Tensor"
+)
+
+
 @torch.library.register_fake("radixlm::paged_attention", lib=_LIB)
 def _paged_attention_fake(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous even when q is a strided view
+
+
+@torch.library.register_fake("radixlm::paged_attention_kv", lib=_LIB)
+def _paged_attention_kv_fake(
+    q, k, v, loc, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale
+):
+    return q.new_empty(q.shape)
 
 
 PAGED_ATTENTION = NativeLibrary(
@@ -189,6 +205,8 @@ PAGED_ATTENTION = NativeLibrary(
 _LIB.define("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()")
 _LIB.define("silu_mul(Tensor x) -> Tensor")
 _LIB.define("row_argmax(Tensor x) -> (Tensor, Tensor)")
+_LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIB.define("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
 
 
 @torch.library.register_fake("radixlm::rope_", lib=_LIB)
@@ -206,10 +224,21 @@ def _row_argmax_fake(x):
     return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0])
 
 
+
+@torch.library.register_fake("radixlm::rms_norm", lib=_LIB)
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("radixlm::fused_add_rms_norm_", lib=_LIB)
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
+    return None
+
+
 FUSED_LAYERS = NativeLibrary(
     "fused_layers",
     CSRC / "fused_layers.cpp",
-    "the fused layer kernels (rope, silu * up, greedy argmax)",
+    "the fused layer kernels (rope, silu * up, rms norm, greedy argmax)",
     "nothing: the layers run as separate torch ops",
     flag_envs={"RADIXLM_FUSED_LAYERS_PORTABLE": "-DRADIXLM_PORTABLE"},
 )

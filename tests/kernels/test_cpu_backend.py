@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from radixlm_kernels import create_backend, resolve_backend_name
 from radixlm_kernels.cpu_backend import FUSED_MAX_EXTEND, CpuPagedBackend
+from radixlm_kernels.torch_native import TorchNativeBackend
 from runtime.models.native_kernels import PAGED_ATTENTION
 from tests.kernels.native import load_native_or_skip
 
@@ -87,7 +89,9 @@ import sys, torch
 from runtime.models.native_kernels import PAGED_ATTENTION
 PAGED_ATTENTION.load()
 args = torch.load(sys.argv[1])
-torch.save(torch.ops.radixlm.paged_attention(*args), sys.argv[2])
+op = torch.ops.radixlm.paged_attention if len(args) == 8 else torch.ops.radixlm.paged_attention_kv
+out = op(*args)
+torch.save((out, *args[4:6]) if len(args) > 8 else out, sys.argv[2])  # the kv op: and the written pool
 """
 
 
@@ -109,14 +113,35 @@ def test_portable_build_gives_the_same_results(tmp_path):
     )
     torch.save(args, tmp_path / "args.pt")
     env = {**os.environ, "RADIXLM_PAGED_ATTENTION_PORTABLE": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run(
-        [sys.executable, "-c", _PORTABLE_RUN, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
-        check=True,
-        env=env,
-        timeout=300,
-    )
+
+    def run(tmp_path):
+        subprocess.run(
+            [sys.executable, "-c", _PORTABLE_RUN, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+            check=True,
+            env=env,
+            timeout=300,
+        )
+
+    run(tmp_path)
     portable = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(torch.ops.radixlm.paged_attention(*args), portable, atol=1e-5, rtol=1e-5)
+    # paged_attention_kv into a float16 pool from strided float32 k, v: the scalar casts round as F16C's
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=gen)
+    q, k, v = qkv.view(5, 15, 64).split([9, 3, 3], dim=1)
+    kv_args = (
+        q,
+        k,
+        v,
+        table[2, 115:120].clone(),
+        k.new_zeros(400, 3, 64).half(),
+        v.new_zeros(400, 3, 64).half(),
+    )
+    kv_args += (table, torch.tensor([2]), torch.tensor([120]), torch.tensor([5]), 0.125)
+    torch.save(kv_args, tmp_path / "args.pt")
+    run(tmp_path)
+    out, k_pool, v_pool = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(torch.ops.radixlm.paged_attention_kv(*kv_args), out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv_args[4], k_pool) and torch.equal(kv_args[5], v_pool)
 
 
 def test_auto_is_cpu_on_the_cpu_and_cpu_is_refused_elsewhere(make_case):
@@ -125,3 +150,106 @@ def test_auto_is_cpu_on_the_cpu_and_cpu_is_refused_elsewhere(make_case):
         resolve_backend_name("cpu", "cuda")
     case = make_case([4], None)
     assert isinstance(create_backend("cpu", case.kv_pool, case.req_pool), CpuPagedBackend)
+
+
+def _qkv_views(case, dtype):
+    """q, k, v as Attention.forward hands them over: strided views of one [T, (H + 2 Hkv) * D] projection."""
+    t, h, d = case.q.shape
+    hkv = case.k_new.shape[1]
+    parts = [case.q.float(), case.k_new.float(), case.v_new.float()]
+    qkv = torch.cat([p.reshape(t, -1) for p in parts], dim=1).to(dtype)
+    return qkv.view(t, h + 2 * hkv, d).split([h, hkv, hkv], dim=1)
+
+
+@pytest.mark.parametrize(
+    "pool_dtype,qkv_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float32),  # --kv-cache-dtype float16 under a float32 model: cast on write
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [
+        ([0, 5, 130], None),  # decode
+        ([40, 3, 0], [7, 1, 12]),  # short extends: new tokens attend to each other (written first)
+        ([10], [FUSED_MAX_EXTEND + 1]),  # a long extend: pool write, then the SDPA path
+    ],
+)
+def test_forward_writes_the_new_kv_then_attends(
+    pool_dtype, qkv_dtype, prefix_lens, extend_lens, make_case, run_backend
+):
+    """`forward` with q, k, v as strided views: the pool afterwards equals KVPool.write's (the same casts,
+    bit for bit), and the output equals attention over that pool."""
+    case = make_case(prefix_lens, extend_lens, num_kv_heads=3, group=3, seed=7)
+    q, k, v = _qkv_views(case, qkv_dtype)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    loc = case.batch.out_cache_loc
+    pool = case.pool_copy(pool_dtype)
+    pool.k[0][loc] = 0  # only the op's own write makes the result right
+    pool.v[0][loc] = 0
+    backend = CpuPagedBackend(pool, case.req_pool)
+    backend.init_forward_metadata(case.batch)
+    out = backend.forward(q, k, v, case.layer, case.batch)
+
+    want_pool = case.pool_copy(pool_dtype)
+    want_pool.write(0, loc, k, v)
+    assert torch.equal(pool.k[0], want_pool.k[0]) and torch.equal(pool.v[0], want_pool.v[0])
+    assert out.dtype == qkv_dtype and out.shape == q.shape and out.is_contiguous()
+    ref_case = copy.copy(case)
+    ref_case.q = q.contiguous()
+    expected = run_backend(CpuPagedBackend(want_pool, case.req_pool), ref_case)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)  # the same kernel over the same pool
+    oracle = TorchNativeBackend(case.pool_copy(torch.float32), case.req_pool)
+    for buf, src in ((oracle.kv_pool.k[0], want_pool.k[0]), (oracle.kv_pool.v[0], want_pool.v[0])):
+        buf.copy_(src.float())
+    ref_case.q = q.float()
+    torch.testing.assert_close(out.float(), run_backend(oracle, ref_case), **TOL[qkv_dtype])
+
+
+def _kv_args(**over):
+    q, k, v = torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64)
+    args = dict(
+        q=q,
+        k=k,
+        v=v,
+        loc=torch.tensor([3, 4]),
+        k_cache=torch.zeros(10, 2, 64),
+        v_cache=torch.zeros(10, 2, 64),
+        table=torch.arange(16).view(2, 8),
+        rows=torch.tensor([0]),
+        seq_lens=torch.tensor([5]),
+        ext_lens=torch.tensor([2]),
+    )
+    args.update(over)
+    return list(args.values()) + [0.125]
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        (dict(k=torch.randn(2, 1, 64)), "k and v must be \\[T, Hkv, D\\].*got sizes \\[2, 1, 64\\]"),
+        (
+            dict(v=torch.randn(2, 64, 2).transpose(1, 2)),
+            "contiguous last dim; got sizes.*strides \\[128, 1, 2\\]",
+        ),
+        (dict(q=torch.randn(2, 64, 4).transpose(1, 2)), "q must be \\[T, H, D\\] with a contiguous last dim"),
+        (
+            dict(loc=torch.tensor([3, 4], dtype=torch.int32)),
+            "out_cache_loc must be a contiguous int64 \\[T\\]",
+        ),
+        (dict(loc=torch.tensor([3])), "out_cache_loc must be a contiguous int64 \\[T\\]"),
+        (dict(loc=torch.tensor([3, 10])), "out_cache_loc\\[1\\] = 10 is outside the KV pool's 10 slots"),
+        (dict(loc=torch.tensor([-1, 4])), "out_cache_loc\\[0\\] = -1 is outside"),
+        (dict(ext_lens=torch.tensor([3])), "sum\\(ext_lens\\) must equal q.size\\(0\\)"),
+        (dict(k=torch.randn(2, 2, 64).double()), "k and v must be float32, bfloat16 or float16"),
+    ],
+)
+def test_bad_kv_write_inputs_are_errors_and_write_nothing(over, message):
+    args = _kv_args(**over)
+    k_cache, v_cache = args[4], args[5]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.radixlm.paged_attention_kv(*args)
+    assert not k_cache.any() and not v_cache.any()  # every check comes before the first write

@@ -7,8 +7,16 @@
 //
 // rope_(q, k, cos, sin): q [T, H, D], k [T, Hkv, D] (last dim contiguous; any row strides, e.g. views into
 // the fused qkv projection) rotated in place with the rotate-half convention:
-//   x' = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]); cos, sin [T, D] float32.
+//   x' = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]); cos, sin [T, D] float32
+//   with a contiguous last dim (row strides free: they may be the two halves of one [T, 2D] table).
 // silu_mul(x): x [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, computed in float32.
+// rms_norm(x, w, eps): x [..., N] contiguous -> x * rsqrt(mean(x^2) + eps) * w, a new tensor.
+// fused_add_rms_norm_(x, residual, w, eps): in place, residual += x, then x = rms_norm(residual) * w: the
+//   decoder's "h = h + sublayer(...); norm(h)" as one call, with the residual carried beside the normed x
+//   (each is one ATen call of ~10 sub-ops plus an add otherwise, per norm, per layer).
+// Rows go parallel only past ~32K elements: at decode a parallel region costs more than the row.
+// Rounding follows the eager path: float32 is F.rms_norm's (x * r) * w; bfloat16/float16 round the sum, the
+// normalised x and the product with w to the storage type, as RMSNorm.forward's half-precision branch does.
 // Tensors may be float32, bfloat16 or float16 (math in float32). The ops are declared from Python
 // (runtime/models/native_kernels.py); this file adds their CPU implementations.
 #include <ATen/Parallel.h>
@@ -18,10 +26,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXLM_PORTABLE)
 #define RADIXLM_AVX2 1
@@ -53,15 +63,15 @@ inline __m256 exp256(__m256 v) {
 
 template <typename T>
 void rope_rows(T* x, int64_t T_, int64_t heads, int64_t s0, int64_t s1, int64_t D, const float* cos,
-               const float* sin) {
+               const float* sin, int64_t cs) {
   const int64_t half = D / 2;
   at::parallel_for(0, T_ * heads, 64, [&](int64_t lo, int64_t hi) {
     float a[512], b[512];  // D <= 1024 (checked)
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t t = i / heads, h = i % heads;
       T* row = x + t * s0 + h * s1;
-      const float* c = cos + t * D;
-      const float* s = sin + t * D;
+      const float* c = cos + t * cs;
+      const float* s = sin + t * cs;
       for (int64_t j = 0; j < half; ++j) {
         a[j] = static_cast<float>(row[j]);
         b[j] = static_cast<float>(row[j + half]);
@@ -77,13 +87,14 @@ void rope_rows(T* x, int64_t T_, int64_t heads, int64_t s0, int64_t s1, int64_t 
 template <typename T>
 void rope_one(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   rope_rows<T>(x.data_ptr<T>(), x.size(0), x.size(1), x.stride(0), x.stride(1), x.size(2),
-               cos.data_ptr<float>(), sin.data_ptr<float>());
+               cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
 }
 
 void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes(),
-              "rope_: cos and sin must be contiguous float32 [T, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.stride(1) == 1 && sin.stride(1) == 1 &&
+                  cos.stride(0) == sin.stride(0),
+              "rope_: cos and sin must be float32 [T, D] with a contiguous last dim and one row stride");
   for (at::Tensor* x : {&q, &k}) {
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == cos.size(0) && x->size(2) == cos.size(1) &&
                     x->size(2) % 2 == 0 && x->size(2) <= 1024,
@@ -99,7 +110,7 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
 
 template <typename T>
 void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t inter, int64_t xs) {
-  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const T* g = x + r * xs;
       const T* u = g + inter;
@@ -196,10 +207,122 @@ std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& x) {
   return {ids, values};
 }
 
+// ------------------------------------------------------------------------------------------- rms norm
+constexpr int64_t NORM_GRAIN = 32768;  // elements per parallel chunk
+
+template <typename T>
+inline float sum_squares(const T* x, int64_t n) {
+  int64_t j = 0;
+  float s = 0.f;
+#ifdef RADIXLM_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+      const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+      a0 = _mm256_fmadd_ps(v0, v0, a0);
+      a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    const __m256 a = _mm256_add_ps(a0, a1);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float v = static_cast<float>(x[j]);
+    s += v * v;
+  }
+  return s;
+}
+
+// out[j] = T(w[j] * T(x[j] * r)), r = 1 / sqrt(mean(x^2) + eps); out may be x itself.
+template <typename T>
+inline void norm_row(const T* x, T* out, const T* w, int64_t n, float eps) {
+  const float r = 1.f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t j = 0;
+#ifdef RADIXLM_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    const __m256 rv = _mm256_set1_ps(r);
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), rv), _mm256_loadu_ps(w + j)));
+  }
+#endif
+  for (; j < n; ++j)
+    out[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * r)));
+}
+
+void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), op, ": x must be contiguous [..., hidden]");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1), op,
+              ": weight must be a contiguous [hidden] matching x's last dim (", x.size(-1), ")");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), op, ": weight and x must have one dtype");
+  TORCH_CHECK(x.size(-1) > 0, op, ": hidden size must be positive");
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, T* out, const T* w, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, NORM_GRAIN / n), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) norm_row<T>(x + i * n, out + i * n, w, n, eps);
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_norm("rms_norm", x, w);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  switch (x.scalar_type()) {
+#define RADIXLM_NORM(T) \
+  rms_norm_rows<T>(x.data_ptr<T>(), out.data_ptr<T>(), w.data_ptr<T>(), rows, n, static_cast<float>(eps))
+    case at::kFloat: RADIXLM_NORM(float); break;
+    case at::kBFloat16: RADIXLM_NORM(c10::BFloat16); break;
+    case at::kHalf: RADIXLM_NORM(c10::Half); break;
+#undef RADIXLM_NORM
+    default: TORCH_CHECK(false, "rms_norm: x must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+template <typename T>
+void add_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, NORM_GRAIN / n), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      T* xr = x + i * n;
+      T* rr = res + i * n;
+      int64_t j = 0;
+#ifdef RADIXLM_AVX2
+      if constexpr (std::is_same_v<T, float>) {
+        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(rr + j, _mm256_add_ps(_mm256_loadu_ps(rr + j), _mm256_loadu_ps(xr + j)));
+      }
+#endif
+      for (; j < n; ++j) rr[j] = static_cast<T>(static_cast<float>(rr[j]) + static_cast<float>(xr[j]));
+      norm_row<T>(rr, xr, w, n, eps);
+    }
+  });
+}
+
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& w, double eps) {
+  check_norm("fused_add_rms_norm_", x, w);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm_: residual must be contiguous with x's shape and dtype");
+  TORCH_CHECK(!x.is_alias_of(residual), "fused_add_rms_norm_: x and residual must be different tensors");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  switch (x.scalar_type()) {
+#define RADIXLM_ADD_NORM(T) \
+  add_norm_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), rows, n, static_cast<float>(eps))
+    case at::kFloat: RADIXLM_ADD_NORM(float); break;
+    case at::kBFloat16: RADIXLM_ADD_NORM(c10::BFloat16); break;
+    case at::kHalf: RADIXLM_ADD_NORM(c10::Half); break;
+#undef RADIXLM_ADD_NORM
+    default: TORCH_CHECK(false, "fused_add_rms_norm_: x must be float32, bfloat16 or float16");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
   lib.impl("rope_", &rope_);
   lib.impl("silu_mul", &silu_mul);
   lib.impl("row_argmax", &row_argmax);
+  lib.impl("rms_norm", &rms_norm);
+  lib.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
 }

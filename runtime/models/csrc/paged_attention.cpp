@@ -10,7 +10,12 @@
 // Shapes: q [T, H, D] (T = sum of ext_lens; request b's queries are its last ext_lens[b] positions, query j
 // at position seq_lens[b] - ext_lens[b] + j, causal); k_cache, v_cache [S, Hkv, D] (float32, bfloat16 or
 // float16); req_to_token [R, C] int64; req_pool_indices, seq_lens, ext_lens [B] int64. Query head h reads KV
-// head h / (H / Hkv). Math is float32 whatever the storage types; the output has q's dtype.
+// head h / (H / Hkv). Math is float32 whatever the storage types; the output is a contiguous [T, H, D] of q's
+// dtype. q may be a strided view (last dim contiguous), e.g. straight out of the fused qkv projection's split.
+//
+// paged_attention_kv(q, k, v, out_cache_loc, k_cache, v_cache, ...) first stores the new tokens' k, v
+// ([T, Hkv, D] views, last dim contiguous, any dtype of the three) converted to the cache's dtype at slots
+// out_cache_loc [T], then attends as above: one call instead of two index_copy_ and two dtype casts.
 //
 // The op is declared from Python (runtime/models/native_kernels.py); this file adds its CPU implementation.
 #include <ATen/Parallel.h>
@@ -26,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXLM_PORTABLE)
@@ -293,6 +299,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
          at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv, B = seq_lens.size(0);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t slot_stride = Hkv * D, C = req_to_token.size(1);
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t* rows_idx = req_pool_indices.data_ptr<int64_t>();
@@ -327,7 +334,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       pos.resize(rows);
       for (int64_t j = 0; j < ext[b]; ++j)
         for (int64_t g = 0; g < G; ++g) {
-          const QT* src = qp + ((q_start[b] + j) * H + kvh * G + g) * D;
+          const QT* src = qp + (q_start[b] + j) * qs0 + (kvh * G + g) * qs1;
           float* dst = qbuf.data() + (j * G + g) * D;
           for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
           pos[j * G + g] = len - ext[b] + j;
@@ -367,33 +374,36 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                           const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_attention: q must be contiguous [T, H, D]");
+void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                     const at::Tensor& ext_lens) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, op, ": q must be [T, H, D] with a contiguous last dim (got strides ",
+              q.strides(), ")");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_attention: k_cache and v_cache must be contiguous [S, Hkv, D] of one dtype");
-  TORCH_CHECK(k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0,
-              "paged_attention: head_dim differs or H is not a multiple of Hkv");
+              op, ": k_cache and v_cache must be contiguous [S, Hkv, D] of one dtype");
+  TORCH_CHECK(k_cache.size(2) == q.size(2) && q.size(1) % k_cache.size(1) == 0, op,
+              ": head_dim differs or H is not a multiple of Hkv");
   for (const at::Tensor* t : {&req_to_token, &req_pool_indices, &seq_lens, &ext_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_attention: index tensors must be int64");
-  TORCH_CHECK(seq_lens.size(0) == req_pool_indices.size(0) && ext_lens.size(0) == seq_lens.size(0),
-              "paged_attention: req_pool_indices, seq_lens and ext_lens must have one entry per request");
-  {
-    const int64_t B = seq_lens.size(0), C = req_to_token.size(1), R = req_to_token.size(0);
-    const int64_t *seq = seq_lens.data_ptr<int64_t>(), *ext = ext_lens.data_ptr<int64_t>();
-    const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
-    int64_t total = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(ext[b] >= 1 && ext[b] <= seq[b] && seq[b] <= C && rows[b] >= 0 && rows[b] < R,
-                  "paged_attention: request ", b, " needs 1 <= ext_len <= seq_len <= req_to_token's width and a "
-                  "valid row");
-      total += ext[b];
-    }
-    TORCH_CHECK(total == q.size(0), "paged_attention: sum(ext_lens) must equal q.size(0)");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), op, ": index tensors must be int64");
+  TORCH_CHECK(seq_lens.size(0) == req_pool_indices.size(0) && ext_lens.size(0) == seq_lens.size(0), op,
+              ": req_pool_indices, seq_lens and ext_lens must have one entry per request");
+  const int64_t B = seq_lens.size(0), C = req_to_token.size(1), R = req_to_token.size(0);
+  const int64_t *seq = seq_lens.data_ptr<int64_t>(), *ext = ext_lens.data_ptr<int64_t>();
+  const int64_t* rows = req_pool_indices.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ext[b] >= 1 && ext[b] <= seq[b] && seq[b] <= C && rows[b] >= 0 && rows[b] < R, op, ": request ", b,
+                " needs 1 <= ext_len <= seq_len <= req_to_token's width and a valid row");
+    total += ext[b];
   }
-  at::Tensor out = at::empty_like(q);
+  TORCH_CHECK(total == q.size(0), op, ": sum(ext_lens) must equal q.size(0)");
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                  const at::Tensor& ext_lens, double scale) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
   const auto kv = k_cache.scalar_type();
   const auto qt = q.scalar_type();
 #define RADIXLM_RUN(KV_T, Q_T) run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, out)
@@ -411,6 +421,96 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale) {
+  check_attention("paged_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale);
+}
+
+// ------------------------------------------------------------------------------------------- KV write
+// One row of D values converted as torch's .to() does (round to nearest even), then stored.
+template <typename S, typename C>
+inline void store_row(const S* src, C* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, C>) {
+    std::memcpy(dst, src, n * sizeof(C));
+  } else {
+    int64_t i = 0;
+#if defined(RADIXLM_AVX2) && defined(__F16C__)
+    if constexpr (std::is_same_v<S, float> && std::is_same_v<C, c10::Half>) {
+      for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<C>(static_cast<float>(src[i]));
+  }
+}
+
+template <typename S, typename C>
+void write_rows(const at::Tensor& x, const int64_t* slots, at::Tensor& cache) {
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2), xs0 = x.stride(0), xs1 = x.stride(1);
+  const S* src = x.data_ptr<S>();
+  C* dst = cache.data_ptr<C>();
+  at::parallel_for(0, T * Hkv, std::max<int64_t>(1, 16384 / D), [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t t = i / Hkv, h = i % Hkv;
+      store_row<S, C>(src + t * xs0 + h * xs1, dst + (slots[t] * Hkv + h) * D, D);
+    }
+  });
+}
+
+template <typename C>
+void write_by_src(const at::Tensor& x, const int64_t* slots, at::Tensor& cache) {
+  switch (x.scalar_type()) {
+    case at::kFloat: write_rows<float, C>(x, slots, cache); break;
+    case at::kBFloat16: write_rows<c10::BFloat16, C>(x, slots, cache); break;
+    case at::kHalf: write_rows<c10::Half, C>(x, slots, cache); break;
+    default: TORCH_CHECK(false, "paged_attention_kv: k and v must be float32, bfloat16 or float16");
+  }
+}
+
+void write_kv(const at::Tensor& x, const int64_t* slots, at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: write_by_src<float>(x, slots, cache); break;
+    case at::kBFloat16: write_by_src<c10::BFloat16>(x, slots, cache); break;
+    case at::kHalf: write_by_src<c10::Half>(x, slots, cache); break;
+    default: TORCH_CHECK(false, "paged_attention_kv: the KV cache must be float32, bfloat16 or float16");
+  }
+}
+
+at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& out_cache_loc, at::Tensor k_cache, at::Tensor v_cache,
+                              const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                              const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale) {
+  const char* op = "paged_attention_kv";
+  check_attention(op, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == q.size(0) && x->size(1) == k_cache.size(1) &&
+                    x->size(2) == k_cache.size(2),
+                op, ": k and v must be [T, Hkv, D] (T = q's tokens, Hkv and D the cache's) with a contiguous last "
+                "dim; got sizes ", x->sizes(), " strides ", x->strides());
+  for (const at::Tensor* x : {&k, &v}) {
+    const auto dt = x->scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, op,
+                ": k and v must be float32, bfloat16 or float16");
+  }
+  TORCH_CHECK(out_cache_loc.scalar_type() == at::kLong && out_cache_loc.dim() == 1 && out_cache_loc.is_contiguous() &&
+                  out_cache_loc.size(0) == q.size(0),
+              op, ": out_cache_loc must be a contiguous int64 [T] with one slot per new token");
+  const int64_t* slots = out_cache_loc.data_ptr<int64_t>();
+  const int64_t S = k_cache.size(0);
+  for (int64_t t = 0; t < out_cache_loc.size(0); ++t)  // all checked before anything is written
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < S, op, ": out_cache_loc[", t, "] = ", slots[t],
+                " is outside the KV pool's ", S, " slots");
+  write_kv(k, slots, k_cache);
+  write_kv(v, slots, v_cache);
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(radixlm, CPU, lib) { lib.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
+  lib.impl("paged_attention", &paged_attention);
+  lib.impl("paged_attention_kv", &paged_attention_kv);
+}
