@@ -152,6 +152,7 @@ def test_decode_only_subset_of_requests(models):
     torch.testing.assert_close(logits[1], hf_logits(hf, seqs[0] + [3])[-1], atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # builds the C++ kernels on first use (the fast tier needs no compiler)
 @pytest.mark.parametrize("backend_name", ["torch_native", "cpu"])
 def test_fused_cpu_ops_match_the_unfused_path(models, backend_name):
     """float32 on the CPU runs the fused C++ layer ops (the residual carried beside the normed activations,
