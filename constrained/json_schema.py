@@ -22,7 +22,9 @@ outlines-core's ``build_regex_from_schema`` does the structural work. Before it 
   above MAX_MIN_ITEMS is a GrammarError; numeric bounds beyond +-NUMERIC_BOUND_CAP are tightened to it: the
   automaton grows with each of these counts, and a 1 KB schema of ``maxLength: 8192`` fields needed 23 GB;
 * ``oneOf`` is made exact first (``constrained.one_of``, shared by every backend): an ``anyOf`` of branches
-  no two of which share an instance, or a GrammarError;
+  no two of which share an instance, or a GrammarError; so are an ``anyOf`` beside other keywords (merged
+  into its branches) and ``const`` beside ``enum`` (``constrained.siblings``): outlines-core reads one side
+  of each; an ``anyOf`` whose branches cannot take the keywords beside it is a GrammarError naming it;
 * ``not`` around ``type`` or ``required``, subschemas without any keyword, ``{"not": {}}``, object/array
   ``const``/``enum``: see ``constrained.schema_keywords``; ``false`` subschemas are dropped from
   ``anyOf`` (``items: false`` means an empty array; a ``false`` property is never emitted); ``AllOf`` (a
@@ -66,6 +68,7 @@ from constrained.schema_keywords import (
     has_keyword,
     pattern_properties_as_additional,
 )
+from constrained.siblings import exact_siblings, siblings_of
 
 # Where subschemas live. Values under any other key are data and are copied untouched.
 _MAP_KEYS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -176,7 +179,7 @@ def schema_to_regex(
     layout = whitespace_pattern == DUMPS_LAYOUT
     ws = _WS_MARK if layout else whitespace_pattern
     fragments: list[str] = []
-    rewriter = _Rewriter(ws, fragments)
+    rewriter = _Rewriter(ws, fragments, schema)
     rewritten = rewriter.rewrite(schema, JSON_OBJECT_DEPTH)
     _rewrite_ref_targets(schema, rewritten, rewriter)
     if patterns is not None:
@@ -240,8 +243,9 @@ def dumps_layout(regex: str) -> str:
 class _Rewriter:
     """Copies a schema, replacing subschemas we express better with placeholder ``const`` strings."""
 
-    def __init__(self, whitespace_pattern: str, fragments: list[str]):
+    def __init__(self, whitespace_pattern: str, fragments: list[str], root: dict):
         self.ws = whitespace_pattern
+        self.root = root  # for the `$ref`s exact_siblings resolves
         self.fragments = fragments  # placeholder i -> regex fragment
         self.patterns: list[str] = []  # every `pattern`, anchors stripped
 
@@ -263,6 +267,14 @@ class _Rewriter:
             node = {}  # only unknown keys, which validators ignore: any value
         if isinstance(node.get("allOf"), list):
             node = _merge_all_of(node)
+            node = exact_siblings(node, self.root)  # the fold may put an `anyOf`/`enum` beside others
+        for key in ("anyOf", "allOf"):
+            beside = siblings_of(node, key)
+            if beside:  # outlines-core would read one side only
+                raise GrammarError(
+                    f"`{key}` beside other keywords ({', '.join(beside)}) cannot be enforced by the grammar: "
+                    "a subschema of it cannot be combined with them"
+                )
         node = pattern_properties_as_additional(node)
         free = _free_form_kind(node) if free_depth is not None else None
         if free is not None:

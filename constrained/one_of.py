@@ -17,8 +17,10 @@ An instance is valid under ``{P..., "oneOf": [B_1..B_n]}`` when it meets P and e
 * anything else (no such spelling, P not mergeable into a branch, too many terms) is a GrammarError naming
   ``oneOf`` -- never an approximation that could emit an instance of two branches.
 
-P is merged into each branch (required united, properties united, a property both constrain under
-``allOf``) because outlines-core and xgrammar ignore an ``anyOf`` beside other keywords.
+P is merged into each branch (``constrained.siblings.merge``: required united, properties united, a
+property both constrain under ``allOf``) because outlines-core and xgrammar ignore an ``anyOf`` beside other
+keywords; for the same reason every ``anyOf`` beside other keywords is merged the same way
+(``constrained.siblings.exact_siblings``, applied here to every subschema).
 """
 
 from __future__ import annotations
@@ -31,15 +33,14 @@ from constrained.schema_facts import (
     ALL_TYPES,
     OBJECT,
     Facts,
-    canon,
     disjoint,
     facts_of,
-    resolve_ref,
     type_of,
     types_and,
     types_minus,
 )
 from constrained.schema_keywords import KEYWORDS, accepts_nothing
+from constrained.siblings import UNMERGEABLE, Unsatisfiable, exact_siblings, merge
 
 MAX_TERMS = 64  # branches a oneOf may expand to (each one is a copy of the merged object schema)
 MAX_REWRITTEN_CHARS = 400_000  # the rewritten schema's JSON (4x constrained.spec.MAX_SCHEMA_CHARS)
@@ -50,9 +51,11 @@ _SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if",
 
 
 def resolve_one_of(schema: Any) -> Any:
-    """``schema`` with every ``oneOf`` rewritten as above (the input is not modified). GrammarError where a
-    ``oneOf`` cannot be enforced exactly, naming why."""
-    if not isinstance(schema, dict) or "oneOf" not in json.dumps(schema):
+    """``schema`` with every ``oneOf`` rewritten as above, and every ``anyOf`` beside other keywords and
+    ``const`` beside ``enum`` made exact (``constrained.siblings``); the input is not modified. GrammarError
+    where one cannot be enforced exactly, naming why."""
+    text = json.dumps(schema) if isinstance(schema, dict) else ""
+    if not any(f'"{key}"' in text for key in ("oneOf", "anyOf", "allOf", "const", "enum")):
         return schema
     refs = _local_refs(schema)
     if any("/oneOf/" in f"{ref}/" for ref in refs):
@@ -64,8 +67,9 @@ def resolve_one_of(schema: Any) -> Any:
             out[top] = _walk_data(out[top], schema)
     size = len(json.dumps(out))
     if size > MAX_REWRITTEN_CHARS:
+        key = "oneOf" if '"oneOf"' in text else "anyOf"
         raise GrammarError(
-            f"`oneOf` expands the schema to {size} characters (the limit is {MAX_REWRITTEN_CHARS}): its "
+            f"`{key}` expands the schema to {size} characters (the limit is {MAX_REWRITTEN_CHARS}): its "
             "branches, each with the keywords beside it, are too large to enforce"
         )
     return out
@@ -95,8 +99,12 @@ def _walk(node: Any, root: dict, depth: int, trigger: str | None = None) -> Any:
     for key, value in node.items():
         if key == "dependentSchemas" and isinstance(value, dict):
             value = {k: _walk(v, root, depth + 1, k) for k, v in value.items()}
+        elif key == "properties" and isinstance(value, dict):
+            value = {k: _walk_or_false(v, root, depth + 1) for k, v in value.items()}
         elif key in _MAP_KEYS and isinstance(value, dict):
             value = {k: _walk(v, root, depth + 1) for k, v in value.items()}
+        elif key in ("anyOf", "oneOf") and isinstance(value, list):
+            value = [_walk_or_false(v, root, depth + 1) for v in value]
         elif key in _LIST_KEYS and isinstance(value, list):
             value = [_walk(v, root, depth + 1) for v in value]
         elif key in _SCHEMA_KEYS:
@@ -106,7 +114,16 @@ def _walk(node: Any, root: dict, depth: int, trigger: str | None = None) -> Any:
         out[key] = value
     if isinstance(out.get("oneOf"), list):
         out = _rewrite(out, root, trigger)
-    return out
+    return exact_siblings(out, root)
+
+
+def _walk_or_false(node: Any, root: dict, depth: int) -> Any:
+    """A property or ``anyOf``/``oneOf`` branch no value satisfies is ``false`` (never present / never
+    taken) rather than a 400: the schema around it may still be satisfiable."""
+    try:
+        return _walk(node, root, depth)
+    except Unsatisfiable:
+        return False
 
 
 def _local_refs(node: Any) -> set[str]:
@@ -216,8 +233,8 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
     ]
     merged_out: list[dict] = []
     if not any(map(any, overlap)):
-        merged = [_merge(parent, b, root) for b in branches]
-        if any(m is _UNMERGEABLE for m in merged):
+        merged = [merge(parent, b, root) for b in branches]
+        if any(m is UNMERGEABLE for m in merged):
             return {**outer, **parent, "anyOf": branches}  # exact; P stays beside the anyOf
         merged_out = [m for m in merged if m is not None]
     else:
@@ -233,8 +250,8 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
             # a `not: {required}` is spelled by the terms themselves (absent keys)
             own = {k: v for k, v in branch.items() if not (k == "not" and own_facts[i].not_required)}
             rest = {k: v for k, v in parent.items() if not (k == "not" and pf.not_required)}
-            base = _merge(rest, own, root)
-            if base is _UNMERGEABLE:
+            base = merge(rest, own, root)
+            if base is UNMERGEABLE:
                 raise GrammarError(
                     f"`oneOf` branch {i} cannot be combined with the keywords beside the `oneOf` "
                     f"({', '.join(sorted(parent))}): not enforceable exactly"
@@ -303,75 +320,4 @@ def _term_schema(base: dict, term: _Term, ci: Facts) -> dict:
         out["properties"] = props
         if not out["required"]:
             del out["required"]
-    return out
-
-
-_UNMERGEABLE = object()
-
-
-def _names(node: dict) -> set:
-    return set(node.get("properties") or {}) if isinstance(node.get("properties"), dict) else set()
-
-
-def _closed(node: dict) -> bool:
-    return node.get("additionalProperties", True) not in (True, {}) or bool(node.get("patternProperties"))
-
-
-def _merge(parent: dict, branch: dict, root: dict) -> Any:
-    """One schema meeting both, or None (they share no instance), or _UNMERGEABLE."""
-    branch = {k: v for k, v in branch.items() if k in KEYWORDS}
-    if not parent:
-        return branch
-    if set(branch) == {"$ref"} and isinstance(branch["$ref"], str):
-        target = resolve_ref(branch["$ref"], root)  # inlined: refs inside it are absolute, valid anywhere
-        if isinstance(target, dict) and "oneOf" not in json.dumps(target):
-            branch = {k: v for k, v in target.items() if k in KEYWORDS}
-    if "$ref" in parent or "$ref" in branch:
-        return _UNMERGEABLE
-    for a, b in ((parent, branch), (branch, parent)):
-        if _closed(a) and not _names(b) <= _names(a):
-            return _UNMERGEABLE  # b's names would escape a's additionalProperties
-    out = dict(parent)
-    for key, value in branch.items():
-        if key not in out:
-            out[key] = value
-        elif out[key] == value:
-            continue
-        elif key == "required" and isinstance(value, list) and isinstance(out[key], list):
-            out[key] = [*out[key], *(r for r in value if r not in out[key])]
-        elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
-            props = dict(out[key])
-            for name, sub in value.items():
-                mine = props.get(name, True)
-                if mine in (True, {}) or accepts_nothing(sub):
-                    props[name] = sub
-                elif sub not in (True, {}) and not accepts_nothing(mine) and sub != mine:
-                    dicts = isinstance(mine, dict) and isinstance(sub, dict)
-                    both = _merge(mine, sub, root) if dicts else _UNMERGEABLE
-                    if both is _UNMERGEABLE:
-                        both = {"allOf": [mine, sub]}
-                    props[name] = False if both is None else both  # None: no value meets both
-            out[key] = props
-        elif key == "type":
-            both = types_and(facts_of({"type": out[key]}, {}).types, facts_of({"type": value}, {}).types)
-            if not both:
-                return None
-            types = sorted(both)
-            out[key] = types[0] if len(types) == 1 else types
-        elif key in ("enum", "const"):
-            continue  # below
-        elif key == "allOf" and isinstance(value, list) and isinstance(out[key], list):
-            out[key] = [*out[key], *value]
-        else:
-            return _UNMERGEABLE
-    literals = [[side["const"]] for side in (parent, branch) if "const" in side]
-    literals += [side["enum"] for side in (parent, branch) if "enum" in side]
-    if len(literals) > 1:  # one `enum` of the values all allow (outlines-core reads only one of them)
-        if not all(isinstance(values, list) for values in literals):
-            return _UNMERGEABLE
-        keep = [v for v in literals[0] if all(canon(v) in {canon(x) for x in other} for other in literals)]
-        if not keep:
-            return None
-        out.pop("const", None)
-        out["enum"] = keep
     return out

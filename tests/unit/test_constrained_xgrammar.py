@@ -215,20 +215,23 @@ REJECTED = [
     ({"type": "string", "format": "regex"}, "regex"),
     ({"$defs": {"p": {"type": "array", "uniqueItems": True}}, "$ref": "#/$defs/p"}, "uniqueItems"),
     ({"$ref": "http://example.com/schema.json"}, r"\$ref"),
-    # xgrammar compiles a combinator alone, dropping what stands beside it
+    # xgrammar compiles a combinator alone, dropping what stands beside it (constrained.siblings merges
+    # the keywords beside an `anyOf` into its branches where it can: not two different `maxLength`s)
+    (
+        {"type": "string", "maxLength": 3, "anyOf": [{"maxLength": 5}, {"pattern": "^a"}]},
+        r"`anyOf` beside other keywords \(maxLength, type\)",
+    ),
+    ({"type": "integer", "minimum": 5, "anyOf": [{"maximum": 10}, {"multipleOf": 3}]}, "multipleOf"),
+    ({"type": "string", "maxLength": 3, "allOf": [{"maxLength": 5}]}, "allOf"),  # not folded (siblings)
+    ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "minimum": 5}, r"`\$ref` beside"),
     (
         {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}},
-            "required": ["a"],
-            "anyOf": [{"properties": {"b": {"type": "string"}}}, {"properties": {"c": {"type": "integer"}}}],
+            "$defs": {"p": {"$ref": "#/$defs/q"}, "q": {"type": "integer"}},
+            "enum": [1, "x"],
+            "allOf": [{"$ref": "#/$defs/p"}],
         },
-        r"`anyOf` beside other keywords \(properties, required, type\)",
+        "beside",
     ),
-    ({"type": "integer", "minimum": 5, "anyOf": [{"maximum": 10}, {"multipleOf": 3}]}, "anyOf"),
-    ({"type": "object", "required": ["a"], "allOf": [{"required": ["b"]}]}, "allOf"),
-    ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "minimum": 5}, r"`\$ref` beside"),
-    ({"$defs": {"p": {"type": "integer"}}, "enum": [1, "x"], "allOf": [{"$ref": "#/$defs/p"}]}, "beside"),
 ]
 
 
