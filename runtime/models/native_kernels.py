@@ -224,7 +224,6 @@ def _row_argmax_fake(x):
     return x.new_empty(x.shape[0], dtype=torch.int64), x.new_empty(x.shape[0])
 
 
-
 @torch.library.register_fake("radixlm::rms_norm", lib=_LIB)
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
