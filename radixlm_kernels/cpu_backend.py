@@ -66,23 +66,15 @@ class CpuPagedBackend(TorchNativeBackend):
     ) -> torch.Tensor:
         if not self._fused:  # a long extend: write through the pool, then torch_native's SDPA path
             return super().forward(q, k, v, layer, batch)
-        return torch.ops.radixlm.paged_attention_kv(
-            q,
-            k,
-            v,
-            batch.out_cache_loc,
-            self.kv_pool.k[layer.layer_id],
-            self.kv_pool.v[layer.layer_id],
-            self.req_to_token_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            self._ext_lens,
-            layer.scaling,
-        )
+        args = self._op_args(layer, batch)
+        return torch.ops.radixlm.paged_attention_kv(q, k, v, batch.out_cache_loc, *args)
 
     def _attend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
-        return torch.ops.radixlm.paged_attention(
-            q,
+        return torch.ops.radixlm.paged_attention(q, *self._op_args(layer, batch))
+
+    def _op_args(self, layer: AttentionLayer, batch: AttentionBatch) -> tuple:
+        """What both ops take after q (and the new k, v): the layer's pool, the slot table, the batch."""
+        return (
             self.kv_pool.k[layer.layer_id],
             self.kv_pool.v[layer.layer_id],
             self.req_to_token_pool.req_to_token,

@@ -136,6 +136,31 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qa, float* da, 
 }
 
 #if defined(RADIXLM_AVX2)
+// ------------------------------------------------------------------------------------------- AVX2 dots
+// One 8-row half of a block: int32 dots of 8 weight rows with 32 int8 activations (aq: the 32 as 8 x 4 bytes).
+// Q4_1: w = nibbles 0..15; int16 lanes sum 16 products of <= 15 * 127, exact.
+inline __m256i dot_q4_avx2(const __m256i* w, const int32_t* aq, __m256i ones) {
+  __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(aq[0]));
+  __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(aq[1]));
+  for (int j = 2; j < 8; j += 2) {
+    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(aq[j])));
+    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(aq[j + 1])));
+  }
+  return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+}
+
+// Q8_0: w = |q| as u8, sg = q; |q| * (sign(q) * qa) = q * qa, pairs widened to int32 at once.
+inline __m256i dot_q8_avx2(const __m256i* w, const __m256i* sg, const int32_t* aq, __m256i ones) {
+  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
+    const __m256i x0 = _mm256_sign_epi8(_mm256_set1_epi32(aq[j]), sg[j]);
+    const __m256i x1 = _mm256_sign_epi8(_mm256_set1_epi32(aq[j + 1]), sg[j + 1]);
+    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x0), ones));
+    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j + 1], x1), ones));
+  }
+  return _mm256_add_epi32(s0, s1);
+}
+
 // ------------------------------------------------------------------------------------------- AVX2 group
 // y[r][0..valid) for `rows` (<= ROW_TILE) activation rows and one group of 16 weight rows, one pass over the
 // group's blocks (rows innermost, sums in a small array): re-walking a group per few rows, as the AVX512
@@ -174,25 +199,7 @@ void group_avx2(const uint8_t* qs, const c10::Half* d, const c10::Half* m, const
       for (int r = 0; r < rows; ++r) {
         int32_t aq[8];
         std::memcpy(aq, a.qa + r * a.K + b * QK, sizeof(aq));
-        __m256i dot32;
-        if (kQ4) {  // int16 lanes sum 16 products of <= 15 * 127: exact
-          __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(aq[0]));
-          __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(aq[1]));
-          for (int j = 2; j < 8; j += 2) {
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(aq[j])));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(aq[j + 1])));
-          }
-          dot32 = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
-        } else {  // |q| * (sign(q) * qa) = q * qa; pairs widen to int32 at once
-          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-          for (int j = 0; j < 8; j += 2) {
-            const __m256i x0 = _mm256_sign_epi8(_mm256_set1_epi32(aq[j]), sg[j]);
-            const __m256i x1 = _mm256_sign_epi8(_mm256_set1_epi32(aq[j + 1]), sg[j + 1]);
-            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x0), ones));
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j + 1], x1), ones));
-          }
-          dot32 = _mm256_add_epi32(s0, s1);
-        }
+        const __m256i dot32 = kQ4 ? dot_q4_avx2(w, aq, ones) : dot_q8_avx2(w, sg, aq, ones);
         float* out = acc[r] + 8 * h;
         __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32),
                                      _mm256_mul_ps(dw, _mm256_set1_ps(a.da[r * nb + b])), _mm256_load_ps(out));
@@ -240,13 +247,7 @@ void group_avx2_small(const uint8_t* qs, const c10::Half* d, const c10::Half* m,
         for (int r = 0; r < R; ++r) {
           int32_t q4[8];
           std::memcpy(q4, aq[r], sizeof(q4));
-          __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(q4[0]));
-          __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(q4[1]));
-          for (int j = 2; j < 8; j += 2) {
-            s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(q4[j])));
-            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(q4[j + 1])));
-          }
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones));
+          const __m256 dot = _mm256_cvtepi32_ps(dot_q4_avx2(w, q4, ones));
           acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[r])), acc[r][h]);
           acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sa[r]), acc[r][h]);
         }
@@ -259,14 +260,7 @@ void group_avx2_small(const uint8_t* qs, const c10::Half* d, const c10::Half* m,
         for (int r = 0; r < R; ++r) {
           int32_t q8[8];
           std::memcpy(q8, aq[r], sizeof(q8));
-          __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-          for (int j = 0; j < 8; j += 2) {
-            const __m256i x0 = _mm256_sign_epi8(_mm256_set1_epi32(q8[j]), sg[j]);
-            const __m256i x1 = _mm256_sign_epi8(_mm256_set1_epi32(q8[j + 1]), sg[j + 1]);
-            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], x0), ones));
-            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(w[j + 1], x1), ones));
-          }
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+          const __m256 dot = _mm256_cvtepi32_ps(dot_q8_avx2(w, sg, q8, ones));
           acc[r][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(da[r])), acc[r][h]);
         }
       }
