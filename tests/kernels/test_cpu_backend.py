@@ -46,6 +46,14 @@ def test_matches_torch_native(dtype, prefix_lens, extend_lens, make_case, run_ba
     torch.testing.assert_close(out.float(), reference(case), **TOL[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [24, 64, 128])  # 24: rows widened into float first; else read in place
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_head_dim_matches_torch_native(head_dim, dtype, make_case, run_backend, reference):
+    case = make_case([0, 33, 300], None, num_kv_heads=2, group=2, head_dim=head_dim, dtype=dtype, seed=7)
+    out = run_backend(CpuPagedBackend(case.pool_copy(), case.req_pool), case)
+    torch.testing.assert_close(out.float(), reference(case), **TOL[dtype])
+
+
 def test_shared_prefix_slots_and_kv_write(make_case, run_backend, reference):
     """Two requests read the same cached slots (radix-cache sharing); `forward` stores the new K/V first."""
     case = make_case([64, 80], None, num_kv_heads=2, group=2, share_prefix=50, seed=3)

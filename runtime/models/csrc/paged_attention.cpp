@@ -154,13 +154,24 @@ struct Partial {  // per (row, split): running max, sum of exp, unnormalised out
 };
 
 #ifdef RADIXLM_AVX2
+// 8 K/V elements as float32, widened in registers: half-precision rows are read in place, never copied into a
+// float buffer first (that copy's stores were most of a decode step's attention time).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // R query rows (R <= 4) against n keys: the key is loaded once per 8 dims for all R rows.
-template <int R>
-inline void scores_rows(const float* q, const float* const* keys, int64_t n, int64_t D, float* scores) {
+template <int R, typename T>
+inline void scores_rows(const float* q, const T* const* keys, int64_t n, int64_t D, float* scores) {
   for (int64_t t = 0; t < n; ++t) {
     __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t c = 0; c < D; c += 8) {
-      const __m256 k = _mm256_loadu_ps(keys[t] + c);
+      const __m256 k = load8(keys[t] + c);
       for (int i = 0; i < R; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + c), k, a[i]);
     }
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -172,8 +183,8 @@ inline void scores_rows(const float* q, const float* const* keys, int64_t n, int
 }
 
 // R accumulator rows += p[r][t] * value_t over n values, 16 dims at a time: 2R independent FMA chains.
-template <int R>
-inline void accumulate_rows(float* acc, const float* p, const float* const* values, int64_t n, int64_t D) {
+template <int R, typename T>
+inline void accumulate_rows(float* acc, const float* p, const T* const* values, int64_t n, int64_t D) {
   for (int64_t c = 0; c < D; c += 16) {
     __m256 lo[4], hi[4];
     for (int i = 0; i < R; ++i) {
@@ -181,7 +192,7 @@ inline void accumulate_rows(float* acc, const float* p, const float* const* valu
       hi[i] = _mm256_loadu_ps(acc + i * D + c + 8);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const __m256 v0 = _mm256_loadu_ps(values[t] + c), v1 = _mm256_loadu_ps(values[t] + c + 8);
+      const __m256 v0 = load8(values[t] + c), v1 = load8(values[t] + c + 8);
       for (int i = 0; i < R; ++i) {
         const __m256 w = _mm256_broadcast_ss(p + i * BLOCK + t);
         lo[i] = _mm256_fmadd_ps(w, v0, lo[i]);
@@ -197,44 +208,62 @@ inline void accumulate_rows(float* acc, const float* p, const float* const* valu
 
 #endif
 
-// scores[r][t] = dot(q_r, key_t) for rows r (q rows of D floats) and n keys (row pointers).
-inline void block_scores(const float* q, int64_t rows, const float* const* keys, int64_t n, int64_t D,
+// Whether K/V rows of head_dim D are read in place (as T) by the vector loops; otherwise attend_split widens
+// them into float rows first and the scalar loops below take those.
+inline bool reads_in_place(int64_t D) {
+#ifdef RADIXLM_AVX2
+  return D % 16 == 0;
+#else
+  (void)D;
+  return false;
+#endif
+}
+
+// scores[r][t] = dot(q_r, key_t) for rows r (q rows of D floats) and n keys (row pointers; T other than float
+// only when reads_in_place(D)).
+template <typename T>
+inline void block_scores(const float* q, int64_t rows, const T* const* keys, int64_t n, int64_t D,
                          float* scores) {
 #ifdef RADIXLM_AVX2
   if (D % 16 == 0) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) scores_rows<4>(q + r * D, keys, n, D, scores + r * BLOCK);
+    for (; r + 4 <= rows; r += 4) scores_rows<4, T>(q + r * D, keys, n, D, scores + r * BLOCK);
     switch (rows - r) {
-      case 3: scores_rows<3>(q + r * D, keys, n, D, scores + r * BLOCK); break;
-      case 2: scores_rows<2>(q + r * D, keys, n, D, scores + r * BLOCK); break;
-      case 1: scores_rows<1>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 3: scores_rows<3, T>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 2: scores_rows<2, T>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 1: scores_rows<1, T>(q + r * D, keys, n, D, scores + r * BLOCK); break;
       default: break;
     }
     return;
   }
 #endif
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < n; ++t) scores[r * BLOCK + t] = dot(q + r * D, keys[t], D);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < n; ++t) scores[r * BLOCK + t] = dot(q + r * D, keys[t], D);
+  }
 }
 
-// acc[r] += sum_t p[r][t] * value_t for rows r and n values (row pointers).
-inline void block_accumulate(float* acc, int64_t rows, const float* p, const float* const* values, int64_t n,
+// acc[r] += sum_t p[r][t] * value_t for rows r and n values (row pointers, as for block_scores).
+template <typename T>
+inline void block_accumulate(float* acc, int64_t rows, const float* p, const T* const* values, int64_t n,
                              int64_t D) {
 #ifdef RADIXLM_AVX2
   if (D % 16 == 0) {
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) accumulate_rows<4>(acc + r * D, p + r * BLOCK, values, n, D);
+    for (; r + 4 <= rows; r += 4) accumulate_rows<4, T>(acc + r * D, p + r * BLOCK, values, n, D);
     switch (rows - r) {
-      case 3: accumulate_rows<3>(acc + r * D, p + r * BLOCK, values, n, D); break;
-      case 2: accumulate_rows<2>(acc + r * D, p + r * BLOCK, values, n, D); break;
-      case 1: accumulate_rows<1>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 3: accumulate_rows<3, T>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 2: accumulate_rows<2, T>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 1: accumulate_rows<1, T>(acc + r * D, p + r * BLOCK, values, n, D); break;
       default: break;
     }
     return;
   }
 #endif
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t t = 0; t < n; ++t) scale_add(acc + r * D, 1.f, p[r * BLOCK + t], values[t], D);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < n; ++t) scale_add(acc + r * D, 1.f, p[r * BLOCK + t], values[t], D);
+  }
 }
 
 template <typename KV>
@@ -242,9 +271,12 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const i
                   int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride, int64_t head_off,
                   int64_t D, float* m, float* l, float* acc) {
   std::vector<float> scores(rows * BLOCK), accbuf(rows * D, 0.f);
-  std::vector<float> kbuf(BLOCK * D), vbuf(BLOCK * D);
+  const bool direct = reads_in_place(D);
+  std::vector<float> kbuf(direct ? 0 : BLOCK * D), vbuf(direct ? 0 : BLOCK * D);
   const float* keys[BLOCK];
   const float* values[BLOCK];
+  const KV* keys_kv[BLOCK];  // direct: the rows in the pool
+  const KV* values_kv[BLOCK];
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = NEG_INF;
     l[r] = 0.f;
@@ -266,10 +298,15 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const i
     const int64_t n = std::min(BLOCK, end - t0);
     if (t0 + BLOCK < end) prefetch_block(t0 + BLOCK);
     for (int64_t t = 0; t < n; ++t) {
-      keys[t] = as_float(k_cache + slots[t0 + t] * slot_stride + head_off, kbuf.data() + t * D, D);
-      values[t] = as_float(v_cache + slots[t0 + t] * slot_stride + head_off, vbuf.data() + t * D, D);
+      keys_kv[t] = k_cache + slots[t0 + t] * slot_stride + head_off;
+      values_kv[t] = v_cache + slots[t0 + t] * slot_stride + head_off;
+      if (!direct) {
+        keys[t] = as_float(keys_kv[t], kbuf.data() + t * D, D);
+        values[t] = as_float(values_kv[t], vbuf.data() + t * D, D);
+      }
     }
-    block_scores(q_rows, rows, keys, n, D, scores.data());
+    if (direct) block_scores<KV>(q_rows, rows, keys_kv, n, D, scores.data());
+    else block_scores<float>(q_rows, rows, keys, n, D, scores.data());
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores.data() + r * BLOCK;
       for (int64_t t = 0; t < n; ++t)
@@ -289,7 +326,8 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const i
       m[r] = mx;
       if (keep != 1.f) scale_add(accbuf.data() + r * D, keep, 0.f, accbuf.data() + r * D, D);
     }
-    block_accumulate(accbuf.data(), rows, scores.data(), values, n, D);
+    if (direct) block_accumulate<KV>(accbuf.data(), rows, scores.data(), values_kv, n, D);
+    else block_accumulate<float>(accbuf.data(), rows, scores.data(), values, n, D);
   }
   std::copy(accbuf.begin(), accbuf.end(), acc);
 }
