@@ -181,11 +181,17 @@ def greedy_ids(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+_row_argmax_loaded = False  # once loaded, a library stays loaded: only a positive answer is remembered
+
+
 def _has_row_argmax() -> bool:
-    try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("radixlm::row_argmax", "CPU")
-    except RuntimeError:  # the op's schema is not declared in this process
-        return False
+    global _row_argmax_loaded
+    if not _row_argmax_loaded:
+        try:
+            _row_argmax_loaded = torch._C._dispatch_has_kernel_for_dispatch_key("radixlm::row_argmax", "CPU")
+        except RuntimeError:  # the op's schema is not declared in this process
+            return False
+    return _row_argmax_loaded
 
 
 # ---- filters and draws (tested directly) ----
