@@ -29,12 +29,17 @@ OP = "radixlm::paged_attention"
 OPS = (OP, "radixlm::paged_attention_kv")
 
 
-def op_available() -> bool:
-    """True when the C++ ops have CPU implementations loaded in this process."""
+def has_cpu_kernels(*ops: str) -> bool:
+    """True when every op ("radixlm::name") has a CPU implementation loaded in this process."""
     try:
-        return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU") for op in OPS)
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU") for op in ops)
     except RuntimeError:  # an op's schema is not even declared
         return False
+
+
+def op_available() -> bool:
+    """True when the attention ops have CPU implementations loaded in this process."""
+    return has_cpu_kernels(*OPS)
 
 
 class CpuPagedBackend(TorchNativeBackend):

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm_kernels.cpu_backend import has_cpu_kernels
 from runtime.sampling_params import SamplingParams
 
 CPU_FIRST_CANDIDATES = 256  # top-p sets of real LM distributions usually fit; bigger ones escalate x8
@@ -170,6 +171,12 @@ class SamplerOutput:
     )  # per row, (logprob, token_id) best first; None if not asked
     no_allowed_token: torch.Tensor | None = None  # [bs] bool: bans+mask left nothing; None if none were given
 
+    def logprob_list(self) -> list[float]:
+        """`logprobs` as a list, or zeros (which nobody reads) when they were not asked for."""
+        if self.logprobs is None:
+            return [0.0] * len(self.next_token_ids)
+        return self.logprobs.tolist()
+
 
 def greedy_ids(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim (first index on ties, NaN counting as the maximum, as torch.argmax): the C++
@@ -187,10 +194,7 @@ _row_argmax_loaded = False  # once loaded, a library stays loaded: only a positi
 def _has_row_argmax() -> bool:
     global _row_argmax_loaded
     if not _row_argmax_loaded:
-        try:
-            _row_argmax_loaded = torch._C._dispatch_has_kernel_for_dispatch_key("radixlm::row_argmax", "CPU")
-        except RuntimeError:  # the op's schema is not declared in this process
-            return False
+        _row_argmax_loaded = has_cpu_kernels("radixlm::row_argmax")
     return _row_argmax_loaded
 
 
@@ -422,7 +426,7 @@ class Sampler:
         return SamplerOutput(
             next_token_ids=next_ids,
             logprobs=logprobs if need_logprobs else None,
-            top_logprobs=_top_logprobs(raw_logprobs, top_logprobs_nums) if raw_logprobs is not None else None,
+            top_logprobs=_top_logprobs(raw_logprobs, top_logprobs_nums),  # None when nums is None
             no_allowed_token=no_allowed,
         )
 

@@ -207,7 +207,9 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, batch, backend)
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
-        h = self.norm(h)
+        return self._logits(self.norm(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h)  # [T, this rank's padded vocabulary slice]
         return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
 
@@ -219,8 +221,7 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]
         torch.ops.radixlm.fused_add_rms_norm_(h, residual, self.norm.weight, self.norm.eps)
-        logits = self.lm_head(h)
-        return self.tp.gather_logits(logits, self.cfg.vocab_size).float()
+        return self._logits(h)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors: fuse q/k/v and gate/up, and let each sharded layer take its slice;

@@ -434,7 +434,7 @@ class Scheduler:
                 self._sample_and_advance([req], logits[i : i + 1])
             return
         next_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(reqs)  # unused then
+        logprobs = out.logprob_list()
         for i, req in enumerate(reqs):
             try:
                 with self._isolated(req, "advancing"):

@@ -124,8 +124,7 @@ class SpeculativeDecoder:
         for gen, state in gens.values():
             gen.set_state(state)
         for part_reqs, part_drafts, part_rows, out in parts:
-            next_ids = out.next_token_ids.tolist()
-            logprobs = out.logprobs.tolist() if out.logprobs is not None else [0.0] * len(next_ids)
+            next_ids, logprobs = out.next_token_ids.tolist(), out.logprob_list()
             for req, draft, r in zip(part_reqs, part_drafts, part_rows):
                 self._apply(s, req, draft, r, out, next_ids, logprobs)
 
