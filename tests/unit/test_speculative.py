@@ -33,6 +33,27 @@ def test_local_index_proposes_the_latest_continuation_of_the_longest_tail():
     assert idx2.propose(ids2, 4) == []  # 7 never occurred before the end
 
 
+def test_local_index_copies_the_matching_block_of_repetitive_text_not_the_latest():
+    # three "lines" that share their last 3 tokens (7, 8, 9) but differ earlier: copying line 2 must draft
+    # line 2's continuation, although line 3 holds the latest (7, 8, 9)
+    line = {1: [40, 41, 7, 8, 9, 101, 102], 2: [40, 42, 7, 8, 9, 201, 202], 3: [40, 43, 7, 8, 9, 301, 302]}
+    ids = [5, *line[1], *line[2], *line[3], 6, 40, 42, 7, 8, 9]
+    idx = LocalIndex()
+    idx.update(ids)
+    assert idx.propose(ids, 2) == [201, 202]
+    # it keeps following line 2 while the output copies it, even where the tail alone is ambiguous
+    ids += [201, 202]
+    idx.update(ids)
+    assert idx.propose(ids, 3) == [40, 43, 7]
+    # a token that leaves the copy re-anchors on the tail
+    ids += [40, 41]
+    idx.update(ids)
+    assert idx.propose(ids, 4) == [7, 8, 9, 101]
+    # tokens rewritten (shorter than indexed): the index and the followed copy start again
+    idx.update(ids[:4])
+    assert idx.follow is None and idx.propose(ids[:4], 2) == []
+
+
 def test_sequence_index_follows_the_most_frequent_continuation():
     idx = SequenceIndex()
     idx.add([10, 11, 12, 13, 14])

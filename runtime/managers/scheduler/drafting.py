@@ -2,9 +2,10 @@
 
 Two sources, both plain Python dictionaries updated incrementally (no torch, no device work):
 
-- `LocalIndex`, one per request: where each n-gram (n <= max_n) of its prompt + output last occurred. The
-  draft is what followed the most recent earlier occurrence of the request's last n tokens, longest n
-  first ("prompt lookup"): tool-call JSON echoing its context, an edited file copied back, a quoted document.
+- `LocalIndex`, one per request: where each n-gram (n <= max_n) of its prompt + output occurred. The draft
+  is what followed the earlier occurrence that best matches the request's tail, or the continuation of the
+  text the last draft was copied from while the output keeps copying it ("prompt lookup"): tool-call JSON
+  echoing its context, an edited file copied back, a quoted document.
 - `SequenceIndex`, one per scheduler (`suffix` only): n-gram -> next-token counts over the sequences of
   finished requests, i.e. what the radix cache receives. The draft follows the most frequent continuation,
   token by token, so one agent's third tool call is drafted from the first two and one request's output
@@ -19,40 +20,90 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# prompt lookup tries the last 3, 2, then 1 tokens; finished-sequence counts use contexts of 4 down to 2
+# prompt lookup keys on the last 3, 2, then 1 tokens and compares up to 32 tokens of the latest 32
+# occurrences of the key; finished-sequence counts use contexts of 4 down to 2
 LOCAL_MAX_N = 3
+LOCAL_MATCH_SPAN = 32
+LOCAL_MAX_CANDIDATES = 32
 SHARED_MIN_N, SHARED_MAX_N = 2, 4
 SHARED_MAX_KEYS = 300_000  # past it the oldest quarter of the contexts is dropped (~100 MB at the cap)
 SHARED_MAX_NEXT = 8  # continuations kept per context (the rarest goes first)
+# per-token acceptance estimate (SpecState.alpha): prior 0.6 worth 2 tokens, older verifies decayed by 0.75
+# (0.9 per step in which the budget cut the draft)
+ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX, ALPHA_FADE = 0.6, 2.0, 0.75, 0.95, 0.9
 MAX_COOLDOWN = 16  # steps a request skips drafting after repeated full rejections, at most
 
 
 class LocalIndex:
-    """Where each n-gram of one request's tokens last occurred (its end: where the continuation starts)."""
+    """Where each n-gram of one request's tokens occurred (its end: where the continuation starts), and where
+    the last draft was copied from.
+
+    Copying text that repeats itself (code, tables, a document quoted twice) defeats "the latest occurrence of
+    the last 3 tokens": the same 3 tokens end many lines, and the latest is rarely the line being copied. So a
+    proposal first follows the copy: while every token emitted since the last draft equals its source, the
+    next draft continues from there. Otherwise it re-anchors at the occurrence whose preceding tokens match
+    the request's tail longest (up to LOCAL_MATCH_SPAN tokens; ties: the latest)."""
 
     def __init__(self, max_n: int = LOCAL_MAX_N):
         self.max_n = max_n
-        self.last: dict[tuple[int, ...], int] = {}  # n-grams of every n share one table (lengths differ)
-        self.indexed = 0  # end positions below this are in `last`
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # every n shares one table (lengths differ)
+        self.indexed = 0  # end positions below this are in `ends`
+        self.follow: tuple[int, int] | None = None  # (source position, len(ids)) of the last draft
 
     def update(self, ids: list[int]) -> None:
         """Index the n-grams of `ids` that end at a position with a continuation (below len(ids))."""
         if len(ids) < self.indexed:  # the tokens were rewritten: start again
-            self.last.clear()
+            self.ends.clear()
             self.indexed = 0
-        last, max_n = self.last, self.max_n
+            self.follow = None
+        ends, max_n = self.ends, self.max_n
         for e in range(max(self.indexed, 1), len(ids)):
             for n in range(1, min(max_n, e) + 1):
-                last[tuple(ids[e - n : e])] = e
+                key = tuple(ids[e - n : e])
+                seen = ends.get(key)
+                if seen is None:
+                    ends[key] = [e]
+                else:
+                    seen.append(e)
         self.indexed = max(self.indexed, len(ids))
 
     def propose(self, ids: list[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest matching tail."""
-        for n in range(min(self.max_n, len(ids) - 1), 0, -1):
-            e = self.last.get(tuple(ids[-n:]))
-            if e is not None:
-                return ids[e : e + k]
-        return []
+        """Up to `k` tokens: the continuation of the followed copy, else of the best-matching occurrence of
+        the longest known tail."""
+        src = self._followed(ids)
+        if src is None:
+            src = self._anchor(ids)
+        if src is None:
+            self.follow = None
+            return []
+        self.follow = (src, len(ids))
+        return ids[src : src + k]
+
+    def _followed(self, ids: list[int]) -> int | None:
+        if self.follow is None:
+            return None
+        src, at = self.follow
+        grown = len(ids) - at
+        if grown <= 0 or ids[src : src + grown] != ids[at:]:
+            return None
+        return src + grown
+
+    def _anchor(self, ids: list[int]) -> int | None:
+        last = len(ids) - 1
+        for n in range(min(self.max_n, last), 0, -1):
+            seen = self.ends.get(tuple(ids[-n:]))
+            if not seen:
+                continue
+            best, best_len = seen[-1], -1
+            for e in reversed(seen[-LOCAL_MAX_CANDIDATES:]):
+                span = min(LOCAL_MATCH_SPAN, e)
+                length = n
+                while length < span and ids[e - 1 - length] == ids[last - length]:
+                    length += 1
+                if length > best_len:
+                    best, best_len = e, length
+            return best
+        return None
 
 
 class SequenceIndex:
@@ -111,12 +162,29 @@ class SpecState:
     skip: int = 0  # steps still skipped
     verify_steps: int = 0  # forwards in which this request had a draft
     accepted: int = 0  # draft tokens accepted in all
+    hits: float = 0.0  # recent accepted draft tokens (decayed per verify), for `alpha`
+    trials: float = 0.0  # recent draft tokens judged: accepted ones plus the first rejected one
+
+    @property
+    def alpha(self) -> float:
+        """Recent per-token acceptance rate (a draft token is accepted given the ones before it were),
+        pulled towards ALPHA_PRIOR while there is little evidence and capped below 1."""
+        prior = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
+        return min(ALPHA_MAX, (self.hits + prior) / (self.trials + ALPHA_PRIOR_WEIGHT))
+
+    def fade(self) -> None:
+        """A step that did not verify this request's draft (the budget cut it): older evidence fades, so
+        `alpha` drifts back to the prior and the draft is tried again some steps later."""
+        self.hits *= ALPHA_FADE
+        self.trials *= ALPHA_FADE
 
     def record(self, drafted: int, accepted: int, max_k: int) -> None:
         """Adapt the draft length to this verify: all accepted -> double it, none -> halve it (and, at 1,
         skip drafting for a while), some -> one more than was accepted."""
         self.verify_steps += 1
         self.accepted += accepted
+        self.hits = self.hits * ALPHA_DECAY + accepted
+        self.trials = self.trials * ALPHA_DECAY + accepted + (accepted < drafted)
         if accepted == drafted:
             self.k = min(max_k, max(self.k, drafted) * 2)
             self.cooldown = 0

@@ -381,6 +381,7 @@ class Scheduler:
         reqs = list(self.running)
         for i, req in enumerate(reqs):
             self.cm.append_slots(req, slots[i : i + 1])
+        t_step = time.perf_counter()
         ran = self._forward(
             reqs, lambda: build_decode_batch(reqs, slots, device=self.runner.device), "decoding"
         )
@@ -390,6 +391,8 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         self.running = []
         self._sample_and_advance(reqs, logits)
+        if self.spec is not None:  # a plain step is the draft budget's baseline
+            self.spec.budget.observe([r.seq_len for r in reqs], [1] * len(reqs), time.perf_counter() - t_step)
         for req in reqs:
             self.outputs.touch(req)
             self._place(req)

@@ -31,6 +31,7 @@ import torch
 from runtime.managers.scheduler.batch_builder import build_verify_batch
 from runtime.managers.scheduler.drafting import Drafter, SpecState
 from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.spec_budget import DraftBudget
 from runtime.model_executor.sampler import SamplingBatchInfo
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class SpeculativeDecoder:
     def __init__(self, algorithm: str, max_draft: int):
         self.drafter = Drafter(algorithm, max_draft)
         self.max_draft = max_draft
+        self.budget = DraftBudget()  # trims drafts to what the measured step cost says pays
 
     @classmethod
     def from_args(cls, args) -> SpeculativeDecoder | None:
@@ -75,7 +77,12 @@ class SpeculativeDecoder:
         or the pool cannot hold them now (the plain decode step then runs, with its retraction logic)."""
         t0 = time.perf_counter()
         reqs = list(s.running)
-        drafts = [self.draft(r) for r in reqs]
+        proposed = [self.draft(r) for r in reqs]
+        contexts = [r.seq_len for r in reqs]
+        drafts = self.budget.trim(proposed, contexts, [r.spec.alpha if r.spec else 0.0 for r in reqs])
+        for req, before, after in zip(reqs, proposed, drafts):
+            if before and not after:
+                req.spec.fade()
         s.stats["spec_draft_steps"] += 1
         s.stats["spec_draft_seconds"] += time.perf_counter() - t0
         if not any(drafts):
@@ -87,6 +94,7 @@ class SpeculativeDecoder:
         for req, d in zip(reqs, drafts):
             s.cm.append_slots(req, slots[at : at + 1 + len(d)])
             at += 1 + len(d)
+        t_step = time.perf_counter()
         ran = s._forward(
             reqs,
             lambda: build_verify_batch(reqs, drafts, s.cm.req_pool, device=s.runner.device),
@@ -99,6 +107,7 @@ class SpeculativeDecoder:
         s.stats["spec_verify_steps"] += 1
         s.running = []
         self._verify(s, reqs, drafts, built.logit_rows, logits)
+        self.budget.observe(contexts, [1 + len(d) for d in drafts], time.perf_counter() - t_step)
         for req in reqs:
             s.outputs.touch(req)
             s._place(req)

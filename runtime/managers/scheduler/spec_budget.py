@@ -1,0 +1,122 @@
+"""How many draft tokens a verify step should carry: the ones expected to pay for themselves.
+
+A draft token is one more row in the forward. At batch 1 a row is almost free (the step reads every weight
+once whatever the rows), so a long draft wins even when half of it is rejected; at batch 8, or over a long
+context where each row attends to thousands of keys, a row costs a real share of the step, and drafts that
+are usually rejected make the step slower than the tokens they add. The break-even depends on the machine,
+the model, the batch and the context, so it is measured, not configured:
+
+- `StepCostModel` fits the time of a decode or verify step as a + b * rows + c * attended, where `attended`
+  is the sum over requests of rows x context (the attention work), by least squares over the recent steps
+  of this process (both plain decodes and verifies), refitted every few steps;
+- each request's per-token acceptance rate alpha is tracked in `SpecState` (recent verifies weigh more);
+- `DraftBudget.trim` then keeps draft tokens greedily by expected tokens per second: draft token j of a
+  request (0-based) is accepted with probability alpha^(j+1) and costs b + c * context; it is kept while that
+  ratio beats the step's throughput so far (expected tokens / expected seconds), so the step's expected
+  tokens per second only rises.
+
+Until enough steps are seen (or when the fit is degenerate) drafts are not trimmed: the per-request draft
+length adaptation in `drafting.SpecState` still bounds them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+import numpy as np
+
+WINDOW = 256  # recent steps the fit uses
+REFIT_EVERY = 8  # steps between fits
+MIN_STEPS = 16  # steps seen before trimming starts
+CONTEXT_UNIT = 1000.0  # `attended` is counted in rows x thousands of keys (keeps the fit well scaled)
+
+
+class StepCostModel:
+    """seconds ~ a + b * rows + c * attended, fitted over the last WINDOW steps."""
+
+    def __init__(self):
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)  # (rows, attended, seconds)
+        self.coef: tuple[float, float, float] | None = None  # (a, b, c); None until fitted
+        self._since_fit = 0
+
+    def observe(self, rows: int, attended: float, seconds: float) -> None:
+        self.samples.append((float(rows), attended, seconds))
+        self._since_fit += 1
+        if len(self.samples) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
+            self.fit()
+
+    def fit(self) -> None:
+        """Least squares with a weak ridge pull towards a prior in which half of a median step is fixed cost
+        and half is per-row cost, so a window with little spread in rows still gives a sane answer."""
+        self._since_fit = 0
+        data = np.asarray(self.samples, dtype=np.float64)
+        rows, attended, secs = data[:, 0], data[:, 1], data[:, 2]
+        t_med, r_med = float(np.median(secs)), float(max(np.median(rows), 1.0))
+        if t_med <= 0:
+            return
+        prior = np.array([0.5 * t_med, 0.5 * t_med / r_med, 0.0])
+        x = np.column_stack([np.ones_like(rows), rows, attended])
+        # the prior as pseudo-observations: one per coefficient, scaled to a step's size
+        lam = 1.0
+        scale = np.array([1.0, r_med, max(float(np.median(attended)), 1e-3)])
+        x_aug = np.vstack([x / t_med, np.diag(lam * scale / t_med)])
+        y_aug = np.concatenate([secs / t_med, lam * scale * prior / t_med])
+        coef, *_ = np.linalg.lstsq(x_aug, y_aug, rcond=None)
+        a, b, c = (float(v) for v in coef)
+        floor = 0.02 * t_med / r_med  # a row is never free: keeps the trimming from keeping everything
+        self.coef = (max(a, 0.0), max(b, floor), max(c, 0.0))
+
+    def row_cost(self, context: int) -> float:
+        _, b, c = self.coef
+        return b + c * context / CONTEXT_UNIT
+
+    def step_cost(self, rows: int, attended: float) -> float:
+        a, b, c = self.coef
+        return a + b * rows + c * attended
+
+
+def attended(contexts: list[int], rows: list[int]) -> float:
+    """The attention work of a step: sum of rows x context, in CONTEXT_UNIT keys."""
+    return sum(n * ctx for n, ctx in zip(rows, contexts)) / CONTEXT_UNIT
+
+
+class DraftBudget:
+    """Trims each step's drafts to the tokens expected to raise its tokens per second."""
+
+    def __init__(self):
+        self.cost = StepCostModel()
+
+    def observe(self, contexts: list[int], rows: list[int], seconds: float) -> None:
+        """A decode or verify step ran: `rows[i]` rows of request i, over `contexts[i]` keys, in `seconds`."""
+        self.cost.observe(sum(rows), attended(contexts, rows), seconds)
+
+    def trim(self, drafts: list[list[int]], contexts: list[int], alphas: list[float]) -> list[list[int]]:
+        """Each draft cut to the prefix worth verifying (possibly empty); unchanged before the first fit."""
+        if self.cost.coef is None or not any(drafts):
+            return drafts
+        base_rows = len(drafts)
+        tokens = float(base_rows)  # every request emits at least one token
+        seconds = self.cost.step_cost(base_rows, attended(contexts, [1] * base_rows))
+        if seconds <= 0:
+            return drafts
+        keep = [0] * len(drafts)
+        # max-heap of (tokens per second of the next draft token, request); a request's next token is pushed
+        # once its previous one is kept (acceptance falls geometrically along a draft)
+        heap = []
+        for i, (d, ctx, alpha) in enumerate(zip(drafts, contexts, alphas)):
+            if d:
+                heap.append((-alpha / self.cost.row_cost(ctx), i, alpha))
+        heapq.heapify(heap)
+        while heap:
+            neg_rate, i, gain = heapq.heappop(heap)
+            cost = self.cost.row_cost(contexts[i])
+            if -neg_rate <= tokens / seconds:
+                break
+            keep[i] += 1
+            tokens += gain
+            seconds += cost
+            if keep[i] < len(drafts[i]):
+                nxt = gain * alphas[i]
+                heapq.heappush(heap, (-nxt / cost, i, nxt))
+        return [d[:n] for d, n in zip(drafts, keep)]

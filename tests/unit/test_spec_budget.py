@@ -1,0 +1,72 @@
+"""The draft budget: the step-cost fit and the trimming of drafts by expected tokens per second."""
+
+import random
+
+import pytest
+
+from runtime.managers.scheduler.drafting import SpecState
+from runtime.managers.scheduler.spec_budget import MIN_STEPS, DraftBudget, StepCostModel, attended
+
+
+def _feed(model: StepCostModel, a: float, b: float, c: float, n: int = 200, noise: float = 0.0) -> None:
+    rng = random.Random(0)
+    for _ in range(n):
+        contexts = [rng.randrange(50, 4000) for _ in range(rng.randrange(1, 9))]
+        rows = [1 + rng.randrange(0, 6) for _ in contexts]
+        work = attended(contexts, rows)
+        secs = a + b * sum(rows) + c * work
+        model.observe(sum(rows), work, secs * (1 + rng.uniform(-noise, noise)))
+
+
+def test_the_fit_recovers_fixed_row_and_attention_costs():
+    model = StepCostModel()
+    _feed(model, a=5e-3, b=2e-4, c=1e-4, noise=0.02)
+    a, b, c = model.coef
+    assert a == pytest.approx(5e-3, rel=0.1)
+    assert b == pytest.approx(2e-4, rel=0.25)
+    assert c == pytest.approx(1e-4, rel=0.25)
+
+
+def test_no_fit_and_no_trim_before_enough_steps():
+    budget = DraftBudget()
+    for _ in range(MIN_STEPS - 1):
+        budget.observe([100], [1], 0.01)
+    assert budget.cost.coef is None
+    drafts = [[1, 2, 3], []]
+    assert budget.trim(drafts, [100, 100], [0.1, 0.1]) == drafts
+
+
+def test_cheap_rows_keep_whole_drafts_and_dear_rows_keep_only_likely_ones():
+    cheap = DraftBudget()
+    _feed(cheap.cost, a=6e-3, b=1e-5, c=0.0)  # memory-bound batch-1 step: a row is ~free
+    assert cheap.trim([[1, 2, 3, 4]], [200], [0.5]) == [[1, 2, 3, 4]]
+
+    dear = DraftBudget()
+    _feed(dear.cost, a=1e-3, b=1e-3, c=0.0)  # compute-bound: a row costs like the fixed part
+    # 8 requests: the step makes 8 tokens in 9 ms; a token accepted with p=0.3 costs 1 ms -> not worth it
+    assert dear.trim([[1, 2, 3, 4]] * 8, [200] * 8, [0.3] * 8) == [[]] * 8
+    # near-certain drafts still pay, but their tails (0.95^k) stop paying at some length
+    kept = dear.trim([[1, 2, 3, 4, 5, 6, 7, 8]] * 8, [200] * 8, [0.95] * 8)
+    assert all(1 <= len(d) < 8 for d in kept)
+
+
+def test_long_contexts_cost_more_rows_than_short_ones():
+    budget = DraftBudget()
+    _feed(budget.cost, a=2e-3, b=1e-4, c=2e-3)
+    long_ctx, short_ctx = budget.trim([[1, 2, 3, 4], [1, 2, 3, 4]], [8000, 100], [0.6, 0.6])
+    assert len(long_ctx) < len(short_ctx)
+
+
+def test_acceptance_estimate_follows_recent_verifies_and_fades_back_when_cut():
+    state = SpecState(k=4)
+    prior = state.alpha
+    for _ in range(6):
+        state.record(4, 0, 8)
+    assert state.alpha < 0.25
+    low = state.alpha
+    for _ in range(30):
+        state.fade()
+    assert low < state.alpha <= prior + 1e-9
+    for _ in range(6):
+        state.record(4, 4, 8)
+    assert state.alpha > 0.8
