@@ -5,7 +5,7 @@ import random
 import pytest
 
 from runtime.managers.scheduler.drafting import SpecState
-from runtime.managers.scheduler.spec_budget import MIN_STEPS, DraftBudget, StepCostModel, attended
+from runtime.managers.scheduler.spec_budget import MIN_STEPS, WINDOW, DraftBudget, StepCostModel, attended
 
 
 def _feed(model: StepCostModel, a: float, b: float, c: float, n: int = 200, noise: float = 0.0) -> None:
@@ -70,3 +70,16 @@ def test_acceptance_estimate_follows_recent_verifies_and_fades_back_when_cut():
     for _ in range(6):
         state.record(4, 4, 8)
     assert state.alpha > 0.8
+
+
+def test_stalled_steps_do_not_make_rows_look_dear():
+    model = StepCostModel()
+    _feed(model, a=5e-3, b=2e-4, c=0.0, n=WINDOW)
+    clean = model.coef
+    rng = random.Random(1)
+    for _ in range(WINDOW // 10):  # one step in ten stalls for 50-200 ms, whatever its rows
+        rows = rng.randrange(1, 40)
+        model.observe(rows, 0.0, rng.uniform(0.05, 0.2))
+    model.fit()
+    assert model.coef[1] == pytest.approx(clean[1], rel=0.3)
+    assert model.coef[0] == pytest.approx(clean[0], rel=0.3)

@@ -522,5 +522,5 @@ class Scheduler:
             "grammar": self.grammars.stats(),
             **self.sessions.info(),
             **self.stats,
-            **spec_info(self.stats),
+            **spec_info(self.stats, self.spec),
         }

@@ -48,24 +48,40 @@ class StepCostModel:
 
     def fit(self) -> None:
         """Least squares with a weak ridge pull towards a prior in which half of a median step is fixed cost
-        and half is per-row cost, so a window with little spread in rows still gives a sane answer."""
+        and half is per-row cost, so a window with little spread in rows still gives a sane answer. Steps
+        far slower than the fit predicts (a stall: another process took the cores) are dropped and the fit
+        redone, so one stall does not make every row look dear."""
         self._since_fit = 0
         data = np.asarray(self.samples, dtype=np.float64)
-        rows, attended, secs = data[:, 0], data[:, 1], data[:, 2]
-        t_med, r_med = float(np.median(secs)), float(max(np.median(rows), 1.0))
+        t_med = float(np.median(data[:, 2]))
         if t_med <= 0:
             return
-        prior = np.array([0.5 * t_med, 0.5 * t_med / r_med, 0.0])
-        x = np.column_stack([np.ones_like(rows), rows, attended])
-        # the prior as pseudo-observations: one per coefficient, scaled to a step's size
-        lam = 1.0
-        scale = np.array([1.0, r_med, max(float(np.median(attended)), 1e-3)])
-        x_aug = np.vstack([x / t_med, np.diag(lam * scale / t_med)])
-        y_aug = np.concatenate([secs / t_med, lam * scale * prior / t_med])
-        coef, *_ = np.linalg.lstsq(x_aug, y_aug, rcond=None)
+        calm = np.ones(len(data), dtype=bool)
+        for _ in range(8):  # each pass drops what the last fit calls a stall, then fits the rest again
+            coef = self._solve(data[calm], t_med)
+            resid = data[:, 2] - data[:, :2] @ coef[1:] - coef[0]
+            mid = float(np.median(resid[calm]))
+            spread = 1.4826 * float(np.median(np.abs(resid[calm] - mid))) + 0.02 * t_med
+            now = resid <= mid + 3 * spread
+            if now.sum() < MIN_STEPS or (now == calm).all():
+                break
+            calm = now
         a, b, c = (float(v) for v in coef)
+        r_med = float(max(np.median(data[:, 0]), 1.0))
         floor = 0.02 * t_med / r_med  # a row is never free: keeps the trimming from keeping everything
         self.coef = (max(a, 0.0), max(b, floor), max(c, 0.0))
+
+    @staticmethod
+    def _solve(data: np.ndarray, t_med: float) -> np.ndarray:
+        rows, attended, secs = data[:, 0], data[:, 1], data[:, 2]
+        r_med = float(max(np.median(rows), 1.0))
+        prior = np.array([0.5 * t_med, 0.5 * t_med / r_med, 0.0])
+        x = np.column_stack([np.ones_like(rows), rows, attended])
+        # the prior as pseudo-observations, one per coefficient, each worth one typical step
+        scale = np.array([1.0, r_med, max(float(np.median(attended)), 1e-3)])
+        x_aug = np.vstack([x / t_med, np.diag(scale / t_med)])
+        y_aug = np.concatenate([secs / t_med, scale * prior / t_med])
+        return np.linalg.lstsq(x_aug, y_aug, rcond=None)[0]
 
     def row_cost(self, context: int) -> float:
         _, b, c = self.coef
