@@ -26,7 +26,7 @@ from collections import deque
 
 import numpy as np
 
-WINDOW = 256  # recent steps the fit uses
+WINDOW = 64  # recent steps the fit uses: the current workload (its contexts, its batch) decides
 REFIT_EVERY = 8  # steps between fits
 MIN_STEPS = 16  # steps seen before trimming starts
 CONTEXT_UNIT = 1000.0  # `attended` is counted in rows x thousands of keys (keeps the fit well scaled)
@@ -77,8 +77,8 @@ class StepCostModel:
         r_med = float(max(np.median(rows), 1.0))
         prior = np.array([0.5 * t_med, 0.5 * t_med / r_med, 0.0])
         x = np.column_stack([np.ones_like(rows), rows, attended])
-        # the prior as pseudo-observations, one per coefficient, each worth one typical step
-        scale = np.array([1.0, r_med, max(float(np.median(attended)), 1e-3)])
+        # the prior as pseudo-observations, one per coefficient, each worth a quarter of a typical step
+        scale = 0.25 * np.array([1.0, r_med, max(float(np.median(attended)), 1e-3)])
         x_aug = np.vstack([x / t_med, np.diag(scale / t_med)])
         y_aug = np.concatenate([secs / t_med, scale * prior / t_med])
         return np.linalg.lstsq(x_aug, y_aug, rcond=None)[0]
