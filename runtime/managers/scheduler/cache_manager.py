@@ -20,7 +20,7 @@ import os
 import torch
 
 from runtime.managers.scheduler.req import Req
-from runtime.mem_cache.disk_tier import DiskTier
+from runtime.mem_cache.disk_tier import BLOCK, DiskTier
 from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
@@ -109,6 +109,7 @@ class CacheManager:
         key = req.cache_key(req.prefix_limit())
         d = req.match_len
         names = self.disk.block_names(key)
+        self.disk.hit(names[: d // BLOCK])  # the blocks the tiers above served: they rank the disk's eviction
         n = self.disk.cached_len(names)
         if n <= d:
             return 0
