@@ -101,9 +101,11 @@ class DiskTier:
         f.score = self._age + f.hits
 
     # ---- device -> disk (background) -----------------------------------------------------------------
-    def offer(self, key: list[int], device_slots: torch.Tensor) -> int:
+    def offer(self, key: list[int], device_slots: torch.Tensor, wait_s: float = 0.0) -> int:
         """Queue the full blocks of a just-cached prefix that are not on disk yet (their KV is copied now:
-        the slots may be reused before the writer runs). Returns the blocks queued."""
+        the slots may be reused before the writer runs). Returns the blocks queued. With the queue full a
+        block is dropped (serving must not wait for the disk), unless `wait_s` allows waiting for room (a
+        graceful stop, which offers the whole cache at once)."""
         names = self.block_names(key)
         queued = 0
         for i, name in enumerate(names):
@@ -123,7 +125,7 @@ class DiskTier:
                 "v": v,
             }
             try:
-                self._queue.put_nowait((name, entry))
+                self._queue.put((name, entry), block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
                 queued += 1
             except queue.Full:
                 with self._lock:

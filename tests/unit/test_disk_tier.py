@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
 
 from runtime.managers.scheduler.cache_manager import CacheManager
 from runtime.managers.scheduler.req import Req
+from runtime.mem_cache import disk_tier
 from runtime.mem_cache.disk_tier import BLOCK, SUFFIX, DiskTier
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
@@ -176,6 +178,22 @@ def test_old_hits_age_so_new_prefixes_still_reach_a_full_disk(tmp_path):
     assert load_again(tmp_path / "d", news[-1]) == BLOCK
     assert all(load_again(tmp_path / "d", p) == 0 for p in old)
     assert len(list((tmp_path / "d").iterdir())) == 2
+
+
+def test_a_graceful_stop_waits_for_room_in_the_writers_queue(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "QUEUE_BLOCKS", 1)
+    real_save = torch.save
+
+    def slow_save(*a, **kw):  # a slow disk: the writer falls behind and its queue stays full
+        time.sleep(0.05)
+        real_save(*a, **kw)
+
+    monkeypatch.setattr(torch, "save", slow_save)
+    cm = make_cm(tmp_path)
+    prompt = prompt_of(3 * BLOCK + 1)
+    cm.release(fill(cm, prompt))  # serving does not wait: with one place in the queue blocks are dropped
+    cm.save_to_disk()  # the graceful stop waits for room instead
+    assert sorted(os.listdir(tmp_path)) == sorted(n + SUFFIX for n in cm.disk.block_names(prompt))
 
 
 def test_server_args_check_the_disk_tier(tmp_path):
