@@ -209,6 +209,7 @@ def run_side(
         "cached_tokens": cached,
         "cached_tokens_by_tier": tiers,
         "prefill_recomputed": prompt - cached,
+        "first_step_prompt_tokens": sum(len(w["history"]) for w in work),  # cold on every side
         "step_latency_s": common.summarize(lat),
         "wall_s": wall,
         "steps_per_s": len(lat) / wall if wall else math.nan,
@@ -353,6 +354,10 @@ def target_checks(sides: list[dict[str, Any]], restart: dict[str, Any] | None) -
         p99 = common.ratio(r["step_latency_s"]["p99"], lru and lru["step_latency_s"]["p99"])
         checks[r["side"]] = {
             "recomputed_vs_lru": rec,
+            # the first steps are cold on every side: no side recomputes less than this
+            "recomputed_floor_vs_lru": common.ratio(
+                r.get("first_step_prompt_tokens"), lru and lru["prefill_recomputed"]
+            ),
             f"recomputed_le_{RECOMPUTED_TARGET}x_lru": _at_most(rec, RECOMPUTED_TARGET),
             "p99_vs_lru": p99,
             f"p99_le_{P99_TARGET}x_lru": _at_most(p99, P99_TARGET),
@@ -517,6 +522,13 @@ def main(argv: list[str] | None = None) -> None:
     common.print_table(
         trows, ["check", "side", "ratio", "met"], "targets" + (" (SCALED DOWN run)" if scaled else "")
     )
+    floor = max((c.get("recomputed_floor_vs_lru") or 0 for c in checks.values()), default=0)
+    if floor > RECOMPUTED_TARGET:
+        print(
+            f"note: every agent's first step is cold on every side, {floor:.2f} of LRU's recomputed tokens "
+            f"at {args.steps} steps, so recomputed <= {RECOMPUTED_TARGET}x LRU cannot be met at this scale",
+            flush=True,
+        )
     config = {**vars(args), "command": common.command_line(), "note": note, "working_set": ws, "pool": pool}
     common.write_results(
         args.name or "agent_swarm",

@@ -122,6 +122,9 @@ def test_target_checks_compare_with_lru_and_the_cold_server():
         and c["sessions+disk"]["p99_le_0.5x_lru"] is False
     )
     assert c["sessions+disk"]["recomputed_vs_lru"] == pytest.approx(0.201)
+    assert c["sessions+disk"]["recomputed_floor_vs_lru"] is None  # first_step_prompt_tokens not given
+    floor = sw.target_checks([sides[0], {**sides[1], "first_step_prompt_tokens": 300}], None)
+    assert floor["sessions"]["recomputed_floor_vs_lru"] == pytest.approx(0.3)
     assert c["restart"]["ttft_le_0.3x_cold"] is True
     assert (
         sw.target_checks(sides, {"ttft_p50_restart_vs_cold": 0.31})["restart"]["ttft_le_0.3x_cold"] is False
