@@ -213,8 +213,8 @@ def run_side(
         "step_latency_s": common.summarize(lat),
         "wall_s": wall,
         "steps_per_s": len(lat) / wall if wall else math.nan,
-        # SIGTERM to the whole group: the scheduler writes its cache and exits, the detokenizer dies at once,
-        # so 1 ("process died") is normal; the restart's disk_files_at_start shows what was written
+        # SIGTERM goes to the whole group, so the children exit too and the launcher answers 0, or 1 when it
+        # sees them gone before its own drain ends; the restart's disk_files_at_start shows what was saved
         "stop_exit_code": server.proc.returncode,
         "server": {
             k: info.get(k)
