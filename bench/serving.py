@@ -359,11 +359,13 @@ class LaunchedServer:
         self.stop()
         raise TimeoutError(f"server not healthy after {timeout:.0f} s; see {self._log.name}")
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the group; SIGKILL it if it has not exited `timeout_s` later (give a server with
+        --kv-disk-dir the supervisor's DISK_FLUSH_S and more, or its cache is cut off mid-write)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)

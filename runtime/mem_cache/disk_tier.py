@@ -5,19 +5,25 @@ named by a chained hash: h_i = blake2b(h_{i-1}, the model's identity, the dtype,
 stands for exactly one prefix of one model in one dtype. Files are written by a background thread (tmp file +
 rename: a reader never sees a half-written entry) from copies taken when a prefix enters the device cache, and
 the queue is drained on a graceful shutdown. The directory is capped at `--kv-disk-gb`; past it the least
-recently used files go. On a lookup the longest run of consecutive blocks on disk is loaded; each file's
-header (identity, dtype, shape, tokens) is checked before use, and a file that fails (corrupt, another model
-or dtype, another prefix) is ignored with a warning and deleted, never used.
+hit files go first, least recently used among equals. A block's hits are its write, its loads from disk and
+the device (or host) matches over it that the cache manager reports, aged (LFU with dynamic aging: the score
+is the hits plus the score of the last evicted block when it was last hit or written), so blocks hit often
+long ago cannot keep every new prefix off the disk. Counts live in memory: after a restart every file starts
+at 0 and its mtime orders them. On a lookup the longest run of consecutive blocks on disk is loaded; each
+file's header (identity, dtype, shape, tokens) is checked before use, and a file that fails (corrupt, another
+model or dtype, another prefix) is ignored with a warning and deleted, never used.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +36,14 @@ SUFFIX = ".kv"
 QUEUE_BLOCKS = 1024  # blocks waiting to be written at most; past it new blocks are not written
 
 
+@dataclass
+class _File:
+    size: int
+    used: float  # last write, load or reported hit (time.time())
+    hits: int = 0
+    score: float = 0.0  # hits + the aging level when last touched: the lowest goes first
+
+
 class DiskTier:
     def __init__(self, directory: str, cap_bytes: int, device_pool: KVPool, identity: str):
         self.dir = directory
@@ -40,15 +54,19 @@ class DiskTier:
         self._salt = f"{identity}|{self.dtype}".encode()
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
-        self._index: dict[str, tuple[int, float]] = {}  # name -> (bytes, last use)
+        self._index: dict[str, _File] = {}
         for name in os.listdir(directory):
             path = os.path.join(directory, name)
             if name.endswith(SUFFIX) and os.path.isfile(path):
                 st = os.stat(path)
-                self._index[name[: -len(SUFFIX)]] = (st.st_size, st.st_mtime)
+                self._index[name[: -len(SUFFIX)]] = _File(st.st_size, st.st_mtime)
+        self._used = sum(f.size for f in self._index.values())
+        self._age = 0.0  # the score of the last evicted file (LFU-DA's inflation level)
         self._pending: set[str] = set()
         self._queue: queue.Queue = queue.Queue(QUEUE_BLOCKS)
-        self.counts = dict(disk_written_blocks=0, disk_loaded_tokens=0, disk_rejected_files=0, disk_dropped=0)
+        self.counts = dict(
+            disk_written_blocks=0, disk_loaded_tokens=0, disk_rejected_files=0, disk_dropped=0, disk_evicted=0
+        )
         self._writer = threading.Thread(target=self._write_loop, name="radixlm-kv-disk", daemon=True)
         self._writer.start()
 
@@ -69,10 +87,25 @@ class DiskTier:
             n = next((i for i, name in enumerate(names) if name not in self._index), len(names))
         return n * BLOCK
 
+    def hit(self, names: list[str]) -> None:
+        """Count a use of these blocks that did not read them (the device or host tier held them)."""
+        now = time.time()
+        with self._lock:
+            for name in names:
+                if (f := self._index.get(name)) is not None:
+                    self._touch(f, now)
+
+    def _touch(self, f: _File, now: float) -> None:  # under self._lock
+        f.hits += 1
+        f.used = now
+        f.score = self._age + f.hits
+
     # ---- device -> disk (background) -----------------------------------------------------------------
-    def offer(self, key: list[int], device_slots: torch.Tensor) -> int:
+    def offer(self, key: list[int], device_slots: torch.Tensor, wait_s: float = 0.0) -> int:
         """Queue the full blocks of a just-cached prefix that are not on disk yet (their KV is copied now:
-        the slots may be reused before the writer runs). Returns the blocks queued."""
+        the slots may be reused before the writer runs). Returns the blocks queued. With the queue full a
+        block is dropped (serving must not wait for the disk), unless `wait_s` allows waiting for room (a
+        graceful stop, which offers the whole cache at once)."""
         names = self.block_names(key)
         queued = 0
         for i, name in enumerate(names):
@@ -92,7 +125,7 @@ class DiskTier:
                 "v": v,
             }
             try:
-                self._queue.put_nowait((name, entry))
+                self._queue.put((name, entry), block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
                 queued += 1
             except queue.Full:
                 with self._lock:
@@ -126,21 +159,27 @@ class DiskTier:
                 os.unlink(tmp)
         size = os.path.getsize(path)
         with self._lock:
-            self._index[name] = (size, time.time())
+            old = self._index.pop(name, None)
+            self._used += size - (old.size if old else 0)
+            # a written block counts as hit once: a new prefix competes with old ones at the current age
+            self._index[name] = _File(size, time.time(), 1, self._age + 1)
         self.counts["disk_written_blocks"] += 1
         self._enforce_cap()
 
     def _enforce_cap(self) -> None:
+        """Past the cap, delete the lowest-scored files (least hit, aged), least recently used first."""
         with self._lock:
-            total = sum(s for s, _ in self._index.values())
+            if self._used <= self.cap_bytes:
+                return
+            heap = [(f.score, f.used, name) for name, f in self._index.items()]
+            heapq.heapify(heap)  # O(n), then O(log n) per victim: the writer holds the lock briefly
             victims = []
-            for name, (size, _) in sorted(self._index.items(), key=lambda kv: kv[1][1]):
-                if total <= self.cap_bytes:
-                    break
+            while heap and self._used > self.cap_bytes:
+                score, _, name = heapq.heappop(heap)
                 victims.append(name)
-                total -= size
-            for name in victims:
-                del self._index[name]
+                self._used -= self._index.pop(name).size
+                self._age = max(self._age, score)
+            self.counts["disk_evicted"] += len(victims)
         for name in victims:
             try:
                 os.unlink(os.path.join(self.dir, name + SUFFIX))
@@ -198,13 +237,14 @@ class DiskTier:
             entry, problem = None, f"unreadable ({type(e).__name__}: {str(e)[:120]})"
         if problem is None:
             with self._lock:
-                if name in self._index:
-                    self._index[name] = (self._index[name][0], time.time())
+                if (f := self._index.get(name)) is not None:
+                    self._touch(f, time.time())
             return entry
         logger.warning("ignoring KV disk entry %s: %s", path, problem)
         self.counts["disk_rejected_files"] += 1
         with self._lock:
-            self._index.pop(name, None)
+            if (f := self._index.pop(name, None)) is not None:
+                self._used -= f.size
         try:
             os.unlink(path)
         except OSError:
@@ -222,8 +262,7 @@ class DiskTier:
     # ---- sizes ---------------------------------------------------------------------------------------
     def info(self) -> dict:
         with self._lock:
-            used = sum(s for s, _ in self._index.values())
-            files = len(self._index)
+            used, files = self._used, len(self._index)
         return {
             "disk_tier_bytes": self.cap_bytes,
             "disk_tier_used_bytes": used,

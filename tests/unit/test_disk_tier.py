@@ -1,17 +1,20 @@
 """Disk KV tier: blocks written in the background (tmp + rename) are found again by a new instance on the
 same directory (a restart) and loaded into the device pool; entries of another model or dtype, corrupt or
-forged files are refused with a warning and never used; the size cap holds."""
+forged files are refused with a warning and never used; the size cap holds, dropping the least hit blocks
+first (aged, so old hits do not lock new prefixes out)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 import torch
 
 from runtime.managers.scheduler.cache_manager import CacheManager
 from runtime.managers.scheduler.req import Req
+from runtime.mem_cache import disk_tier
 from runtime.mem_cache.disk_tier import BLOCK, SUFFIX, DiskTier
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
@@ -121,6 +124,76 @@ def test_the_size_cap_drops_least_recently_used_files(tmp_path):
         cm.release(fill(cm, prompt_of(BLOCK + 1, base)))
         assert cm.disk.flush()
     assert len(os.listdir(tmp_path)) == 2 and cm.disk.info()["disk_tier_used_bytes"] <= 2.5 * size
+
+
+def load_again(directory, prompt: list[int]) -> int:
+    """A request for `prompt` on a fresh process over `directory`: the tokens it loads from disk."""
+    cm = make_cm(directory)
+    req = Req(rid="h", prompt_ids=prompt + [7], params=SamplingParams(max_new_tokens=1))
+    cm.match(req)
+    assert cm.start(req)
+    return req.disk_loaded_len
+
+
+def test_the_size_cap_drops_the_least_hit_files_before_recently_used_ones(tmp_path):
+    one = make_cm(tmp_path / "probe")
+    one.release(fill(one, prompt_of(BLOCK + 1)))
+    assert one.disk.flush()
+    size = os.path.getsize(next(iter((tmp_path / "probe").iterdir())))
+    cm = make_cm(tmp_path / "d", cap=int(2.5 * size))
+    hot, warm, new = prompt_of(BLOCK + 1, 2000), prompt_of(BLOCK + 1, 3000), prompt_of(BLOCK + 1, 4000)
+    for p in (hot, warm):
+        cm.release(fill(cm, p))
+        assert cm.disk.flush()
+    (hot_name,), (warm_name,) = cm.disk.block_names(hot), cm.disk.block_names(warm)
+    for _ in range(3):  # hot: three device hits, reported to the disk tier at admission
+        req = Req(rid="x", prompt_ids=hot + [7], params=SamplingParams(max_new_tokens=1))
+        assert cm.match(req) == BLOCK + 1 and cm.start(req)
+        cm.release(req, cache_tokens=False)
+    cm.disk.hit([warm_name])  # warm: one hit, but the most recent use
+    cm.release(fill(cm, new))  # written: one hit, fewer than either, so it is the one dropped
+    assert cm.disk.flush()
+    left = {p.name.removesuffix(SUFFIX) for p in (tmp_path / "d").iterdir()}
+    assert left == {hot_name, warm_name}  # LRU would have dropped hot, the least recently used
+    assert cm.disk.counts["disk_evicted"] == 1 and cm.disk.info()["disk_tier_used_bytes"] <= 2.5 * size
+
+
+def test_old_hits_age_so_new_prefixes_still_reach_a_full_disk(tmp_path):
+    one = make_cm(tmp_path / "probe")
+    one.release(fill(one, prompt_of(BLOCK + 1)))
+    assert one.disk.flush()
+    size = os.path.getsize(next(iter((tmp_path / "probe").iterdir())))
+    cm = make_cm(tmp_path / "d", cap=int(2.5 * size))
+    old = [prompt_of(BLOCK + 1, b) for b in (2000, 3000)]
+    for p in old:
+        cm.release(fill(cm, p))
+        assert cm.disk.flush()
+        cm.disk.hit(cm.disk.block_names(p) * 3)  # popular once, never used again
+    news = [prompt_of(BLOCK + 1, 5000 + 1000 * i) for i in range(8)]
+    for p in news:
+        cm.release(fill(cm, p))
+        assert cm.disk.flush()
+    # each write evicts one file; the level rises with every eviction until old hits no longer outrank a
+    # newly written block, and the latest prefix then stays on disk
+    assert load_again(tmp_path / "d", news[-1]) == BLOCK
+    assert all(load_again(tmp_path / "d", p) == 0 for p in old)
+    assert len(list((tmp_path / "d").iterdir())) == 2
+
+
+def test_a_graceful_stop_waits_for_room_in_the_writers_queue(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "QUEUE_BLOCKS", 1)
+    real_save = torch.save
+
+    def slow_save(*a, **kw):  # a slow disk: the writer falls behind and its queue stays full
+        time.sleep(0.05)
+        real_save(*a, **kw)
+
+    monkeypatch.setattr(torch, "save", slow_save)
+    cm = make_cm(tmp_path)
+    prompt = prompt_of(3 * BLOCK + 1)
+    cm.release(fill(cm, prompt))  # serving does not wait: with one place in the queue blocks are dropped
+    cm.save_to_disk()  # the graceful stop waits for room instead
+    assert sorted(os.listdir(tmp_path)) == sorted(n + SUFFIX for n in cm.disk.block_names(prompt))
 
 
 def test_server_args_check_the_disk_tier(tmp_path):

@@ -16,11 +16,12 @@ computed KV) instead of leaving it to be recomputed.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from runtime.managers.scheduler.req import Req
-from runtime.mem_cache.disk_tier import DiskTier
+from runtime.mem_cache.disk_tier import BLOCK, DiskTier
 from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
@@ -109,6 +110,7 @@ class CacheManager:
         key = req.cache_key(req.prefix_limit())
         d = req.match_len
         names = self.disk.block_names(key)
+        self.disk.hit(names[: d // BLOCK])  # the blocks the tiers above served: they rank the disk's eviction
         n = self.disk.cached_len(names)
         if n <= d:
             return 0
@@ -219,13 +221,15 @@ class CacheManager:
             **disk,
         }
 
-    def save_to_disk(self) -> None:
-        """Graceful shutdown: queue every cached prefix not on disk yet, then wait for the writer."""
+    def save_to_disk(self, timeout_s: float = 55.0) -> None:
+        """Graceful shutdown: queue every cached prefix not on disk yet (waiting for room in the writer's
+        queue, which holds far fewer blocks than a large pool), then wait for the writer."""
         if self.disk is None or not isinstance(self.cache, RadixCache):
             return
+        deadline = time.monotonic() + timeout_s
         for node in [n for n in self.cache._nodes() if n.is_leaf()]:
-            self.disk.offer(*self.cache.path(node))
-        self.disk.flush()
+            self.disk.offer(*self.cache.path(node), wait_s=max(0.001, deadline - time.monotonic()))
+        self.disk.flush(max(0.0, deadline - time.monotonic()))
 
     # ---- invariants -------------------------------------------------------------------------------------
     def check_accounting(self, live: list[Req]) -> None:
