@@ -8,6 +8,7 @@ process, so that an operator reading `ps` sees `radixlm::scheduler` instead of t
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 
 import setproctitle
@@ -31,7 +32,20 @@ def die_with_parent() -> None:
         pass
 
 
+def leave_process_group() -> None:
+    """Move this process into a process group of its own, so a signal sent to the server's whole group
+    (`kill -TERM -<pgid>`, a shell's job control, a benchmark harness) reaches only the parent, which then
+    stops its children in order: a SIGTERM drains running requests (and, with --kv-disk-dir, gives the
+    scheduler time to write its cache) instead of killing the scheduler under them. `die_with_parent` still
+    guarantees no child outlives the server."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a group leader, or not permitted: the signal semantics are merely as before
+        pass
+
+
 def init_child(role: str) -> None:
     """The first call of a child process's entry function."""
     die_with_parent()
+    leave_process_group()
     set_process_title(role)
