@@ -1,6 +1,8 @@
 """Speculative decoding (`--speculative-algorithm`): drafting, and verification that never changes what is
 generated: greedy outputs identical, sampled distributions identical (chi-square), seeded draws identical,
-stop conditions and max_new_tokens honoured inside an accepted run, every KV slot back after aborts."""
+stop conditions and max_new_tokens honoured inside an accepted run, every KV slot back after aborts; grammar-
+constrained requests draft too, cut to what their grammar allows, with each verified row under the grammar's
+mask at that position."""
 
 from __future__ import annotations
 
@@ -102,6 +104,8 @@ def drive(sched, msgs, abort_at: dict[int, str] | None = None) -> dict:
             sched.handle(AbortReq(rid=abort_at[steps]))
         for o in sched.step():
             r = res.setdefault(o.rid, [[], None, []])
+            if o.replaced_tokens:  # jump-forward re-tokenized the tail
+                del r[0][len(r[0]) - o.replaced_tokens :]
             r[0].extend(o.new_token_ids)
             r[2].extend(o.output_token_logprobs or [])
             if o.finished_reason:
@@ -368,3 +372,217 @@ def test_seeded_sampling_draws_the_same_tokens(tiny_model_dir, default_tokenizer
     on = drive(sched, msgs)
     assert {r: v[0] for r, v in on.items()} == {r: v[0] for r, v in off.items()}
     assert sched.stats["spec_accepted_tokens"] > 0
+
+
+# ---- constrained requests: drafts cut by the grammar, rows masked per position -----------------------------
+def _grammar_manager(tokenizer, backend: str = "outlines"):
+    from runtime.managers.scheduler.grammar_manager import GrammarManager
+    from runtime.server_args import ServerArgs
+
+    return GrammarManager(tokenizer, 49152, ServerArgs(grammar_backend=backend, grammar_workers=1))
+
+
+def _constrained_req(manager, rid: str, regex: str, return_logprob: bool = False):
+    from runtime.managers.scheduler.req import Req
+
+    params = SamplingParams(regex=regex, max_new_tokens=16)
+    req = Req(rid=rid, prompt_ids=[5, 6], params=params, return_logprob=return_logprob)
+    req.grammar = manager.compile_async(params).result(timeout=300).new_matcher()
+    return req
+
+
+def test_verify_masks_cut_drafts_and_mask_each_row_from_its_grammar_state(default_tokenizer):
+    """Row j of a constrained request holds the mask after draft[:j]; the draft ends before a rejected
+    token, after a terminating one, and after one into forced text (only where jump-forward applies); the
+    matcher ends where it started; a grammar that raises fails its request alone."""
+    import torch
+
+    enc = lambda text: default_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = enc("12-forced-abc")
+    assert len(ids) == 6  # '1', '2', '-', 'forced', '-', 'abc'
+    regex = r"[0-9]{2}-forced-[a-z]{1,3}"
+    manager = _grammar_manager(default_tokenizer)
+    try:
+        jumps = _constrained_req(manager, "jumps", regex)
+        logprobs = _constrained_req(manager, "logprobs", regex, return_logprob=True)  # no jump-forward
+        rejects = _constrained_req(manager, "rejects", regex)
+        moved = _constrained_req(manager, "moved", regex, return_logprob=True)
+        moved.grammar.accept_token(ids[0])  # starts after '1'
+        free = _constrained_req(manager, "free", regex)
+        free.grammar = None
+        reqs = [jumps, free, logprobs, rejects, moved]
+        drafts = [ids, [7, 8, 9], ids, [ids[0], 1, ids[1]], ids[1:3] + enc("3")]
+        before = [r.grammar.accepted_ids if r.grammar else None for r in reqs]
+        got_reqs, got, mask = manager.verify_masks(reqs, drafts, fail=lambda r: pytest.fail(r.rid))
+        assert got_reqs == reqs
+        assert (
+            got
+            == [
+                ids[:2],  # after '12' the grammar forces '-forced-': jump-forward's, not the draft's
+                [7, 8, 9],
+                ids,  # 'abc' completes the regex: nothing may follow
+                ids[:1],  # <|im_start|> is rejected
+                ids[1:3],  # '3' is rejected after '12-'
+            ]
+        )
+        assert [r.grammar.accepted_ids if r.grammar else None for r in reqs] == before
+        assert mask.shape == (sum(1 + len(d) for d in got), 49152)
+        at = 0
+        for req, draft, start in zip(reqs, got, before):
+            for j in range(1 + len(draft)):
+                if req.grammar is None:
+                    assert bool(mask[at].all())
+                else:
+                    m = req.grammar.grammar.new_matcher()  # a fresh matcher walked to the row's state
+                    m.accept_tokens(start + draft[:j])
+                    want = torch.zeros(49152, dtype=torch.bool)
+                    m.fill_vocab_mask(want)
+                    assert torch.equal(mask[at], want), (req.rid, j)
+                at += 1
+
+        # a matcher that raises fails its request only; the others' rows are unaffected
+        class Broken:
+            def fill_vocab_mask(self, row):
+                raise RuntimeError("injected fault")
+
+            def rollback(self, n):
+                pass
+
+        broken = _constrained_req(manager, "broken", regex)
+        broken.grammar = Broken()
+        failed = []
+        got_reqs, got, mask2 = manager.verify_masks([broken, rejects], [ids, [ids[0], 1]], fail=failed.append)
+        assert failed == [broken] and got_reqs == [rejects] and got == [ids[:1]]
+        assert mask2.shape[0] == 2 and int(mask2[0].sum()) == 10  # the ten digits
+    finally:
+        manager.shutdown()
+
+
+CONSTRAINED_CASES = {
+    "tool": (
+        'Call get_weather for Paris for 3 days. Reply with JSON like {"name": "get_time", "arguments": '
+        '{"city": "Lima", "days": 2}}.',
+        {
+            "json_schema": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": ["get_weather", "get_time"]},
+                    "arguments": {
+                        "type": "object",
+                        "properties": {
+                            "city": {"type": "string", "maxLength": 20},
+                            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                        },
+                        "required": ["city", "days"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        },
+    ),
+    "copy": (
+        'Return this JSON unchanged: {"name": "alpha_31", "tags": ["river_7", "stone_12", "cloud_5"]}',
+        {
+            "json_schema": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 16},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 4},
+                },
+                "required": ["name", "tags"],
+                "additionalProperties": False,
+            }
+        },
+    ),
+    "date": (
+        "When did the first person walk on the moon? Answer YYYY-MM-DD.",
+        {"regex": r"(19|20)\d{2}-[01]\d-[0-3]\d"},
+    ),
+    "email": (
+        "Write the address alice@example.com and then stop.",
+        {"regex": r"[a-z]{1,10}@[a-z]{1,10}\.(com|org|net)"},
+    ),
+}
+
+
+def _valid(text: str, params: dict) -> bool:
+    import re
+
+    import jsonschema
+
+    if "regex" in params:
+        return re.fullmatch(params["regex"], text) is not None
+    jsonschema.validate(json.loads(text), params["json_schema"])
+    return True
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("backend", ["outlines", "llguidance", "xgrammar"])
+def test_constrained_requests_speculate_with_identical_greedy_outputs(
+    default_model_dir, default_tokenizer, backend
+):
+    """Schemas and regexes, greedy, fp32: speculation off, with the real ngram drafter, with an oracle drafter
+    (the output as drafted: constrained requests must verify drafts), with the oracle's draft broken by a
+    token the grammar rejects after two tokens (cut there: never verified), and with only rejected tokens
+    (no draft survives): the same tokens, finish reasons and valid outputs every time, and no KV left."""
+    pytest.importorskip(backend if backend != "outlines" else "outlines_core")
+    bad = 1  # <|im_start|>: a special token no grammar allows
+    prompts = {
+        rid: default_tokenizer.encode(
+            default_tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for rid, (text, _) in CONSTRAINED_CASES.items()
+    }
+    msgs = [
+        gen(rid, prompts[rid], max_new_tokens=120, **params) for rid, (_, params) in CONSTRAINED_CASES.items()
+    ]
+    sched = make_scheduler(
+        default_model_dir,
+        default_tokenizer,
+        max_running_requests=8,
+        speculative_algorithm="ngram",
+        grammar_backend=backend,
+    )
+    spec, real_propose = sched.spec, sched.spec.drafter.propose
+
+    def run(decoder, propose=None):
+        sched.spec = decoder
+        spec.drafter.propose = propose or real_propose
+        before = dict(sched.stats)
+        res = drive(sched, msgs)
+        assert_all_free(sched)  # every slot back, and the next run starts from an empty cache
+        for rid, (ids, finish, _) in res.items():
+            assert finish["type"] == "stop", (rid, finish)
+            assert _valid(default_tokenizer.decode(ids, skip_special_tokens=True), CONSTRAINED_CASES[rid][1])
+        return res, {k: sched.stats[k] - before[k] for k in before if isinstance(before[k], (int, float))}
+
+    try:
+        off, off_stats = run(None)
+        refs = [(prompts[rid], off[rid][0]) for rid in CONSTRAINED_CASES]
+        right = oracle(refs)
+
+        def broken(at: int):
+            def propose(state, ids, k, shared_ok):
+                draft = right(state, ids, k, shared_ok)
+                return draft[:at] + [bad] * (k - at) if draft else []
+
+            return propose
+
+        for mode, propose in [("ngram", None), ("right", right), ("cut", broken(2)), ("wrong", broken(0))]:
+            on, st = run(spec, propose)
+            assert {r: v[:2] for r, v in on.items()} == {r: v[:2] for r, v in off.items()}, mode
+            if mode == "right":  # the constrained requests verified drafts and accepted them
+                assert st["spec_verified_drafts"] > 0 and st["spec_accepted_tokens"] > 0, st
+                assert st["decode_steps"] < off_stats["decode_steps"], (st, off_stats)
+            elif mode == "cut":  # verified drafts hold at most the two tokens before the rejected one
+                assert st["spec_verified_drafts"] > 0, st
+                assert st["spec_draft_tokens"] <= 2 * st["spec_verified_drafts"], st
+            elif mode == "wrong":  # nothing the grammar rejects is ever verified
+                assert st["spec_verified_drafts"] == 0, st
+    finally:
+        sched.grammars.shutdown()

@@ -90,10 +90,7 @@ class GrammarManager:
         """
         if all(r.grammar is None for r in reqs):
             return None
-        bs = len(reqs)
-        if self._mask_buf is None or self._mask_buf.shape[0] < bs or self._mask_buf.shape[1] != vocab:
-            self._mask_buf = torch.empty((bs, vocab), dtype=torch.bool)
-        mask = self._mask_buf[:bs]
+        mask = self._rows(len(reqs), vocab)
         mask.zero_()
         for i, req in enumerate(reqs):
             if req.grammar is None:
@@ -102,17 +99,82 @@ class GrammarManager:
                 req.grammar.fill_vocab_mask(mask[i])
         return mask.to(device)
 
-    def jump_forward(self, req: Req, drop_kv_from: Callable[[Req, int], None]) -> int:
-        """Append the text the grammar forces from here without running the model; returns the tokens gained.
+    def _rows(self, n: int, vocab: int) -> torch.Tensor:
+        """[n, vocab] bool rows of the reused buffer; contents undefined: every user writes every row."""
+        if self._mask_buf is None or self._mask_buf.shape[0] < n or self._mask_buf.shape[1] != vocab:
+            self._mask_buf = torch.empty((n, vocab), dtype=torch.bool)
+        return self._mask_buf[:n]
+
+    def jumps(self, req: Req) -> bool:
+        """Jump-forward applies to `req`: it has a grammar and asks no logprobs (forced tokens have none)."""
+        return req.grammar is not None and self.jump_forward_enabled and not req.return_logprob
+
+    def verify_masks(
+        self, reqs: list[Req], drafts: list[list[int]], fail: Callable[[Req], None]
+    ) -> tuple[list[Req], list[list[int]], torch.Tensor | None]:
+        """Cut the drafts of constrained requests to what their grammars allow and build the masks of the
+        speculative verify step: (requests, their drafts, [rows, vocab] bool host mask or None when no
+        request has a grammar).
+
+        Rows follow `build_verify_batch`: per request 1 + len(draft), row j scoring the token after
+        draft[:j]. An unconstrained request's rows allow everything; a constrained request's row j allows
+        what its grammar allows after draft[:j], and its draft ends before the first token the grammar
+        rejects, after a token that terminates it, and after a token into text the grammar forces where
+        jump-forward applies (the jump, not the draft, supplies that text). One walk per request (fill,
+        accept, ..., then rollback): the matcher ends where it started. A grammar that raises fails its
+        request alone (`fail(req)`), which is left out. The mask is a view of the buffer `vocab_mask`
+        reuses: valid until its next call."""
+        if all(r.grammar is None for r in reqs):
+            return reqs, drafts, None
+        mask = self._rows(sum(1 + len(d) for d in drafts), self.vocab_size)
+        kept_reqs, kept, at = [], [], 0
+        for req, draft in zip(reqs, drafts):
+            if req.grammar is None:
+                mask[at : at + 1 + len(draft)] = True
+            else:
+                try:
+                    draft = self._walk(req, draft, mask[at:])
+                except Exception:  # its rows are rewritten by the next request's
+                    fail(req)
+                    continue
+            kept_reqs.append(req)
+            kept.append(draft)
+            at += 1 + len(draft)
+        return kept_reqs, kept, mask[:at]
+
+    def _walk(self, req: Req, draft: list[int], rows: torch.Tensor) -> list[int]:
+        """`verify_masks` for one constrained request: fills rows[0 .. len(kept)], returns the kept draft."""
+        grammar, jumps, n = req.grammar, self.jumps(req), 0
+        try:
+            for tok in draft:
+                rows[n].zero_()
+                grammar.fill_vocab_mask(rows[n])
+                if not (0 <= tok < rows.shape[1] and bool(rows[n, tok])):
+                    return draft[:n]  # rejected: row n (filled) is where the sampler picks instead
+                try:
+                    grammar.accept_token(tok)
+                except GrammarError:
+                    return draft[:n]
+                n += 1
+                if grammar.is_terminated() or (jumps and grammar.jump_forward_string()):
+                    break
+            rows[n].zero_()
+            grammar.fill_vocab_mask(rows[n])
+            return draft[:n]
+        finally:
+            grammar.rollback(n)
+
+    def jump_forward(self, req: Req, drop_kv_from: Callable[[Req, int], None]) -> int | None:
+        """Append the text the grammar forces from here without running the model; returns the tokens gained,
+        or None when nothing is forced (the output is untouched).
 
         Forced text is re-tokenized with the tail of the output, so the last few tokens may be rewritten:
         ``drop_kv_from(req, position)`` frees their KV first (it must never reach the radix cache under the
         new tokens), and the output stream takes back text already sent for them."""
         forced = req.grammar.jump_forward_string()
-        plan = self.compiler.plan_jump_forward(req.output_ids, forced) if forced else None
-        if plan is None:
-            return 0
-        keep, new_ids = plan
+        if not forced:
+            return None
+        keep, new_ids = self.compiler.plan_jump_forward(req.output_ids, forced)
         old_len = len(req.output_ids)
         drop_kv_from(req, len(req.prompt_ids) + keep)
         req.output_ids = req.output_ids[:keep] + new_ids

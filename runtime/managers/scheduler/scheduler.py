@@ -462,8 +462,9 @@ class Scheduler:
             need_logprobs=any(r.return_logprob for r in reqs),
         )
 
-    def _advance(self, req: Req, out, i: int, tok: int, logprob: float) -> None:
-        """Apply row `i` of the sampler's output to `req`: token, logprobs, grammar, stop checks, jump."""
+    def _advance(self, req: Req, out, i: int, tok: int, logprob: float) -> bool:
+        """Apply row `i` of the sampler's output to `req`: token, logprobs, grammar, stop checks, jump.
+        True when jump-forward rewrote the output (a speculative run ends there)."""
         req.output_ids.append(tok)
         self.stats["generated_tokens"] += 1
         if req.return_logprob:
@@ -472,13 +473,17 @@ class Scheduler:
         if req.grammar is not None:
             if out.no_allowed_token is not None and bool(out.no_allowed_token[i]):
                 req.finish({"type": "abort", "message": "grammar allows no further token"})
-                return
+                return False
             req.grammar.accept_token(tok)
         reason = self.stop.check(req)
         if reason:
             req.finish(reason)
-        elif req.grammar is not None and self.grammars.jump_forward_enabled and not req.return_logprob:
-            self.stats["jump_forward_tokens"] += self.grammars.jump_forward(req, self.cm.drop_kv_from)
+        elif self.grammars.jumps(req):
+            gained = self.grammars.jump_forward(req, self.cm.drop_kv_from)
+            if gained is not None:
+                self.stats["jump_forward_tokens"] += gained
+                return True
+        return False
 
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:

@@ -1,20 +1,26 @@
 """Speculative decoding: the decode step with drafts, verified in one forward (`--speculative-algorithm`).
 
-Each running request without a grammar gets a draft from `drafting.Drafter` (its own tokens, and with
-`suffix` the finished sequences too). If any request has one, the step is one EXTEND forward in which each
-request feeds its last token plus its draft (a request without a draft feeds its last token alone, as a
-decode would), so drafted and plain requests share the forward.
+Each running request gets a draft from `drafting.Drafter` (its own tokens, and with `suffix` the finished
+sequences too). A constrained request's draft is walked through its grammar once
+(`GrammarManager.verify_masks`): it ends before the first token the grammar rejects, after one that
+terminates it, and after one into text the grammar forces (jump-forward goes first: it supplies forced text,
+drafts cover the free part); the same walk fills the mask of every verified row. If any request has a
+draft, the step is one EXTEND forward in which each request feeds its last token plus its draft (a request
+without a draft feeds its last token alone, as a decode would), so drafted and plain requests share the
+forward.
 
 Verification samples row j of a request (the distribution after its draft's first j tokens) exactly as a
-decode step would sample that position: same penalties (the draft's tokens count as output), bans, mask,
-temperature and filters, same generator. Row j is kept while the token sampled there equals draft token j;
-the first token that differs is kept too, and the rest is dropped (with all draft tokens accepted the last
-row adds one more). For greedy rows this is "the longest prefix equal to the argmax, plus the bonus token".
-For sampled rows it is the standard accept/resample rule for a deterministic draft: with y ~ p, x is
-accepted with probability p(x), and on rejection y is distributed as p with x's mass removed, renormalised.
-So every emitted token has exactly the non-speculative distribution. A seeded request's generator is rewound
-and advanced once per emitted token, so its tokens are those it would draw without speculation (up to the
-round-off of a different batch shape).
+decode step would sample that position: same penalties (the draft's tokens count as output), bans, grammar
+mask (the state after draft[:j]), temperature and filters, same generator. Row j is kept while the token
+sampled there equals draft token j; the first token that differs is kept too, and the rest is dropped (with
+all draft tokens accepted the last row adds one more). For greedy rows this is "the longest prefix equal to
+the argmax, plus the bonus token". For sampled rows it is the standard accept/resample rule for a
+deterministic draft: with y ~ p, x is accepted with probability p(x), and on rejection y is distributed as p
+with x's mass removed, renormalised. So every emitted token has exactly the non-speculative distribution. A
+seeded request's generator is rewound and advanced once per emitted token, so its tokens are those it would
+draw without speculation (up to the round-off of a different batch shape). Emitted tokens go through the
+scheduler's `_advance` one at a time, as decoded ones do: the grammar accepts each once, a stop or a
+terminated grammar finishes the request there, and a jump-forward ends the run (its tokens replace the rest).
 
 KV: slots are allocated for the last token and every draft token; after verification the slots of
 rejected positions are freed at once (`CacheManager.drop_kv_from`), so a request's KV row only ever holds
@@ -52,9 +58,8 @@ class SpeculativeDecoder:
 
     # ---- drafting ------------------------------------------------------------------------------------------
     def draft(self, req: Req) -> list[int]:
-        """The draft for `req`'s next step ([] when it has none or may not speculate)."""
-        if req.grammar is not None:  # constrained requests do not speculate (jump-forward serves them)
-            return []
+        """The drafter's proposal for `req`'s next step ([] when it has none); a constrained request's is cut
+        to what its grammar allows by `GrammarManager.verify_masks`."""
         k = min(self.max_draft, req.remaining_new_tokens - 1)  # room for the bonus token: max_new exact
         if k < 1:
             return []
@@ -78,11 +83,15 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         reqs = list(s.running)
         proposed = [self.draft(r) for r in reqs]
-        contexts = [r.seq_len for r in reqs]
-        drafts = self.budget.trim(proposed, contexts, [r.spec.alpha if r.spec else 0.0 for r in reqs])
+        alphas = [r.spec.alpha if r.spec else 0.0 for r in reqs]
+        drafts = self.budget.trim(proposed, [r.seq_len for r in reqs], alphas)
         for req, before, after in zip(reqs, proposed, drafts):
             if before and not after:
                 req.spec.fade()
+        mask = None
+        if any(drafts):  # after the budget: the masks are filled for exactly the rows that are verified
+            reqs, drafts, mask = s.grammars.verify_masks(reqs, drafts, lambda r: self._fail(s, r))
+        contexts = [r.seq_len for r in reqs]
         s.stats["spec_draft_steps"] += 1
         s.stats["spec_draft_seconds"] += time.perf_counter() - t0
         if not any(drafts):
@@ -106,17 +115,23 @@ class SpeculativeDecoder:
         s.stats["decode_steps"] += 1
         s.stats["spec_verify_steps"] += 1
         s.running = []
-        self._verify(s, reqs, drafts, built.logit_rows, logits)
+        self._verify(s, reqs, drafts, built.logit_rows, logits, mask)
         self.budget.observe(contexts, [1 + len(d) for d in drafts], time.perf_counter() - t_step)
         for req in reqs:
             s.outputs.touch(req)
             s._place(req)
         return True
 
-    def _verify(self, s: Scheduler, reqs: list[Req], drafts: list[list[int]], rows, logits) -> None:
+    @staticmethod
+    def _fail(s: Scheduler, req: Req) -> None:
+        s._dequeue(req)
+        s._fail_internal(req, "checking the draft of")
+
+    def _verify(self, s: Scheduler, reqs: list[Req], drafts: list[list[int]], rows, logits, mask) -> None:
+        """`mask`: `GrammarManager.verify_masks`'s, one row per logits row (None: no grammar)."""
         gens = {id(r.generator): (r.generator, r.generator.get_state()) for r in reqs if r.generator}
         try:
-            out = self._sample(s, reqs, drafts, logits)
+            out = self._sample(s, reqs, drafts, logits, mask)
             parts = [(reqs, drafts, rows, out)]
         except Exception:  # sample each request alone, so only the request at fault fails
             parts = []
@@ -124,7 +139,8 @@ class SpeculativeDecoder:
                 for gen, state in gens.values():
                     gen.set_state(state)
                 try:
-                    one = self._sample(s, [req], [d], logits[r.start : r.stop])
+                    one_mask = mask[r.start : r.stop] if req.grammar is not None else None
+                    one = self._sample(s, [req], [d], logits[r.start : r.stop], one_mask)
                 except Exception:
                     s._dequeue(req)
                     s._fail_internal(req, "sampling the next tokens of")
@@ -137,8 +153,9 @@ class SpeculativeDecoder:
             for req, draft, r in zip(part_reqs, part_drafts, part_rows):
                 self._apply(s, req, draft, r, out, next_ids, logprobs)
 
-    def _sample(self, s: Scheduler, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor):
-        """Sample every row: row j of a request as its decode step after draft[:j] would be sampled."""
+    def _sample(self, s: Scheduler, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor, mask):
+        """Sample every row: row j of a request as its decode step after draft[:j] would be sampled (its
+        grammar's mask in the state after draft[:j]: `mask`, [rows, vocab] bool or None)."""
         row_reqs, outs, bans, tops = [], [], [], []
         for req, draft in zip(reqs, drafts):
             for j in range(1 + len(draft)):
@@ -153,7 +170,7 @@ class SpeculativeDecoder:
             info,
             outs,
             [r.prompt_ids for r in row_reqs],
-            vocab_mask=s.grammars.vocab_mask(row_reqs, vocab, logits.device),
+            vocab_mask=mask.to(logits.device) if mask is not None else None,
             banned_token_ids=bans if any(bans) else None,
             top_logprobs_nums=tops if any(tops) else None,
             generators=[r.generator for r in row_reqs],
@@ -161,8 +178,9 @@ class SpeculativeDecoder:
         )
 
     def _apply(self, s: Scheduler, req: Req, draft: list[int], rows: range, out, next_ids, logprobs) -> None:
-        """Emit the verified tokens of one request, stopping at the first rejection or finish; free the KV
-        of every position past the last accepted draft token."""
+        """Emit the verified tokens of one request, stopping at the first rejection, finish or jump-forward
+        (its forced tokens replace the rest of the run); free the KV of every position past the last
+        accepted draft token."""
         from runtime.managers.scheduler.scheduler import RequestFailed
 
         old_seq = req.seq_len  # the last token sits at old_seq - 1; draft token j at old_seq + j
@@ -171,13 +189,13 @@ class SpeculativeDecoder:
             with s._isolated(req, "advancing"):
                 for j, i in enumerate(rows):
                     tok = next_ids[i]
-                    s._advance(req, out, i, tok, logprobs[i])
+                    jumped = s._advance(req, out, i, tok, logprobs[i])
                     emitted += 1
                     if j < len(draft) and tok == draft[j]:
                         accepted += 1
                     else:
                         break
-                    if req.finished:
+                    if req.finished or jumped:
                         break
                 if req.generator is not None and not req.params.is_greedy:
                     for _ in range(emitted):  # one draw per emitted token, as decode steps would make
