@@ -241,7 +241,9 @@ class ServerArgs:
         "background (and on SIGTERM) and loaded instead of recomputed; entries of another model or dtype "
         "are refused",
     )
-    kv_disk_gb: float = _opt(10.0, "size cap of --kv-disk-dir in GiB (least recently used files go first)")
+    kv_disk_gb: float = _opt(
+        10.0, "size cap of --kv-disk-dir in GiB (the least hit files go first; among equals the least recent)"
+    )
 
     # ---- speculative decoding (drafts from the request's own tokens and finished sequences) ----
     speculative_algorithm: str = _opt(

@@ -8,21 +8,26 @@ from runtime.managers.scheduler.drafting import SpecState
 from runtime.managers.scheduler.spec_budget import MIN_STEPS, WINDOW, DraftBudget, StepCostModel, attended
 
 
-def _feed(model: StepCostModel, a: float, b: float, c: float, n: int = 200, noise: float = 0.0) -> None:
+def _feed(
+    model: StepCostModel, a: float, b: float, c: float, v: float = 0.0, n: int = 200, noise: float = 0.0
+) -> None:
+    """Steps of 1-8 requests over 50-4000 keys, a third of them plain decodes, the rest verifies."""
     rng = random.Random(0)
     for _ in range(n):
         contexts = [rng.randrange(50, 4000) for _ in range(rng.randrange(1, 9))]
-        rows = [1 + rng.randrange(0, 6) for _ in contexts]
+        verify = rng.random() < 2 / 3
+        rows = [1 + rng.randrange(0, 6) if verify else 1 for _ in contexts]
         work = attended(contexts, rows)
-        secs = a + b * sum(rows) + c * work
-        model.observe(sum(rows), work, secs * (1 + rng.uniform(-noise, noise)))
+        secs = a + v * verify + b * sum(rows) + c * work
+        model.observe(verify, sum(rows), work, secs * (1 + rng.uniform(-noise, noise)))
 
 
 def test_the_fit_recovers_fixed_row_and_attention_costs():
     model = StepCostModel()
-    _feed(model, a=5e-3, b=2e-4, c=1e-4, noise=0.02)
-    a, b, c = model.coef
+    _feed(model, a=5e-3, b=2e-4, c=1e-4, v=1e-3, noise=0.02)
+    a, v, b, c = model.coef
     assert a == pytest.approx(5e-3, rel=0.1)
+    assert v == pytest.approx(1e-3, rel=0.3)
     assert b == pytest.approx(2e-4, rel=0.25)
     assert c == pytest.approx(1e-4, rel=0.25)
 
@@ -30,7 +35,7 @@ def test_the_fit_recovers_fixed_row_and_attention_costs():
 def test_no_fit_and_no_trim_before_enough_steps():
     budget = DraftBudget()
     for _ in range(MIN_STEPS - 1):
-        budget.observe([100], [1], 0.01)
+        budget.observe([100], [1], 0.01, False)
     assert budget.cost.coef is None
     drafts = [[1, 2, 3], []]
     assert budget.trim(drafts, [100, 100], [0.1, 0.1]) == drafts
@@ -79,7 +84,17 @@ def test_stalled_steps_do_not_make_rows_look_dear():
     rng = random.Random(1)
     for _ in range(WINDOW // 10):  # one step in ten stalls for 50-200 ms, whatever its rows
         rows = rng.randrange(1, 40)
-        model.observe(rows, 0.0, rng.uniform(0.05, 0.2))
+        model.observe(True, rows, 0.0, rng.uniform(0.05, 0.2))
     model.fit()
-    assert model.coef[1] == pytest.approx(clean[1], rel=0.3)
+    assert model.coef[2] == pytest.approx(clean[2], rel=0.3)
     assert model.coef[0] == pytest.approx(clean[0], rel=0.3)
+
+
+def test_a_dear_verify_step_is_skipped_unless_its_drafts_pay_for_it():
+    budget = DraftBudget()
+    # rows nearly free, but a verify step costs 5 ms more than a 5 ms plain step
+    _feed(budget.cost, a=5e-3, b=1e-5, c=0.0, v=5e-3)
+    # one request, drafts of 2 at alpha 0.3: ~1.4 tokens in ~10 ms < 1 token in 5 ms -> plain decode
+    assert budget.trim([[1, 2]], [100], [0.3]) == [[]]
+    # drafts of 8 at alpha 0.95: ~6.6 tokens in ~10 ms -> verify them
+    assert budget.trim([[1] * 8], [100], [0.95]) == [[1] * 8]

@@ -392,7 +392,8 @@ class Scheduler:
         self.running = []
         self._sample_and_advance(reqs, logits)
         if self.spec is not None:  # a plain step is the draft budget's baseline
-            self.spec.budget.observe([r.seq_len for r in reqs], [1] * len(reqs), time.perf_counter() - t_step)
+            elapsed = time.perf_counter() - t_step
+            self.spec.budget.observe([r.seq_len for r in reqs], [1] * len(reqs), elapsed, False)
         for req in reqs:
             self.outputs.touch(req)
             self._place(req)

@@ -6,14 +6,16 @@ context where each row attends to thousands of keys, a row costs a real share of
 are usually rejected make the step slower than the tokens they add. The break-even depends on the machine,
 the model, the batch and the context, so it is measured, not configured:
 
-- `StepCostModel` fits the time of a decode or verify step as a + b * rows + c * attended, where `attended`
-  is the sum over requests of rows x context (the attention work), by least squares over the recent steps
-  of this process (both plain decodes and verifies), refitted every few steps;
+- `StepCostModel` fits the time of a decode or verify step as a + v * verify + b * rows + c * attended,
+  where `verify` marks a verify step (sampling, checking and rewinding many rows costs beyond the forward)
+  and `attended` is the sum over requests of rows x context (the attention work), by least squares over the
+  recent steps of this process (both plain decodes and verifies), refitted every few steps;
 - each request's per-token acceptance rate alpha is tracked in `SpecState` (recent verifies weigh more);
 - `DraftBudget.trim` then keeps draft tokens greedily by expected tokens per second: draft token j of a
   request (0-based) is accepted with probability alpha^(j+1) and costs b + c * context; it is kept while that
   ratio beats the step's throughput so far (expected tokens / expected seconds), so the step's expected
-  tokens per second only rises.
+  tokens per second only rises; if even the best such step is slower per token than a plain decode step,
+  no draft is verified.
 
 Until enough steps are seen (or when the fit is degenerate) drafts are not trimmed: the per-request draft
 length adaptation in `drafting.SpecState` still bounds them.
@@ -33,15 +35,17 @@ CONTEXT_UNIT = 1000.0  # `attended` is counted in rows x thousands of keys (keep
 
 
 class StepCostModel:
-    """seconds ~ a + b * rows + c * attended, fitted over the last WINDOW steps."""
+    """seconds ~ a + v * verify + b * rows + c * attended, fitted over the last WINDOW steps. `verify` is 1
+    for a verify step: it samples, checks and rewinds many rows, which costs beyond its rows' forward."""
 
     def __init__(self):
-        self.samples: deque[tuple[float, float, float]] = deque(maxlen=WINDOW)  # (rows, attended, seconds)
-        self.coef: tuple[float, float, float] | None = None  # (a, b, c); None until fitted
+        # (verify 0/1, rows, attended, seconds)
+        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
+        self.coef: tuple[float, float, float, float] | None = None  # (a, v, b, c); None until fitted
         self._since_fit = 0
 
-    def observe(self, rows: int, attended: float, seconds: float) -> None:
-        self.samples.append((float(rows), attended, seconds))
+    def observe(self, verify: bool, rows: int, attended: float, seconds: float) -> None:
+        self.samples.append((float(verify), float(rows), attended, seconds))
         self._since_fit += 1
         if len(self.samples) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
             self.fit()
@@ -53,43 +57,47 @@ class StepCostModel:
         redone, so one stall does not make every row look dear."""
         self._since_fit = 0
         data = np.asarray(self.samples, dtype=np.float64)
-        t_med = float(np.median(data[:, 2]))
+        x, secs = _features(data), data[:, 3]
+        t_med = float(np.median(secs))
         if t_med <= 0:
             return
         calm = np.ones(len(data), dtype=bool)
         for _ in range(8):  # each pass drops what the last fit calls a stall, then fits the rest again
-            coef = self._solve(data[calm], t_med)
-            resid = data[:, 2] - data[:, :2] @ coef[1:] - coef[0]
+            coef = self._solve(x[calm], secs[calm], t_med)
+            resid = secs - x @ coef
             mid = float(np.median(resid[calm]))
             spread = 1.4826 * float(np.median(np.abs(resid[calm] - mid))) + 0.02 * t_med
             now = resid <= mid + 3 * spread
             if now.sum() < MIN_STEPS or (now == calm).all():
                 break
             calm = now
-        a, b, c = (float(v) for v in coef)
-        r_med = float(max(np.median(data[:, 0]), 1.0))
+        a, v, b, c = (float(x) for x in coef)
+        r_med = float(max(np.median(data[:, 1]), 1.0))
         floor = 0.02 * t_med / r_med  # a row is never free: keeps the trimming from keeping everything
-        self.coef = (max(a, 0.0), max(b, floor), max(c, 0.0))
+        self.coef = (max(a, 0.0), max(v, 0.0), max(b, floor), max(c, 0.0))
 
     @staticmethod
-    def _solve(data: np.ndarray, t_med: float) -> np.ndarray:
-        rows, attended, secs = data[:, 0], data[:, 1], data[:, 2]
-        r_med = float(max(np.median(rows), 1.0))
-        prior = np.array([0.5 * t_med, 0.5 * t_med / r_med, 0.0])
-        x = np.column_stack([np.ones_like(rows), rows, attended])
+    def _solve(x: np.ndarray, secs: np.ndarray, t_med: float) -> np.ndarray:
+        r_med = float(max(np.median(x[:, 2]), 1.0))
+        prior = np.array([0.5 * t_med, 0.0, 0.5 * t_med / r_med, 0.0])
         # the prior as pseudo-observations, one per coefficient, each worth a quarter of a typical step
-        scale = 0.25 * np.array([1.0, r_med, max(float(np.median(attended)), 1e-3)])
+        scale = 0.25 * np.array([1.0, 1.0, r_med, max(float(np.median(x[:, 3])), 1e-3)])
         x_aug = np.vstack([x / t_med, np.diag(scale / t_med)])
         y_aug = np.concatenate([secs / t_med, scale * prior / t_med])
         return np.linalg.lstsq(x_aug, y_aug, rcond=None)[0]
 
     def row_cost(self, context: int) -> float:
-        _, b, c = self.coef
+        _, _, b, c = self.coef
         return b + c * context / CONTEXT_UNIT
 
-    def step_cost(self, rows: int, attended: float) -> float:
-        a, b, c = self.coef
-        return a + b * rows + c * attended
+    def step_cost(self, verify: bool, rows: int, attended: float) -> float:
+        a, v, b, c = self.coef
+        return a + v * verify + b * rows + c * attended
+
+
+def _features(data: np.ndarray) -> np.ndarray:
+    """[1, verify, rows, attended] per sample row (verify, rows, attended, seconds)."""
+    return np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
 
 
 def attended(contexts: list[int], rows: list[int]) -> float:
@@ -103,18 +111,21 @@ class DraftBudget:
     def __init__(self):
         self.cost = StepCostModel()
 
-    def observe(self, contexts: list[int], rows: list[int], seconds: float) -> None:
+    def observe(self, contexts: list[int], rows: list[int], seconds: float, verify: bool) -> None:
         """A decode or verify step ran: `rows[i]` rows of request i, over `contexts[i]` keys, in `seconds`."""
-        self.cost.observe(sum(rows), attended(contexts, rows), seconds)
+        self.cost.observe(verify, sum(rows), attended(contexts, rows), seconds)
 
     def trim(self, drafts: list[list[int]], contexts: list[int], alphas: list[float]) -> list[list[int]]:
-        """Each draft cut to the prefix worth verifying (possibly empty); unchanged before the first fit."""
+        """Each draft cut to the prefix worth verifying; all empty when the best verify step is expected to
+        be slower per token than a plain decode step. Unchanged before the first fit."""
         if self.cost.coef is None or not any(drafts):
             return drafts
         base_rows = len(drafts)
+        work = attended(contexts, [1] * base_rows)
+        plain = self.cost.step_cost(False, base_rows, work)
         tokens = float(base_rows)  # every request emits at least one token
-        seconds = self.cost.step_cost(base_rows, attended(contexts, [1] * base_rows))
-        if seconds <= 0:
+        seconds = self.cost.step_cost(True, base_rows, work)
+        if plain <= 0 or seconds <= 0:
             return drafts
         keep = [0] * len(drafts)
         # max-heap of (tokens per second of the next draft token, request); a request's next token is pushed
@@ -135,4 +146,6 @@ class DraftBudget:
             if keep[i] < len(drafts[i]):
                 nxt = gain * alphas[i]
                 heapq.heappush(heap, (-nxt / cost, i, nxt))
+        if tokens / seconds <= base_rows / plain:  # verifying does not pay this step
+            return [[] for _ in drafts]
         return [d[:n] for d, n in zip(drafts, keep)]

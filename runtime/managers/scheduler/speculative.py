@@ -116,7 +116,7 @@ class SpeculativeDecoder:
         s.stats["spec_verify_steps"] += 1
         s.running = []
         self._verify(s, reqs, drafts, built.logit_rows, logits, mask)
-        self.budget.observe(contexts, [1 + len(d) for d in drafts], time.perf_counter() - t_step)
+        self.budget.observe(contexts, [1 + len(d) for d in drafts], time.perf_counter() - t_step, True)
         for req in reqs:
             s.outputs.touch(req)
             s._place(req)
@@ -212,14 +212,17 @@ class SpeculativeDecoder:
             req.spec.record(len(draft), accepted, self.max_draft)
 
 
+SPEC_COST_NAMES = ("fixed_s", "verify_extra_s", "per_row_s", "per_row_1k_keys_s")
+
+
 def spec_info(stats: dict, spec: SpeculativeDecoder | None = None) -> dict:
     """Derived figures for /get_server_info and the metrics: mean tokens per verified draft (accepted + the
     sampled one), drafting seconds per step, and the draft budget's fitted step cost (seconds: fixed, per
-    row, per row x 1000 keys; null before the first fit)."""
+    verify step's extra, per row, per row x 1000 keys; null before the first fit)."""
     verified, steps = stats["spec_verified_drafts"], stats["spec_draft_steps"]
     coef = spec.budget.cost.coef if spec is not None else None
     return {
         "spec_accept_length": (stats["spec_accepted_tokens"] + verified) / verified if verified else 0.0,
         "spec_draft_seconds_per_step": stats["spec_draft_seconds"] / steps if steps else 0.0,
-        "spec_step_cost": dict(zip(("fixed_s", "per_row_s", "per_row_1k_keys_s"), coef)) if coef else None,
+        "spec_step_cost": dict(zip(SPEC_COST_NAMES, coef)) if coef else None,
     }
