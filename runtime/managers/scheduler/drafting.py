@@ -29,8 +29,8 @@ SHARED_MIN_N, SHARED_MAX_N = 2, 4
 SHARED_MAX_KEYS = 300_000  # past it the oldest quarter of the contexts is dropped (~100 MB at the cap)
 SHARED_MAX_NEXT = 8  # continuations kept per context (the rarest goes first)
 # per-token acceptance estimate (SpecState.alpha): prior 0.6 worth 2 tokens, older verifies decayed by 0.75
-# (0.9 per step in which the budget cut the draft)
-ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX, ALPHA_FADE = 0.6, 2.0, 0.75, 0.95, 0.9
+# (0.97 per step in which the budget cut the draft: a rejected request retries after ~100 steps)
+ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX, ALPHA_FADE = 0.6, 2.0, 0.75, 0.95, 0.97
 MAX_COOLDOWN = 16  # steps a request skips drafting after repeated full rejections, at most
 
 
