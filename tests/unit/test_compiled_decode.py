@@ -97,4 +97,12 @@ def test_compiled_int8_decode_is_one_graph_and_matches_eager(tiny_model_dir, qua
     got_toks, got_logits = greedy_decode(compiled, prompts, steps=6)
     assert got_toks == want_toks
     for got, want in zip(got_logits, want_logits, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        if quantization == "w8a8":
+            # fbgemm quantizes each call's activations to 8 bits with one range per tensor: a float32
+            # round-off difference between the compiled and the eager elementwise ops moves a value across a
+            # rounding boundary now and then (one step, ~1/255 of the range), which moves logits by up to ~5%
+            # of their spread (measured 0.15 at std 2.4 with full-range VNNI activations). A wrong or missing
+            # layer moves them by about their whole spread.
+            torch.testing.assert_close(got, want, atol=0.1 * float(want.std()), rtol=0)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
