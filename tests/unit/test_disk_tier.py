@@ -135,11 +135,16 @@ def load_again(directory, prompt: list[int]) -> int:
     return req.disk_loaded_len
 
 
-def test_the_size_cap_drops_the_least_hit_files_before_recently_used_ones(tmp_path):
-    one = make_cm(tmp_path / "probe")
+def block_file_size(directory) -> int:
+    """The bytes of one block's file, measured by writing one on a throwaway tier over `directory`."""
+    one = make_cm(directory)
     one.release(fill(one, prompt_of(BLOCK + 1)))
     assert one.disk.flush()
-    size = os.path.getsize(next(iter((tmp_path / "probe").iterdir())))
+    return os.path.getsize(next(iter(directory.iterdir())))
+
+
+def test_the_size_cap_drops_the_least_hit_files_before_recently_used_ones(tmp_path):
+    size = block_file_size(tmp_path / "probe")
     cm = make_cm(tmp_path / "d", cap=int(2.5 * size))
     hot, warm, new = prompt_of(BLOCK + 1, 2000), prompt_of(BLOCK + 1, 3000), prompt_of(BLOCK + 1, 4000)
     for p in (hot, warm):
@@ -159,10 +164,7 @@ def test_the_size_cap_drops_the_least_hit_files_before_recently_used_ones(tmp_pa
 
 
 def test_old_hits_age_so_new_prefixes_still_reach_a_full_disk(tmp_path):
-    one = make_cm(tmp_path / "probe")
-    one.release(fill(one, prompt_of(BLOCK + 1)))
-    assert one.disk.flush()
-    size = os.path.getsize(next(iter((tmp_path / "probe").iterdir())))
+    size = block_file_size(tmp_path / "probe")
     cm = make_cm(tmp_path / "d", cap=int(2.5 * size))
     old = [prompt_of(BLOCK + 1, b) for b in (2000, 3000)]
     for p in old:
