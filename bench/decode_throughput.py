@@ -105,7 +105,7 @@ def radixlm_decode(
     """Prefill `bs` random prompts in one extend batch, then `steps` greedy decode steps; free everything."""
     from runtime.model_executor.forward_batch import ForwardBatch
 
-    vocab = runner.vocab_size
+    vocab, device = runner.vocab_size, runner.device
     rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
     prompts = torch.randint(0, vocab, (bs, prompt_len), generator=gen).tolist()
     slots = runner.allocator.alloc(bs * prompt_len)
@@ -115,7 +115,7 @@ def radixlm_decode(
     try:
         with torch.inference_mode():
             t0 = time.perf_counter()
-            logits = runner.forward(ForwardBatch.build_extend(prompts, [0] * bs, rows, slots))
+            logits = runner.forward(ForwardBatch.build_extend(prompts, [0] * bs, rows, slots, device=device))
             nxt = logits.argmax(-1).tolist()
             prefill = time.perf_counter() - t0
             lens = [prompt_len] * bs
@@ -126,7 +126,7 @@ def radixlm_decode(
                 for i, row in enumerate(rows):
                     runner.req_to_token_pool.write(row, lens[i], step_slots[i : i + 1])
                     lens[i] += 1
-                logits = runner.forward(ForwardBatch.build_decode(nxt, lens, rows, step_slots))
+                logits = runner.forward(ForwardBatch.build_decode(nxt, lens, rows, step_slots, device=device))
                 nxt = logits.argmax(-1).tolist()
             decode = time.perf_counter() - t0
     finally:

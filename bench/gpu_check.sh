@@ -94,7 +94,10 @@ log "env: $(tr '\n' ' ' <"$OUT/env.txt" | cut -c1-400)"
 # background while the rest of tests/kernels runs the Triton kernels for real; both are correctness checks,
 # so sharing the machine costs them nothing. The benchmark starts only after both have ended.
 PYTEST=("$PY" -m pytest -p no:cacheprovider -rs --timeout 200)
-step "pytest -m gpu tests/kernels" 240 "$OUT/pytest_gpu.log" "${PYTEST[@]}" -v -m gpu tests/kernels &
+# GPU_TESTS_K: a pytest -k selection of them (each FlashInfer dtype/head-dim pair is a JIT compile of
+# about a minute on a fresh machine, so a short lease may take only the model's own pair).
+step "pytest -m gpu tests/kernels ${GPU_TESTS_K:+-k '$GPU_TESTS_K'}" 240 "$OUT/pytest_gpu.log" \
+    "${PYTEST[@]}" -v -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} tests/kernels &
 GPU_TESTS=$!
 # (`slow`-marked kernel tests build radixlm's C++ CPU kernels: not what this machine is for)
 step "pytest -m 'not gpu and not slow' tests/kernels" 120 "$OUT/pytest_kernels.log" \

@@ -1,4 +1,4 @@
-"""Reference attention on the CPU with torch's scaled_dot_product_attention over the paged KV pool.
+"""Reference attention with torch's scaled_dot_product_attention over the paged KV pool (CPU, or any device).
 
 It is the test oracle for the other backends, so clarity wins over speed where they conflict; decode is
 still batched into one SDPA call per layer (KV gathered into a padded [bs, max_len] block) because decode
@@ -12,7 +12,34 @@ import torch.nn.functional as F
 
 from radixlm_kernels.base import AttentionBackend, AttentionBatch, AttentionLayer
 
-_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+def _flash_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention output, each query row's log-sum-exp): torch's CPU flash kernel on the CPU, where the
+    prefix/new split below is what makes extends fast; elsewhere the same two values in float32 arithmetic
+    (this backend is the GPU kernels' oracle there, not their rival)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )[:2]
+        return out, lse
+    return math_attention_with_lse(q, k, v, causal, scale)
+
+
+def math_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, Lq, D], k/v [B, H, Lk, D] (same head count) -> (out in q's dtype, lse float32 [B, H, Lq]);
+    `causal` is top-left aligned, as in the flash kernels."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = scores.shape[-2:]
+        hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    return out, lse
 
 
 def attend_prefix_then_causal(
@@ -36,12 +63,12 @@ def attend_prefix_then_causal(
     # Prefix: heads sharing a KV head are folded into the query axis (no mask, so row order is free),
     # which avoids repeating the prefix K/V per query head.
     q_fold = q.reshape(1, hkv, groups * ext, d)
-    o_p, lse_p = _flash_with_lse(q_fold, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)
+    o_p, lse_p = _flash_with_lse(q_fold, k[:, :, :prefix], v[:, :, :prefix], False, scale)
     o_p, lse_p = o_p.reshape(1, h, ext, d), lse_p.reshape(1, h, ext)
     k_new, v_new = k[:, :, prefix:], v[:, :, prefix:]
     if groups > 1:
         k_new, v_new = k_new.repeat_interleave(groups, dim=1), v_new.repeat_interleave(groups, dim=1)
-    o_n, lse_n = _flash_with_lse(q, k_new, v_new, 0.0, True, scale=scale)
+    o_n, lse_n = _flash_with_lse(q, k_new, v_new, True, scale)
     lse = torch.logaddexp(lse_p, lse_n)
     w_p = torch.exp(lse_p - lse).unsqueeze(-1).to(q.dtype)
     w_n = torch.exp(lse_n - lse).unsqueeze(-1).to(q.dtype)

@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from radixlm_kernels.torch_native import TorchNativeBackend, attend_prefix_then_causal
+from radixlm_kernels.torch_native import (
+    TorchNativeBackend,
+    attend_prefix_then_causal,
+    math_attention_with_lse,
+)
 
 
 def masked_softmax_attention(case) -> torch.Tensor:
@@ -64,3 +68,19 @@ def test_low_precision_decode_matches_fp32(dtype, prefixes, group, make_case, ru
     out = run_backend(TorchNativeBackend(case.kv_pool, case.req_pool), case)
     assert out.dtype == dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.float(), reference(case), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_attention_with_lse_matches_the_cpu_flash_kernel(causal):
+    """The off-CPU path of the prefix/new split (the GPU kernels' oracle) returns what torch's CPU flash
+    kernel does: output and per-row log-sum-exp, top-left causal."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 3, 7, 16), torch.randn(1, 3, 7, 16), torch.randn(1, 3, 7, 16)
+    if not causal:  # the prefix part: more keys than queries
+        k, v = torch.randn(1, 3, 11, 16), torch.randn(1, 3, 11, 16)
+    want_o, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, scale=0.25
+    )[:2]
+    got_o, got_lse = math_attention_with_lse(q, k, v, causal, 0.25)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse.float(), atol=1e-5, rtol=1e-5)
