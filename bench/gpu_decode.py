@@ -132,7 +132,10 @@ def engine_check(model_dir: str, args: Any, backends: list[str]) -> dict:
     greedy = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
         "required": ["name", "age"],
         "additionalProperties": False,
     }
@@ -166,12 +169,16 @@ def engine_check(model_dir: str, args: Any, backends: list[str]) -> dict:
                 "Give a person as JSON:",
                 sampling_params={"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(schema)},
             )
-            text = constrained["text"]
+            # bounded fields, so the grammar ends well inside max_new_tokens (an unbounded integer let a
+            # random-weights model write digits until the length limit)
+            text, finish = constrained["text"], constrained["meta_info"].get("finish_reason")
+            check: dict[str, Any] = {"text": text, "finish_reason": finish}
             try:
                 value = json.loads(text)
-                res["json_schema"] = {"text": text, "valid": set(value) == {"name", "age"}}
+                check["valid"] = set(value) == {"name", "age"} and 0 <= value["age"] <= 150
             except ValueError as e:
-                res["json_schema"] = {"text": text, "valid": False, "error": str(e)}
+                check.update(valid=False, error=str(e))
+            res["json_schema"] = check
             res["request_held_tokens_after"] = _find(engine.server_info(), "request_held_tokens")
         except Exception as e:  # record and go on to the next backend
             res["error"] = f"{type(e).__name__}: {e}"
