@@ -11,6 +11,8 @@ tokens per verified draft (accepted draft tokens + the sampled one; from the sch
 draft's cost share (drafting seconds / wall seconds). Each workload runs once unmeasured per engine first
 (warm-up) on another request, so the shared index of `suffix` has seen one such request, as it would in a
 serving process; then the measured prompts are prefilled once (max_new_tokens 1), so a cell times decoding.
+The engines of all algorithms run side by side and every cell is measured --repeats times, interleaved
+across algorithms on new prompts each time; the median counts (the samples are kept in the JSON).
 
     python -m bench.speculative --quick
     python -m bench.speculative --max-new-tokens 256 --workloads agent,edit,extract,chat
@@ -88,6 +90,7 @@ def _extract(i: int) -> list[dict[str, str]]:
 
 
 def _chat(i: int) -> list[dict[str, str]]:
+    """A different story request for every i < 512 (the warm-up's and every repeat's differ from the rest)."""
     topics = [
         "the sea",
         "a lighthouse",
@@ -98,7 +101,12 @@ def _chat(i: int) -> list[dict[str, str]]:
         "bees",
         "rain",
     ]
-    return [{"role": "user", "content": f"Write a short story about {topics[i % len(topics)]}."}]
+    narrators = ["a child", "an old sailor", "a cat", "a robot", "a baker", "a ghost", "a teacher", "a crow"]
+    places = ["Lisbon", "a farm", "Mars", "a library", "the desert", "a ferry", "Kyoto", "a hospital"]
+    topic, narrator, place = topics[i % 8], narrators[i // 8 % 8], places[i // 64 % 8]
+    return [
+        {"role": "user", "content": f"Write a short story about {topic}, told by {narrator}, set in {place}."}
+    ]
 
 
 def workload(name: str, i: int, code_lines: int) -> list[dict[str, str]]:
@@ -151,41 +159,62 @@ def main() -> None:
     p.add_argument("--code-lines", type=int, default=300)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell; the median counts")
+    p.add_argument(
+        "--max-total-tokens", type=int, default=32768, help="KV pool of each engine (all run at once)"
+    )
     a = p.parse_args()
     if a.quick:
-        a.max_new_tokens, a.code_lines = min(a.max_new_tokens, 48), min(a.code_lines, 60)
+        a.max_new_tokens, a.code_lines, a.repeats = min(a.max_new_tokens, 48), min(a.code_lines, 60), 1
     from runtime.engine import Engine
 
     workloads, batches = common.csv_list(a.workloads), common.csv_list(a.batches, int)
+    algorithms = common.csv_list(a.algorithms)
     env = common.environment()
     results: dict[str, Any] = {}
-    for alg in common.csv_list(a.algorithms):
-        engine = Engine(
-            speculative_algorithm=alg,
-            speculative_num_draft_tokens=a.num_draft_tokens,
-            dtype=a.dtype,
-            log_interval=0,
-        )
-        try:
-            tok = engine.tokenizer
-            for wl in workloads:
-                for bs in batches:
-                    n = a.requests or bs
-                    prompts = [
-                        tok.apply_chat_template(
-                            workload(wl, i, a.code_lines), add_generation_prompt=True, tokenize=False
-                        )
-                        for i in [*range(n), 1000]
-                    ]
-                    # warm-up: another request of the workload (what suffix's shared index has seen), then
-                    # the measured prompts' prefill (cached), so the cell times decoding
-                    run_cell(engine, prompts[n:], 1, a.max_new_tokens)
-                    prompts = prompts[:n]
-                    run_cell(engine, prompts, bs, 1)
-                    cell = run_cell(engine, prompts, bs, a.max_new_tokens)
+    # Every algorithm's engine lives for the whole run and the cells interleave (rotating which goes first),
+    # so load that drifts over minutes on a shared machine lands on every side alike; each side's figure is
+    # its median over --repeats, and each repeat decodes new prompts, so no engine has seen the outputs.
+    engines: dict[str, Any] = {}
+    try:
+        for alg in algorithms:
+            engines[alg] = Engine(
+                speculative_algorithm=alg,
+                speculative_num_draft_tokens=a.num_draft_tokens,
+                dtype=a.dtype,
+                max_total_tokens=a.max_total_tokens,
+                log_interval=0,
+            )
+        tok = engines[algorithms[0]].tokenizer
+
+        def chat(wl: str, ids: range) -> list[str]:
+            return [
+                tok.apply_chat_template(
+                    workload(wl, i, a.code_lines), add_generation_prompt=True, tokenize=False
+                )
+                for i in ids
+            ]
+
+        for wl in workloads:
+            for bs in batches:
+                n = a.requests or bs
+                # warm-up: another request of the workload (what suffix's shared index has seen)
+                for engine in engines.values():
+                    run_cell(engine, chat(wl, range(1000, 1001)), 1, a.max_new_tokens)
+                samples: dict[str, list[dict[str, Any]]] = {alg: [] for alg in algorithms}
+                for r in range(a.repeats):
+                    prompts = chat(wl, range(r * n, (r + 1) * n))
+                    order = algorithms[r % len(algorithms) :] + algorithms[: r % len(algorithms)]
+                    for alg in order:
+                        run_cell(engines[alg], prompts, bs, 1)  # prefill (cached), so the cell times decoding
+                        samples[alg].append(run_cell(engines[alg], prompts, bs, a.max_new_tokens))
+                for alg, cells in samples.items():
+                    cell = sorted(cells, key=lambda c: c["tok_per_s"])[len(cells) // 2]
+                    cell = {**cell, "tok_per_s_samples": [c["tok_per_s"] for c in cells]}
                     results.setdefault(wl, {}).setdefault(f"batch{bs}", {})[alg] = cell
                     print(wl, f"batch {bs}", alg, cell, flush=True)
-        finally:
+    finally:
+        for engine in engines.values():
             engine.shutdown()
     for by_bs in results.values():
         for cells in by_bs.values():
