@@ -310,6 +310,8 @@ def run_side(
                 "disk_dropped",
                 "disk_evicted",
                 "retractions",
+                "tier_load_waits",
+                "tier_tokens_recomputed",
             )
         },
     }
