@@ -161,6 +161,56 @@ def test_a_prefix_on_the_host_without_device_room_waits_while_room_may_come():
     cm.check_accounting([])
 
 
+def test_a_load_that_cannot_fit_evicts_nothing():
+    cm = make_cm(pool=16, host=32)
+    key = list(range(100, 110))
+    cache_tokens(cm, key)
+    held = cm.alloc_slots(14)  # the key goes to the host; 2 slots free
+    cm.allocator.free(held[:4])
+    other = [200, 201, 202]
+    cache_tokens(cm, other)  # 3 evictable + 3 free < 10
+    req = make_req(key + [1])
+    cm.match(req)
+    assert cm.start(req) and req.tier_unloaded_len == 10
+    assert cm.cache.match_prefix(other).indices.numel() == 3  # not flushed for a load that could not fit
+    cm.release(req, cache_tokens=False)
+    cm.allocator.free(held[4:])
+    cm.check_accounting([])
+
+
+def test_a_match_evicted_by_an_earlier_requests_load_is_taken_again():
+    """lpm matches the whole queue, then starts requests in turn: a host load of the first may evict what
+    the second matched. The second then matches again instead of locking a detached node."""
+    from runtime.managers.scheduler.schedule_policy import PrefillAdder, order_waiting
+
+    cm = make_cm(pool=16, host=32)
+    a = list(range(100, 110))
+    cache_tokens(cm, a)
+    first3 = cm.cache.exact_node(cm.cache.match_prefix(a[:3]).last_node, 3)
+    cm.cache.lock(first3)
+    held = cm.alloc_slots(13)  # a's last 7 tokens go to the host; its first 3 stay on the device
+    cm.cache.unlock(first3)
+    cm.allocator.free(held)
+    b = [200, 201]
+    cache_tokens(cm, b)
+    held = cm.alloc_slots(cm.allocator.available() - 5)  # 5 free: a's 7-token load must evict b
+    ra, rb = make_req(a + [1], max_new=1), make_req(b + [2], max_new=1)
+    ra.arrival, rb.arrival = 0.0, 1.0
+    ordered, matched = order_waiting("lpm", [ra, rb], cm)
+    assert ordered == [ra, rb] and (ra.match_len, rb.match_len) == (3, 2)
+    adder = PrefillAdder(cm, [], max_prefill_tokens=100, chunk_size=0, new_token_ratio=0.0, max_running=4)
+    adder.add_waiting(ra, matched)
+    assert ra.host_loaded_len == 7 and cm.cache.match_prefix(b).indices.numel() == 0  # b was evicted
+    adder.add_waiting(rb, matched)  # before: ValueError, a node not attached to the cache
+    assert (rb.match_len, rb.host_loaded_len) == (2, 2)  # matched again: b came back from the host
+    for r, _ in adder.admitted:
+        cm.release(r, cache_tokens=False)
+    for r in (ra, rb):
+        cm.release(r, cache_tokens=False)
+    cm.allocator.free(held)
+    cm.check_accounting([])
+
+
 def test_integrity_of_both_pools_under_heavy_random_eviction():
     rng = random.Random(0)
     cm = make_cm(pool=64, host=96, rows=6)

@@ -72,6 +72,10 @@ class CacheManager:
         if row is None:
             return False
         req.req_pool_idx = row
+        if req.match_node is not self.cache.root and req.match_node.parent is None:
+            # evicted since `match` (lpm matches the whole queue first; a tier load admitted before this
+            # request made room): its match is gone, find what is left
+            self.match(req)
         req.match_node = self.cache.exact_node(req.match_node, req.match_len)
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
@@ -95,11 +99,13 @@ class CacheManager:
         h = hit.indices.numel()
         if h <= d:
             return 0
+        if self.available() < h - d:  # checked first: a failed alloc_slots would still evict all it could
+            req.tier_unloaded_len = h - d
+            return 0
         self.host.lock(hit.last_node)  # the device evictions below copy into the host: keep ours there
         try:
             slots = self.alloc_slots(h - d)
-            if slots is None:
-                req.tier_unloaded_len = h - d
+            if slots is None:  # not expected: h - d slots were available
                 return 0
             self.host.load(hit.indices[d:], slots)
         finally:
