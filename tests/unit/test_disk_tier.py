@@ -70,6 +70,28 @@ def test_a_restart_loads_cached_blocks_from_disk(tmp_path):
     fresh.check_accounting([])
 
 
+def test_without_device_room_nothing_is_read_and_the_request_learns_what_waits(tmp_path, monkeypatch):
+    cm = make_cm(tmp_path)
+    prompt = prompt_of(2 * BLOCK + 10)
+    cm.release(fill(cm, prompt))
+    assert cm.disk.flush()
+    fresh = make_cm(tmp_path)
+    held = fresh.alloc_slots(POOL - BLOCK)  # one block of room: the two on disk do not fit
+    reads = []
+    monkeypatch.setattr(fresh.disk, "_load", lambda *a: reads.append(a))
+    req = Req(rid="r2", prompt_ids=prompt + [5], params=SamplingParams(max_new_tokens=1))
+    fresh.match(req)
+    assert fresh.start(req)
+    assert (req.disk_loaded_len, req.tier_unloaded_len, reads) == (0, 2 * BLOCK, [])
+    fresh.release(req, cache_tokens=False)
+    fresh.allocator.free(held)
+    monkeypatch.undo()
+    fresh.match(req)
+    assert fresh.start(req) and (req.disk_loaded_len, req.tier_unloaded_len) == (2 * BLOCK, 0)
+    fresh.release(req, cache_tokens=False)
+    fresh.check_accounting([])
+
+
 @pytest.mark.parametrize("other", [dict(identity="model-b"), dict(dtype=torch.float16)])
 def test_entries_of_another_model_or_dtype_are_never_used(tmp_path, other):
     cm = make_cm(tmp_path)

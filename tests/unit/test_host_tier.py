@@ -122,7 +122,91 @@ def test_no_device_room_is_a_miss_not_an_error():
     req = make_req(key + [1])
     cm.match(req)
     assert cm.start(req) and (req.match_len, req.host_loaded_len) == (0, 0)
+    assert req.tier_unloaded_len == 10  # what the host held that did not fit: the adder decides
     cm.release(req, cache_tokens=False)
+    cm.allocator.free(held)
+    cm.check_accounting([])
+
+
+def test_a_prefix_on_the_host_without_device_room_waits_while_room_may_come():
+    from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, PrefillAdder
+
+    def adder(cm, running):
+        return PrefillAdder(
+            cm, running, max_prefill_tokens=100, chunk_size=4, new_token_ratio=0.0, max_running=4
+        )
+
+    cm = make_cm(pool=16, host=32)
+    key = list(range(100, 110))
+    cache_tokens(cm, key)
+    held = cm.alloc_slots(10)  # evicts the key into the host; 6 slots stay free: a 4-token chunk fits
+    runner = make_req([5, 6, 7])  # something that will give its memory back
+    req = make_req(key + [1])
+    cm.match(req)
+    out = adder(cm, [runner]).add_waiting(req, matched=True)
+    assert out == AddOutcome(AddResult.NO_TOKEN, 0)  # not a chunk that recomputes what the host holds
+    assert req.req_pool_idx is None and cm.cache.protected_size() == 0  # its row and lock given back
+    assert cm.allocator.available() == 6
+    # no running request, nothing locked: no room would come, so it runs and recomputes (as before)
+    cm.match(req)
+    a = adder(cm, [])
+    assert a.add_waiting(req, matched=True) == AddOutcome(AddResult.FULL, 4)
+    assert req.tier_unloaded_len == 10 and req.host_loaded_len == 0
+    cm.release(req, cache_tokens=False)
+    cm.allocator.free(held)  # room came: the whole prefix is loaded from the host
+    cm.match(req)
+    assert adder(cm, [runner]).add_waiting(req, matched=True) == AddOutcome(AddResult.CONTINUE, 1)
+    assert (req.host_loaded_len, req.tier_unloaded_len) == (10, 0)
+    cm.release(req, cache_tokens=False)
+    cm.check_accounting([])
+
+
+def test_a_load_that_cannot_fit_evicts_nothing():
+    cm = make_cm(pool=16, host=32)
+    key = list(range(100, 110))
+    cache_tokens(cm, key)
+    held = cm.alloc_slots(14)  # the key goes to the host; 2 slots free
+    cm.allocator.free(held[:4])
+    other = [200, 201, 202]
+    cache_tokens(cm, other)  # 3 evictable + 3 free < 10
+    req = make_req(key + [1])
+    cm.match(req)
+    assert cm.start(req) and req.tier_unloaded_len == 10
+    assert cm.cache.match_prefix(other).indices.numel() == 3  # not flushed for a load that could not fit
+    cm.release(req, cache_tokens=False)
+    cm.allocator.free(held[4:])
+    cm.check_accounting([])
+
+
+def test_a_match_evicted_by_an_earlier_requests_load_is_taken_again():
+    """lpm matches the whole queue, then starts requests in turn: a host load of the first may evict what
+    the second matched. The second then matches again instead of locking a detached node."""
+    from runtime.managers.scheduler.schedule_policy import PrefillAdder, order_waiting
+
+    cm = make_cm(pool=16, host=32)
+    a = list(range(100, 110))
+    cache_tokens(cm, a)
+    first3 = cm.cache.exact_node(cm.cache.match_prefix(a[:3]).last_node, 3)
+    cm.cache.lock(first3)
+    held = cm.alloc_slots(13)  # a's last 7 tokens go to the host; its first 3 stay on the device
+    cm.cache.unlock(first3)
+    cm.allocator.free(held)
+    b = [200, 201]
+    cache_tokens(cm, b)
+    held = cm.alloc_slots(cm.allocator.available() - 5)  # 5 free: a's 7-token load must evict b
+    ra, rb = make_req(a + [1], max_new=1), make_req(b + [2], max_new=1)
+    ra.arrival, rb.arrival = 0.0, 1.0
+    ordered, matched = order_waiting("lpm", [ra, rb], cm)
+    assert ordered == [ra, rb] and (ra.match_len, rb.match_len) == (3, 2)
+    adder = PrefillAdder(cm, [], max_prefill_tokens=100, chunk_size=0, new_token_ratio=0.0, max_running=4)
+    adder.add_waiting(ra, matched)
+    assert ra.host_loaded_len == 7 and cm.cache.match_prefix(b).indices.numel() == 0  # b was evicted
+    adder.add_waiting(rb, matched)  # before: ValueError, a node not attached to the cache
+    assert (rb.match_len, rb.host_loaded_len) == (2, 2)  # matched again: b came back from the host
+    for r, _ in adder.admitted:
+        cm.release(r, cache_tokens=False)
+    for r in (ra, rb):
+        cm.release(r, cache_tokens=False)
     cm.allocator.free(held)
     cm.check_accounting([])
 
@@ -255,6 +339,34 @@ def test_demote_promote_round_trip_gives_bit_identical_logits(default_model_dir,
     assert torch.equal(logits[0], from_device)  # bit-identical: the KV made the round trip unchanged
     info = sched.server_info()
     assert info["host_saved_tokens"] > 0 and info["host_loaded_tokens"] >= out.cached_tokens_host
+
+
+def test_a_history_on_the_host_waits_for_room_instead_of_being_recomputed(tiny_model_dir, default_tokenizer):
+    """A session's history was moved to the host tier; its next step arrives while a long request holds
+    the pool: it waits for that request to finish, then loads the whole history from the host."""
+    sched = make_scheduler(
+        tiny_model_dir, default_tokenizer, max_total_tokens=256, kv_host_tier_gb=0.01, chunked_prefill_size=32
+    )
+    rng = random.Random(3)
+    history = [4] + [rng.randrange(10, 512) for _ in range(99)]
+    run_one(sched, gen("h0", history), [])
+    run_one(sched, gen("other", [5] + [rng.randrange(10, 512) for _ in range(199)]), [])
+    assert sched.cm.cache.match_prefix(history).indices.numel() == 0  # evicted: only the host has it
+    sched.handle(gen("long", [6] + [rng.randrange(10, 512) for _ in range(199)], max_new=30))
+    while not sched.running:
+        sched.step()
+    assert sched.cm.available() < 100  # no room to load the history now; a 32-token chunk would fit
+    sched.handle(gen("h1", history + [7]))
+    finished = []
+    while sched.has_work():
+        for o in sched.step():
+            if o.finished_reason is not None:
+                finished.append(o)
+        sched.check_accounting()
+    assert [o.rid for o in finished] == ["long", "h1"]
+    assert (finished[1].cached_tokens, finished[1].cached_tokens_host) == (100, 100)
+    info = sched.server_info()
+    assert info["tier_load_waits"] >= 1 and info["tier_tokens_recomputed"] == 0
 
 
 def test_aborts_leak_nothing_in_either_pool(tiny_model_dir, default_tokenizer):

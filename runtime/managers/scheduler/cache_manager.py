@@ -10,7 +10,8 @@ the lock dropped, so the accounting invariant holds after every step:
 
 With a host tier (`--kv-host-tier-gb`) the cache's evictions are copied there first, and `start` loads a
 prefix the host holds beyond the device match back into fresh device slots (inserted into the cache like any
-computed KV) instead of leaving it to be recomputed.
+computed KV) instead of leaving it to be recomputed. When the pool has no room for it now, `start` records
+that on the request (`tier_unloaded_len`) and the prefill adder lets it wait for room.
 """
 
 from __future__ import annotations
@@ -71,9 +72,14 @@ class CacheManager:
         if row is None:
             return False
         req.req_pool_idx = row
+        if req.match_node is not self.cache.root and req.match_node.parent is None:
+            # evicted since `match` (lpm matches the whole queue first; a tier load admitted before this
+            # request made room): its match is gone, find what is left
+            self.match(req)
         req.match_node = self.cache.exact_node(req.match_node, req.match_len)
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
+        req.tier_unloaded_len = 0
         req.host_loaded_len = self._load_from_host(req) if self.host is not None else 0
         req.disk_loaded_len = self._load_from_disk(req) if self.disk is not None else 0
         req.cache_owned_len = req.kv_len = req.match_len
@@ -84,7 +90,7 @@ class CacheManager:
     def _load_from_host(self, req: Req) -> int:
         """Extend the request's locked device match with what the host tier holds past it: fresh device
         slots, a copy, an insert into the cache, the lock moved to the longer path. Returns the tokens
-        loaded (0: nothing more in the host tier, or no device slots for it: those tokens are recomputed)."""
+        loaded (0: nothing more in the host tier, or no device slots for it now: `req.tier_unloaded_len`)."""
         key = req.cache_key(req.prefix_limit())
         d = req.match_len
         if len(key) <= d:
@@ -93,10 +99,13 @@ class CacheManager:
         h = hit.indices.numel()
         if h <= d:
             return 0
+        if self.available() < h - d:  # checked first: a failed alloc_slots would still evict all it could
+            req.tier_unloaded_len = h - d
+            return 0
         self.host.lock(hit.last_node)  # the device evictions below copy into the host: keep ours there
         try:
             slots = self.alloc_slots(h - d)
-            if slots is None:
+            if slots is None:  # not expected: h - d slots were available
                 return 0
             self.host.load(hit.indices[d:], slots)
         finally:
@@ -106,7 +115,7 @@ class CacheManager:
 
     def _load_from_disk(self, req: Req) -> int:
         """The same as `_load_from_host` for the blocks the disk tier holds past the match (a file that fails
-        its checks ends the run there: what follows is recomputed)."""
+        its checks ends the run there: what follows is recomputed). Without room for them nothing is read."""
         key = req.cache_key(req.prefix_limit())
         d = req.match_len
         names = self.disk.block_names(key)
@@ -114,12 +123,15 @@ class CacheManager:
         n = self.disk.cached_len(names)
         if n <= d:
             return 0
+        if self.available() < n - d:  # checked before reading: a request that waits for room retries
+            req.tier_unloaded_len = max(req.tier_unloaded_len, n - d)
+            return 0
         got = self.disk.read(key, names, d, n)
         if got is None:
             return 0
         k, v, m = got
         slots = self.alloc_slots(m)
-        if slots is None:
+        if slots is None:  # not expected: m <= n - d slots were available
             return 0
         self.disk.load(k, v, slots)
         self._adopt(req, key[: d + m], slots)

@@ -55,6 +55,9 @@ class Req:
     host_loaded_len: int = 0  # tokens the latest admission loaded from the host tier (`CacheManager.start`)
     prefix_hit_disk: int = 0  # of prefix_hit_len, the tokens loaded from the disk tier
     disk_loaded_len: int = 0  # tokens the latest admission loaded from the disk tier
+    # tokens past the device match that the host or disk tier held at the latest admission but that did not
+    # fit in the device pool then (the prefill adder makes the request wait for room rather than recompute)
+    tier_unloaded_len: int = 0
     # set by the prefill adder: prefix length matched at scheduling time and the node it ends in
     match_len: int = 0
     match_node: TreeNode | None = None

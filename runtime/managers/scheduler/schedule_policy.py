@@ -102,6 +102,7 @@ class PrefillAdder:
         self.rem_prefill = max_prefill_tokens
         self.rem_chunk = chunk_size if chunk_size > 0 else None
         self.rem_requests = max_running - len(running)
+        self.num_running = len(running)
         self.admitted: list[tuple[Req, int]] = []  # (request, tokens to extend now)
 
     def _reserve(self, req: Req) -> int:
@@ -136,12 +137,22 @@ class PrefillAdder:
         """Offer a request without KV: match its cached prefix (unless `order_waiting` just did), lock it and
         take a request row (`CacheManager.start`), then `add` it; the KV budget then sees the lock (a locked
         prefix is no longer evictable), so the slots of everything admitted can always be allocated.
-        Not admitted: the lock and the row are given back. None: no free request row."""
+        Not admitted: the lock and the row are given back. None: no free request row.
+
+        A host or disk tier that holds the prefix past the device match when the pool has no room to load it
+        (`tier_unloaded_len`) makes the request wait (NO_TOKEN) while something else holds device memory
+        that will come free: running or just admitted requests, or locked cache paths (session pins, which
+        the scheduler releases when nothing runs). Admitted now, a chunk would start recomputing what the
+        tier holds. With none of those no room would come: it is admitted and recomputes that part."""
         if not matched:
             self.cm.match(req)
+        room_may_come = bool(self.admitted or self.num_running or self.cm.cache.protected_size())
         before = self.cm.available()
         if not self.cm.start(req):
             return None
+        if req.tier_unloaded_len and room_may_come:
+            self.cm.release(req, cache_tokens=False)
+            return AddOutcome(AddResult.NO_TOKEN, 0)
         self.rem_total -= before - self.cm.available()
         out = self.add(req, req.seq_len - req.match_len)
         if not out.tokens:

@@ -305,7 +305,13 @@ class Scheduler:
     def _offer(self, adder: PrefillAdder, req: Req, matched: bool) -> AddOutcome | None:
         try:
             with self._isolated(req, "scheduling"):
-                return adder.add_waiting(req, matched)
+                out = adder.add_waiting(req, matched)
+                if out is not None and req.tier_unloaded_len:  # a tier held more than the pool had room for
+                    if out.tokens:
+                        self.stats["tier_tokens_recomputed"] += req.tier_unloaded_len
+                    else:
+                        self.stats["tier_load_waits"] += 1
+                return out
         except RequestFailed:
             return AddOutcome(AddResult.CONTINUE, 0)
 

@@ -21,6 +21,10 @@ COUNTERS = (
     "requests_aborted",
     "requests_timed_out",
     "requests_failed_internal",
+    # host / disk tier: admissions put off because the pool had no room to load what a tier held past the
+    # device match, and tokens a tier held that were recomputed anyway (no room would come: nothing else ran)
+    "tier_load_waits",
+    "tier_tokens_recomputed",
     # speculative decoding (runtime.managers.scheduler.speculative)
     "spec_draft_steps",  # decode steps in which drafts were looked for
     "spec_draft_seconds",  # time spent drafting and indexing finished sequences
