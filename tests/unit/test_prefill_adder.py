@@ -139,3 +139,33 @@ def test_reservation_is_truncated_per_request():
     # int() per request: three requests with 3 tokens left at ratio 0.5 reserve 1 each, not int(4.5).
     running = [req(f"r{i}", max_new=3) for i in range(3)]
     assert adder(running=running).rem_total == 97
+
+
+def test_cache_aware_orders_put_a_request_waiting_too_long_first():
+    """lpm/dfs-weight order by cached prefix; a request whose prefix is not cached must not wait behind cache
+    hits for ever: past MAX_WAIT_BEFORE_FIRST_S it goes first (oldest first), the rest keep their order."""
+    import time
+
+    from runtime.managers.scheduler.schedule_policy import MAX_WAIT_BEFORE_FIRST_S, order_waiting
+
+    cm = cache_manager()
+    hot = list(range(1000, 1040))
+    cm.cache.insert(hot, cm.allocator.alloc(len(hot)))
+    now = time.monotonic()
+
+    def waiting(rid: str, prompt: list[int], waited_s: float) -> Req:
+        r = Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=4), arrival=now - waited_s)
+        return r
+
+    cold_new = waiting("cold-new", [7, 8, 9], 1.0)
+    cold_old = waiting("cold-old", [4, 5, 6], MAX_WAIT_BEFORE_FIRST_S + 5)
+    cold_older = waiting("cold-older", [1, 2, 3], MAX_WAIT_BEFORE_FIRST_S + 9)
+    hit = waiting("hit", hot + [1], 2.0)
+    for policy in ("lpm", "dfs-weight"):
+        ordered, matched = order_waiting(policy, [cold_new, cold_old, hit, cold_older], cm)
+        assert matched and [r.rid for r in ordered][:2] == ["cold-older", "cold-old"], policy
+        assert {r.rid for r in ordered[2:]} == {"hit", "cold-new"}, policy
+        if policy == "lpm":
+            assert [r.rid for r in ordered[2:]] == ["hit", "cold-new"]
+    ordered, _ = order_waiting("lpm", [cold_new, hit], cm)  # nobody overdue: the cache hit first
+    assert [r.rid for r in ordered] == ["hit", "cold-new"]

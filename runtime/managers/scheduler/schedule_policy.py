@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 import random
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ logger = logging.getLogger("radixlm.scheduler")
 # Matching every waiting request against the tree costs O(total prompt tokens); past this queue length
 # `lpm` falls back to arrival order, as prefix locality matters less than keeping the scheduler cheap.
 LPM_MAX_QUEUE = 128
+# The cache-aware orders put requests with long cached prefixes first, so a request whose prefix is not cached
+# (evicted while its agent waited on a tool) could be passed over for as long as others keep hitting the
+# cache. One that has waited longer than this goes before them all, oldest first.
+MAX_WAIT_BEFORE_FIRST_S = 10.0
 
 
 def order_waiting(
@@ -24,16 +29,23 @@ def order_waiting(
 ) -> tuple[list[Req], bool]:
     """`waiting` in the order to try admission, and whether every request's match_* fields were just
     filled. Only the orders that need the matches (`lpm`, `dfs-weight`) match the whole queue; for the
-    others `PrefillAdder.add_waiting` matches just the requests it is offered."""
+    others `PrefillAdder.add_waiting` matches just the requests it is offered. Under those two, requests
+    waiting longer than MAX_WAIT_BEFORE_FIRST_S come first, oldest first (no request starves)."""
     if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
         policy = "fcfs"
     if policy in ("lpm", "dfs-weight"):
         for req in waiting:
             cm.match(req)
-    if policy == "lpm":
-        return sorted(waiting, key=lambda r: (-r.match_len, r.arrival)), True
-    if policy == "dfs-weight":
-        return _dfs_weight_order(waiting, cm), True
+        now = time.monotonic()
+        overdue = sorted(
+            (r for r in waiting if now - r.arrival > MAX_WAIT_BEFORE_FIRST_S), key=lambda r: r.arrival
+        )
+        if overdue:
+            late = set(map(id, overdue))
+            waiting = [r for r in waiting if id(r) not in late]
+        if policy == "lpm":
+            return overdue + sorted(waiting, key=lambda r: (-r.match_len, r.arrival)), True
+        return overdue + _dfs_weight_order(waiting, cm), True
     if policy == "fcfs":
         return sorted(waiting, key=lambda r: r.arrival), False
     if policy == "random":
