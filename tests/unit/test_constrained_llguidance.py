@@ -193,7 +193,7 @@ def test_jump_forward_strings(compiler):
         ({"type": "array", "contains": {"type": "integer"}}, "contains"),
         ({"not": {"type": "string"}}, "not"),
         ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames"),
-        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
     ],
 )
 def test_strict_keywords_are_400s_naming_them(schema, keyword):
@@ -316,16 +316,11 @@ def test_sandbox_compiles_and_checks_with_llguidance(default_tokenizer):
 
 
 def test_auto_falls_back_per_request_when_llguidance_cannot_enforce(default_tokenizer):
-    """``dependencies`` implied by ``required`` is fine for the outlines layer (schema_keywords) but an
-    unimplemented keyword for llguidance: under auto the request goes to outlines-core; a named backend
-    answers the 400 naming the keyword."""
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
-        "dependencies": {"a": ["b"]},
-    }
-    with pytest.raises(GrammarUnsupported, match="dependencies"):
+    """``not`` around ``type`` is fine for the outlines layer (schema_keywords) but an unimplemented keyword
+    for llguidance: under auto the request goes to outlines-core; a named backend answers the 400 naming
+    the keyword."""
+    schema = {"type": ["integer", "string"], "not": {"type": "string"}}
+    with pytest.raises(GrammarUnsupported, match="not"):
         get_backend("llguidance").check("json_schema", json.dumps(schema), "json.dumps")
     assert backend_chain("auto", "json_schema")[:2] == ("llguidance", "outlines")
     assert backend_chain("llguidance", "json_schema") == ("llguidance",)
@@ -334,7 +329,7 @@ def test_auto_falls_back_per_request_when_llguidance_cannot_enforce(default_toke
     try:
         assert auto.compile("json_schema", json.dumps(schema)).backend == "outlines"
         assert auto.compile("json_schema", json.dumps({"type": "integer"})).backend == "llguidance"
-        with pytest.raises(GrammarError, match="dependencies"):
+        with pytest.raises(GrammarError, match="not"):
             strict.compile("json_schema", json.dumps(schema))
         both = {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}
         with pytest.raises(GrammarError, match="uniqueItems"):  # neither backend can: a 400 naming it
