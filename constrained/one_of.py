@@ -185,7 +185,7 @@ def _apply(term: _Term, atom: tuple, ctx: Facts) -> _Term | None:
     return _Term(types, values, present, absent)
 
 
-def _exclusions(ci: Facts, cj: Facts) -> tuple[list, bool]:
+def _exclusions(ci: Facts, cj: Facts, root: dict, memo: dict) -> tuple[list, bool]:
     """(atoms each of which rules out every instance of ``cj``, whether together they rule out exactly the
     instances of ``cj`` among those of ``ci``)."""
     atoms: list[tuple] = []
@@ -208,7 +208,22 @@ def _exclusions(ci: Facts, cj: Facts) -> tuple[list, bool]:
             implied = key in ci.forbidden or (ci.allowed is not None and key not in ci.allowed)
             if not implied and not all(sub in ci.props.get(key, []) for sub in subs):
                 exact = False  # "key present with a value outside B_j's" is not spelled out
+            if key not in cj.required and _values_disjoint(ci.props.get(key, []), subs, root, memo):
+                # an optional discriminator: with the key present, its value (one of B_i's) is none of B_j's
+                atoms.append(("present", key))
     return atoms, exact
+
+
+def _values_disjoint(mine: list, theirs: list, root: dict, memo: dict) -> bool:
+    """Whether no value meets every subschema of ``mine`` and every one of ``theirs`` (proved)."""
+    if not mine or not theirs:
+        return False
+    a, b = Facts(), Facts()
+    for sub in mine:
+        a = a.add(facts_of(sub, root, 0, memo))
+    for sub in theirs:
+        b = b.add(facts_of(sub, root, 0, memo))
+    return disjoint(a, b, root, 0, memo)
 
 
 def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
@@ -239,7 +254,7 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
         merged_out = [m for m in merged if m is not None]
     else:
         for i, branch in enumerate(branches):
-            terms, exact = _terms(i, facts, overlap[i], [f.complete for f in own_facts])
+            terms, exact = _terms(i, facts, overlap[i], [f.complete for f in own_facts], root, memo)
             if not terms and not exact:
                 raise GrammarError(
                     f"`oneOf` cannot be enforced exactly: the instances of branch {i} that match no other "
@@ -273,7 +288,7 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
 
 
 def _terms(
-    i: int, facts: list[Facts], overlaps: list[bool], complete: list[bool]
+    i: int, facts: list[Facts], overlaps: list[bool], complete: list[bool], root: dict, memo: dict
 ) -> tuple[list[_Term], bool]:
     """The terms of branch ``i`` (instances of it and of no overlapping branch), and whether they are
     exactly those instances."""
@@ -284,7 +299,7 @@ def _terms(
     alternatives = [[("absent", k) for k in sorted(s)] for s in ci.not_required]
     for j, overlapping in enumerate(overlaps):
         if overlapping:
-            atoms, atoms_exact = _exclusions(ci, facts[j])
+            atoms, atoms_exact = _exclusions(ci, facts[j], root, memo)
             alternatives.append(atoms)
             exact = exact and atoms_exact and complete[j]
     for atoms in alternatives:

@@ -270,16 +270,54 @@ def test_an_instance_of_two_branches_is_rejected(backend, vocab):
     assert not accepts(subset, vocab, json.dumps({"a": 1, "b": 2}))  # both branches
 
 
-def test_glaive_schema_whose_branches_overlap_by_value_is_a_400_everywhere():
+NESTED_DISCRIMINATOR = {  # Github_trivial o25731's shape: the branches differ only inside an optional key
+    "type": "object",
+    "required": ["items"],
+    "properties": {"items": {"type": "array"}},
+    "oneOf": [
+        {"properties": {"meta": {"type": "object", "required": ["system"],
+                                 "properties": {"system": {"enum": ["rpm"]}}}}},
+        {"properties": {"meta": {"type": "object", "required": ["system"],
+                                 "properties": {"system": {"enum": ["deb"]}}}}},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_optional_discriminator_is_made_present(backend, vocab):
+    """Branches that constrain only an optional key (``{"items": []}`` matches both) become terms that
+    hold the key, whose values are disjoint: a valid subset, never an instance of two branches."""
+    rewritten = resolve_one_of(NESTED_DISCRIMINATOR)
+    assert not _one_ofs(rewritten)
+    compare(NESTED_DISCRIMINATOR, rewritten)  # asserts that no invalid instance is admitted
+    validator = jsonschema.Draft202012Validator(NESTED_DISCRIMINATOR)
+    assert not validator.is_valid({"items": []})
+    grammar = compiled(backend, NESTED_DISCRIMINATOR, vocab)
+    assert not accepts(grammar, vocab, json.dumps({"items": []}))
+    for system in ("rpm", "deb"):
+        instance = {"items": [], "meta": {"system": system}}
+        assert validator.is_valid(instance) and accepts(grammar, vocab, json.dumps(instance))
+    finished = 0
+    for seed in range(8):
+        text = walk(grammar, vocab, seed)
+        if text is not None:
+            assert validator.is_valid(json.loads(text)), text
+            finished += 1
+    assert finished >= 4
+
+
+def test_glaive_schema_whose_branches_overlap_by_value_needs_the_discriminator(vocab):
     """calculate_area_4c8e9fd1: the branches constrain only optional keys (`shape` const, a nested
-    `dimensions`), so `{}` matches all three; read as anyOf it let outputs of two branches through."""
+    `dimensions`), so `{}` matches all three; read as anyOf it let outputs of two branches through. Each
+    term now holds `shape`, whose consts tell the branches apart."""
     [schema] = [s for sid, s in bundled_one_of("Glaiveai2K") if sid == "calculate_area_4c8e9fd1"]
     dimensions = schema["properties"]["dimensions"]
     assert jsonschema.Draft202012Validator({"anyOf": dimensions["oneOf"]}).is_valid({})
     assert not jsonschema.Draft202012Validator(dimensions).is_valid({})
-    for name in BACKENDS:
-        with pytest.raises(GrammarError, match="`oneOf` cannot be enforced exactly"):
-            get_backend(name).check("json_schema", json.dumps(schema), "json.dumps")
+    rewritten = resolve_one_of(dimensions)
+    compare(dimensions, rewritten)
+    assert not jsonschema.Draft202012Validator(rewritten).is_valid({})
+    assert jsonschema.Draft202012Validator(rewritten).is_valid({"shape": "circle"})
 
 
 @pytest.mark.skipif(not is_available("llguidance"), reason="llguidance is not installed")
