@@ -29,6 +29,7 @@ import json
 from typing import Any
 
 from constrained.errors import GrammarError
+from constrained.negation import negate
 from constrained.schema_facts import (
     ALL_TYPES,
     OBJECT,
@@ -255,6 +256,12 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
     else:
         for i, branch in enumerate(branches):
             terms, exact = _terms(i, facts, overlap[i], [f.complete for f in own_facts], root, memo)
+            negated = _negated_others(i, branches, overlap[i], facts[i]) if not terms and not exact else None
+            if negated is not None:  # B_i and, for every overlapping B_j, a violation of it
+                base = merge(parent, branch, root)
+                if base is not None and base is not UNMERGEABLE:
+                    merged_out.append({**base, "allOf": [*(base.get("allOf") or []), *negated]})
+                    continue
             if not terms and not exact:
                 raise GrammarError(
                     f"`oneOf` cannot be enforced exactly: the instances of branch {i} that match no other "
@@ -285,6 +292,20 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
     if len(merged_out) == 1:
         return {**outer, **merged_out[0]}
     return {**outer, "anyOf": merged_out}
+
+
+def _negated_others(i: int, branches: list, overlaps: list[bool], ci: Facts) -> list | None:
+    """``allOf`` items that together exclude every branch overlapping branch ``i``
+    (``constrained.negation``: each an exact or stricter spelling of ``not B_j`` among the types branch
+    ``i`` allows), or None when one of them cannot be spelled at all."""
+    items = []
+    for j, overlapping in enumerate(overlaps):
+        if overlapping:
+            fails, _ = negate(branches[j], within=sorted(ci.types))
+            if not fails:
+                return None
+            items.append(fails[0] if len(fails) == 1 else {"anyOf": fails})
+    return items
 
 
 def _terms(

@@ -60,7 +60,8 @@ def _prepare_schema(schema: dict) -> dict:
 
 def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
     """``node`` with every non-standard ``format`` removed (validators ignore unknown formats; llguidance
-    would refuse them), ``{"not": {}}`` as ``false``, ``dependencies`` / ``dependentRequired`` /
+    would refuse them), ``not`` as what it leaves (``constrained.negation``: exact, or a subset where a
+    condition cannot be spelled; a 400 where none can), ``dependencies`` / ``dependentRequired`` /
     ``dependentSchemas`` spelled with ``anyOf`` / ``allOf`` (exact; llguidance has no such keyword), and
     ``additionalProperties: false`` where an object lists ``properties`` and says nothing of others --
     what outlines-core emits (and xgrammar's strict mode): only the listed keys (and the ``required``
@@ -70,6 +71,7 @@ def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
     Only schema positions are walked."""
     from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS
     from constrained.json_schema import _LIST_KEYS, _MAP_KEYS, _SCHEMA_KEYS
+    from constrained.negation import negate
     from constrained.schema_keywords import KEYWORDS, accepts_nothing
 
     if not isinstance(node, dict) or depth > 200:
@@ -97,6 +99,13 @@ def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
         isinstance(v, list) for k in _DEPENDENCY_KEYS if isinstance(out.get(k), dict) for v in out[k].values()
     )
     closable = not opened and not any(k in out for k in _COMBINATORS if k not in _DEPENDENCY_KEYS)
+    if "not" in out:
+        fails, exact = negate(node["not"], within=node.get("type"))
+        if exact and not fails:
+            return False  # `not` of a schema every value meets
+        if fails:  # llguidance has no `not`: what it leaves (or a non-empty subset), as an allOf item
+            del out["not"]
+            out["allOf"] = [*(out.get("allOf") or []), fails[0] if len(fails) == 1 else {"anyOf": fails}]
     out, needed = _spell_dependencies(out)
     closable = closable and names_only and isinstance(out.get("properties"), dict)
     closed = ("additionalProperties", "patternProperties", "unevaluatedProperties")
