@@ -90,7 +90,7 @@ def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
         elif key in _MAP_KEYS and isinstance(value, dict):
             value = {k: _prepare(v, open_ids, depth + 1) for k, v in value.items()}
         elif key in _LIST_KEYS and isinstance(value, list):
-            intersected = key == "allOf" or (key != "items" and (opened or len(beside - {key}) > 0))
+            intersected = key == "allOf" or (key in ("anyOf", "oneOf") and (opened or len(beside) > 1))
             value = [_prepare(v, open_ids, depth + 1, intersected) for v in value]
         elif key in _SCHEMA_KEYS:
             value = _prepare(value, open_ids, depth + 1)
@@ -178,7 +178,7 @@ def _open_targets(root: dict) -> set:
             elif key in _MAP_KEYS and isinstance(value, dict):
                 stack += [(v, False, depth + 1) for v in value.values()]
             elif key in _LIST_KEYS and isinstance(value, list):
-                intersected = key == "allOf" or (key != "items" and (shared or len(beside - {key}) > 0))
+                intersected = key == "allOf" or (key in ("anyOf", "oneOf") and (shared or len(beside) > 1))
                 stack += [(v, intersected, depth + 1) for v in value]
             elif key in _SCHEMA_KEYS:
                 stack.append((value, False, depth + 1))

@@ -108,14 +108,17 @@ def test_compiles_and_agrees_with_jsonschema(name, vocab):
 
 
 def test_listed_keys_only_where_nothing_else_meets_the_object(vocab):
-    """The closing stays (a valid subset) on a plain object, and on one whose dependencies are names."""
-    for schema in (
-        {"type": "object", "properties": AB},
-        {"type": "object", "properties": AB, "dependencies": {"a": ["b"]}},
+    """The closing stays (a valid subset) on a plain object, on one whose dependencies are names, and on
+    a tuple's item (positional: no other subschema meets it)."""
+    for schema, wrap in (
+        ({"type": "object", "properties": AB}, dict),
+        ({"type": "object", "properties": AB, "dependencies": {"a": ["b"]}}, dict),
+        ({"type": "array", "prefixItems": [{"type": "object", "properties": AB}], "items": False}, list),
     ):
         grammar = compiled("llguidance", schema, vocab)
-        assert accepts(grammar, vocab, json.dumps({"a": 1, "b": 2}))
-        assert not accepts(grammar, vocab, json.dumps({"a": 1, "b": 2, "z": 3}))
+        shape = (lambda o: [o]) if wrap is list else (lambda o: o)
+        assert accepts(grammar, vocab, json.dumps(shape({"a": 1, "b": 2})))
+        assert not accepts(grammar, vocab, json.dumps(shape({"a": 1, "b": 2, "z": 3})))
 
 
 def test_unsatisfiable_schemas_stay_400s():
