@@ -100,6 +100,29 @@ def test_masks_equal_brute_force(compiler, kind, spec, strings):
         assert done in language
 
 
+def test_start_mask_is_computed_once_and_shared(compiler):
+    """Every request's first mask is the grammar's start mask: llguidance computes it once (50-100 µs a
+    request otherwise); a matcher back at the start reads it again, one further along computes its own."""
+    vocab, width = compiler.vocab, compiler.vocab_size
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = compiler.compile("json_schema", json.dumps(schema))
+    first = grammar.new_matcher()
+    start = mask_of(first, width)
+    assert grammar.start_bits is not None and not grammar.start_bits.flags.writeable
+    assert start.any() and not start[vocab.eos_token_id]
+    row = torch.zeros(width, dtype=torch.bool)
+    first.fill_vocab_mask(row)
+    row[:] = True  # a caller's row is a copy: the shared mask is untouched
+    second = grammar.new_matcher()
+    assert (mask_of(second, width) == start).all()
+    second.accept_tokens(vocab.encode_bytes_greedy(b'{"'))
+    assert not (mask_of(second, width) == start).all()
+    second.rollback(len(second.accepted_ids))
+    assert (mask_of(second, width) == start).all()
+    grammar.start_bits = None  # computed afresh: the same mask
+    assert (mask_of(grammar.new_matcher(), width) == start).all()
+
+
 def test_rejects_disallowed_tokens_and_keeps_state(compiler):
     g = compiler.compile("regex", "[0-9]{2}")
     m = g.new_matcher()
