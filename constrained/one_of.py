@@ -52,11 +52,12 @@ _SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if",
 
 
 def resolve_one_of(schema: Any) -> Any:
-    """``schema`` with every ``oneOf`` rewritten as above, and every ``anyOf`` beside other keywords and
-    ``const`` beside ``enum`` made exact (``constrained.siblings``); the input is not modified. GrammarError
-    where one cannot be enforced exactly, naming why."""
+    """``schema`` with every ``oneOf`` rewritten as above, and every ``anyOf`` beside other keywords,
+    ``const`` beside ``enum`` and ``required`` names missing from ``properties`` made exact
+    (``constrained.siblings``); the input is not modified. GrammarError where one cannot be enforced
+    exactly, naming why."""
     text = json.dumps(schema) if isinstance(schema, dict) else ""
-    if not any(f'"{key}"' in text for key in ("oneOf", "anyOf", "allOf", "const", "enum")):
+    if not any(f'"{key}"' in text for key in ("oneOf", "anyOf", "allOf", "const", "enum", "required")):
         return schema
     refs = _local_refs(schema)
     if any("/oneOf/" in f"{ref}/" for ref in refs):
