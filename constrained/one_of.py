@@ -29,6 +29,7 @@ import json
 from typing import Any
 
 from constrained.errors import GrammarError
+from constrained.negation import negate
 from constrained.schema_facts import (
     ALL_TYPES,
     OBJECT,
@@ -51,11 +52,12 @@ _SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if",
 
 
 def resolve_one_of(schema: Any) -> Any:
-    """``schema`` with every ``oneOf`` rewritten as above, and every ``anyOf`` beside other keywords and
-    ``const`` beside ``enum`` made exact (``constrained.siblings``); the input is not modified. GrammarError
-    where one cannot be enforced exactly, naming why."""
+    """``schema`` with every ``oneOf`` rewritten as above, and every ``anyOf`` beside other keywords,
+    ``const`` beside ``enum`` and ``required`` names missing from ``properties`` made exact
+    (``constrained.siblings``); the input is not modified. GrammarError where one cannot be enforced
+    exactly, naming why."""
     text = json.dumps(schema) if isinstance(schema, dict) else ""
-    if not any(f'"{key}"' in text for key in ("oneOf", "anyOf", "allOf", "const", "enum")):
+    if not any(f'"{key}"' in text for key in ("oneOf", "anyOf", "allOf", "const", "enum", "required")):
         return schema
     refs = _local_refs(schema)
     if any("/oneOf/" in f"{ref}/" for ref in refs):
@@ -185,7 +187,7 @@ def _apply(term: _Term, atom: tuple, ctx: Facts) -> _Term | None:
     return _Term(types, values, present, absent)
 
 
-def _exclusions(ci: Facts, cj: Facts) -> tuple[list, bool]:
+def _exclusions(ci: Facts, cj: Facts, root: dict, memo: dict) -> tuple[list, bool]:
     """(atoms each of which rules out every instance of ``cj``, whether together they rule out exactly the
     instances of ``cj`` among those of ``ci``)."""
     atoms: list[tuple] = []
@@ -208,7 +210,22 @@ def _exclusions(ci: Facts, cj: Facts) -> tuple[list, bool]:
             implied = key in ci.forbidden or (ci.allowed is not None and key not in ci.allowed)
             if not implied and not all(sub in ci.props.get(key, []) for sub in subs):
                 exact = False  # "key present with a value outside B_j's" is not spelled out
+            if key not in cj.required and _values_disjoint(ci.props.get(key, []), subs, root, memo):
+                # an optional discriminator: with the key present, its value (one of B_i's) is none of B_j's
+                atoms.append(("present", key))
     return atoms, exact
+
+
+def _values_disjoint(mine: list, theirs: list, root: dict, memo: dict) -> bool:
+    """Whether no value meets every subschema of ``mine`` and every one of ``theirs`` (proved)."""
+    if not mine or not theirs:
+        return False
+    a, b = Facts(), Facts()
+    for sub in mine:
+        a = a.add(facts_of(sub, root, 0, memo))
+    for sub in theirs:
+        b = b.add(facts_of(sub, root, 0, memo))
+    return disjoint(a, b, root, 0, memo)
 
 
 def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
@@ -239,7 +256,13 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
         merged_out = [m for m in merged if m is not None]
     else:
         for i, branch in enumerate(branches):
-            terms, exact = _terms(i, facts, overlap[i], [f.complete for f in own_facts])
+            terms, exact = _terms(i, facts, overlap[i], [f.complete for f in own_facts], root, memo)
+            negated = _negated_others(i, branches, overlap[i], facts[i]) if not terms and not exact else None
+            if negated is not None:  # B_i and, for every overlapping B_j, a violation of it
+                base = merge(parent, branch, root)
+                if base is not None and base is not UNMERGEABLE:
+                    merged_out.append({**base, "allOf": [*(base.get("allOf") or []), *negated]})
+                    continue
             if not terms and not exact:
                 raise GrammarError(
                     f"`oneOf` cannot be enforced exactly: the instances of branch {i} that match no other "
@@ -272,8 +295,22 @@ def _rewrite(node: dict, root: dict, trigger: str | None = None) -> dict:
     return {**outer, "anyOf": merged_out}
 
 
+def _negated_others(i: int, branches: list, overlaps: list[bool], ci: Facts) -> list | None:
+    """``allOf`` items that together exclude every branch overlapping branch ``i``
+    (``constrained.negation``: each an exact or stricter spelling of ``not B_j`` among the types branch
+    ``i`` allows), or None when one of them cannot be spelled at all."""
+    items = []
+    for j, overlapping in enumerate(overlaps):
+        if overlapping:
+            fails, _ = negate(branches[j], within=sorted(ci.types))
+            if not fails:
+                return None
+            items.append(fails[0] if len(fails) == 1 else {"anyOf": fails})
+    return items
+
+
 def _terms(
-    i: int, facts: list[Facts], overlaps: list[bool], complete: list[bool]
+    i: int, facts: list[Facts], overlaps: list[bool], complete: list[bool], root: dict, memo: dict
 ) -> tuple[list[_Term], bool]:
     """The terms of branch ``i`` (instances of it and of no overlapping branch), and whether they are
     exactly those instances."""
@@ -284,7 +321,7 @@ def _terms(
     alternatives = [[("absent", k) for k in sorted(s)] for s in ci.not_required]
     for j, overlapping in enumerate(overlaps):
         if overlapping:
-            atoms, atoms_exact = _exclusions(ci, facts[j])
+            atoms, atoms_exact = _exclusions(ci, facts[j], root, memo)
             alternatives.append(atoms)
             exact = exact and atoms_exact and complete[j]
     for atoms in alternatives:

@@ -43,6 +43,12 @@ def exact_siblings(node: Any, root: dict, depth: int = 0) -> Any:
     node = _typed_literals(node)
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []
+    unlisted = [n for n in required if isinstance(n, str) and n not in props]
+    if props and unlisted and node.get("additionalProperties", True) in (True, {}):
+        # the same instances (a listed `{}` admits what an unlisted key did), but outlines-core and
+        # xgrammar emit only listed keys: a required one left out made every output invalid
+        node = {**node, "properties": {**props, **{n: {} for n in unlisted}}}
+        props = node["properties"]
     dead = [name for name in required if isinstance(name, str) and accepts_nothing(props.get(name))]
     if dead and node.get("type") == "object":  # outlines-core and xgrammar left the name out silently
         raise Unsatisfiable(f"required property {dead[0]!r} accepts no value: no object is valid")

@@ -50,35 +50,139 @@ def _json_options(whitespace_pattern: str) -> dict:
 
 
 _COMBINATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+_DEPENDENCY_KEYS = ("dependencies", "dependentRequired", "dependentSchemas")
 
 
-def _drop_custom_formats(node, depth: int = 0, in_all_of: bool = False):
+def _prepare_schema(schema: dict) -> dict:
+    """``schema`` as llguidance gets it (``_prepare``); the input is not modified."""
+    return _prepare(schema, _open_targets(schema))
+
+
+def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
     """``node`` with every non-standard ``format`` removed (validators ignore unknown formats; llguidance
-    would refuse them), and ``additionalProperties: false`` where an object lists ``properties`` and says
-    nothing of others -- what outlines-core emits (and xgrammar's strict mode): only the listed keys, a
-    valid subset, so a small model cannot ramble in invented keys. Not inside ``allOf`` or beside
-    combinators, where it would change what is valid. Only schema positions are walked."""
+    would refuse them), ``not`` as what it leaves (``constrained.negation``: exact, or a subset where a
+    condition cannot be spelled; a 400 where none can), ``dependencies`` / ``dependentRequired`` /
+    ``dependentSchemas`` spelled with ``anyOf`` / ``allOf`` (exact; llguidance has no such keyword), and
+    ``additionalProperties: false`` where an object lists ``properties`` and says nothing of others --
+    what outlines-core emits (and xgrammar's strict mode): only the listed keys (and the ``required``
+    ones), a valid subset, so a small model cannot ramble in invented keys. Never where the object meets
+    other subschemas (``in_all_of``: an ``allOf`` item, a branch beside other keywords, a dependency's
+    schema, a ``$ref`` target of such a place: ``open_ids``), where closing would change what is valid.
+    Only schema positions are walked."""
     from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS
     from constrained.json_schema import _LIST_KEYS, _MAP_KEYS, _SCHEMA_KEYS
+    from constrained.negation import negate
+    from constrained.schema_keywords import KEYWORDS, accepts_nothing
 
     if not isinstance(node, dict) or depth > 200:
         return node
+    if accepts_nothing(node):
+        return False
+    opened = in_all_of or id(node) in open_ids
+    beside = set(node) & KEYWORDS
     out = {}
     for key, value in node.items():
         if key == "format" and isinstance(value, str):
             if value not in FORMAT_REGEXES and value not in UNSUPPORTED_FORMATS:
                 continue
+        elif key in ("dependencies", "dependentSchemas") and isinstance(value, dict):
+            value = {k: _prepare(v, open_ids, depth + 1, True) for k, v in value.items()}
         elif key in _MAP_KEYS and isinstance(value, dict):
-            value = {k: _drop_custom_formats(v, depth + 1) for k, v in value.items()}
+            value = {k: _prepare(v, open_ids, depth + 1) for k, v in value.items()}
         elif key in _LIST_KEYS and isinstance(value, list):
-            value = [_drop_custom_formats(v, depth + 1, key == "allOf") for v in value]
+            intersected = key == "allOf" or (key in ("anyOf", "oneOf") and (opened or len(beside) > 1))
+            value = [_prepare(v, open_ids, depth + 1, intersected) for v in value]
         elif key in _SCHEMA_KEYS:
-            value = _drop_custom_formats(value, depth + 1)
+            value = _prepare(value, open_ids, depth + 1)
         out[key] = value
-    closed = ("additionalProperties", "patternProperties", "unevaluatedProperties", *_COMBINATORS)
-    if isinstance(out.get("properties"), dict) and not in_all_of and not any(k in out for k in closed):
+    names_only = all(
+        isinstance(v, list) for k in _DEPENDENCY_KEYS if isinstance(out.get(k), dict) for v in out[k].values()
+    )
+    closable = not opened and not any(k in out for k in _COMBINATORS if k not in _DEPENDENCY_KEYS)
+    if "not" in out:
+        fails, exact = negate(node["not"], within=node.get("type"))
+        if exact and not fails:
+            return False  # `not` of a schema every value meets
+        if fails:  # llguidance has no `not`: what it leaves (or a non-empty subset), as an allOf item
+            del out["not"]
+            out["allOf"] = [*(out.get("allOf") or []), fails[0] if len(fails) == 1 else {"anyOf": fails}]
+    out, needed = _spell_dependencies(out)
+    closable = closable and names_only and isinstance(out.get("properties"), dict)
+    closed = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if closable and not any(k in out for k in closed):
+        required = out.get("required") if isinstance(out.get("required"), list) else []
+        missing = [n for n in (*required, *needed) if isinstance(n, str) and n not in out["properties"]]
+        if missing:  # a required (or depended-on) name not listed: any value, as before the closing
+            out["properties"] = {**out["properties"], **{n: {} for n in missing}}
         out["additionalProperties"] = False
     return out
+
+
+def _spell_dependencies(node: dict) -> tuple[dict, list]:
+    """(``node`` with its dependency keywords as ``required`` names and ``allOf`` items, every name a
+    dependency may demand). A required trigger's names become required and its schema an ``allOf`` item;
+    an optional trigger's becomes ``anyOf: [trigger absent, trigger present and what it demands]``."""
+    deps = [(k, node[k]) for k in _DEPENDENCY_KEYS if isinstance(node.get(k), dict)]
+    if not deps:
+        return node, []
+    out = {k: v for k, v in node.items() if k not in dict(deps)}
+    required = list(out["required"]) if isinstance(out.get("required"), list) else []
+    items, needed = [], []
+    for _, entries in deps:
+        for trigger, need in entries.items():
+            if isinstance(need, list):
+                needed += need
+                if trigger in required:
+                    required += [n for n in need if n not in required]
+                    continue
+                then: dict = {"required": [trigger, *need]}
+            elif need is True or need == {}:
+                continue
+            elif trigger in required:
+                items.append(need)
+                continue
+            else:
+                then = {"required": [trigger], "allOf": [need]}
+            items.append({"anyOf": [{"properties": {trigger: False}}, then]})
+    if required:
+        out["required"] = required
+    if items:
+        out["allOf"] = [*(out.get("allOf") or []), *items]
+    return out, needed
+
+
+def _open_targets(root: dict) -> set:
+    """ids of the subschemas a ``$ref`` reaches from a place where they meet other subschemas (an ``allOf``
+    item, a ``$ref`` beside other keywords, a branch beside other keywords, a dependency's schema), and of
+    the ``$ref`` targets of those (a chain of ``$ref``s): closing them would change what is valid."""
+    from constrained.json_schema import _LIST_KEYS, _MAP_KEYS, _SCHEMA_KEYS
+    from constrained.schema_facts import resolve_ref
+    from constrained.schema_keywords import KEYWORDS
+
+    found: dict[int, object] = {}
+    stack: list[tuple[object, bool, int]] = [(root, False, 0)]
+    while stack:
+        node, shared, depth = stack.pop()
+        if not isinstance(node, dict) or depth > 200:
+            continue
+        beside = set(node) & KEYWORDS
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (shared or beside - {"$ref"}):
+            target = resolve_ref(ref, root)
+            if isinstance(target, dict) and id(target) not in found:
+                found[id(target)] = target
+                stack.append((target, True, depth + 1))  # its own $ref (a chain) meets the same
+        for key, value in node.items():
+            if key in ("dependencies", "dependentSchemas") and isinstance(value, dict):
+                stack += [(v, True, depth + 1) for v in value.values()]
+            elif key in _MAP_KEYS and isinstance(value, dict):
+                stack += [(v, False, depth + 1) for v in value.values()]
+            elif key in _LIST_KEYS and isinstance(value, list):
+                intersected = key == "allOf" or (key in ("anyOf", "oneOf") and (shared or len(beside) > 1))
+                stack += [(v, intersected, depth + 1) for v in value]
+            elif key in _SCHEMA_KEYS:
+                stack.append((value, False, depth + 1))
+    return set(found)
 
 
 def _error(kind: str, message: str) -> GrammarError:
@@ -176,7 +280,7 @@ class LLGuidanceBackend(GrammarBackend):
                 schema = {}
             if not isinstance(schema, dict):
                 raise GrammarError("json_schema must be a JSON object (or true)")
-            schema = _drop_custom_formats(resolve_one_of(schema))
+            schema = _prepare_schema(resolve_one_of(schema))
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 schema, overrides=_json_options(whitespace_pattern)
@@ -269,11 +373,14 @@ class LLGuidanceGrammar:
             raise _error(kind, self._template.get_error())
         self._words = (tokenizer.vocab_size + 31) // 32  # int32 words of llguidance's bitmask
         self._lock = threading.Lock()  # deep_copy reads the template: one at a time
+        # the allowed ids before any token (read-only), the same for every request: llguidance takes
+        # 50-100 µs per request for this first mask (more for the grammar's very first), once is enough
+        self.start_bits: np.ndarray | None = None
 
     def memory_bytes(self) -> int:
         """Rough: the grammar text plus a template matcher's parser and lexer state (lexer states are
         1-2 kB each, built lazily and bounded by llguidance's max_lexer_states)."""
-        return MATCHER_BASE_BYTES + 4 * len(self.grammar)
+        return MATCHER_BASE_BYTES + 4 * len(self.grammar) + self.num_mask_ids  # + start_bits
 
     def new_matcher(self) -> LLGuidanceMatcher:
         with self._lock:
@@ -305,14 +412,20 @@ class LLGuidanceMatcher(TokenCursor):
         return list(self._ids)
 
     def _bits(self) -> np.ndarray:
-        """Allowed ids as bools [num_mask_ids], EOS set exactly when the matcher accepts."""
+        """Allowed ids as bools [num_mask_ids], EOS set exactly when the matcher accepts; read-only at the
+        start (the grammar's shared ``start_bits``)."""
         g = self.grammar
+        if not self._ids and g.start_bits is not None:
+            return g.start_bits
         words = self._words
         self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         bits = np.unpackbits(words.view(np.uint8), count=g.num_mask_ids, bitorder="little").view(np.bool_)
         eos = g.vocab.eos_token_id
         if eos < g.num_mask_ids:
             bits[eos] = self._m.is_accepting()
+        if not self._ids:
+            bits.flags.writeable = False
+            g.start_bits = bits  # one array, assigned whole: a racing request computes the same
         return bits
 
     def fill_vocab_mask(self, mask_row) -> None:
@@ -329,7 +442,7 @@ class LLGuidanceMatcher(TokenCursor):
         else:
             import torch
 
-            mask_row[:n].copy_(torch.from_numpy(bits))
+            mask_row[:n].copy_(torch.from_numpy(bits if bits.flags.writeable else bits.copy()))
 
     def allowed_token_ids(self) -> np.ndarray:
         if self._eos:

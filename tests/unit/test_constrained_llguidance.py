@@ -100,6 +100,29 @@ def test_masks_equal_brute_force(compiler, kind, spec, strings):
         assert done in language
 
 
+def test_start_mask_is_computed_once_and_shared(compiler):
+    """Every request's first mask is the grammar's start mask: llguidance computes it once (50-100 µs a
+    request otherwise); a matcher back at the start reads it again, one further along computes its own."""
+    vocab, width = compiler.vocab, compiler.vocab_size
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = compiler.compile("json_schema", json.dumps(schema))
+    first = grammar.new_matcher()
+    start = mask_of(first, width)
+    assert grammar.start_bits is not None and not grammar.start_bits.flags.writeable
+    assert start.any() and not start[vocab.eos_token_id]
+    row = torch.zeros(width, dtype=torch.bool)
+    first.fill_vocab_mask(row)
+    row[:] = True  # a caller's row is a copy: the shared mask is untouched
+    second = grammar.new_matcher()
+    assert (mask_of(second, width) == start).all()
+    second.accept_tokens(vocab.encode_bytes_greedy(b'{"'))
+    assert not (mask_of(second, width) == start).all()
+    second.rollback(len(second.accepted_ids))
+    assert (mask_of(second, width) == start).all()
+    grammar.start_bits = None  # computed afresh: the same mask
+    assert (mask_of(grammar.new_matcher(), width) == start).all()
+
+
 def test_rejects_disallowed_tokens_and_keeps_state(compiler):
     g = compiler.compile("regex", "[0-9]{2}")
     m = g.new_matcher()
@@ -191,9 +214,9 @@ def test_jump_forward_strings(compiler):
     [
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
         ({"type": "array", "contains": {"type": "integer"}}, "contains"),
-        ({"not": {"type": "string"}}, "not"),
+        ({"type": "string", "not": {"pattern": "^a"}}, "not"),  # no spelling of "a string not matching"
         ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames"),
-        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+        ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if"),
     ],
 )
 def test_strict_keywords_are_400s_naming_them(schema, keyword):
@@ -316,16 +339,10 @@ def test_sandbox_compiles_and_checks_with_llguidance(default_tokenizer):
 
 
 def test_auto_falls_back_per_request_when_llguidance_cannot_enforce(default_tokenizer):
-    """``dependencies`` implied by ``required`` is fine for the outlines layer (schema_keywords) but an
-    unimplemented keyword for llguidance: under auto the request goes to outlines-core; a named backend
-    answers the 400 naming the keyword."""
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
-        "dependencies": {"a": ["b"]},
-    }
-    with pytest.raises(GrammarUnsupported, match="dependencies"):
+    """The ``json-pointer`` format is enforced by the outlines layer (constrained.formats) but unknown to
+    llguidance: under auto the request goes to outlines-core; a named backend answers the 400 naming it."""
+    schema = {"type": "string", "format": "json-pointer"}
+    with pytest.raises(GrammarUnsupported, match="json-pointer"):
         get_backend("llguidance").check("json_schema", json.dumps(schema), "json.dumps")
     assert backend_chain("auto", "json_schema")[:2] == ("llguidance", "outlines")
     assert backend_chain("llguidance", "json_schema") == ("llguidance",)
@@ -334,7 +351,7 @@ def test_auto_falls_back_per_request_when_llguidance_cannot_enforce(default_toke
     try:
         assert auto.compile("json_schema", json.dumps(schema)).backend == "outlines"
         assert auto.compile("json_schema", json.dumps({"type": "integer"})).backend == "llguidance"
-        with pytest.raises(GrammarError, match="dependencies"):
+        with pytest.raises(GrammarError, match="json-pointer"):
             strict.compile("json_schema", json.dumps(schema))
         both = {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}
         with pytest.raises(GrammarError, match="uniqueItems"):  # neither backend can: a 400 naming it

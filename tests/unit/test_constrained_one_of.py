@@ -136,6 +136,14 @@ EXACT = {
         ],
     },
     "prefixes": {"oneOf": [{"type": "string", "pattern": "^https?://"}, {"type": "string", "pattern": "^#"}]},
+    "value-inside-any": {  # branch 0 lies inside branch 1: exactly one means `a` present and not a string
+        "type": "object",
+        "oneOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"b": {}}}],
+    },
+    "values-of-optional-keys": {  # Github_trivial o41582: each term holds the other's key with a wrong type
+        "type": "object",
+        "oneOf": [{"properties": {"dog": {"type": "string"}}}, {"properties": {"cat": {"type": "string"}}}],
+    },
 }
 
 
@@ -178,20 +186,13 @@ def test_nested_and_referenced_one_of_are_rewritten():
         ({"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^[a-z]+$"}]}, "cannot be enforced"),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "cannot be enforced"),  # 1.5 only: no type
         (
-            {
-                "type": "object",
-                "oneOf": [{"properties": {"a": {"type": "string"}}}, {"properties": {"b": {}}}],
-            },
-            "cannot be enforced",
-        ),  # fmt: skip
-        (
             {"type": "object", "required": ["a", "b"], "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
             "no value matches exactly one branch",
         ),
         ({"oneOf": [False, {"not": {}}]}, "only `false`"),
         ({"oneOf": [{"type": "string"}, {"type": "null"}], "$defs": {"x": {"$ref": "#/oneOf/0"}}}, "`$ref`"),
     ],
-    ids=["subset-by-pattern", "integer-in-number", "value-only", "unsatisfiable", "all-false", "ref-into"],
+    ids=["subset-by-pattern", "integer-in-number", "unsatisfiable", "all-false", "ref-into"],
 )
 def test_unenforceable_one_of_is_a_400_on_every_backend(schema, reason):
     with pytest.raises(GrammarError, match="oneOf") as err:
@@ -270,16 +271,54 @@ def test_an_instance_of_two_branches_is_rejected(backend, vocab):
     assert not accepts(subset, vocab, json.dumps({"a": 1, "b": 2}))  # both branches
 
 
-def test_glaive_schema_whose_branches_overlap_by_value_is_a_400_everywhere():
+NESTED_DISCRIMINATOR = {  # Github_trivial o25731's shape: the branches differ only inside an optional key
+    "type": "object",
+    "required": ["items"],
+    "properties": {"items": {"type": "array"}},
+    "oneOf": [
+        {"properties": {"meta": {"type": "object", "required": ["system"],
+                                 "properties": {"system": {"enum": ["rpm"]}}}}},
+        {"properties": {"meta": {"type": "object", "required": ["system"],
+                                 "properties": {"system": {"enum": ["deb"]}}}}},
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_optional_discriminator_is_made_present(backend, vocab):
+    """Branches that constrain only an optional key (``{"items": []}`` matches both) become terms that
+    hold the key, whose values are disjoint: a valid subset, never an instance of two branches."""
+    rewritten = resolve_one_of(NESTED_DISCRIMINATOR)
+    assert not _one_ofs(rewritten)
+    compare(NESTED_DISCRIMINATOR, rewritten)  # asserts that no invalid instance is admitted
+    validator = jsonschema.Draft202012Validator(NESTED_DISCRIMINATOR)
+    assert not validator.is_valid({"items": []})
+    grammar = compiled(backend, NESTED_DISCRIMINATOR, vocab)
+    assert not accepts(grammar, vocab, json.dumps({"items": []}))
+    for system in ("rpm", "deb"):
+        instance = {"items": [], "meta": {"system": system}}
+        assert validator.is_valid(instance) and accepts(grammar, vocab, json.dumps(instance))
+    finished = 0
+    for seed in range(8):
+        text = walk(grammar, vocab, seed)
+        if text is not None:
+            assert validator.is_valid(json.loads(text)), text
+            finished += 1
+    assert finished >= 4
+
+
+def test_glaive_schema_whose_branches_overlap_by_value_needs_the_discriminator(vocab):
     """calculate_area_4c8e9fd1: the branches constrain only optional keys (`shape` const, a nested
-    `dimensions`), so `{}` matches all three; read as anyOf it let outputs of two branches through."""
+    `dimensions`), so `{}` matches all three; read as anyOf it let outputs of two branches through. Each
+    term now holds `shape`, whose consts tell the branches apart."""
     [schema] = [s for sid, s in bundled_one_of("Glaiveai2K") if sid == "calculate_area_4c8e9fd1"]
     dimensions = schema["properties"]["dimensions"]
     assert jsonschema.Draft202012Validator({"anyOf": dimensions["oneOf"]}).is_valid({})
     assert not jsonschema.Draft202012Validator(dimensions).is_valid({})
-    for name in BACKENDS:
-        with pytest.raises(GrammarError, match="`oneOf` cannot be enforced exactly"):
-            get_backend(name).check("json_schema", json.dumps(schema), "json.dumps")
+    rewritten = resolve_one_of(dimensions)
+    compare(dimensions, rewritten)
+    assert not jsonschema.Draft202012Validator(rewritten).is_valid({})
+    assert jsonschema.Draft202012Validator(rewritten).is_valid({"shape": "circle"})
 
 
 @pytest.mark.skipif(not is_available("llguidance"), reason="llguidance is not installed")

@@ -63,6 +63,10 @@ CASES = {
         [{"a": "x", "b": 1}], [{"b": 1}],
     ),
     "const-in-enum": ({"enum": ["a", "b"], "const": "b"}, ["a"], ["b"]),
+    "required-name-not-listed": (  # Github_trivial o2058: outlines-core and xgrammar emitted only `name`
+        {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["text", "name"]},
+        [{"name": "x"}], [{"name": "x", "text": 1}],
+    ),
     "enum-beside-type": ({"type": "string", "enum": ["a", 1]}, [1], ["a"]),
 }  # fmt: skip
 
