@@ -42,6 +42,7 @@ import json
 import re
 import time
 from collections import Counter
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,13 @@ def classify_output(schema: Any, text: str, finish_reason: dict[str, Any] | None
     try:
         validator = jsonschema.validators.validator_for(schema)(schema)
         error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+        if error is not None and error.validator == "multipleOf":
+            # float division fails exact decimal multiples (0.07 / 0.01 = 7.000000000000001): check those
+            # numbers as decimals, as JSON writes them
+            exact = json.loads(json.dumps(schema), parse_float=Decimal)
+            decimal_instance = json.loads(text, parse_float=Decimal)
+            validator = jsonschema.validators.validator_for(exact)(exact)
+            error = jsonschema.exceptions.best_match(validator.iter_errors(decimal_instance))
     except Exception as err:  # unresolvable $ref, a pattern Python's re rejects, a malformed schema
         return "unchecked", f"{type(err).__name__}: {str(err)[:120]}"
     if error is None:

@@ -202,3 +202,10 @@ def test_auto_choice_ranks_by_targets_then_coverage_then_mask_time():
 def test_backends_flag_defaults_to_auto_and_every_backend():
     assert cov.parse_args([]).backends == "auto,outlines,llguidance,xgrammar"
     assert cov.parse_args(["--backends", "xgrammar", "--walk-steps", "8"]).walk_steps == 8
+
+
+def test_classify_output_checks_multiple_of_as_decimals():
+    """0.07 is a multiple of 0.01 although 0.07 / 0.01 is not an integer in floats; 0.075 is not one."""
+    schema = {"type": "object", "properties": {"p": {"type": "number", "multipleOf": 0.01}}}
+    assert cov.classify_output(schema, '{"p": 0.07}', {"type": "stop"}) == ("valid", None)
+    assert cov.classify_output(schema, '{"p": 0.075}', {"type": "stop"}) == ("invalid", "multipleOf")
