@@ -141,12 +141,12 @@ def test_reservation_is_truncated_per_request():
     assert adder(running=running).rem_total == 97
 
 
-def test_cache_aware_orders_put_a_request_waiting_too_long_first():
-    """lpm/dfs-weight order by cached prefix; a request whose prefix is not cached must not wait behind cache
-    hits for ever: past MAX_WAIT_BEFORE_FIRST_S it goes first (oldest first), the rest keep their order."""
+def test_lpm_puts_the_oldest_request_first_once_it_waited_too_long():
+    """lpm orders by cached prefix; a request whose prefix is not cached must not wait behind cache hits for
+    ever: past OVERDUE_AFTER_S the oldest one goes first (one per round), the rest keep the lpm order."""
     import time
 
-    from runtime.managers.scheduler.schedule_policy import MAX_WAIT_BEFORE_FIRST_S, order_waiting
+    from runtime.managers.scheduler.schedule_policy import OVERDUE_AFTER_S, order_waiting
 
     cm = cache_manager()
     hot = list(range(1000, 1040))
@@ -154,18 +154,15 @@ def test_cache_aware_orders_put_a_request_waiting_too_long_first():
     now = time.monotonic()
 
     def waiting(rid: str, prompt: list[int], waited_s: float) -> Req:
-        r = Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=4), arrival=now - waited_s)
-        return r
+        return Req(
+            rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=4), arrival=now - waited_s
+        )
 
     cold_new = waiting("cold-new", [7, 8, 9], 1.0)
-    cold_old = waiting("cold-old", [4, 5, 6], MAX_WAIT_BEFORE_FIRST_S + 5)
-    cold_older = waiting("cold-older", [1, 2, 3], MAX_WAIT_BEFORE_FIRST_S + 9)
+    cold_old = waiting("cold-old", [4, 5, 6], OVERDUE_AFTER_S + 5)
+    cold_older = waiting("cold-older", [1, 2, 3], OVERDUE_AFTER_S + 9)
     hit = waiting("hit", hot + [1], 2.0)
-    for policy in ("lpm", "dfs-weight"):
-        ordered, matched = order_waiting(policy, [cold_new, cold_old, hit, cold_older], cm)
-        assert matched and [r.rid for r in ordered][:2] == ["cold-older", "cold-old"], policy
-        assert {r.rid for r in ordered[2:]} == {"hit", "cold-new"}, policy
-        if policy == "lpm":
-            assert [r.rid for r in ordered[2:]] == ["hit", "cold-new"]
+    ordered, matched = order_waiting("lpm", [cold_new, cold_old, hit, cold_older], cm)
+    assert matched and [r.rid for r in ordered] == ["cold-older", "hit", "cold-old", "cold-new"]
     ordered, _ = order_waiting("lpm", [cold_new, hit], cm)  # nobody overdue: the cache hit first
     assert [r.rid for r in ordered] == ["hit", "cold-new"]

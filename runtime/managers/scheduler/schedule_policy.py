@@ -18,10 +18,12 @@ logger = logging.getLogger("radixlm.scheduler")
 # Matching every waiting request against the tree costs O(total prompt tokens); past this queue length
 # `lpm` falls back to arrival order, as prefix locality matters less than keeping the scheduler cheap.
 LPM_MAX_QUEUE = 128
-# The cache-aware orders put requests with long cached prefixes first, so a request whose prefix is not cached
-# (evicted while its agent waited on a tool) could be passed over for as long as others keep hitting the
-# cache. One that has waited longer than this goes before them all, oldest first.
-MAX_WAIT_BEFORE_FIRST_S = 10.0
+# `lpm` puts requests with long cached prefixes first, so a request whose prefix is not cached (evicted while
+# its agent waited on a tool) could be passed over for as long as others keep hitting the cache. So the oldest
+# request that has waited longer than this goes first, one per scheduling round, and the rest keep the
+# cache-aware order: ordering everyone oldest-first under overload admits requests whose prefixes were
+# evicted while they queued, and nothing hits the cache any more.
+OVERDUE_AFTER_S = 30.0
 
 
 def order_waiting(
@@ -29,23 +31,21 @@ def order_waiting(
 ) -> tuple[list[Req], bool]:
     """`waiting` in the order to try admission, and whether every request's match_* fields were just
     filled. Only the orders that need the matches (`lpm`, `dfs-weight`) match the whole queue; for the
-    others `PrefillAdder.add_waiting` matches just the requests it is offered. Under those two, requests
-    waiting longer than MAX_WAIT_BEFORE_FIRST_S come first, oldest first (no request starves)."""
+    others `PrefillAdder.add_waiting` matches just the requests it is offered. Under `lpm` the oldest
+    request goes first once it has waited OVERDUE_AFTER_S, so none starves behind cache hits."""
     if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
         policy = "fcfs"
     if policy in ("lpm", "dfs-weight"):
         for req in waiting:
             cm.match(req)
-        now = time.monotonic()
-        overdue = sorted(
-            (r for r in waiting if now - r.arrival > MAX_WAIT_BEFORE_FIRST_S), key=lambda r: r.arrival
-        )
-        if overdue:
-            late = set(map(id, overdue))
-            waiting = [r for r in waiting if id(r) not in late]
-        if policy == "lpm":
-            return overdue + sorted(waiting, key=lambda r: (-r.match_len, r.arrival)), True
-        return overdue + _dfs_weight_order(waiting, cm), True
+    if policy == "lpm":
+        ordered = sorted(waiting, key=lambda r: (-r.match_len, r.arrival))
+        oldest = min(range(len(ordered)), key=lambda i: ordered[i].arrival, default=None)
+        if oldest is not None and time.monotonic() - ordered[oldest].arrival > OVERDUE_AFTER_S:
+            ordered.insert(0, ordered.pop(oldest))
+        return ordered, True
+    if policy == "dfs-weight":
+        return _dfs_weight_order(waiting, cm), True
     if policy == "fcfs":
         return sorted(waiting, key=lambda r: r.arrival), False
     if policy == "random":
