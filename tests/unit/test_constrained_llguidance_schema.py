@@ -21,7 +21,7 @@ import pytest
 
 from constrained.backends import get_backend, is_available
 from constrained.errors import GrammarError
-from tests.grammar_walks import accepts, ascii_vocab, compiled, walk
+from tests.grammar_walks import accepts, ascii_vocab, assert_agrees_with_jsonschema, compiled, walk
 
 pytestmark = pytest.mark.skipif(not is_available("llguidance"), reason="llguidance is not installed")
 DATA = Path(__file__).resolve().parents[2] / "bench" / "data" / "jsonschemabench"
@@ -90,21 +90,7 @@ def vocab():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_and_agrees_with_jsonschema(name, vocab):
     schema, bad, good = CASES[name]
-    grammar = compiled("llguidance", schema, vocab)
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    finished = 0
-    for seed in range(8):
-        text = walk(grammar, vocab, seed)
-        if text is not None:
-            assert validator.is_valid(json.loads(text)), text
-            finished += 1
-    assert finished >= 4
-    for instance in bad:
-        assert not validator.is_valid(instance), instance
-        assert not accepts(grammar, vocab, json.dumps(instance)), instance
-    for instance in good:
-        assert validator.is_valid(instance), instance
-        assert accepts(grammar, vocab, json.dumps(instance)), instance
+    assert_agrees_with_jsonschema(compiled("llguidance", schema, vocab), vocab, schema, bad, good)
 
 
 def test_listed_keys_only_where_nothing_else_meets_the_object(vocab):
