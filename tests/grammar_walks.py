@@ -77,11 +77,11 @@ def accepts(grammar, vocab, text: str) -> bool:
     return True
 
 
-def assert_walks_valid(grammar, vocab, validator, min_finished: int = 4) -> None:
-    """Random walks through `grammar` (8 seeds) that finish are instances `validator` accepts; at least
-    `min_finished` of them finish."""
+def assert_walks_valid(grammar, vocab, validator, min_finished: int = 4, seeds: int = 8) -> None:
+    """Random walks through `grammar` (`seeds` of them) that finish are instances `validator` accepts; at
+    least `min_finished` of them finish."""
     finished = 0
-    for seed in range(8):
+    for seed in range(seeds):
         text = walk(grammar, vocab, seed)
         if text is not None:
             assert validator.is_valid(json.loads(text)), text
@@ -89,13 +89,15 @@ def assert_walks_valid(grammar, vocab, validator, min_finished: int = 4) -> None
     assert finished >= min_finished
 
 
-def assert_agrees_with_jsonschema(grammar, vocab, schema: dict, bad=(), good=()) -> None:
+def assert_agrees_with_jsonschema(
+    grammar, vocab, schema: dict, bad=(), good=(), min_finished: int = 4, seeds: int = 8
+) -> None:
     """The compiled `schema` and `jsonschema` agree: walks validate, `bad` instances are rejected by both and
     `good` ones accepted by both."""
     import jsonschema
 
     validator = jsonschema.validators.validator_for(schema)(schema)
-    assert_walks_valid(grammar, vocab, validator)
+    assert_walks_valid(grammar, vocab, validator, min_finished, seeds)
     for instance in bad:
         assert not validator.is_valid(instance), instance
         assert not accepts(grammar, vocab, json.dumps(instance)), instance

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jsonschema
 import pytest
 
 from constrained.backends import BACKEND_NAMES, get_backend, is_available
 from constrained.errors import GrammarError
 from constrained.one_of import resolve_one_of
-from tests.grammar_walks import accepts, ascii_vocab, compiled, walk
+from tests.grammar_walks import accepts, ascii_vocab, assert_agrees_with_jsonschema, compiled
 from tests.unit.test_constrained_one_of import compare
 
 BACKENDS = [name for name in BACKEND_NAMES if is_available(name)]
@@ -91,19 +90,7 @@ def test_walks_validate_and_the_keyword_beside_is_enforced(backend, name, vocab)
     except GrammarError as err:  # xgrammar refuses an `allOf` beside other keywords, by name
         assert backend == "xgrammar" and "`allOf` beside other keywords" in str(err), str(err)
         return
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    finished = 0
-    for seed in range(6):
-        text = walk(grammar, vocab, seed)
-        if text is not None:
-            assert validator.is_valid(json.loads(text)), text
-            finished += 1
-    assert finished >= 3
-    for instance in bad:
-        assert not validator.is_valid(instance)
-        assert not accepts(grammar, vocab, json.dumps(instance)), instance
-    for instance in good:
-        assert accepts(grammar, vocab, json.dumps(instance)), instance
+    assert_agrees_with_jsonschema(grammar, vocab, schema, bad, good, min_finished=3, seeds=6)
 
 
 def test_const_outside_the_enum_is_a_400_everywhere():
