@@ -196,6 +196,7 @@ def main() -> None:
             ]
 
         for wl in workloads:
+            next_id = 0  # every measured prompt of a workload is new to every engine (batch sizes too)
             for bs in batches:
                 n = a.requests or bs
                 # warm-up: another request of the workload (what suffix's shared index has seen)
@@ -203,7 +204,8 @@ def main() -> None:
                     run_cell(engine, chat(wl, range(1000, 1001)), 1, a.max_new_tokens)
                 samples: dict[str, list[dict[str, Any]]] = {alg: [] for alg in algorithms}
                 for r in range(a.repeats):
-                    prompts = chat(wl, range(r * n, (r + 1) * n))
+                    prompts = chat(wl, range(next_id, next_id + n))
+                    next_id += n
                     order = algorithms[r % len(algorithms) :] + algorithms[: r % len(algorithms)]
                     for alg in order:
                         run_cell(engines[alg], prompts, bs, 1)  # prefill (cached), so the cell times decoding
