@@ -62,19 +62,35 @@ def test_long_contexts_cost_more_rows_than_short_ones():
     assert len(long_ctx) < len(short_ctx)
 
 
-def test_acceptance_estimate_follows_recent_verifies_and_fades_back_when_cut():
+def test_acceptance_estimate_follows_recent_verifies_and_cut_drafts_judged_later():
     state = SpecState(k=4)
-    prior = state.alpha
     for _ in range(6):
         state.record(4, 0, 8)
+    assert state.alpha < 0.25 and state.k == 1
+    # the budget now cuts every draft; the output turns into the text the drafts guessed
+    ids = list(range(100))
+    for _ in range(12):
+        state.cut(len(ids), [ids[-1] + 1, ids[-1] + 2])
+        ids.append(ids[-1] + 1)  # a plain decode step emits the first guessed token
+        state.judge_cut(ids, 8)
+    assert state.alpha > 0.8 and state.k == 8
+    assert state.shadow is None
+    # guesses that the output does not follow bring it down again
+    for _ in range(12):
+        state.cut(len(ids), [7])
+        ids.append(ids[-1] + 1)
+        state.judge_cut(ids, 8)
     assert state.alpha < 0.25
-    low = state.alpha
-    for _ in range(30):
-        state.fade()
-    assert low < state.alpha <= prior + 1e-9
-    for _ in range(6):
-        state.record(4, 4, 8)
-    assert state.alpha > 0.8
+
+
+def test_a_cut_draft_waits_for_its_tokens_and_is_dropped_when_the_tokens_are_rewritten():
+    state = SpecState(k=2)
+    state.cut(10, [5, 6])
+    before = (state.hits, state.trials)
+    state.judge_cut(list(range(10)), 4)  # nothing emitted yet
+    assert state.shadow is not None and (state.hits, state.trials) == before
+    state.judge_cut(list(range(8)), 4)  # retokenized shorter: nothing to judge
+    assert state.shadow is None and (state.hits, state.trials) == before
 
 
 def test_stalled_steps_do_not_make_rows_look_dear():

@@ -57,6 +57,18 @@ def test_local_index_copies_the_matching_block_of_repetitive_text_not_the_latest
     assert idx.follow is None and idx.propose(ids[:4], 2) == []
 
 
+def test_local_index_continues_text_that_repeats_into_its_own_end():
+    # the source of the copy runs into the end of the tokens: the copy goes on with the text's period
+    for ids, want in (([5, 1, 1, 1, 1], [1, 1, 1, 1]), ([1, 2, 3, 1, 2, 3, 1, 2], [3, 1, 2, 3, 1])):
+        idx = LocalIndex()
+        idx.update(ids)
+        assert idx.propose(ids, len(want)) == want
+        # and the next draft follows the same copy
+        ids = ids + want[:2]
+        idx.update(ids)
+        assert idx.propose(ids, 3) == (want + want)[2:5]
+
+
 def test_sequence_index_follows_the_most_frequent_continuation():
     idx = SequenceIndex()
     idx.add([10, 11, 12, 13, 14])

@@ -28,9 +28,9 @@ LOCAL_MAX_CANDIDATES = 32
 SHARED_MIN_N, SHARED_MAX_N = 2, 4
 SHARED_MAX_KEYS = 300_000  # past it the oldest quarter of the contexts is dropped (~100 MB at the cap)
 SHARED_MAX_NEXT = 8  # continuations kept per context (the rarest goes first)
-# per-token acceptance estimate (SpecState.alpha): prior 0.6 worth 2 tokens, older verifies decayed by 0.75
-# (0.97 per step in which the budget cut the draft: a rejected request retries after ~100 steps)
-ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX, ALPHA_FADE = 0.6, 2.0, 0.75, 0.95, 0.97
+# per-token acceptance estimate (SpecState.alpha): prior 0.6 worth 2 tokens, older evidence decayed by 0.75
+# per verify, and per draft the budget cut once the tokens it guessed are out (`SpecState.cut`)
+ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX = 0.6, 2.0, 0.75, 0.95
 MAX_COOLDOWN = 16  # steps a request skips drafting after repeated full rejections, at most
 
 
@@ -68,8 +68,8 @@ class LocalIndex:
         self.indexed = max(self.indexed, len(ids))
 
     def propose(self, ids: list[int], k: int) -> list[int]:
-        """Up to `k` tokens: the continuation of the followed copy, else of the best-matching occurrence of
-        the longest known tail."""
+        """`k` tokens (none when nothing matches): the continuation of the followed copy, else of the
+        best-matching occurrence of the longest known tail."""
         src = self._followed(ids)
         if src is None:
             src = self._anchor(ids)
@@ -77,7 +77,12 @@ class LocalIndex:
             self.follow = None
             return []
         self.follow = (src, len(ids))
-        return ids[src : src + k]
+        draft = ids[src : src + k]
+        # a source that runs into the end of `ids` is text repeating with period len(ids) - src ("1111",
+        # "abcabc"): the copy goes on through the draft itself
+        for j in range(len(draft), k):
+            draft.append(draft[src + j - len(ids)])
+        return draft
 
     def _followed(self, ids: list[int]) -> int | None:
         if self.follow is None:
@@ -164,6 +169,7 @@ class SpecState:
     accepted: int = 0  # draft tokens accepted in all
     hits: float = 0.0  # recent accepted draft tokens (decayed per verify), for `alpha`
     trials: float = 0.0  # recent draft tokens judged: accepted ones plus the first rejected one
+    shadow: tuple[int, list[int]] | None = None  # a draft the budget cut: (seq len at proposal, draft)
 
     @property
     def alpha(self) -> float:
@@ -172,11 +178,34 @@ class SpecState:
         prior = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
         return min(ALPHA_MAX, (self.hits + prior) / (self.trials + ALPHA_PRIOR_WEIGHT))
 
-    def fade(self) -> None:
-        """A step that did not verify this request's draft (the budget cut it): older evidence fades, so
-        `alpha` drifts back to the prior and the draft is tried again some steps later."""
-        self.hits *= ALPHA_FADE
-        self.trials *= ALPHA_FADE
+    def cut(self, seq_len: int, draft: list[int]) -> None:
+        """The budget cut this step's whole `draft` (proposed after `seq_len` tokens). It is judged once the
+        tokens it guessed are out (`judge_cut`), as a verify would have judged it: without that, a request
+        whose acceptance fell on free text would never be verified again when its output turns into a copy
+        (a 135M model's JSON turning into "1234567890" repeated), and `alpha` would have no evidence."""
+        self.shadow = (seq_len, list(draft))
+
+    def judge_cut(self, ids: list[int], max_k: int) -> None:
+        """Score the last cut draft against the tokens emitted since (greedy: exactly what a verify would
+        have accepted; sampled: a match has the acceptance probability's expectation). A match of every
+        guessed token grows the draft length as a full acceptance does."""
+        if self.shadow is None:
+            return
+        at, draft = self.shadow
+        seen = ids[at : at + len(draft)] if len(ids) >= at else []
+        if not seen:
+            if len(ids) < at:  # rewritten (retokenized after a jump-forward): nothing to judge
+                self.shadow = None
+            return
+        self.shadow = None
+        accepted = 0
+        while accepted < len(seen) and seen[accepted] == draft[accepted]:
+            accepted += 1
+        rejected = accepted < len(seen)
+        self.hits = self.hits * ALPHA_DECAY + accepted
+        self.trials = self.trials * ALPHA_DECAY + accepted + rejected
+        if not rejected:
+            self.k = min(max_k, max(self.k, accepted) * 2)
 
     def record(self, drafted: int, accepted: int, max_k: int) -> None:
         """Adapt the draft length to this verify: all accepted -> double it, none -> halve it (and, at 1,
@@ -208,6 +237,7 @@ class Drafter:
 
     def propose(self, state: SpecState, ids: list[int], k: int, shared_ok: bool) -> list[int]:
         """Up to `k` tokens to follow `ids` (the request's prompt + output); [] when nothing matches."""
+        state.judge_cut(ids, self.max_draft)
         if state.skip > 0:
             state.skip -= 1
             return []

@@ -87,7 +87,7 @@ class SpeculativeDecoder:
         drafts = self.budget.trim(proposed, [r.seq_len for r in reqs], alphas)
         for req, before, after in zip(reqs, proposed, drafts):
             if before and not after:
-                req.spec.fade()
+                req.spec.cut(len(req.all_ids), before)
         mask = None
         if any(drafts):  # after the budget: the masks are filled for exactly the rows that are verified
             reqs, drafts, mask = s.grammars.verify_masks(reqs, drafts, lambda r: self._fail(s, r))
