@@ -85,6 +85,45 @@ UNSUPPORTED_FORMATS = frozenset(
     }
 )
 
+# The longest valid text of a format, in characters, where an RFC fixes one. llguidance's format regexes
+# bound no length (its email is `local@label(.label)*`, its hostname any number of labels), so a small model
+# can write one for ever; the llguidance paths add it as `maxLength` (``cap_format_length``). The regexes
+# above are bounded already. Formats llguidance accepts and left unbounded on purpose: `date-time` / `time`
+# (RFC 3339 5.6: time-secfrac is "." 1*DIGIT, no limit), `duration` (RFC 3339 appendix A: 1*DIGIT per
+# field), `uri` (RFC 3986 sets no overall limit; its 3.2.2 only recommends, "should", 255 characters for a
+# host name); `date`, `ipv4`, `ipv6` and `uuid` are bounded by their own syntax.
+FORMAT_MAX_LENGTHS: dict[str, int] = {
+    # RFC 5321 4.5.3.1.3: a forward-path is at most 256 octets, its angle brackets included: 254 for the
+    # mailbox (RFC 3696 erratum 1690 says the same). ASCII only, so characters are octets.
+    "email": 254,
+    # RFC 6531 extends RFC 5321's Mailbox to UTF-8 and keeps its limits, which count octets: a character
+    # is at least one, so 254 characters is an upper bound (llguidance 1.9 does not know this format).
+    "idn-email": 254,
+    # RFC 1035 2.3.4 (and RFC 1123 2.1): at most 255 octets on the wire, i.e. 253 characters of dotted text.
+    "hostname": 253,
+    # IDNA (RFC 5890) puts a name into the DNS in its A-label (ASCII) form, so RFC 1035's limit applies to
+    # that form, and a U-label is never longer than its A-label (llguidance 1.9 does not know this format).
+    "idn-hostname": 253,
+}
+
+
+def cap_format_length(node: dict) -> dict:
+    """``node`` with ``maxLength`` lowered to its ``format``'s RFC limit (FORMAT_MAX_LENGTHS); a schema's
+    own smaller ``maxLength`` and its ``minLength`` are kept (the bounds intersect). Unchanged (the same
+    object) without such a format, where ``const`` / ``enum`` fix the values already, where the length
+    bounds are not plain integers (the backend names the error), and where ``minLength`` is above the
+    limit (the schema is left as written rather than made unsatisfiable)."""
+    limit = FORMAT_MAX_LENGTHS.get(node.get("format")) if isinstance(node.get("format"), str) else None
+    if limit is None or "const" in node or "enum" in node:
+        return node
+    bounds = [node.get(k, 0) for k in ("minLength", "maxLength")]
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds) or bounds[0] > limit:
+        return node
+    if "maxLength" in node and node["maxLength"] <= limit:
+        return node
+    return {**node, "maxLength": limit}
+
+
 # One counted character of a bounded string: printable ASCII but `"` and `\` (one character for
 # minLength/maxLength, escapes excluded: they multiply compile time, see above).
 ASCII_STRING_CHAR = r"[ !#-\[\]-~]"

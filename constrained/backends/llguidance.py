@@ -8,7 +8,8 @@ automaton over the vocabulary), so compile is milliseconds whatever the schema's
   cannot prove disjoint (in a lark ``%json``) is a 400, never an ``anyOf``. A custom (non-standard)
   ``format`` is dropped first, as the JSON Schema specification says unknown formats are ignored; a
   standard format llguidance lacks is a 400. No bounded-string relaxation: ``maxLength`` is enforced as
-  written.
+  written, and formats with an RFC length limit (``email`` 254, ``hostname`` 253) get it as ``maxLength``
+  where the schema gives none or a larger one (llguidance's format regexes bound no length).
 * layout: ``DUMPS_LAYOUT`` (the server's) is ``", "`` / ``": "`` and no other whitespace, as on outlines.
 * the sandbox worker validates the grammar against the tokenizer and sends the grammar text back; the
   scheduler builds one template matcher per grammar and ``deep_copy``-s it per request (microseconds).
@@ -60,8 +61,10 @@ def _prepare_schema(schema: dict) -> dict:
 
 def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
     """``node`` with every non-standard ``format`` removed (validators ignore unknown formats; llguidance
-    would refuse them), ``not`` as what it leaves (``constrained.negation``: exact, or a subset where a
-    condition cannot be spelled; a 400 where none can), ``dependencies`` / ``dependentRequired`` /
+    would refuse them), the RFC length limit of a format that has one as ``maxLength`` (llguidance's
+    ``email`` / ``hostname`` bound no length: ``formats.cap_format_length``), ``not`` as what it leaves
+    (``constrained.negation``: exact, or a subset where a condition cannot be spelled; a 400 where none
+    can), ``dependencies`` / ``dependentRequired`` /
     ``dependentSchemas`` spelled with ``anyOf`` / ``allOf`` (exact; llguidance has no such keyword), and
     ``additionalProperties: false`` where an object lists ``properties`` and says nothing of others --
     what outlines-core emits (and xgrammar's strict mode): only the listed keys (and the ``required``
@@ -69,7 +72,7 @@ def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
     other subschemas (``in_all_of``: an ``allOf`` item, a branch beside other keywords, a dependency's
     schema, a ``$ref`` target of such a place: ``open_ids``), where closing would change what is valid.
     Only schema positions are walked."""
-    from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS
+    from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS, cap_format_length
     from constrained.json_schema import _LIST_KEYS, _MAP_KEYS, _SCHEMA_KEYS
     from constrained.negation import negate
     from constrained.schema_keywords import KEYWORDS, accepts_nothing
@@ -95,6 +98,7 @@ def _prepare(node, open_ids: set, depth: int = 0, in_all_of: bool = False):
         elif key in _SCHEMA_KEYS:
             value = _prepare(value, open_ids, depth + 1)
         out[key] = value
+    out = cap_format_length(out)
     names_only = all(
         isinstance(v, list) for k in _DEPENDENCY_KEYS if isinstance(out.get(k), dict) for v in out[k].values()
     )

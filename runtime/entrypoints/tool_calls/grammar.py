@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from constrained.errors import GrammarError
-from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS
+from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS, cap_format_length
 from constrained.one_of import resolve_one_of
 from constrained.schema_keywords import enforce_dependencies
 from runtime.entrypoints.tool_calls.base import ToolCallParser, lark_literal
@@ -55,7 +55,9 @@ def closed_objects(node: Any, in_all_of: bool = False) -> Any:
     `allOf` and objects merged with `allOf`/`$ref` stay open: closing one side of an intersection would
     forbid the other side's properties); their `dependencies` become `required` / left-out properties; a
     custom `format` (no standard name) is dropped, as the specification says unknown formats are ignored;
-    an implied `uniqueItems` (false, or at most one item) too."""
+    an implied `uniqueItems` (false, or at most one item) too. A format with an RFC length limit gets it as
+    `maxLength` (`formats.cap_format_length`: llguidance's `email` bounds no length; the regex path's
+    formats are bounded)."""
     if isinstance(node, list):
         return [closed_objects(x, in_all_of) for x in node]
     if not isinstance(node, dict):
@@ -76,6 +78,7 @@ def closed_objects(node: Any, in_all_of: bool = False) -> Any:
             continue  # implied: llguidance has no uniqueItems
         else:
             out[key] = value
+    out = cap_format_length(out)
     if isinstance(node.get("properties"), dict) and not in_all_of and not any(k in node for k in _OPEN_KEYS):
         out["additionalProperties"] = False
         if "dependencies" in out or "dependentRequired" in out:
