@@ -202,6 +202,21 @@ class RadixCache(BasePrefixCache):
             indices = torch.cat(pieces)
         return MatchResult(indices=indices, last_node=node)
 
+    def prefix_len(self, key: Sequence[int]) -> int:
+        """`match_prefix(key)`'s length without gathering its slots (lpm ranks a whole queue by it)."""
+        key = _as_key(key)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_prefix_len(key, pos, child.key)
+            pos += n
+            node = child
+            if n < len(child.key):
+                break
+        return pos
+
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         key = _as_key(key)
         value = _as_value(value, len(key))

@@ -47,11 +47,30 @@ class CacheManager:
             cache.on_evict = host.save
 
     # ---- lookup ----------------------------------------------------------------------------------------
-    def match(self, req: Req) -> int:
-        """Record on `req` the longest usable cached prefix (no cache mutation); returns its length."""
-        res = self.cache.match_prefix(req.cache_key(req.prefix_limit()))
+    def match(self, req: Req, tiers: bool = False) -> int:
+        """Record on `req` the longest usable cached prefix (no cache mutation); returns its length. With
+        `tiers` (lpm's ordering, every round over the queue) also what the host or disk tier holds past it,
+        `req.tier_match_len`, from their in-memory indexes only: no slots gathered, no file touched, and the
+        disk's block names hashed once per request (`_disk_names`)."""
+        key = tuple(req.cache_key(req.prefix_limit()))
+        res = self.cache.match_prefix(key)
         req.match_len, req.match_node, req.match_indices = len(res.indices), res.last_node, res.indices
+        if tiers:
+            held = req.match_len
+            if self.host is not None and len(key) > held:
+                held = max(held, self.host.tree.prefix_len(key))
+            if self.disk is not None and len(key) // BLOCK * BLOCK > held:
+                held = max(held, self.disk.cached_len(self._disk_names(req, key)))
+            req.tier_match_len = held - req.match_len
         return req.match_len
+
+    def _disk_names(self, req: Req, key: tuple[int, ...]) -> list[str]:
+        """The disk block names of `key`, kept on the request: a waiting request's key does not change, and
+        hashing a 1.5k-token key's 23 block names costs ~1 ms: too much for each queued request each round."""
+        memo = req.disk_names
+        if memo is None or memo[0] != key:
+            req.disk_names = memo = (key, self.disk.block_names(key))
+        return memo[1]
 
     def available(self) -> int:
         """Slots obtainable right now: free plus evictable."""
@@ -65,8 +84,9 @@ class CacheManager:
             slots = self.allocator.alloc(n)
         return slots
 
-    def start(self, req: Req) -> bool:
-        """Give a request without KV its row and the cached prefix recorded by `match`. False: no free row."""
+    def start(self, req: Req, room: int | None = None) -> bool:
+        """Give a request without KV its row and the cached prefix recorded by `match`. False: no free row.
+        `room`: the most slots a tier load may take (the prefill adder's budget; default: all available)."""
         assert req.req_pool_idx is None
         row = self.req_pool.alloc()
         if row is None:
@@ -77,17 +97,23 @@ class CacheManager:
             # request made room): its match is gone, find what is left
             self.match(req)
         req.match_node = self.cache.exact_node(req.match_node, req.match_len)
+        unlocked = self.available()
         self.cache.lock(req.match_node)
         req.locked_node = req.match_node
         req.tier_unloaded_len = 0
-        req.host_loaded_len = self._load_from_host(req) if self.host is not None else 0
-        req.disk_loaded_len = self._load_from_disk(req) if self.disk is not None else 0
+        if room is None:
+            room = self.available()
+        else:  # the lock just took what it made unevictable out of the caller's budget too
+            room = min(room - (unlocked - self.available()), self.available())
+        req.host_loaded_len = self._load_from_host(req, room) if self.host is not None else 0
+        room -= req.host_loaded_len
+        req.disk_loaded_len = self._load_from_disk(req, room) if self.disk is not None else 0
         req.cache_owned_len = req.kv_len = req.match_len
         if req.match_len:
             self.req_pool.write(row, 0, req.match_indices)
         return True
 
-    def _load_from_host(self, req: Req) -> int:
+    def _load_from_host(self, req: Req, room: int) -> int:
         """Extend the request's locked device match with what the host tier holds past it: fresh device
         slots, a copy, an insert into the cache, the lock moved to the longer path. Returns the tokens
         loaded (0: nothing more in the host tier, or no device slots for it now: `req.tier_unloaded_len`)."""
@@ -99,7 +125,7 @@ class CacheManager:
         h = hit.indices.numel()
         if h <= d:
             return 0
-        if self.available() < h - d:  # checked first: a failed alloc_slots would still evict all it could
+        if room < h - d:  # checked first: a failed alloc_slots would still evict all it could
             req.tier_unloaded_len = h - d
             return 0
         self.host.lock(hit.last_node)  # the device evictions below copy into the host: keep ours there
@@ -113,17 +139,17 @@ class CacheManager:
         self._adopt(req, key[:h], slots)
         return h - d
 
-    def _load_from_disk(self, req: Req) -> int:
+    def _load_from_disk(self, req: Req, room: int) -> int:
         """The same as `_load_from_host` for the blocks the disk tier holds past the match (a file that fails
         its checks ends the run there: what follows is recomputed). Without room for them nothing is read."""
-        key = req.cache_key(req.prefix_limit())
+        key = tuple(req.cache_key(req.prefix_limit()))
         d = req.match_len
-        names = self.disk.block_names(key)
+        names = self._disk_names(req, key)
         self.disk.hit(names[: d // BLOCK])  # the blocks the tiers above served: they rank the disk's eviction
         n = self.disk.cached_len(names)
         if n <= d:
             return 0
-        if self.available() < n - d:  # checked before reading: a request that waits for room retries
+        if room < n - d:  # checked before reading: a request that waits for room retries
             req.tier_unloaded_len = max(req.tier_unloaded_len, n - d)
             return 0
         got = self.disk.read(key, names, d, n)

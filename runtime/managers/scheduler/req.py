@@ -58,6 +58,11 @@ class Req:
     # tokens past the device match that the host or disk tier held at the latest admission but that did not
     # fit in the device pool then (the prefill adder makes the request wait for room rather than recompute)
     tier_unloaded_len: int = 0
+    # set by `CacheManager.match(req, tiers=True)` (lpm's ordering): tokens past match_len that the host or
+    # disk tier holds; lpm ranks by match_len + this, the tokens the request will not compute
+    tier_match_len: int = 0
+    disk_names: tuple[tuple[int, ...], list[str]] | None = None  # (key, its disk block names): hashed once
+    tier_waiting: bool = False  # waited for room to load a tier prefix: offered first until it starts
     # set by the prefill adder: prefix length matched at scheduling time and the node it ends in
     match_len: int = 0
     match_node: TreeNode | None = None
