@@ -36,7 +36,9 @@ replayed once, sequentially, with max_new_tokens 1; its latency is the TTFT. A c
 empty directory) gets the same replays. Both serve one short unrelated warm-up request first.
 
 Targets (the issue's, for each sessions side against lru): prefill recomputed <= 0.2x LRU's, step p99 <= 0.5x
-LRU's; after the restart, TTFT p50 <= 0.3x the cold server's. They are met or not in the table and the JSON.
+LRU's, over all steps and over the steps after a tool pause (each agent's first step is a cold prompt, and
+their burst sets every side's overall p99 alike); after the restart, TTFT p50 <= 0.3x the cold server's.
+They are met or not in the table and the JSON.
 
 `--scale-down` (and `--quick`) shrink the run to fit a few minutes on a shared 2-core machine: 4 agents,
 256-token histories growing by 32 + 8 tokens, 3 steps, pauses x0.1 (median 0.1 s, p95 2 s), so the restart
@@ -432,11 +434,19 @@ def target_checks(sides: list[dict[str, Any]], restart: dict[str, Any] | None) -
             continue
         rec = common.ratio(r["prefill_recomputed"], lru and lru["prefill_recomputed"])
         p99 = common.ratio(r["step_latency_s"]["p99"], lru and lru["step_latency_s"]["p99"])
+        later = r.get("later_step_latency_s")
+        later_p99 = common.ratio(
+            later and later["p99"], lru and lru.get("later_step_latency_s", {}).get("p99")
+        )
         checks[r["side"]] = {
             "recomputed_vs_lru": rec,
             f"recomputed_le_{RECOMPUTED_TARGET}x_lru": _at_most(rec, RECOMPUTED_TARGET),
             "p99_vs_lru": p99,
             f"p99_le_{P99_TARGET}x_lru": _at_most(p99, P99_TARGET),
+            # the steps that follow a tool pause (all but each agent's cold first prompt, whose burst takes
+            # the same ~50 s on every side and so sets every side's overall p99)
+            "later_p99_vs_lru": later_p99,
+            f"later_p99_le_{P99_TARGET}x_lru": _at_most(later_p99, P99_TARGET),
         }
     ratio = restart and restart["ttft_p50_restart_vs_cold"]
     checks["restart"] = {
@@ -473,6 +483,14 @@ def target_rows(checks: dict[str, Any]) -> list[dict[str, Any]]:
                 "side": side,
                 "ratio": c["p99_vs_lru"],
                 "met": c[f"p99_le_{P99_TARGET}x_lru"],
+            }
+        )
+        rows.append(
+            {
+                "check": f"step p99 after a pause <= {P99_TARGET}x LRU",
+                "side": side,
+                "ratio": c["later_p99_vs_lru"],
+                "met": c[f"later_p99_le_{P99_TARGET}x_lru"],
             }
         )
     return rows
