@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.decode_throughput import best_run, hf_decode, radixlm_decode
+from bench.decode_throughput import hf_decode, median_run, radixlm_decode
 from bench.harness import common
 
 common.setup_env()
@@ -63,7 +63,7 @@ def backend_sides(args: Any) -> list[tuple[str, bool]]:
 
 
 def measure_runner(model_dir: str, args: Any, backend: str, graphs: bool, gen: torch.Generator) -> dict:
-    """Decode rates of one ModelRunner configuration at every batch size (best of --repeats)."""
+    """Decode rates of one ModelRunner configuration at every batch size (median of --repeats)."""
     from runtime.model_executor.model_runner import ModelRunner
 
     batch_sizes = common.csv_list(args.batch_sizes, int)
@@ -86,7 +86,7 @@ def measure_runner(model_dir: str, args: Any, backend: str, graphs: bool, gen: t
         samples = [
             radixlm_decode(runner, bs, args.prompt_len, args.decode_steps, gen) for _ in range(args.repeats)
         ]
-        per_bs[str(bs)] = best_run(samples)
+        per_bs[str(bs)] = median_run(samples)
     out["batch_sizes"] = per_bs
     del runner
     gc.collect()
@@ -103,7 +103,7 @@ def measure_hf(model_dir: str, args: Any, gen: torch.Generator) -> dict:
     per_bs = {}
     for bs in common.csv_list(args.batch_sizes, int):
         samples = [hf_decode(model, bs, args.prompt_len, args.decode_steps, gen) for _ in range(args.repeats)]
-        per_bs[str(bs)] = best_run(samples)
+        per_bs[str(bs)] = median_run(samples)
     del model
     gc.collect()
     if torch.cuda.is_available():
