@@ -25,8 +25,6 @@ from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.sampling_params import SamplingParams
 
-NOW = time.monotonic()
-
 
 def host_cm(pool: int = 16, host: int = 32) -> CacheManager:
     kv = KVPool(pool, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -40,9 +38,10 @@ def disk_cm(directory, pool: int = 4 * BLOCK) -> CacheManager:
 
 
 def make_req(rid: str, prompt: list[int], waited_s: float = 0.0, max_new: int = 1) -> Req:
-    return Req(
-        rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new), arrival=NOW - waited_s
-    )
+    # arrival from the clock now, not at import: the suite may run this file minutes after collecting it,
+    # and a request older than OVERDUE_AFTER_S goes first whatever it holds
+    arrival = time.monotonic() - waited_s
+    return Req(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=max_new), arrival=arrival)
 
 
 def cache_tokens(cm: CacheManager, key: list[int]) -> None:
