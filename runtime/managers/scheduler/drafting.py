@@ -180,9 +180,10 @@ class SpecState:
 
     def cut(self, seq_len: int, draft: list[int]) -> None:
         """The budget cut this step's whole `draft` (proposed after `seq_len` tokens). It is judged once the
-        tokens it guessed are out (`judge_cut`), as a verify would have judged it: without that, a request
-        whose acceptance fell on free text would never be verified again when its output turns into a copy
-        (a 135M model's JSON turning into "1234567890" repeated), and `alpha` would have no evidence."""
+        tokens it guessed are out (`judge_cut`), as a verify would have judged it. Before, `alpha` only
+        drifted back towards its prior while drafts were cut, so a request whose acceptance fell on free
+        text went ~50 steps undrafted after its output turned into a copy (a 135M model's JSON turning into
+        "1234567890" repeated)."""
         self.shadow = (seq_len, list(draft))
 
     def judge_cut(self, ids: list[int], max_k: int) -> None:
