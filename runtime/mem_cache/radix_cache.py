@@ -181,41 +181,36 @@ class RadixCache(BasePrefixCache):
         self.on_evict: Callable[[Key, torch.Tensor], None] | None = None
 
     # ---- lookup / insert -------------------------------------------------------------------------
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        key = _as_key(key)
-        node, pos, pieces = self.root, 0, []
+    def _descend(self, key: Key) -> list[tuple[TreeNode, int]]:
+        """The nodes the longest cached prefix of `key` passes through, each with how many of its tokens
+        match (all of it but possibly the last's)."""
+        node, pos, steps = self.root, 0, []
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
                 break
             n = _common_prefix_len(key, pos, child.key)
-            pieces.append(child.value if n == len(child.key) else child.value[:n])
+            steps.append((child, n))
             pos += n
             node = child
             if n < len(child.key):
                 break
+        return steps
+
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        steps = self._descend(_as_key(key))
+        pieces = [child.value if n == len(child.key) else child.value[:n] for child, n in steps]
         if not pieces:
             indices = _empty_slots()
         elif len(pieces) == 1:
             indices = pieces[0].clone()  # never hand out a view of the cache's own storage
         else:
             indices = torch.cat(pieces)
-        return MatchResult(indices=indices, last_node=node)
+        return MatchResult(indices=indices, last_node=steps[-1][0] if steps else self.root)
 
     def prefix_len(self, key: Sequence[int]) -> int:
         """`match_prefix(key)`'s length without gathering its slots (lpm ranks a whole queue by it)."""
-        key = _as_key(key)
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(key[pos])
-            if child is None:
-                break
-            n = _common_prefix_len(key, pos, child.key)
-            pos += n
-            node = child
-            if n < len(child.key):
-                break
-        return pos
+        return sum(n for _, n in self._descend(_as_key(key)))
 
     def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         key = _as_key(key)
