@@ -50,7 +50,7 @@ def order_waiting(
     if policy == "lpm":
         ordered = sorted(waiting, key=lambda r: (-(r.match_len + r.tier_match_len), -r.match_len, r.arrival))
         oldest = min(range(len(ordered)), key=lambda i: ordered[i].arrival, default=None)
-        if oldest is not None and time.monotonic() - ordered[oldest].arrival > OVERDUE_AFTER_S:
+        if oldest is not None and _overdue(ordered[oldest]):
             ordered.insert(0, ordered.pop(oldest))
         return ordered, True
     if policy == "dfs-weight":
@@ -62,6 +62,11 @@ def order_waiting(
         (rng or random).shuffle(out)
         return out, False
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _overdue(req: Req) -> bool:
+    """Waited past the starvation bound: `lpm` puts it first, and a tier waiter goes right after it."""
+    return time.monotonic() - req.arrival > OVERDUE_AFTER_S
 
 
 def _dfs_weight_order(waiting: list[Req], cm: CacheManager) -> list[Req]:
@@ -230,7 +235,7 @@ def admit(
         ordered, matched = order_waiting(args.schedule_policy, waiting, cm, rng)
         first = min((r for r in ordered if r.tier_waiting), key=lambda r: r.arrival, default=None)
         if first is not None and first is not ordered[0]:
-            at = 1 if time.monotonic() - ordered[0].arrival > OVERDUE_AFTER_S else 0
+            at = 1 if _overdue(ordered[0]) else 0
             ordered = [r for r in ordered if r is not first]
             ordered.insert(at, first)
         for req in ordered:
