@@ -29,8 +29,12 @@ def _punctuation(vocab):
     return punct
 
 
-def walk(grammar, vocab, vocab_size: int, seed: int, max_steps: int = 64) -> tuple[str | None, list[float]]:
-    """(text, or None if the walk did not finish within ``max_steps``; per-step mask fill in µs)."""
+def walk(
+    grammar, vocab, vocab_size: int, seed: int, max_steps: int = 64, cpu_us: list[float] | None = None
+) -> tuple[str | None, list[float]]:
+    """(text, or None if the walk did not finish within ``max_steps``; per-step mask fill in µs).
+    ``cpu_us``: gets each step's CPU time of this thread as well (on a loaded machine the wall time also
+    counts the time the thread waited for a core)."""
     import numpy as np
     import torch
 
@@ -44,9 +48,12 @@ def walk(grammar, vocab, vocab_size: int, seed: int, max_steps: int = 64) -> tup
         if matcher.is_terminated():
             return vocab.decode_bytes(out).decode("utf-8", "replace"), times
         row.numpy().fill(False)  # not row.zero_(): torch's idle OpenMP threads would spin into the timing
+        cpu = time.thread_time() if cpu_us is not None else 0.0
         start = time.perf_counter()
         matcher.fill_vocab_mask(row)
         times.append(1e6 * (time.perf_counter() - start))
+        if cpu_us is not None:
+            cpu_us.append(1e6 * (time.thread_time() - cpu))
         allowed = np.flatnonzero(row.numpy())
         if len(allowed) == 0:
             return None, times  # a dead end: reported as unfinished, never as valid

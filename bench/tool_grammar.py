@@ -11,6 +11,13 @@ parallel calls allowed):
   default model's tokenizer (the compile), cold then the median of `--repeats` (wall and this process's CPU
   time: on a shared, loaded machine the wall time includes waiting for a core); the first mask; the mask
   time per token over a 64-token random walk (p50 / p99 -- of 64 samples, nearly the maximum);
+* server path (`server_path`): what the scheduler pays, over the same tokenizer the server builds
+  (`constrained.vocab` + the llguidance backend): per seed (`--server-seeds`) the sandbox worker's build and
+  the scheduler's `load` (template matcher and start mask) of a fresh grammar, then the first request's
+  walk (`bench.grammar_walk.walk`: every state a first visit of llguidance's lazily built lexer) and a
+  later request's walk of the same grammar (states built); each `fill_vocab_mask` timed in wall and in this
+  thread's CPU time (p50 / p99 over all seeds' masks): on a loaded machine the wall time also counts waits
+  for a core;
 * outlines (comparison): `schema.forced_regex`, then the server's compile (`constrained.GrammarCompiler` in a
   `CompilePool` worker: the server's 2048 MB memory cap and `--outlines-timeout` seconds).
 
@@ -96,6 +103,48 @@ def measure_llguidance(lark: str, tok: Any, repeats: int, rng: random.Random) ->
     }
 
 
+def measure_server_path(lark: str, vocab: Any, vocab_size: int, seeds: int) -> dict[str, Any]:
+    from bench.grammar_walk import walk
+    from bench.harness.common import percentile
+    from constrained.backends import get_backend
+    from constrained.spec import DEFAULT_WHITESPACE
+
+    backend = get_backend("llguidance")
+    loads, load_cpu, first, first_cpu, step0_cpu, later, later_cpu = [], [], [], [], [], [], []
+    for seed in range(seeds):
+        text, payload = backend.build("lark", lark, DEFAULT_WHITESPACE, vocab)  # the sandbox worker's part
+        t, c = time.perf_counter(), time.thread_time()
+        grammar = backend.load("lark", lark, text, payload, vocab, vocab_size, 0.0, 0)  # the scheduler's
+        loads.append(time.perf_counter() - t)
+        load_cpu.append(time.thread_time() - c)
+        cpu: list[float] = []
+        first += walk(grammar, vocab, vocab_size, seed, cpu_us=cpu)[1]
+        first_cpu += cpu
+        step0_cpu.append(cpu[0])
+        cpu = []
+        later += walk(grammar, vocab, vocab_size, seed, cpu_us=cpu)[1]
+        later_cpu += cpu
+
+    def us(values: list[float], q: float) -> float:
+        return round(percentile(values, q), 1)
+
+    return {
+        "seeds": seeds,
+        "load_ms_median": _ms(statistics.median(loads)),
+        "load_cpu_ms_median": _ms(statistics.median(load_cpu)),
+        "first_mask_cpu_us_median": round(statistics.median(step0_cpu), 1),
+        "first_walk_masks": len(first),
+        "first_walk_mask_us_p50": us(first, 50),
+        "first_walk_mask_us_p99": us(first, 99),
+        "first_walk_mask_cpu_us_p50": us(first_cpu, 50),
+        "first_walk_mask_cpu_us_p99": us(first_cpu, 99),
+        "later_walk_mask_us_p50": us(later, 50),
+        "later_walk_mask_us_p99": us(later, 99),
+        "later_walk_mask_cpu_us_p50": us(later_cpu, 50),
+        "later_walk_mask_cpu_us_p99": us(later_cpu, 99),
+    }
+
+
 def measure_outlines(regex_of, tokenizer: Any, vocab_size: int, timeout_s: float) -> dict[str, Any]:
     from constrained import GrammarCompiler
 
@@ -125,6 +174,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="5,6,20,40")
     ap.add_argument("--parser", default="hermes")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--server-seeds", type=int, default=3, help="fresh grammars walked on the server path")
     ap.add_argument("--no-outlines", action="store_true")
     ap.add_argument("--outlines-timeout", type=float, default=60.0)
     ap.add_argument("--out", default="bench/results/tool_grammar.json")
@@ -132,6 +182,8 @@ def main() -> None:
 
     import llguidance.hf
 
+    from constrained.backends import register_text_tokenizer
+    from constrained.vocab import build_vocabulary
     from runtime.entrypoints.tool_calls import grammar as tool_grammar
     from runtime.entrypoints.tool_calls.base import get_parser
     from runtime.entrypoints.tool_calls.schema import ToolChoice, forced_regex, parse_tools
@@ -143,6 +195,8 @@ def main() -> None:
     t = time.perf_counter()
     tok = llguidance.hf.from_tokenizer(hf_tok, n_vocab=vocab_size)
     tokenizer_s = time.perf_counter() - t
+    vocab = build_vocabulary(hf_tok)
+    register_text_tokenizer(vocab, hf_tok)  # as GrammarCompiler does in the scheduler
     parser, choice, rng = get_parser(args.parser), ToolChoice("required"), random.Random(0)
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
@@ -162,6 +216,7 @@ def main() -> None:
             "build_ms_median": _ms(statistics.median(builds)),
             "build_memo_hit_us": round(hit_s * 1e6, 1),
             "llguidance": measure_llguidance(lark, tok, args.repeats, rng),
+            "server_path": measure_server_path(lark, vocab, vocab_size, args.server_seeds),
         }
         if not args.no_outlines:
             row["outlines"] = measure_outlines(
