@@ -123,6 +123,27 @@ def test_start_mask_is_computed_once_and_shared(compiler):
     assert (mask_of(grammar.new_matcher(), width) == start).all()
 
 
+def test_start_mask_is_ready_when_the_grammar_is_loaded(compiler):
+    """load computes the start mask (off the scheduler's step, warming the lexer every copy shares): it is
+    there before any request, EOS set exactly when the empty output is accepted, and equal to the mask a
+    matcher computes itself; the template is untouched by it."""
+    vocab, width = compiler.vocab, compiler.vocab_size
+    a_id = vocab.byte_token_ids[ord("a")]
+    for spec, empty_ok in (("(ab)*", True), ("(ab)+", False)):
+        grammar = compiler.compile("regex", spec)
+        start = grammar.start_bits
+        assert start is not None and not start.flags.writeable
+        assert start[vocab.eos_token_id] == empty_ok and start[a_id]
+        expected = brute_force_mask(vocab, width, b"", [b"ab" * k for k in range(1, 9)])
+        expected[vocab.eos_token_id] = empty_ok
+        assert (start == expected[: len(start)]).all()
+        grammar.start_bits = None  # a matcher of the template computes the same itself
+        assert (mask_of(grammar.new_matcher(), width)[: len(start)] == start).all()
+        m = grammar.new_matcher()
+        m.accept_tokens(vocab.encode_bytes_greedy(b"abab"))
+        assert m.can_finish()
+
+
 def test_rejects_disallowed_tokens_and_keeps_state(compiler):
     g = compiler.compile("regex", "[0-9]{2}")
     m = g.new_matcher()
