@@ -21,6 +21,8 @@ automaton over the vocabulary), so compile is milliseconds whatever the schema's
 
 from __future__ import annotations
 
+import array
+import functools
 import json
 import threading
 import weakref
@@ -33,6 +35,9 @@ from constrained.errors import GrammarError, GrammarUnsupported
 
 MAX_LARK_CHARS = 400_000  # a tool-set grammar embeds every tool's schema: 40 tools of ~2-5 KB fit easily
 MAX_JUMP_BYTES = 256  # as constrained.grammar: longest forced string returned at once
+# forced-text tokenizations remembered per tokenizer, texts of at most FORCED_MEMO_BYTES: ~1.5 KB an entry
+FORCED_MEMO_ENTRIES = 4096
+FORCED_MEMO_BYTES = 256
 MATCHER_BASE_BYTES = 256 << 10  # memory_bytes(): a template matcher's parser and lexer tables, roughly
 _JSON_STRICT = {"lenient": False, "coerce_one_of": False}
 _DUMPS_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -334,6 +339,22 @@ def _build_tokenizer(vocab):
         else:
             tokens.append(data)
 
+    def split(data: bytes) -> array.array:
+        # the real tokenizer when registered (the scheduler's), else (sandbox workers, which only
+        # validate) a longest-match split of the bytes
+        if text is not None:
+            try:
+                ids = list(text.encode(data.decode("utf-8"), add_special_tokens=False))
+                if vocab.decode_bytes(ids) == data and all(vocab.token_bytes[i] for i in ids):
+                    return array.array("i", ids)
+            except (UnicodeDecodeError, IndexError, TypeError, ValueError):
+                pass
+        return array.array("i", vocab.encode_bytes_greedy(data))
+
+    # llguidance calls back for every mask in a forced stretch (the last token's bytes + the forced
+    # text), 20-60 µs of Python tokenizer each; the same texts recur in every request of a grammar
+    memo_split = functools.lru_cache(maxsize=FORCED_MEMO_ENTRIES)(split)
+
     class _Tokens:  # what llguidance.TokenizerWrapper reads
         eos_token_id = vocab.eos_token_id
         bos_token_id = None
@@ -344,18 +365,10 @@ def _build_tokenizer(vocab):
 
         def __call__(self, data: bytes) -> list[int]:
             # llguidance tokenizes forced text: in a forced stretch its mask offers only the first token
-            # of that text's tokenization. The real tokenizer when registered (the scheduler's), else
-            # (sandbox workers, which only validate) a longest-match split of the bytes.
+            # of that text's tokenization
             if isinstance(data, str):
                 data = data.encode("utf-8")
-            if text is not None:
-                try:
-                    ids = list(text.encode(data.decode("utf-8"), add_special_tokens=False))
-                    if vocab.decode_bytes(ids) == data and all(vocab.token_bytes[i] for i in ids):
-                        return ids
-                except (UnicodeDecodeError, IndexError, TypeError, ValueError):
-                    pass
-            return vocab.encode_bytes_greedy(data)
+            return (memo_split(data) if len(data) <= FORCED_MEMO_BYTES else split(data)).tolist()
 
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens()))
 

@@ -144,6 +144,44 @@ def test_start_mask_is_ready_when_the_grammar_is_loaded(compiler):
         assert m.can_finish()
 
 
+def test_forced_text_is_tokenized_once(default_tokenizer):
+    """In a forced stretch llguidance asks the backend for the forced text's tokenization at every mask
+    (its mask offers the first token of it): the tokenizer runs once per text, a later request of the
+    grammar reads the memo and gets the same tokens."""
+    from constrained.backends import register_text_tokenizer
+    from constrained.vocab import build_vocabulary
+
+    calls = []
+
+    class Counting:
+        def encode(self, text, **kwargs):
+            calls.append(text)
+            return default_tokenizer.encode(text, **kwargs)
+
+    vocab = build_vocabulary(default_tokenizer)  # its own vocabulary: its own llguidance tokenizer
+    register_text_tokenizer(vocab, Counting())
+    backend = get_backend("llguidance")
+    forced = '<tool_call>\n{"name": "get_weather", "arguments": '
+    spec = f"start: {json.dumps(forced)} /[0-9]/"
+    text, payload = backend.build("lark", spec, "json.dumps", vocab)
+    grammar = backend.load("lark", spec, text, payload, vocab, len(default_tokenizer) + 64, 0.0, 0)
+
+    def walk() -> list[int]:
+        m, ids = grammar.new_matcher(), []
+        while m.jump_forward_string():
+            allowed = m.allowed_token_ids().tolist()
+            assert len(allowed) == 1
+            m.accept_token(allowed[0])
+            ids.append(allowed[0])
+        return ids
+
+    first = walk()
+    assert vocab.decode_bytes(first) == forced.encode() and len(first) > 2
+    seen = len(calls)
+    assert seen >= len(first) - 1  # every mask past the start one (computed at load) asked
+    assert walk() == first and len(calls) == seen
+
+
 def test_rejects_disallowed_tokens_and_keeps_state(compiler):
     g = compiler.compile("regex", "[0-9]{2}")
     m = g.new_matcher()
