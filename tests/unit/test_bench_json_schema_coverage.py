@@ -160,18 +160,20 @@ def test_summarize_records_mask_times_and_walks():
     records = [
         {**_rec("s", "ok", 0.1), "mask_us": [10.0, 20.0, 30.0], "walk": "valid"},
         {**_rec("s", "ok", 0.1), "mask_us": [40.0] * 97, "walk": "invalid", "walk_detail": "maxLength"},
-        {**_rec("s", "ok", 0.1), "mask_us": [5000.0], "walk": "unfinished"},  # not judged
+        {**_rec("s", "ok", 0.1), "mask_us": [5000.0], "mask_cpu_us": [60.0], "walk": "unfinished"},
         _rec("s", "rejected"),
     ]
     s = cov.summarize_records(records)
+    assert s["mask_cpu_us"]["max"] == 60.0  # a fill that waited for a core: its CPU time is its own work
     assert s["mask_us"]["tokens"] == 101 and s["mask_us"]["p50"] == 40.0 and s["mask_us"]["max"] == 5000.0
     assert s["mask_us"]["p99"] == pytest.approx(40.0)  # 1 slow token of 101 sits past the 99th percentile
     assert s["walks"] == {"valid": 1, "invalid": 1, "unfinished": 1} and s["walk_valid_share"] == 0.5
     assert s["walk_invalid_keywords"] == {"maxLength": 1}
     row = cov.table_row("s", s)
-    assert row["mask p50 us"] == 40.0 and row["walk valid %"] == 50.0
+    assert row["mask p50 us"] == 40.0 and row["walk valid %"] == 50.0 and row["mask p99 cpu us"] == 60.0
     empty = cov.summarize_records([_rec("s", "rejected")])
     assert empty["walk_valid_share"] is None and math.isnan(empty["mask_us"]["p99"])
+    assert math.isnan(empty["mask_cpu_us"]["p99"])
 
 
 def _overall(share, p99, invalid=0, walk_invalid=0):
