@@ -187,14 +187,15 @@ def test_target_checks_compare_with_lru_and_the_cold_server():
     restart = {"ttft_p50_restart_vs_cold": 0.3}
     c = sw.target_checks(sides, restart)
     assert c["sessions"]["recomputed_le_0.2x_lru"] is True and c["sessions"]["p99_le_0.5x_lru"] is True
-    assert (
-        c["sessions+disk"]["recomputed_le_0.2x_lru"] is False
-        and c["sessions+disk"]["p99_le_0.5x_lru"] is False
-    )
+    assert c["sessions+disk"]["recomputed_le_0.2x_lru"] is False
     assert c["sessions+disk"]["recomputed_vs_lru"] == pytest.approx(0.201)
-    # the steps after a pause are judged apart from the cold first steps
-    assert c["sessions+disk"]["later_p99_vs_lru"] == pytest.approx(0.2)
-    assert c["sessions+disk"]["later_p99_le_0.5x_lru"] is True and c["sessions"]["later_p99_le_0.5x_lru"]
+    # the p99 target is judged on the steps after a tool pause; over all steps (the cold first prompts
+    # included) it is reported, not judged
+    assert c["sessions+disk"]["p99_vs_lru"] == pytest.approx(0.2) and c["sessions+disk"]["p99_le_0.5x_lru"]
+    assert c["sessions+disk"]["p99_all_steps_vs_lru"] == pytest.approx(0.51)
+    slow_later = sw.target_checks([_side("lru", 1000, 10.0), _side("sessions", 100, 1.0, 6.0)], None)
+    assert slow_later["sessions"]["p99_le_0.5x_lru"] is False
+    assert slow_later["sessions"]["p99_all_steps_vs_lru"] == pytest.approx(0.1)
     assert c["restart"]["ttft_le_0.3x_cold"] is True
     assert (
         sw.target_checks(sides, {"ttft_p50_restart_vs_cold": 0.31})["restart"]["ttft_le_0.3x_cold"] is False
@@ -203,10 +204,12 @@ def test_target_checks_compare_with_lru_and_the_cold_server():
     none = sw.target_checks([_side("sessions+disk", 1, 1.0)], None)
     assert (
         none["sessions+disk"]["recomputed_le_0.2x_lru"] is None
+        and none["sessions+disk"]["p99_le_0.5x_lru"] is None
         and none["restart"]["ttft_le_0.3x_cold"] is None
     )
     rows = sw.target_rows(c)
-    assert [r["met"] for r in rows] == [True, True, True, False, False, True, True]
+    assert [r["met"] for r in rows] == [True, True, False, True, True]
+    assert rows[1]["check"] == "step p99 after a tool pause <= 0.5x LRU"
     assert rows[-1]["check"] == "restart TTFT p50 <= 0.3x cold"
 
 
