@@ -5,6 +5,8 @@ Issue 28's agent row loses at batch 4 over a long cached prefix, so each case is
 torch.profiler, whose table (self CPU time per op, top `--top`) says what to remove. The KV slots of the
 requests are interleaved through the pool (request i's token t is slot t * bs + i of one allocation),
 as a server's pool is after requests arrive together, so attention reads are as scattered as in serving.
+A case ending in s (4x1400s) gives every request the same context slots, as the radix cache does for
+requests over one cached prefix (issue 28's agents over a tool catalogue); each decodes its own tokens.
 
     python -m bench.step_profile --cases 1x128,4x1400,32x128 --dtype bfloat16 --threads 2
     python -m bench.step_profile --cases 4x1400 --dtype float32 --quantization w4a8 --kv-cache-dtype float16
@@ -21,30 +23,42 @@ from typing import Any
 import torch
 
 
-def parse_cases(spec: str) -> list[tuple[int, int]]:
+def parse_cases(spec: str) -> list[tuple[int, int, bool]]:
+    """ "4x1400,4x1400s" -> [(4, 1400, False), (4, 1400, True)]: a trailing s shares the context's slots."""
     cases = []
     for part in spec.split(","):
         bs, _, ctx = part.strip().partition("x")
+        shared = ctx.endswith("s")
+        ctx = ctx.removesuffix("s")
         if not bs.isdigit() or not ctx.isdigit():
-            raise ValueError(f"--cases: {part!r} is not BSxCONTEXT (e.g. 4x1400)")
-        cases.append((int(bs), int(ctx)))
+            raise ValueError(f"--cases: {part!r} is not BSxCONTEXT or BSxCONTEXTs (e.g. 4x1400, 4x1400s)")
+        cases.append((int(bs), int(ctx), shared))
     return cases
 
 
-def fill_context(runner: Any, bs: int, context: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
-    """Rows whose first `context` KV slots hold random prompt tokens' KV (one extend forward per request)."""
+def fill_context(
+    runner: Any, bs: int, context: int, gen: torch.Generator, shared: bool = False
+) -> tuple[list[int], list[int]]:
+    """Rows whose first `context` KV slots hold random prompt tokens' KV (one extend forward per request).
+    shared: one prompt's slots in every row, as requests over a prefix the radix cache holds."""
     from runtime.model_executor.forward_batch import ForwardBatch
 
     rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
-    taken = runner.allocator.alloc(context * bs)
+    taken = runner.allocator.alloc(context * (1 if shared else bs))
     if taken is None:
         raise RuntimeError(f"the KV pool cannot hold {bs} x {context} tokens")
-    slots = taken.view(context, bs).t()  # [bs, context]: request i's tokens interleaved with the others'
+    if shared:
+        slots = taken.view(1, context).expand(bs, context)
+    else:
+        slots = taken.view(context, bs).t()  # [bs, context]: request i's tokens interleaved with the others'
     last = []
     for i, row in enumerate(rows):
-        runner.req_to_token_pool.write(row, 0, slots[i])
+        runner.req_to_token_pool.write(row, 0, slots[i].contiguous())
+        if shared and i > 0:
+            last.append(last[0])
+            continue
         prompt = torch.randint(0, runner.vocab_size, (context,), generator=gen).tolist()
-        logits = runner.forward(ForwardBatch.build_extend([prompt], [0], [row], slots[i]))
+        logits = runner.forward(ForwardBatch.build_extend([prompt], [0], [row], slots[i].contiguous()))
         last.append(int(logits.argmax(-1)))
     return rows, last
 
@@ -61,11 +75,13 @@ def decode_steps(runner: Any, rows: list[int], last: list[int], lens: list[int],
     return last
 
 
-def profile_case(runner: Any, bs: int, context: int, steps: int, top: int, seed: int) -> dict[str, Any]:
+def profile_case(
+    runner: Any, bs: int, context: int, steps: int, top: int, seed: int, shared: bool = False
+) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     runner.allocator.clear()
     with torch.inference_mode():
-        rows, last = fill_context(runner, bs, context, gen)
+        rows, last = fill_context(runner, bs, context, gen, shared)
         lens = [context] * bs
         last = decode_steps(runner, rows, last, lens, 2)  # warm-up
         t0 = time.perf_counter()
@@ -88,6 +104,7 @@ def profile_case(runner: Any, bs: int, context: int, steps: int, top: int, seed:
     return {
         "bs": bs,
         "context": context,
+        "shared_context": shared,
         "step_ms": round(step_ms, 2),
         "tok_s": round(1000 * bs / step_ms, 1),
         "ops": table,
@@ -112,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from runtime.models.model_loader import resolve_model_path
 
     cases = parse_cases(args.cases)
-    need = max(bs * (ctx + args.steps * 2 + 8) for bs, ctx in cases) + 64
+    need = max(bs * (ctx + args.steps * 2 + 8) for bs, ctx, _ in cases) + 64
     runner = ModelRunner(
         resolve_model_path("default"),
         dtype=args.dtype,
@@ -120,8 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
         max_total_tokens=need,
-        max_running_requests=max(bs for bs, _ in cases),
-        context_length=max(ctx for _, ctx in cases) + args.steps * 2 + 16,
+        max_running_requests=max(bs for bs, _, _ in cases),
+        context_length=max(ctx for _, ctx, _ in cases) + args.steps * 2 + 16,
     )
     result = {
         "dtype": args.dtype,
@@ -130,10 +147,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "attention_backend": runner.backend_name,
         "threads": args.threads,
         "load_avg": os.getloadavg()[0],
-        "cases": [profile_case(runner, bs, ctx, args.steps, args.top, args.seed) for bs, ctx in cases],
+        "cases": [
+            profile_case(runner, bs, ctx, args.steps, args.top, args.seed, shared)
+            for bs, ctx, shared in cases
+        ],
     }
     for case in result["cases"]:
-        print(f"bs {case['bs']} context {case['context']}: {case['step_ms']} ms/step, {case['tok_s']} tok/s")
+        what = f"bs {case['bs']} context {case['context']}" + (" (shared)" if case["shared_context"] else "")
+        print(f"{what}: {case['step_ms']} ms/step, {case['tok_s']} tok/s")
         for op in case["ops"]:
             print(f"    {op['self_ms']:9.2f} ms {100 * op['share']:5.1f}%  {op['op']}")
     if args.out:

@@ -3,7 +3,8 @@
 The torch_native backend gathers each request's whole K/V out of the pool every layer (index_select) and
 runs SDPA over the copy; over a long cached prefix that copy is most of a decode step, and SDPA's fp32
 single-query path has a per-call cost that dominates short contexts. The C++ op walks the request's slots
-itself, keeps an online softmax per query row, and splits long requests across threads (see
+itself, keeps an online softmax per query row, splits long requests across threads, and reads a split of
+slots that several requests share (a cached prefix) once for all of them (see
 runtime/models/csrc/paged_attention.cpp). It serves decode and extends whose requests all add at most
 `FUSED_MAX_EXTEND` tokens (speculative verification, small appends after a cached prefix); longer extends,
 where the prefix copy is amortised over many queries and SDPA's blocked kernel wins, stay on torch_native.

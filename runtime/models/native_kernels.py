@@ -17,6 +17,7 @@ rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by fl
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -192,13 +193,27 @@ def _paged_attention_kv_fake(
     return q.new_empty(q.shape)
 
 
+# Set one to 1 to build the scalar loops, or the AVX2 path on an AVX-512 CPU (tests check all three agree).
+PAGED_ATTENTION_PORTABLE_ENV = "RADIXLM_PAGED_ATTENTION_PORTABLE"
+PAGED_ATTENTION_AVX2_ENV = "RADIXLM_PAGED_ATTENTION_AVX2"
 PAGED_ATTENTION = NativeLibrary(
     "paged_attention",
     CSRC / "paged_attention.cpp",
     "the paged attention kernel",
     "use --attention-backend torch_native",
-    flag_envs={"RADIXLM_PAGED_ATTENTION_PORTABLE": "-DRADIXLM_PORTABLE"},
+    flag_envs={
+        PAGED_ATTENTION_PORTABLE_ENV: "-DRADIXLM_PORTABLE",
+        PAGED_ATTENTION_AVX2_ENV: "-DRADIXLM_FORCE_AVX2",
+    },
 )
+
+
+def paged_attention_isa() -> str:
+    """The vector path the loaded paged attention library was built for: "avx512", "avx2" or "scalar"
+    (asked of the library itself, so a forced build is never mistaken for what the CPU flags suggest)."""
+    isa = ctypes.CDLL(str(PAGED_ATTENTION.load())).radixlm_paged_attention_isa
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
 
 
 # ------------------------------------------------------------------------------------------- fused layers

@@ -14,7 +14,13 @@ import torch
 from radixlm_kernels import create_backend, resolve_backend_name
 from radixlm_kernels.cpu_backend import FUSED_MAX_EXTEND, CpuPagedBackend
 from radixlm_kernels.torch_native import TorchNativeBackend
-from runtime.models.native_kernels import PAGED_ATTENTION
+from runtime.models.native_kernels import (
+    PAGED_ATTENTION,
+    PAGED_ATTENTION_AVX2_ENV,
+    PAGED_ATTENTION_PORTABLE_ENV,
+    paged_attention_isa,
+)
+from runtime.platform import cpu_flags
 from tests.kernels.native import load_native_or_skip
 
 pytestmark = pytest.mark.slow  # builds a C++ kernel on first use (the fast tier needs no compiler)
@@ -26,21 +32,35 @@ def _kernel():
 
 
 ROOT = Path(__file__).resolve().parents[2]
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "prefix_lens,extend_lens",
+    "prefix_lens,extend_lens,share",
     [
-        ([0, 5, 130], None),  # decode: 1, 6 and 131 keys
-        ([700], None),  # one long request: split across threads and merged
-        ([40, 3, 0], [7, 1, 12]),  # short extends after cached prefixes, one without a prefix
-        ([300, 300], [FUSED_MAX_EXTEND, 2]),  # the largest fused extend
+        ([0, 5, 130], None, 0),  # decode: 1, 6 and 131 keys
+        ([700], None, 0),  # one long request: split across threads and merged
+        ([40, 3, 0], [7, 1, 12], 0),  # short extends after cached prefixes, one without a prefix
+        ([300, 300], [FUSED_MAX_EXTEND, 2], 0),  # the largest fused extend
+        ([600, 530], None, 520),  # decode over a shared prefix: its first two splits are read once
+        ([300, 280], [5, 9], 280),  # extends over a shared prefix (one whole split shared)
     ],
 )
-def test_matches_torch_native(dtype, prefix_lens, extend_lens, make_case, run_backend, reference):
-    case = make_case(prefix_lens, extend_lens, num_kv_heads=3, group=3, dtype=dtype, seed=len(prefix_lens))
+def test_matches_torch_native(dtype, prefix_lens, extend_lens, share, make_case, run_backend, reference):
+    case = make_case(
+        prefix_lens,
+        extend_lens,
+        num_kv_heads=3,
+        group=3,
+        dtype=dtype,
+        seed=len(prefix_lens),
+        share_prefix=share,
+    )
     out = run_backend(CpuPagedBackend(case.pool_copy(), case.req_pool), case)
     assert out.dtype == dtype and out.shape == case.q.shape
     torch.testing.assert_close(out.float(), reference(case), **TOL[dtype])
@@ -52,6 +72,67 @@ def test_every_head_dim_matches_torch_native(head_dim, dtype, make_case, run_bac
     case = make_case([0, 33, 300], None, num_kv_heads=2, group=2, head_dim=head_dim, dtype=dtype, seed=7)
     out = run_backend(CpuPagedBackend(case.pool_copy(), case.req_pool), case)
     torch.testing.assert_close(out.float(), reference(case), **TOL[dtype])
+
+
+@pytest.mark.parametrize("num_kv_heads,group", [(1, 1), (2, 5), (1, 9), (4, 2)])
+@pytest.mark.parametrize("extend_lens", [None, [3, 1]])
+def test_every_query_group_size_matches_torch_native(
+    num_kv_heads, group, extend_lens, make_case, run_backend, reference
+):
+    """Query heads per KV head other than SmolLM2's 3, and row counts that are not a multiple of 4 (rows are
+    scored four at a time), over a float16 pool."""
+    case = make_case([290, 40], extend_lens, num_kv_heads=num_kv_heads, group=group, seed=group)
+    half = copy.copy(case)
+    half.q = case.q.half()
+    half.kv_pool = case.pool_copy(torch.float16)
+    out = run_backend(CpuPagedBackend(half.kv_pool, case.req_pool), half)
+    torch.testing.assert_close(out.float(), reference(half), **TOL[torch.float16])
+
+
+def _attend_alone(args, b, q_start):
+    """paged_attention for request b of the batch `args` by itself."""
+    q, k, v, table, rows, seq, ext, scale = args
+    lo, hi = q_start[b], q_start[b + 1]
+    return torch.ops.radixlm.paged_attention(
+        q[lo:hi], k, v, table, rows[b : b + 1], seq[b : b + 1], ext[b : b + 1], scale
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ext", [[1, 1, 1, 1], [1, 6, 2, 1]])
+def test_a_shared_prefix_changes_no_bits(dtype, ext):
+    """Requests whose slots coincide over whole splits (a radix-cache prefix) are scored in one pass over
+    those K/V rows; each request's output is still bit for bit what it gets alone, and right."""
+    gen = torch.Generator().manual_seed(11)
+    seq = [700, 650, 612, 200]  # 0-2 share 512 slots (two splits); 3 shares its first 200 but no whole split
+    size = sum(seq) + 8
+    k = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(6, 720, dtype=torch.int64)
+    rows = torch.tensor([4, 1, 5, 2])
+    for b, n in enumerate(seq):
+        table[rows[b], :n] = torch.tensor([free.pop() for _ in range(n)])
+    for b, n in ((1, 512), (2, 512), (3, 200)):
+        table[rows[b], :n] = table[rows[0], :n]
+    q = torch.randn(sum(ext), 9, 64, generator=gen).to(dtype)
+    args = (q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
+    out = torch.ops.radixlm.paged_attention(*args)
+    q_start = [0]
+    for e in ext:
+        q_start.append(q_start[-1] + e)
+    for b in range(len(seq)):
+        assert torch.equal(out[q_start[b] : q_start[b + 1]], _attend_alone(args, b, q_start)), b
+    want = torch.empty(q.shape, dtype=torch.float64)  # the oracle: gathered K/V, softmax in float64
+    for b in range(len(seq)):
+        slots = table[rows[b], : seq[b]]
+        kb, vb = k[slots].double(), v[slots].double()
+        for j in range(ext[b]):
+            pos = seq[b] - ext[b] + j
+            for h in range(9):
+                w = torch.softmax(kb[: pos + 1, h // 3] @ q[q_start[b] + j, h].double() * 0.125, 0)
+                want[q_start[b] + j, h] = w @ vb[: pos + 1, h // 3]
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
 
 
 def test_shared_prefix_slots_and_kv_write(make_case, run_backend, reference):
@@ -92,64 +173,85 @@ def test_bad_metadata_is_an_error_not_a_wild_read():
         )
 
 
-_PORTABLE_RUN = """
+_VARIANT_RUN = """
 import sys, torch
-from runtime.models.native_kernels import PAGED_ATTENTION
-PAGED_ATTENTION.load()
-args = torch.load(sys.argv[1])
-op = torch.ops.radixlm.paged_attention if len(args) == 8 else torch.ops.radixlm.paged_attention_kv
-out = op(*args)
-torch.save((out, *args[4:6]) if len(args) > 8 else out, sys.argv[2])  # the kv op: and the written pool
+from runtime.models.native_kernels import paged_attention_isa
+isa = paged_attention_isa()
+outs = []
+for args in torch.load(sys.argv[1]):
+    if len(args) == 8:
+        outs.append(torch.ops.radixlm.paged_attention(*args))
+    else:  # the kv op: its output and the pool it wrote
+        outs.append((torch.ops.radixlm.paged_attention_kv(*args), args[4], args[5]))
+torch.save((isa, outs), sys.argv[2])
 """
 
 
-def test_portable_build_gives_the_same_results(tmp_path):
-    """RADIXLM_PAGED_ATTENTION_PORTABLE=1 builds the scalar loops (another process: one library per op):
-    the same answers as this process's vector build."""
+def expected_isa(env: dict[str, str]) -> str:
+    """The path a -march=native build of the kernel takes on this CPU under the build variables `env`."""
+    flags = cpu_flags()
+    if env.get(PAGED_ATTENTION_PORTABLE_ENV) == "1" or not {"avx2", "fma"} <= flags:
+        return "scalar"
+    return "avx512" if "avx512f" in flags and env.get(PAGED_ATTENTION_AVX2_ENV) != "1" else "avx2"
+
+
+def _variant_cases() -> list[tuple]:
+    """Decode and extends, alone and over a shared prefix (two whole splits), on float32, bfloat16 and float16
+    pools, and the kv op writing a float16 pool from strided float32 k, v."""
     gen = torch.Generator().manual_seed(9)
-    k, v = torch.randn(400, 3, 64, generator=gen), torch.randn(400, 3, 64, generator=gen)
-    table = (torch.randperm(399, generator=gen) + 1)[:360].view(3, 120)
-    args = (
-        torch.randn(5, 9, 64, generator=gen),
-        k,
-        v,
-        table,
-        torch.tensor([2, 0]),
-        torch.tensor([120, 77]),
-        torch.tensor([4, 1]),
-        0.125,
-    )
-    torch.save(args, tmp_path / "args.pt")
-    env = {**os.environ, "RADIXLM_PAGED_ATTENTION_PORTABLE": "1", "PYTHONPATH": str(ROOT)}
-
-    def run(tmp_path):
-        subprocess.run(
-            [sys.executable, "-c", _PORTABLE_RUN, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
-            check=True,
-            env=env,
-            timeout=300,
-        )
-
-    run(tmp_path)
-    portable = torch.load(tmp_path / "out.pt")
-    torch.testing.assert_close(torch.ops.radixlm.paged_attention(*args), portable, atol=1e-5, rtol=1e-5)
-    # paged_attention_kv into a float16 pool from strided float32 k, v: the scalar casts round as F16C's
+    table = (torch.randperm(1299, generator=gen) + 1)[:1200].view(3, 400)
+    shared = torch.cat([table[:, :100], table[:, 100:].roll(1, 0)], dim=1).repeat(1, 2)[:, :560].contiguous()
+    shared[1:, :512] = shared[0, :512]  # distinct slots after 512 (a table row may repeat slots: reads only)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        k = torch.randn(1300, 3, 64, generator=gen).to(dtype)
+        v = torch.randn(1300, 3, 64, generator=gen).to(dtype)
+        for tab, seq, ext in (
+            (table, [120, 77], [4, 1]),
+            (shared, [560, 530, 520], [1, 1, 1]),
+            (shared, [560, 530, 520], [3, 1, 8]),
+        ):
+            rows = torch.tensor([2, 0, 1][: len(seq)])
+            q = torch.randn(sum(ext), 9, 64, generator=gen)
+            cases.append((q, k, v, tab, rows, torch.tensor(seq), torch.tensor(ext), 0.125))
     qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=gen)
     q, k, v = qkv.view(5, 15, 64).split([9, 3, 3], dim=1)
-    kv_args = (
-        q,
-        k,
-        v,
-        table[2, 115:120].clone(),
-        k.new_zeros(400, 3, 64).half(),
-        v.new_zeros(400, 3, 64).half(),
+    pools = (k.new_zeros(1300, 3, 64).half(), v.new_zeros(1300, 3, 64).half())
+    index = (table, torch.tensor([2]), torch.tensor([120]), torch.tensor([5]), 0.125)
+    cases.append((q, k, v, table[2, 115:120].clone(), *pools, *index))
+    return cases
+
+
+@pytest.mark.parametrize(
+    "build",
+    [{PAGED_ATTENTION_AVX2_ENV: "1"}, {PAGED_ATTENTION_PORTABLE_ENV: "1"}],
+    ids=["avx2", "scalar"],
+)
+def test_every_build_gives_the_same_results(build, tmp_path):
+    """The AVX2 build (forced past AVX-512) and the scalar loops (another process: one library per op) give
+    this process's native build's answers up to float32 summation order, and write the same pool bits."""
+    assert paged_attention_isa() == expected_isa(
+        dict(os.environ)
+    )  # this process: the suite may force a build
+    cases = _variant_cases()
+    torch.save(cases, tmp_path / "args.pt")
+    env = {**os.environ, PAGED_ATTENTION_PORTABLE_ENV: "0", PAGED_ATTENTION_AVX2_ENV: "0", **build}
+    env["PYTHONPATH"] = str(ROOT)
+    subprocess.run(
+        [sys.executable, "-c", _VARIANT_RUN, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
+        check=True,
+        env=env,
+        timeout=300,
     )
-    kv_args += (table, torch.tensor([2]), torch.tensor([120]), torch.tensor([5]), 0.125)
-    torch.save(kv_args, tmp_path / "args.pt")
-    run(tmp_path)
-    out, k_pool, v_pool = torch.load(tmp_path / "out.pt")
-    torch.testing.assert_close(torch.ops.radixlm.paged_attention_kv(*kv_args), out, atol=1e-5, rtol=1e-5)
-    assert torch.equal(kv_args[4], k_pool) and torch.equal(kv_args[5], v_pool)
+    isa, outs = torch.load(tmp_path / "out.pt")
+    assert isa == expected_isa(build)
+    for args, got in zip(cases, outs, strict=True):
+        if len(args) == 8:
+            torch.testing.assert_close(torch.ops.radixlm.paged_attention(*args), got, atol=1e-5, rtol=1e-5)
+        else:
+            out, k_pool, v_pool = got
+            torch.testing.assert_close(torch.ops.radixlm.paged_attention_kv(*args), out, atol=1e-5, rtol=1e-5)
+            assert torch.equal(args[4], k_pool) and torch.equal(args[5], v_pool)
 
 
 def test_auto_is_cpu_on_the_cpu_and_cpu_is_refused_elsewhere(make_case):

@@ -4,8 +4,12 @@
 // context per layer and step) and then runs SDPA over the copy. Over a long cached prefix the copy alone
 // costs as much as the attention, and SDPA's fp32 single-query path carries per-call overhead that
 // dominates short contexts. Here each (request, KV head, key split) is one task that walks the request's
-// slots through req_to_token and keeps an online softmax per query row; splits of one request are merged
-// with their log-sum-exp afterwards (flash-decoding), so one long request still uses every thread.
+// slots through req_to_token and keeps an online softmax per query row (the G query heads of the KV head
+// and the request's new tokens, so each K/V row is read and widened once for all of them); splits of one
+// request are merged with their log-sum-exp afterwards (flash-decoding), so one long request still uses
+// every thread. Requests whose slots are the same over a whole split (a prefix the radix cache shares, as
+// agents sharing a tool catalogue do) are one task for it: the shared K/V is read once per step, not once
+// per request.
 //
 // Shapes: q [T, H, D] (T = sum of ext_lens; request b's queries are its last ext_lens[b] positions, query j
 // at position seq_lens[b] - ext_lens[b] + j, causal); k_cache, v_cache [S, Hkv, D] (float32, bfloat16 or
@@ -27,16 +31,24 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
+// Vector paths: AVX-512 where the CPU has it (16-wide fp16/bf16 widening, masked softmax), else AVX2 + FMA; the
+// AVX2 helpers stay compiled under AVX-512 (exp for the merge, the KV write's F16C casts). -DRADIXLM_PORTABLE
+// builds the scalar loops and -DRADIXLM_FORCE_AVX2 the AVX2 path on an AVX-512 CPU: tests compare all three.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(RADIXLM_PORTABLE)
 #define RADIXLM_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && !defined(RADIXLM_FORCE_AVX2)
+#define RADIXLM_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -146,12 +158,7 @@ inline const float* as_float<c10::Half>(const c10::Half* src, float* buf, int64_
 #endif
 
 // ------------------------------------------------------------------------------------------- one task
-// Rows of a task: the request's ext queries x the G query heads of one KV head, row = j * G + g.
-struct Partial {  // per (row, split): running max, sum of exp, unnormalised output
-  float* m;
-  float* l;
-  float* acc;  // [D]
-};
+// Rows of a task: each member request's ext queries x the G query heads of one KV head, row = j * G + g.
 
 #ifdef RADIXLM_AVX2
 // 8 K/V elements as float32, widened in registers: half-precision rows are read in place, never copied into a
@@ -208,13 +215,102 @@ inline void accumulate_rows(float* acc, const float* p, const T* const* values, 
 
 #endif
 
-// Whether K/V rows of head_dim D are read in place (as T) by the vector loops; otherwise attend_split widens
-// them into float rows first and the scalar loops below take those.
-inline bool reads_in_place(int64_t D) {
-#ifdef RADIXLM_AVX2
+#ifdef RADIXLM_AVX512
+// 16 K/V elements as float32, widened in registers.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m256 fold256(__m512 a) {  // lanes i + i+8: the first step of a horizontal sum
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// R query rows (R <= 4) against n keys, 16 dims per FMA; the four rows' sums reduced together (one hadd tree).
+// Each row's sum is formed in the same order whatever R is, so a row's score never depends on its neighbours.
+template <int R, typename T>
+inline void scores_rows16(const float* q, const T* const* keys, int64_t n, int64_t D, float* scores) {
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const T* key = keys[t];
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512 k = load16(key + c);
+      for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + c), k, a[i]);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold256(a[0]), fold256(a[1])),
+                                    _mm256_hadd_ps(fold256(a[2]), fold256(a[3])));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, sum);
+    for (int i = 0; i < R; ++i) scores[i * BLOCK + t] = out[i];
+  }
+}
+
+// R accumulator rows += p[r][t] * value_t over n values, U * 16 dims per pass (R * U accumulators in registers).
+template <int R, int U, typename T>
+inline void accumulate_pass16(float* acc, const float* p, const T* const* values, int64_t n, int64_t D, int64_t c) {
+  __m512 a[R][U];
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < U; ++u) a[i][u] = _mm512_loadu_ps(acc + i * D + c + 16 * u);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[U];
+    for (int u = 0; u < U; ++u) v[u] = load16(values[t] + c + 16 * u);
+    for (int i = 0; i < R; ++i) {
+      const __m512 w = _mm512_set1_ps(p[i * BLOCK + t]);
+      for (int u = 0; u < U; ++u) a[i][u] = _mm512_fmadd_ps(w, v[u], a[i][u]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(acc + i * D + c + 16 * u, a[i][u]);
+}
+
+template <int R, typename T>
+inline void accumulate_rows16(float* acc, const float* p, const T* const* values, int64_t n, int64_t D) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) accumulate_pass16<R, 4, T>(acc, p, values, n, D, c);
+  for (; c < D; c += 16) accumulate_pass16<R, 1, T>(acc, p, values, n, D, c);
+}
+
+// exp(x) for x <= 0 (or -inf -> 0), 16 lanes: the same reduction and polynomial as exp_inplace, scaled by 2^k
+// with scalef.
+inline __m512 exp16(__m512 x) {
+  const __m512 v0 = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(v0, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), v0);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), v);
+  const __m512 z = _mm512_mul_ps(v, v);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(v, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, fx);
+}
+
+inline __mmask16 first_lanes(int64_t k) {  // the first k of 16 lanes (k clipped to 0..16)
+  return k >= 16 ? __mmask16(0xFFFF) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
+}
+#endif
+
+// Whether a task with `rows` query rows reads K/V rows of head_dim D in place (as T) in the vector loops;
+// otherwise attend_split widens each block into float rows first. AVX-512 widens for more than 4 rows (an
+// extend, or requests sharing a prefix): the rows are taken 4 at a time, and each pass would widen again.
+template <typename T>
+inline bool reads_in_place(int64_t D, int64_t rows) {
+#if defined(RADIXLM_AVX512)
+  return D % 16 == 0 && (std::is_same_v<T, float> || rows <= 4);
+#elif defined(RADIXLM_AVX2)
+  (void)rows;
   return D % 16 == 0;
 #else
   (void)D;
+  (void)rows;
   return false;
 #endif
 }
@@ -224,7 +320,19 @@ inline bool reads_in_place(int64_t D) {
 template <typename T>
 inline void block_scores(const float* q, int64_t rows, const T* const* keys, int64_t n, int64_t D,
                          float* scores) {
-#ifdef RADIXLM_AVX2
+#if defined(RADIXLM_AVX512)
+  if (D % 16 == 0) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) scores_rows16<4, T>(q + r * D, keys, n, D, scores + r * BLOCK);
+    switch (rows - r) {
+      case 3: scores_rows16<3, T>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 2: scores_rows16<2, T>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      case 1: scores_rows16<1, T>(q + r * D, keys, n, D, scores + r * BLOCK); break;
+      default: break;
+    }
+    return;
+  }
+#elif defined(RADIXLM_AVX2)
   if (D % 16 == 0) {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) scores_rows<4, T>(q + r * D, keys, n, D, scores + r * BLOCK);
@@ -247,7 +355,19 @@ inline void block_scores(const float* q, int64_t rows, const T* const* keys, int
 template <typename T>
 inline void block_accumulate(float* acc, int64_t rows, const float* p, const T* const* values, int64_t n,
                              int64_t D) {
-#ifdef RADIXLM_AVX2
+#if defined(RADIXLM_AVX512)
+  if (D % 16 == 0) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) accumulate_rows16<4, T>(acc + r * D, p + r * BLOCK, values, n, D);
+    switch (rows - r) {
+      case 3: accumulate_rows16<3, T>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 2: accumulate_rows16<2, T>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      case 1: accumulate_rows16<1, T>(acc + r * D, p + r * BLOCK, values, n, D); break;
+      default: break;
+    }
+    return;
+  }
+#elif defined(RADIXLM_AVX2)
   if (D % 16 == 0) {
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) accumulate_rows<4, T>(acc + r * D, p + r * BLOCK, values, n, D);
@@ -266,17 +386,60 @@ inline void block_accumulate(float* acc, int64_t rows, const float* p, const T* 
   }
 }
 
+// One row's online-softmax step over a block: s[0..n) are its scores, keys t >= valid lie in its future
+// (causal) and get weight 0. s becomes the block's weights exp(s - new max); m, l (running max, sum of
+// weights) are updated; returns the factor the row's accumulator must be scaled by (1 when the max stayed).
+inline float softmax_update(float* s, int64_t n, int64_t valid, float& m, float& l) {
+  valid = std::min(valid, n);
+  if (valid <= 0) {  // every key of the block is in this row's future: nothing to add
+    std::fill(s, s + n, 0.f);
+    return 1.f;
+  }
+#ifdef RADIXLM_AVX512
+  static_assert(BLOCK == 32, "the masked softmax takes a block as two 16-lane registers");
+  const __m512 ninf = _mm512_set1_ps(NEG_INF);
+  const __mmask16 k0 = first_lanes(valid), k1 = first_lanes(valid - 16);
+  const __m512 x0 = _mm512_mask_loadu_ps(ninf, k0, s), x1 = _mm512_mask_loadu_ps(ninf, k1, s + 16);
+  const float mx = std::max(m, _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+  const __m512 mv = _mm512_set1_ps(mx);
+  const __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(x0, mv)));
+  const __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(x1, mv)));
+  _mm512_mask_storeu_ps(s, first_lanes(n), e0);
+  _mm512_mask_storeu_ps(s + 16, first_lanes(n - 16), e1);
+  const float sum = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+#else
+  float mx = m;
+  for (int64_t t = 0; t < valid; ++t) mx = std::max(mx, s[t]);
+  for (int64_t t = 0; t < valid; ++t) s[t] -= mx;
+  exp_inplace(s, valid);
+  std::fill(s + valid, s + n, 0.f);
+  float sum = 0.f;
+  for (int64_t t = 0; t < valid; ++t) sum += s[t];
+#endif
+  const float keep = std::exp(m - mx);  // 0 on the row's first block (m = -inf)
+  l = l * keep + sum;
+  m = mx;
+  return keep;
+}
+
+// Rows (query x head, q pre-scaled) against the keys [begin, end) of one KV head, read through `slots`:
+// m, l, acc ([rows, D]) get the running max, the sum of weights and the unnormalised output.
 template <typename KV>
 void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const int64_t* slots, int64_t begin,
                   int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride, int64_t head_off,
                   int64_t D, float* m, float* l, float* acc) {
-  std::vector<float> scores(rows * BLOCK), accbuf(rows * D, 0.f);
-  const bool direct = reads_in_place(D);
-  std::vector<float> kbuf(direct ? 0 : BLOCK * D), vbuf(direct ? 0 : BLOCK * D);
+  thread_local std::vector<float> scores, kbuf, vbuf;  // reused: a decode step runs thousands of these
+  scores.resize(rows * BLOCK);
+  const bool direct = reads_in_place<KV>(D, rows);
+  if (!direct) {
+    kbuf.resize(BLOCK * D);
+    vbuf.resize(BLOCK * D);
+  }
   const float* keys[BLOCK];
   const float* values[BLOCK];
   const KV* keys_kv[BLOCK];  // direct: the rows in the pool
   const KV* values_kv[BLOCK];
+  std::fill(acc, acc + rows * D, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = NEG_INF;
     l[r] = 0.f;
@@ -308,28 +471,12 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, const i
     if (direct) block_scores<KV>(q_rows, rows, keys_kv, n, D, scores.data());
     else block_scores<float>(q_rows, rows, keys, n, D, scores.data());
     for (int64_t r = 0; r < rows; ++r) {
-      float* s = scores.data() + r * BLOCK;
-      for (int64_t t = 0; t < n; ++t)
-        if (t0 + t > pos[r]) s[t] = NEG_INF;  // causal: a key after this query's position
-      float mx = m[r];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-      if (mx == NEG_INF) {  // every key so far is in this row's future: nothing to add
-        std::fill(s, s + n, 0.f);
-        continue;
-      }
-      const float keep = std::exp(m[r] - mx);  // 0 on the row's first block
-      for (int64_t t = 0; t < n; ++t) s[t] -= mx;
-      exp_inplace(s, n);
-      float sum = 0.f;
-      for (int64_t t = 0; t < n; ++t) sum += s[t];
-      l[r] = l[r] * keep + sum;
-      m[r] = mx;
-      if (keep != 1.f) scale_add(accbuf.data() + r * D, keep, 0.f, accbuf.data() + r * D, D);
+      const float keep = softmax_update(scores.data() + r * BLOCK, n, pos[r] - t0 + 1, m[r], l[r]);
+      if (keep != 1.f) scale_add(acc + r * D, keep, 0.f, acc + r * D, D);
     }
-    if (direct) block_accumulate<KV>(accbuf.data(), rows, scores.data(), values_kv, n, D);
-    else block_accumulate<float>(accbuf.data(), rows, scores.data(), values, n, D);
+    if (direct) block_accumulate<KV>(acc, rows, scores.data(), values_kv, n, D);
+    else block_accumulate<float>(acc, rows, scores.data(), values, n, D);
   }
-  std::copy(accbuf.begin(), accbuf.end(), acc);
 }
 
 template <typename KV, typename QT>
@@ -347,50 +494,129 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   QT* op = out.data_ptr<QT>();
   const KV* kp = k_cache.data_ptr<KV>();
   const KV* vp = v_cache.data_ptr<KV>();
+  const float fscale = static_cast<float>(scale);
 
   // Splits of SPLIT keys: a request's result never depends on the rest of the batch (the same float sums
-  // whatever runs beside it), and a long request still spreads over every thread.
-  std::vector<int64_t> q_start(B + 1, 0), nsplit(B), task_start(B + 1, 0), part_start(B + 1, 0);
+  // whatever runs beside it), and a long request still spreads over every thread. A request of one split
+  // writes its output directly; the splits of longer ones leave partials (max, sum, output) that are merged
+  // with their log-sum-exp afterwards. Partial row (request b, KV head h, split s, row r = j * G + g) lives
+  // at part_start[b] + (h * nsplit[b] + s) * ext[b] * G + r.
+  std::vector<int64_t> q_start(B + 1, 0), nsplit(B), split_start(B + 1, 0), part_start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     q_start[b + 1] = q_start[b] + ext[b];
     nsplit[b] = std::max<int64_t>(1, (seq[b] + SPLIT - 1) / SPLIT);
-    task_start[b + 1] = task_start[b] + Hkv * nsplit[b];
-    part_start[b + 1] = part_start[b] + Hkv * nsplit[b] * ext[b] * G;  // one Partial row per (task, row)
+    split_start[b + 1] = split_start[b] + nsplit[b];
+    part_start[b + 1] = part_start[b] + (nsplit[b] > 1 ? Hkv * nsplit[b] * ext[b] * G : 0);
   }
-  const int64_t parts = part_start[B];
+  const int64_t parts = part_start[B], NS = split_start[B];
   std::vector<float> pm(parts), pl(parts), pacc(parts * D);
+  auto slots_of = [&](int64_t b) { return table + rows_idx[b] * C; };
 
-  at::parallel_for(0, task_start[B], 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qbuf, posf;
-    std::vector<int64_t> pos;
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
-      const int64_t local = task - task_start[b], kvh = local / nsplit[b], split = local % nsplit[b];
-      const int64_t rows = ext[b] * G, len = seq[b];
-      const int64_t begin = split * SPLIT, end = std::min(len, begin + SPLIT);
-      qbuf.resize(rows * D);
-      pos.resize(rows);
-      for (int64_t j = 0; j < ext[b]; ++j)
-        for (int64_t g = 0; g < G; ++g) {
-          const QT* src = qp + (q_start[b] + j) * qs0 + (kvh * G + g) * qs1;
-          float* dst = qbuf.data() + (j * G + g) * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * static_cast<float>(scale);
-          pos[j * G + g] = len - ext[b] + j;
+  // Units of work: a key range of one request's slots together with every other request whose slots over the
+  // same range are the same ones (a prefix the radix cache shares): their rows are scored in one pass over
+  // K/V, which is then read and widened once instead of once per request. Per row the arithmetic is the
+  // same as alone (rows never mix), so sharing changes no result.
+  std::vector<int64_t> split_req(NS), unit_of(NS), lead;  // lead[u]: the first split of unit u
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < nsplit[b]; ++s) split_req[split_start[b] + s] = b;
+  std::unordered_map<uint64_t, int64_t> by_range;
+  if (B > 1) by_range.reserve(NS);
+  for (int64_t i = 0; i < NS; ++i) {
+    const int64_t b = split_req[i], begin = (i - split_start[b]) * SPLIT, end = std::min(seq[b], begin + SPLIT);
+    const int64_t* sl = slots_of(b);
+    if (B > 1) {
+      uint64_t key = static_cast<uint64_t>(begin) * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(end) << 32;
+      key ^= static_cast<uint64_t>(sl[begin]) * 0xC2B2AE3D27D4EB4Full ^ static_cast<uint64_t>(sl[end - 1]) << 17;
+      const auto [it, fresh] = by_range.try_emplace(key, static_cast<int64_t>(lead.size()));
+      if (!fresh) {
+        const int64_t other = lead[it->second], ob = split_req[other];
+        const int64_t obegin = (other - split_start[ob]) * SPLIT, oend = std::min(seq[ob], obegin + SPLIT);
+        if (obegin == begin && oend == end &&
+            std::memcmp(slots_of(ob) + begin, sl + begin, (end - begin) * sizeof(int64_t)) == 0) {
+          unit_of[i] = it->second;
+          continue;
         }
-      const int64_t p0 = part_start[b] + (kvh * nsplit[b] + split) * rows;
-      attend_split<KV>(qbuf.data(), pos.data(), rows, table + rows_idx[b] * C, begin, end, kp, vp, slot_stride,
-                       kvh * D, D, pm.data() + p0, pl.data() + p0, pacc.data() + p0 * D);
+      }
     }
+    unit_of[i] = static_cast<int64_t>(lead.size());  // a new unit (a hash collision just goes unshared)
+    lead.push_back(i);
+  }
+  const int64_t U = static_cast<int64_t>(lead.size());
+  std::vector<int64_t> member_start(U + 1, 0), members(NS), unit_rows(U, 0);
+  for (int64_t i = 0; i < NS; ++i) {
+    ++member_start[unit_of[i] + 1];
+    unit_rows[unit_of[i]] += ext[split_req[i]] * G;
+  }
+  for (int64_t u = 0; u < U; ++u) member_start[u + 1] += member_start[u];
+  {
+    std::vector<int64_t> fill(member_start.begin(), member_start.end() - 1);
+    for (int64_t i = 0; i < NS; ++i) members[fill[unit_of[i]]++] = i;
+  }
+  // Largest units first, handed out one at a time: a shared unit costs several plain ones.
+  std::vector<int64_t> order(U);
+  for (int64_t u = 0; u < U; ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return unit_rows[a] > unit_rows[b]; });
+
+  const int64_t tasks = U * Hkv;
+  auto run_task = [&](int64_t task) {
+    const int64_t u = order[task / Hkv], kvh = task % Hkv, rows = unit_rows[u];
+    thread_local std::vector<float> qbuf, mbuf, lbuf, accbuf;
+    thread_local std::vector<int64_t> pos;
+    qbuf.resize(rows * D);
+    pos.resize(rows);
+    mbuf.resize(rows);
+    lbuf.resize(rows);
+    accbuf.resize(rows * D);
+    int64_t row = 0;
+    for (int64_t mi = member_start[u]; mi < member_start[u + 1]; ++mi) {
+      const int64_t b = split_req[members[mi]];
+      for (int64_t j = 0; j < ext[b]; ++j)
+        for (int64_t g = 0; g < G; ++g, ++row) {
+          const QT* src = qp + (q_start[b] + j) * qs0 + (kvh * G + g) * qs1;
+          float* dst = qbuf.data() + row * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<float>(src[i]) * fscale;
+          pos[row] = seq[b] - ext[b] + j;
+        }
+    }
+    const int64_t first = lead[u], fb = split_req[first];
+    const int64_t begin = (first - split_start[fb]) * SPLIT, end = std::min(seq[fb], begin + SPLIT);
+    attend_split<KV>(qbuf.data(), pos.data(), rows, slots_of(fb), begin, end, kp, vp, slot_stride, kvh * D, D,
+                     mbuf.data(), lbuf.data(), accbuf.data());
+    row = 0;
+    for (int64_t mi = member_start[u]; mi < member_start[u + 1]; ++mi) {
+      const int64_t i = members[mi], b = split_req[i], n = ext[b] * G;
+      if (nsplit[b] == 1) {  // the whole request: normalise and write the output rows
+        for (int64_t r = 0; r < n; ++r) {
+          const float inv = lbuf[row + r] > 0.f ? 1.f / lbuf[row + r] : 0.f;
+          const float* a = accbuf.data() + (row + r) * D;
+          QT* dst = op + ((q_start[b] + r / G) * H + kvh * G + r % G) * D;
+          for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<QT>(a[c] * inv);
+        }
+      } else {
+        const int64_t p0 = part_start[b] + (kvh * nsplit[b] + (i - split_start[b])) * n;
+        std::copy(mbuf.begin() + row, mbuf.begin() + row + n, pm.begin() + p0);
+        std::copy(lbuf.begin() + row, lbuf.begin() + row + n, pl.begin() + p0);
+        std::copy(accbuf.begin() + row * D, accbuf.begin() + (row + n) * D, pacc.begin() + p0 * D);
+      }
+      row += n;
+    }
+  };
+  // Tasks are taken from a shared counter rather than in fixed ranges: units differ in size, and on a loaded
+  // machine a descheduled thread leaves its share to the others.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t task; (task = next.fetch_add(1, std::memory_order_relaxed)) < tasks;) run_task(task);
   });
 
-  // Merge the splits of each (request, KV head, row).
-  at::parallel_for(0, task_start[B] / 1, 1, [&](int64_t lo, int64_t hi) {
+  // Merge the splits of each (request of several splits, KV head, row).
+  std::vector<int64_t> long_reqs;
+  for (int64_t b = 0; b < B; ++b)
+    if (nsplit[b] > 1) long_reqs.push_back(b);
+  if (long_reqs.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(long_reqs.size()) * Hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> o(D);
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
-      const int64_t local = task - task_start[b];
-      if (local % nsplit[b] != 0) continue;  // the split-0 task merges its KV head's rows
-      const int64_t kvh = local / nsplit[b], rows = ext[b] * G;
+      const int64_t b = long_reqs[task / Hkv], kvh = task % Hkv, rows = ext[b] * G;
       for (int64_t r = 0; r < rows; ++r) {
         float mx = NEG_INF;
         for (int64_t s = 0; s < nsplit[b]; ++s) mx = std::max(mx, pm[part_start[b] + (kvh * nsplit[b] + s) * rows + r]);
@@ -551,4 +777,15 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
   lib.impl("paged_attention", &paged_attention);
   lib.impl("paged_attention_kv", &paged_attention_kv);
+}
+
+// Which vector path this build took (tests check that a forced build is the variant it claims to be).
+extern "C" const char* radixlm_paged_attention_isa() {
+#if defined(RADIXLM_AVX512)
+  return "avx512";
+#elif defined(RADIXLM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
 }

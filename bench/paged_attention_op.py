@@ -1,0 +1,110 @@
+"""The paged attention op alone: `paged_attention_kv` over 30 layers of the default model's shapes (9 query
+heads over 3 KV heads of 64 dims), the time of one decode step's attention.
+
+bench.step_profile says the op is most of a long-context step; this separates its arithmetic from its memory
+traffic. Each layer has its own pool (as a server's), so a step reads every layer's K/V from DRAM once;
+`--same-pool` gives all layers one pool, which stays in cache: the gap between the two is time spent
+waiting on memory. Slots are interleaved across requests as in bench.step_profile; a case ending in s
+shares its context's slots between the requests, as the radix cache does; `eN` makes each request extend
+N tokens instead of decoding one.
+
+    python -m bench.paged_attention_op --cases 4x1400,4x1400s,32x128,4x1400e8 --threads 2
+    python -m bench.paged_attention_op --cases 4x1400 --threads 1 --same-pool
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from typing import Any
+
+import torch
+
+H, HKV, D, LAYERS = 9, 3, 64, 30
+
+
+def parse_case(spec: str) -> tuple[int, int, int, bool]:
+    """ "4x1400e8s" -> (batch 4, context 1400, 8 new tokens each, shared context)."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:e(\d+))?(s?)", spec.strip())
+    if not m:
+        raise ValueError(f"--cases: {spec!r} is not BSxCONTEXT[eN][s] (e.g. 4x1400, 4x1400s, 4x1400e8)")
+    return int(m[1]), int(m[2]), int(m[3] or 1), m[4] == "s"
+
+
+def time_case(
+    spec: str, reps: int, same_pool: bool, kv_dtype: torch.dtype, gen: torch.Generator
+) -> dict[str, Any]:
+    bs, ctx, ext, shared = parse_case(spec)
+    seq = ctx + ext
+    size = bs * seq + 8
+    pools = 1 if same_pool else LAYERS
+    k = [torch.randn(size, HKV, D, generator=gen).to(kv_dtype) for _ in range(pools)]
+    v = [torch.randn(size, HKV, D, generator=gen).to(kv_dtype) for _ in range(pools)]
+    table = torch.zeros(bs, seq, dtype=torch.int64)
+    for i in range(bs):
+        if shared:
+            table[i, :ctx] = torch.arange(ctx) + 1
+            table[i, ctx:] = ctx + 1 + i * ext + torch.arange(ext)
+        else:
+            table[i] = torch.arange(seq) * bs + i + 1
+    loc = table[:, ctx:].reshape(-1).contiguous()
+    qkv = torch.randn(bs * ext, (H + 2 * HKV) * D, generator=gen)
+    q, kn, vn = qkv.view(bs * ext, H + 2 * HKV, D).split([H, HKV, HKV], dim=1)
+    meta = (table, torch.arange(bs), torch.full((bs,), seq), torch.full((bs,), ext), D**-0.5)
+    op = torch.ops.radixlm.paged_attention_kv
+
+    def step() -> None:
+        for layer in range(LAYERS):
+            op(q, kn, vn, loc, k[layer % pools], v[layer % pools], *meta)
+
+    step()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        times.append(1000 * (time.perf_counter() - t0))
+    times.sort()
+    return {"case": spec, "min_ms": round(times[0], 2), "median_ms": round(times[len(times) // 2], 2)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="1x128,4x1400,4x1400s,32x128,4x1400e8")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--same-pool", action="store_true", help="one pool for every layer: K/V stay in cache")
+    p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--out", help="write the JSON here too")
+    args = p.parse_args(argv)
+    from runtime.models.native_kernels import PAGED_ATTENTION, paged_attention_isa
+
+    PAGED_ATTENTION.load()
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    kv_dtype = getattr(torch, args.kv_dtype)
+    result = {
+        "isa": paged_attention_isa(),
+        "threads": args.threads,
+        "same_pool": args.same_pool,
+        "kv_dtype": args.kv_dtype,
+        "load_avg": os.getloadavg()[0],
+        "cases": [],
+    }
+    for spec in args.cases.split(","):
+        case = time_case(spec, args.reps, args.same_pool, kv_dtype, gen)
+        result["cases"].append(case)
+        print(
+            f"{spec:12s} {case['min_ms']:8.2f} ms min, {case['median_ms']:8.2f} ms median per step",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
