@@ -37,6 +37,13 @@ class ReqToTokenPool:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[row, start : start + slots.numel()] = slots
 
+    def write_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """`req_to_token[rows[i], positions[i]] = slots[i]`: one indexed write for a decode step's batch
+        instead of a sliced assignment per request (~4 us each)."""
+        device = self.req_to_token.device
+        index = torch.tensor([rows, positions], dtype=torch.int64).to(device)
+        self.req_to_token.index_put_((index[0], index[1]), slots.to(device))
+
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         return self.req_to_token[row, start:end]
 

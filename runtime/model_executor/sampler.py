@@ -80,16 +80,14 @@ class SamplingBatchInfo:
 
     The ``need_*`` flags and row lists come from Python values, so deciding what to skip never syncs the
     device. Disabled values are neutral: top_p 1, top_k ``vocab_size``, min_p 0, penalties 0 / 1.
+
+    The per-row tensors (``temperatures`` ... ``is_greedy``) are built on first use: an all-greedy batch
+    without penalties never reads them, and building them was ~15 us of a batch-1 decode step.
     """
 
-    temperatures: torch.Tensor  # [bs, 1] float32; 1.0 on greedy rows, so dividing is always safe
-    top_ps: torch.Tensor  # [bs] float32
-    top_ks: torch.Tensor  # [bs] int64; vocab_size where disabled
-    min_ps: torch.Tensor  # [bs] float32
-    frequency_penalties: torch.Tensor  # [bs] float32
-    presence_penalties: torch.Tensor  # [bs] float32
-    repetition_penalties: torch.Tensor  # [bs] float32
-    is_greedy: torch.Tensor  # [bs] bool
+    params: Sequence[SamplingParams]
+    device: torch.device | str
+    top_k_list: list[int]  # top_k per row; vocab_size where disabled
     seeds: list[int | None]
     vocab_size: int
     is_all_greedy: bool
@@ -104,9 +102,64 @@ class SamplingBatchInfo:
     repetition_rows: list[int]  # rows with repetition_penalty != 1
     freq_presence_rows: list[int]  # rows with a non-zero frequency or presence penalty
 
+    _tensors: tuple[torch.Tensor, ...] | None = None
+
     @property
     def batch_size(self) -> int:
         return len(self.seeds)
+
+    def _row_tensors(self) -> tuple[torch.Tensor, ...]:
+        t = self._tensors
+        if t is None:
+            params, device = self.params, self.device
+            greedy = [p.is_greedy for p in params]
+            floats = torch.tensor(
+                [
+                    [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)],
+                    [float(p.top_p) for p in params],
+                    [float(p.min_p) for p in params],
+                    [float(p.frequency_penalty) for p in params],
+                    [float(p.presence_penalty) for p in params],
+                    [float(p.repetition_penalty) for p in params],
+                ],
+                dtype=torch.float32,
+            ).to(device)  # one host->device copy for all float fields
+            top_ks = torch.tensor(self.top_k_list, dtype=torch.int64).to(device)
+            is_greedy = torch.tensor(greedy, dtype=torch.bool).to(device)
+            t = self._tensors = (floats[0].unsqueeze(1), *floats[1:], top_ks, is_greedy)
+        return t
+
+    @property
+    def temperatures(self) -> torch.Tensor:  # [bs, 1] float32; 1.0 on greedy rows, so dividing is always safe
+        return self._row_tensors()[0]
+
+    @property
+    def top_ps(self) -> torch.Tensor:  # [bs] float32
+        return self._row_tensors()[1]
+
+    @property
+    def min_ps(self) -> torch.Tensor:  # [bs] float32
+        return self._row_tensors()[2]
+
+    @property
+    def frequency_penalties(self) -> torch.Tensor:  # [bs] float32
+        return self._row_tensors()[3]
+
+    @property
+    def presence_penalties(self) -> torch.Tensor:  # [bs] float32
+        return self._row_tensors()[4]
+
+    @property
+    def repetition_penalties(self) -> torch.Tensor:  # [bs] float32
+        return self._row_tensors()[5]
+
+    @property
+    def top_ks(self) -> torch.Tensor:  # [bs] int64; vocab_size where disabled
+        return self._row_tensors()[6]
+
+    @property
+    def is_greedy(self) -> torch.Tensor:  # [bs] bool
+        return self._row_tensors()[7]
 
     @property
     def need_penalties(self) -> bool:
@@ -123,26 +176,10 @@ class SamplingBatchInfo:
         sampled = [i for i, g in enumerate(greedy) if not g]
         truncated = [i for i in sampled if top_ks[i] < vocab_size or params[i].top_p < 1.0]
         plain = sorted(set(sampled) - set(truncated))
-        floats = torch.tensor(
-            [
-                [1.0 if g else float(p.temperature) for p, g in zip(params, greedy, strict=True)],
-                [float(p.top_p) for p in params],
-                [float(p.min_p) for p in params],
-                [float(p.frequency_penalty) for p in params],
-                [float(p.presence_penalty) for p in params],
-                [float(p.repetition_penalty) for p in params],
-            ],
-            dtype=torch.float32,
-        ).to(device)  # one host->device copy for all float fields
         return cls(
-            temperatures=floats[0].unsqueeze(1),
-            top_ps=floats[1],
-            top_ks=torch.tensor(top_ks, dtype=torch.int64).to(device),
-            min_ps=floats[2],
-            frequency_penalties=floats[3],
-            presence_penalties=floats[4],
-            repetition_penalties=floats[5],
-            is_greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            params=params,
+            device=device,
+            top_k_list=top_ks,
             seeds=[p.seed for p in params],
             vocab_size=vocab_size,
             is_all_greedy=not sampled,

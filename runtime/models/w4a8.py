@@ -243,6 +243,16 @@ class W4A8Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features) if flat else y
 
+    def decode_call(self) -> tuple:
+        """(fn, args) with `fn(x, *args) == forward(x)` for x contiguous [tokens, in_features] float32 (the op
+        checks that): the op with this layer's blocks bound, so the fused loop skips this module's Python
+        (`LlamaForCausalLM._layer_plan`). Just `forward` when a bias or a TP reduce applies."""
+        if self.reduce_tp is not None or self.bias is not None:
+            return self.forward, ()
+        if self.m is not None:
+            return _Q4_1, (self.qs, self.d, self.m, self.out_features)
+        return _Q8_0, (self.qs, self.d, self.out_features)
+
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The stored blocks in row order: (q [N, K] uint8 0..15 or int8, d fp16 [N, K/32], m or None)."""
         n, nb = self.out_features, self.in_features // QK

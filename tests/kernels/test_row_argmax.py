@@ -25,7 +25,8 @@ def check(x: torch.Tensor) -> None:
     assert torch.equal(greedy_ids(x), ids)
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 49152, 49157])  # scalar only, one vector, vectors + a tail
+# scalar only (n < 32); the four 8-float chains (32, 64); the chains and a tail of 1-31 floats
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 31, 32, 33, 63, 64, 95, 49152, 49157])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_random_rows(n, rows):
     check(torch.randn(rows, n, generator=torch.Generator().manual_seed(n + rows)))
@@ -41,6 +42,19 @@ def test_ties_take_the_first_index_and_nan_is_the_maximum(n):
     x[3, 2] = float("inf")
     x[4, 0], x[4, n - 1] = 1.0, float("nan")  # NaN after the maximum
     x[5, 2:] = -0.0  # -0.0 and 0.0 are equal: the first of them
+    check(x)
+
+
+@pytest.mark.parametrize("where", [0, 5, 8, 17, 30, 31, 40, 63, 990])
+def test_each_chain_and_lane_finds_its_maximum_and_nan(where):
+    """The max runs four vector chains of 8 floats: a maximum, a tie after it, or a NaN in any of them
+    (and in the tail, past the last full group of 32) is found at its first index."""
+    n = 1001
+    x = torch.randn(4, n, generator=torch.Generator().manual_seed(where)).clamp(-5, 5)
+    x[0, where] = 9.0
+    x[1, where] = x[1, n - 1 - where // 2] = 9.0  # a tie: the first
+    x[2, where] = float("nan")
+    x[3, where], x[3, where + 1] = float("nan"), float("inf")
     check(x)
 
 

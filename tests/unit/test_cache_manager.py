@@ -252,3 +252,29 @@ def test_matches_taken_before_another_request_splits_the_node_stay_exact():
     assert cm.cache.protected_size() == 2
     cm.release(shallow, cache_tokens=False)
     cm.check_accounting([])
+
+
+def test_one_slot_each_is_append_slots_per_request():
+    """A decode step's batched table write equals one `append_slots` per request (rows, positions, kv_len)."""
+    cms = make_cm(64, rows=4), make_cm(64, rows=4)
+    reqs = {}
+    for cm in cms:
+        reqs[cm] = [make_req(list(range(1, 2 + i))) for i in range(3)]
+        for req in reqs[cm]:
+            req.req_pool_idx = cm.req_pool.alloc()
+            cm.append_slots(req, cm.alloc_slots(len(req.prompt_ids)))
+    batched, single = cms
+    for step in range(2):
+        slots = batched.alloc_slots(3)
+        assert torch.equal(slots, single.alloc_slots(3))
+        batched.append_one_slot_each(reqs[batched], slots)
+        for i, req in enumerate(reqs[single]):
+            single.append_slots(req, slots[i : i + 1])
+        want = [2 + step, 3 + step, 4 + step]
+        assert [r.kv_len for r in reqs[batched]] == [r.kv_len for r in reqs[single]] == want
+    assert torch.equal(batched.req_pool.req_to_token, single.req_pool.req_to_token)
+    one = make_cm(8, rows=2)  # a batch of one takes the per-request path
+    req = make_req([5, 6])
+    req.req_pool_idx = one.req_pool.alloc()
+    one.append_one_slot_each([req], one.alloc_slots(1))
+    assert req.kv_len == 1 and one.req_pool.read(req.req_pool_idx, 1).tolist() == [8]

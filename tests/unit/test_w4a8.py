@@ -88,6 +88,23 @@ def test_layer_matches_reference(kind, rows):
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_decode_call_is_forward_on_2d_float32_input(kind):
+    """The fused decode loop calls `decode_call`'s op directly: the same numbers as `forward`, and forward
+    itself wherever a bias has to be added; an input the op cannot take is refused, not misread."""
+    torch.manual_seed(1)
+    w = torch.randn(100, 96) * 0.05
+    layer = W4A8Linear.from_float(kind, w)
+    fn, args = layer.decode_call()
+    for rows in (1, 3, 33):
+        x = torch.randn(rows, 96)
+        assert torch.equal(fn(x, *args), layer(x))
+    with pytest.raises(RuntimeError):
+        fn(torch.randn(96, 3).t(), *args)  # not contiguous
+    with_bias = W4A8Linear.from_float(kind, w, torch.randn(100))
+    assert with_bias.decode_call() == (with_bias.forward, ())
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_layout_round_trips_and_quantizer_error_is_half_a_step(kind):
     torch.manual_seed(0)
     w = torch.randn(40, 64) * 0.1

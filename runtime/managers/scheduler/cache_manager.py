@@ -182,6 +182,15 @@ class CacheManager:
         self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
         req.kv_len += slots.numel()
 
+    def append_one_slot_each(self, reqs: list[Req], slots: torch.Tensor) -> None:
+        """`append_slots(reqs[i], slots[i:i + 1])` for every request (a decode step), in one table write."""
+        if len(reqs) == 1:
+            self.append_slots(reqs[0], slots)
+            return
+        self.req_pool.write_each([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
+        for req in reqs:
+            req.kv_len += 1
+
     def drop_kv_from(self, req: Req, pos: int) -> None:
         """The tokens from position `pos` on are about to be rewritten (jump-forward): free the request's own
         KV for them. Where that would cut into cache-owned slots the request gives all its KV back (it is

@@ -385,8 +385,7 @@ class Scheduler:
         if not self.running:
             return
         reqs = list(self.running)
-        for i, req in enumerate(reqs):
-            self.cm.append_slots(req, slots[i : i + 1])
+        self.cm.append_one_slot_each(reqs, slots)
         t_step = time.perf_counter()
         ran = self._forward(
             reqs, lambda: build_decode_batch(reqs, slots, device=self.runner.device), "decoding"

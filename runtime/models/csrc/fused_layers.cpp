@@ -156,19 +156,28 @@ at::Tensor silu_mul(const at::Tensor& x) {
 // Per row of float32 logits: the first index of the maximum, and the maximum. torch.argmax tracks an index
 // per element and is not vectorised on the CPU (~90 us for one 49k-vocabulary row, 640 us for eight); a
 // vector max and a scan for its first occurrence take a few us. NaN is the maximum, as in torch.argmax.
+// The max runs four independent vector chains (one chain waits on _mm256_max_ps's latency every 8 floats),
+// and the scan compares 8 floats at a time: ~5x less time per row than one chain and a scalar scan.
 void argmax_row(const float* x, int64_t n, int64_t* id, float* value) {
   float m = x[0];
   bool has_nan = false;
   int64_t j = 0;
 #ifdef RADIXLM_AVX2
-  if (n >= 8) {
-    __m256 mv = _mm256_loadu_ps(x);
-    __m256 nan = _mm256_cmp_ps(mv, mv, _CMP_UNORD_Q);
-    for (j = 8; j + 8 <= n; j += 8) {
-      const __m256 v = _mm256_loadu_ps(x + j);
-      mv = _mm256_max_ps(mv, v);
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  if (n >= 32) {
+    __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8), m2 = _mm256_loadu_ps(x + 16),
+           m3 = _mm256_loadu_ps(x + 24);
+    // unordered(a, b) is true where either is NaN: one compare covers two vectors
+    __m256 nan = _mm256_or_ps(_mm256_cmp_ps(m0, m1, _CMP_UNORD_Q), _mm256_cmp_ps(m2, m3, _CMP_UNORD_Q));
+    for (j = 32; j + 32 <= n; j += 32) {
+      const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+      const __m256 v2 = _mm256_loadu_ps(x + j + 16), v3 = _mm256_loadu_ps(x + j + 24);
+      m0 = _mm256_max_ps(m0, v0);
+      m1 = _mm256_max_ps(m1, v1);
+      m2 = _mm256_max_ps(m2, v2);
+      m3 = _mm256_max_ps(m3, v3);
+      nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(v0, v1, _CMP_UNORD_Q), _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q)));
     }
+    const __m256 mv = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, mv);
     m = lanes[0];
@@ -180,7 +189,22 @@ void argmax_row(const float* x, int64_t n, int64_t* id, float* value) {
     if (std::isnan(x[j])) has_nan = true;
     else if (x[j] > m || std::isnan(m)) m = x[j];
   }
-  for (int64_t i = 0; i < n; ++i) {  // the first NaN, else the first occurrence of the maximum
+  int64_t i = 0;
+#ifdef RADIXLM_AVX2
+  if (!has_nan) {  // the first occurrence of the maximum, 8 at a time
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), mv, _CMP_EQ_OQ));
+      if (hit) {
+        i += __builtin_ctz(static_cast<unsigned>(hit));
+        *id = i;
+        *value = x[i];
+        return;
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {  // the first NaN, else the first occurrence of the maximum
     if (has_nan ? std::isnan(x[i]) : x[i] == m) {
       *id = i;
       *value = x[i];
