@@ -221,12 +221,6 @@ class W4A8Linear(nn.Module):
         return cls("q8_0", *quantize_q8_0(weight), bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reduce_tp is None and self.bias is None and x.dim() == 2 and x.dtype == torch.float32:
-            # the model's decode hot path: [tokens, features] float32, nothing to add; the op checks the rest
-            x = x if x.is_contiguous() else x.contiguous()
-            if self.m is not None:
-                return _Q4_1(x, self.qs, self.d, self.m, self.out_features)
-            return _Q8_0(x, self.qs, self.d, self.out_features)
         if x.dtype != torch.float32:
             raise TypeError(f"W4A8Linear takes float32 activations, got {x.dtype}")
         flat = x.dim() != 2  # the model's [tokens, features] activations skip the reshapes (decode hot path)
