@@ -135,6 +135,31 @@ def test_a_shared_prefix_changes_no_bits(dtype, ext):
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_big_batch_changes_no_bits(dtype):
+    """A batch of many requests takes every KV head of a slot in one task and stages the K/V rows it reads
+    (a copy that keeps many cache misses in flight); a lone short request does neither. Neither may change a
+    bit of any request's output, and both must be right."""
+    gen = torch.Generator().manual_seed(5)
+    bs, n = 40, 60  # bs requests of n keys: 40 units, ~3.7 MB of K/V (float16) -- alone: 92 KB, one unit
+    size = bs * n + 8
+    k = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    table = torch.zeros(bs, n, dtype=torch.int64)
+    for b in range(bs):  # slots interleaved across requests, as decode steps allocate them
+        table[b] = torch.arange(n) * bs + b + 1
+    q = torch.randn(bs, 9, 64, generator=gen).to(dtype)
+    rows = torch.arange(bs)
+    args = (q, k, v, table, rows, torch.full((bs,), n), torch.ones(bs, dtype=torch.int64), 0.125)
+    out = torch.ops.radixlm.paged_attention(*args)
+    for b in range(bs):
+        assert torch.equal(out[b : b + 1], _attend_alone(args, b, list(range(bs + 1)))), b
+    kb, vb = (x[table].double().repeat_interleave(3, 2) for x in (k, v))  # [bs, n, 9, 64]
+    scores = torch.einsum("bhd,bnhd->bhn", q.double(), kb)
+    want = torch.einsum("bhn,bnhd->bhd", torch.softmax(scores * 0.125, -1), vb)
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+
+
 def test_shared_prefix_slots_and_kv_write(make_case, run_backend, reference):
     """Two requests read the same cached slots (radix-cache sharing); `forward` stores the new K/V first."""
     case = make_case([64, 80], None, num_kv_heads=2, group=2, share_prefix=50, seed=3)
