@@ -57,6 +57,27 @@ def test_local_index_copies_the_matching_block_of_repetitive_text_not_the_latest
     assert idx.follow is None and idx.propose(ids[:4], 2) == []
 
 
+def test_skipping_ends_when_the_output_turns_into_a_copy():
+    """A request that skips drafting after rejected drafts (free text) drafts again as soon as its last
+    LOCAL_MAX_N tokens occurred before, instead of waiting out the skip (up to MAX_COOLDOWN steps)."""
+    from runtime.managers.scheduler.drafting import Drafter
+
+    drafter = Drafter("ngram", 4)
+    state = SpecState(k=1, cooldown=16, skip=16)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 22, 23]
+    assert drafter.propose(state, ids, 1, True) == []  # (21, 22, 23) is new: keep skipping
+    assert state.skip == 15
+    ids += [2, 3, 4]  # (2, 3, 4) occurred before: the output copies
+    assert drafter.propose(state, ids, 1, True) == [5]
+    assert (state.skip, state.cooldown) == (0, 0)
+    shared = Drafter("suffix", 4)  # with `suffix`, a context of finished sequences counts too
+    shared.learn([50, 51, 52, 53, 54], 0)
+    state = SpecState(k=2, cooldown=16, skip=16)
+    assert shared.propose(state, [30, 31, 50, 51, 52], 2, True) == [53, 54]
+    state = SpecState(k=2, cooldown=16, skip=16)
+    assert shared.propose(state, [30, 31, 50, 51, 52], 2, False) == []  # salted: not the shared index
+
+
 def test_local_index_continues_text_that_repeats_into_its_own_end():
     # the source of the copy runs into the end of the tokens: the copy goes on with the text's period
     for ids, want in (([5, 1, 1, 1, 1], [1, 1, 1, 1]), ([1, 2, 3, 1, 2, 3, 1, 2], [3, 1, 2, 3, 1])):

@@ -239,14 +239,29 @@ class Drafter:
     def propose(self, state: SpecState, ids: list[int], k: int, shared_ok: bool) -> list[int]:
         """Up to `k` tokens to follow `ids` (the request's prompt + output); [] when nothing matches."""
         state.judge_cut(ids, self.max_draft)
-        if state.skip > 0:
-            state.skip -= 1
-            return []
         state.index.update(ids)
+        if state.skip > 0:
+            if not self._copying(state.index, ids, shared_ok):
+                state.skip -= 1
+                return []
+            state.skip = state.cooldown = 0  # the output runs into known text: draft again now
         draft = state.index.propose(ids, k)
         if self.shared is not None and shared_ok and len(draft) < k:
             draft = draft + self.shared.propose(ids[-SHARED_MAX_N:] + draft, k - len(draft))
         return draft
+
+    def _copying(self, index: LocalIndex, ids: list[int], shared_ok: bool) -> bool:
+        """Whether the output's last LOCAL_MAX_N tokens occurred before (in the request, or with `suffix` as
+        a context of finished sequences): one dictionary lookup, so a request that skips drafting after
+        rejections (free text) sees at once that its output has turned into a copy. Before, the skip ran
+        its course (up to MAX_COOLDOWN steps, again after each rejected try): an edit's answer that began
+        with free text went ~60 tokens of copied code undrafted."""
+        if len(ids) <= LOCAL_MAX_N:
+            return False
+        tail = tuple(ids[-LOCAL_MAX_N:])
+        if index.ends.get(tail):
+            return True
+        return self.shared is not None and shared_ok and tail in self.shared.counts
 
     def learn(self, ids: list[int], start: int) -> None:
         """A finished sequence: count it from `start` (what the cache held of it before) on."""
