@@ -140,23 +140,24 @@ def test_local_index_short_copy_re_anchors_after_a_mismatch():
 
 def test_skipping_ends_when_the_output_turns_into_a_copy():
     """A request that skips drafting after rejected drafts (free text) drafts again as soon as its last
-    LOCAL_MAX_N tokens occurred before, instead of waiting out the skip (up to MAX_COOLDOWN steps)."""
-    from runtime.managers.scheduler.drafting import Drafter
+    COPY_SIGNAL tokens occurred before, instead of waiting out the skip (up to MAX_COOLDOWN steps)."""
+    from runtime.managers.scheduler.drafting import COPY_SIGNAL, Drafter
 
     drafter = Drafter("ngram", 4)
     state = SpecState(k=1, cooldown=16, skip=16)
-    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 20, 21, 22, 23]
-    assert drafter.propose(state, ids, 1, True) == []  # (21, 22, 23) is new: keep skipping
+    ids = [*range(1, 13), 20, 21, 22, 23, 5, 6, 7]
+    assert COPY_SIGNAL == 6
+    assert drafter.propose(state, ids, 1, True) == []  # only (5, 6, 7) occurred before: keep skipping
     assert state.skip == 15
-    ids += [2, 3, 4]  # (2, 3, 4) occurred before: the output copies
-    assert drafter.propose(state, ids, 1, True) == [5]
-    assert (state.skip, state.cooldown) == (0, 0)
+    ids += [8, 9, 10]  # (5, 6, 7, 8, 9, 10) occurred before: the output copies
+    assert drafter.propose(state, ids, 1, True) == [11]
+    assert (state.skip, state.cooldown) == (0, 16)  # a rejection now skips 16 steps again
     shared = Drafter("suffix", 4)  # with `suffix`, a context of finished sequences counts too
     shared.learn([50, 51, 52, 53, 54], 0)
-    state = SpecState(k=2, cooldown=16, skip=16)
-    assert shared.propose(state, [30, 31, 50, 51, 52], 2, True) == [53, 54]
-    state = SpecState(k=2, cooldown=16, skip=16)
-    assert shared.propose(state, [30, 31, 50, 51, 52], 2, False) == []  # salted: not the shared index
+    state = SpecState(k=1, cooldown=16, skip=16)
+    assert shared.propose(state, [30, 31, 32, 50, 51, 52, 53], 1, True) == [54]
+    state = SpecState(k=1, cooldown=16, skip=16)
+    assert shared.propose(state, [30, 31, 32, 50, 51, 52, 53], 1, False) == []  # salted: not shared
 
 
 def test_local_index_continues_text_that_repeats_into_its_own_end():

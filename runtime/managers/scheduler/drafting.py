@@ -37,6 +37,7 @@ MIN_RUN = 12  # tokens a followed copy must have matched before an edit for it t
 MAX_EDIT = 4  # tokens of an edit a followed copy goes on past before it re-anchors (`LocalIndex`)
 MAX_SUBS = 4  # one-token edits a followed copy repeats (the latest)
 MAX_COOLDOWN = 16  # steps a request skips drafting after repeated full rejections, at most
+COPY_SIGNAL = 6  # ... unless its last this many tokens occurred before (`Drafter._copying`)
 
 
 class LocalIndex:
@@ -317,24 +318,26 @@ class Drafter:
             if not self._copying(state.index, ids, shared_ok):
                 state.skip -= 1
                 return []
-            state.skip = state.cooldown = 0  # the output runs into known text: draft again now
+            state.skip = 0  # the output runs into known text: draft again now (a rejection skips again)
         draft = state.index.propose(ids, k)
         if self.shared is not None and shared_ok and len(draft) < k:
             draft = draft + self.shared.propose(ids[-SHARED_MAX_N:] + draft, k - len(draft))
         return draft
 
     def _copying(self, index: LocalIndex, ids: list[int], shared_ok: bool) -> bool:
-        """Whether the output's last LOCAL_MAX_N tokens occurred before (in the request, or with `suffix` as
-        a context of finished sequences): one dictionary lookup, so a request that skips drafting after
-        rejections (free text) sees at once that its output has turned into a copy. Before, the skip ran
-        its course (up to MAX_COOLDOWN steps, again after each rejected try): an edit's answer that began
-        with free text went ~60 tokens of copied code undrafted."""
-        if len(ids) <= LOCAL_MAX_N:
+        """Whether the output's last COPY_SIGNAL tokens occurred before in the request (or with `suffix`, its
+        last SHARED_MAX_N as a context of finished sequences): a dictionary lookup and a short compare, so a
+        request that skips drafting after rejections (free text) sees at once that its output has turned
+        into a copy. Before, the skip ran its course (up to MAX_COOLDOWN steps, again after each rejected
+        try): an edit's answer that began with free text went ~60 tokens of copied code undrafted. A shorter
+        signal (3 tokens) also fired on free text's common phrases and cost chat ~5 % in verifies."""
+        if len(ids) <= COPY_SIGNAL:
             return False
-        tail = tuple(ids[-LOCAL_MAX_N:])
-        if index.ends.get(tail):
-            return True
-        return self.shared is not None and shared_ok and tail in self.shared.counts
+        tail = ids[-COPY_SIGNAL:]
+        for e in reversed(index.ends.get(tuple(tail[-LOCAL_MAX_N:]), ())[-LOCAL_MAX_CANDIDATES:]):
+            if e >= COPY_SIGNAL and ids[e - COPY_SIGNAL : e] == tail:
+                return True
+        return self.shared is not None and shared_ok and tuple(ids[-SHARED_MAX_N:]) in self.shared.counts
 
     def learn(self, ids: list[int], start: int) -> None:
         """A finished sequence: count it from `start` (what the cache held of it before) on."""
