@@ -57,6 +57,109 @@ def test_local_index_copies_the_matching_block_of_repetitive_text_not_the_latest
     assert idx.follow is None and idx.propose(ids[:4], 2) == []
 
 
+def _copy_then(idx: LocalIndex, ids: list[int], copied: list[int]) -> list[int]:
+    """Emit `copied` a few tokens per step, as verified drafts would be, so `idx` follows the copy."""
+    for at in range(0, len(copied), 3):
+        idx.update(ids)
+        idx.propose(ids, 4)
+        ids = ids + copied[at : at + 3]
+    return ids
+
+
+def test_local_index_copy_goes_on_past_an_edit():
+    # a 20-token line copied with one token changed (an edited copy: a renamed identifier, a counter in
+    # repeated lines): the draft after the edit is the rest of the line, not the continuation of the edited
+    # token where it occurs elsewhere (45 -> 8, 9 in the prompt's other text)
+    line = list(range(100, 120))
+    prompt = [1, 2, 7, 45, 8, 9, 5, *line, 3]
+    for edit, then, want in (
+        ([45], [], [115, 116, 117, 118]),  # one token for one
+        ([45], [46], [115, 116, 117, 118]),  # two tokens for one ("Paris" -> "Os" "lo")
+        ([45], [116], [117, 118, 119, 3]),  # one token for two: the copy runs on where 116 is
+    ):
+        idx = LocalIndex()
+        ids = _copy_then(idx, list(prompt), line[:14]) + edit
+        idx.update(ids)
+        draft = idx.propose(ids, 4)
+        if then:  # that draft was rejected at its first token
+            ids += then
+            idx.update(ids)
+            draft = idx.propose(ids, 4)
+        assert draft == want, (edit, then)
+    # the copy follows on after the edit
+    idx = LocalIndex()
+    ids = _copy_then(idx, list(prompt), line[:14]) + [45]
+    idx.update(ids)
+    assert idx.propose(ids, 2) == [115, 116]
+    ids += [115, 116]
+    idx.update(ids)
+    assert idx.propose(ids, 2) == [117, 118]
+    # an edit that grows past MAX_EDIT tokens has left the copy: the tail re-anchors (8 -> 9, 5)
+    idx = LocalIndex()
+    ids = _copy_then(idx, list(prompt), line[:14]) + [45]
+    drafts = []
+    for t in (60, 61, 62, 63, 8):
+        idx.update(ids)
+        drafts.append(idx.propose(ids, 2))
+        ids.append(t)
+    idx.update(ids)
+    drafts.append(idx.propose(ids, 2))
+    assert drafts == [[115, 116]] * 4 + [[], [9, 5]]
+
+
+def test_local_index_repeats_a_one_token_edit_through_the_copy():
+    # "f_4(x=4): g_4_4" written as "f_5(...": the copy drafts 5 where its source has 4 again, until the
+    # output writes a 4 unchanged
+    line = [*range(100, 112), 4, 112, 113, 4, 114, 4, 115]
+    prompt = [1, 2, *line, 3]
+    idx = LocalIndex()
+    ids = _copy_then(idx, list(prompt), line[:12]) + [5]
+    idx.update(ids)
+    assert idx.propose(ids, 4) == [112, 113, 5, 114]
+    ids += [112, 113, 5, 114]
+    idx.update(ids)
+    assert idx.propose(ids, 3) == [5, 115, 3]
+    idx = LocalIndex()
+    ids = _copy_then(idx, list(prompt), line[:12]) + [5]
+    idx.update(ids)
+    idx.propose(ids, 4)
+    ids += [112, 113, 4]  # not repeated here
+    idx.update(ids)
+    assert idx.propose(ids, 3) == [114, 4, 115]
+
+
+def test_local_index_short_copy_re_anchors_after_a_mismatch():
+    # a copy that matched fewer than MIN_RUN tokens is no evidence of an edited copy: the mismatching token
+    # re-anchors (45 occurs in the prompt followed by 8, 9)
+    line = list(range(100, 120))
+    idx = LocalIndex()
+    ids = _copy_then(idx, [1, 2, 7, 45, 8, 9, 5, *line, 3], line[:9]) + [45]
+    idx.update(ids)
+    assert idx.propose(ids, 2) == [8, 9]
+
+
+def test_skipping_ends_when_the_output_turns_into_a_copy():
+    """A request that skips drafting after rejected drafts (free text) drafts again as soon as its last
+    COPY_SIGNAL tokens occurred before, instead of waiting out the skip (up to MAX_COOLDOWN steps)."""
+    from runtime.managers.scheduler.drafting import COPY_SIGNAL, Drafter
+
+    drafter = Drafter("ngram", 4)
+    state = SpecState(k=1, cooldown=16, skip=16)
+    ids = [*range(1, 13), 20, 21, 22, 23, 5, 6, 7]
+    assert COPY_SIGNAL == 6
+    assert drafter.propose(state, ids, 1, True) == []  # only (5, 6, 7) occurred before: keep skipping
+    assert state.skip == 15
+    ids += [8, 9, 10]  # (5, 6, 7, 8, 9, 10) occurred before: the output copies
+    assert drafter.propose(state, ids, 1, True) == [11]
+    assert (state.skip, state.cooldown) == (0, 16)  # a rejection now skips 16 steps again
+    shared = Drafter("suffix", 4)  # with `suffix`, a context of finished sequences counts too
+    shared.learn([50, 51, 52, 53, 54], 0)
+    state = SpecState(k=1, cooldown=16, skip=16)
+    assert shared.propose(state, [30, 31, 32, 50, 51, 52, 53], 1, True) == [54]
+    state = SpecState(k=1, cooldown=16, skip=16)
+    assert shared.propose(state, [30, 31, 32, 50, 51, 52, 53], 1, False) == []  # salted: not shared
+
+
 def test_local_index_continues_text_that_repeats_into_its_own_end():
     # the source of the copy runs into the end of the tokens: the copy goes on with the text's period
     for ids, want in (([5, 1, 1, 1, 1], [1, 1, 1, 1]), ([1, 2, 3, 1, 2, 3, 1, 2], [3, 1, 2, 3, 1])):

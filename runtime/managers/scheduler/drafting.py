@@ -18,6 +18,7 @@ but acceptance changes timing, which must not leak across salts.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 # prompt lookup keys on the last 3, 2, then 1 tokens and compares up to 32 tokens of the latest 32
@@ -25,13 +26,18 @@ from dataclasses import dataclass, field
 LOCAL_MAX_N = 3
 LOCAL_MATCH_SPAN = 32
 LOCAL_MAX_CANDIDATES = 32
+LOCAL_RESYNC = 8  # source tokens past an edit where its copy may go on (a longer or shorter replacement)
 SHARED_MIN_N, SHARED_MAX_N = 2, 4
 SHARED_MAX_KEYS = 300_000  # past it the oldest quarter of the contexts is dropped (~100 MB at the cap)
 SHARED_MAX_NEXT = 8  # continuations kept per context (the rarest goes first)
 # per-token acceptance estimate (SpecState.alpha): prior 0.6 worth 2 tokens, older evidence decayed by 0.75
 # per verify, and per draft the budget cut once the tokens it guessed are out (`SpecState.cut`)
 ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX = 0.6, 2.0, 0.75, 0.95
+MIN_RUN = 12  # tokens a followed copy must have matched before an edit for it to go on past it (`LocalIndex`)
+MAX_EDIT = 4  # tokens of an edit a followed copy goes on past before it re-anchors (`LocalIndex`)
+MAX_SUBS = 4  # one-token edits a followed copy repeats (the latest)
 MAX_COOLDOWN = 16  # steps a request skips drafting after repeated full rejections, at most
+COPY_SIGNAL = 6  # ... unless its last this many tokens occurred before (`Drafter._copying`)
 
 
 class LocalIndex:
@@ -42,20 +48,37 @@ class LocalIndex:
     the last 3 tokens": the same 3 tokens end many lines, and the latest is rarely the line being copied. So a
     proposal first follows the copy: while every token emitted since the last draft equals its source, the
     next draft continues from there. Otherwise it re-anchors at the occurrence whose preceding tokens match
-    the request's tail longest (up to LOCAL_MATCH_SPAN tokens; ties: the latest)."""
+    the request's tail longest (up to LOCAL_MATCH_SPAN tokens; ties: the latest).
+
+    An edited copy (an identifier renamed, a counter in repeated lines: "item_44" copied as "item_45", a
+    city "Paris" written as "Os" "lo") breaks the exact match at the edit, and the tail there is new text
+    that rarely occurs anywhere, so a re-anchor lands on an unrelated short match. So the copy goes on past
+    the edit: where the tokens emitted after the edit's first token occur again in the source just past the
+    edit (within LOCAL_RESYNC tokens: a longer or shorter replacement), else right after the one source
+    token the edit replaced; unless an anchor elsewhere matches the tail over more tokens than the copy had
+    matched, or the edit grows past MAX_EDIT tokens (the output left the copy). A one-token-for-one edit is
+    repeated where its source token comes again in the copy (a renamed parameter's later uses; a line
+    "f_4(x=4): g_4_4" written as "f_5(x=5): g_5_5" is one edit, not four), until the output writes that
+    token unchanged."""
 
     def __init__(self, max_n: int = LOCAL_MAX_N):
         self.max_n = max_n
         self.ends: dict[tuple[int, ...], list[int]] = {}  # every n shares one table (lengths differ)
         self.indexed = 0  # end positions below this are in `ends`
         self.follow: tuple[int, int] | None = None  # (source position, len(ids)) of the last draft
+        self.run = 0  # tokens the followed copy matched since its anchor (its match counts) or last edit
+        # the open edit of the followed copy: (source position, output position where it starts, the copy's
+        # `run` before it, capped at LOCAL_MATCH_SPAN)
+        self.edit: tuple[int, int, int] | None = None
+        self.subs: dict[int, int] = {}  # the copy's one-token edits, source token -> written token
 
     def update(self, ids: list[int]) -> None:
         """Index the n-grams of `ids` that end at a position with a continuation (below len(ids))."""
         if len(ids) < self.indexed:  # the tokens were rewritten: start again
             self.ends.clear()
             self.indexed = 0
-            self.follow = None
+            self.follow, self.run, self.edit = None, 0, None
+            self.subs.clear()
         ends, max_n = self.ends, self.max_n
         for e in range(max(self.indexed, 1), len(ids)):
             for n in range(1, min(max_n, e) + 1):
@@ -70,30 +93,81 @@ class LocalIndex:
     def propose(self, ids: list[int], k: int) -> list[int]:
         """`k` tokens (none when nothing matches): the continuation of the followed copy, else of the
         best-matching occurrence of the longest known tail."""
-        src = self._followed(ids)
-        if src is None:
-            src = self._anchor(ids)
+        src, exact = self._followed(ids)
+        if not exact:
+            anchor, length = self._anchor(ids)
+            if src is None or (anchor is not None and length > self.edit[2]):
+                src, self.run, self.edit = anchor, length, None
+                self.subs.clear()
         if src is None:
             self.follow = None
             return []
         self.follow = (src, len(ids))
-        draft = ids[src : src + k]
+        subs = self.subs
+        draft = [subs.get(t, t) for t in ids[src : src + k]] if subs else ids[src : src + k]
         # a source that runs into the end of `ids` is text repeating with period len(ids) - src ("1111",
         # "abcabc"): the copy goes on through the draft itself
         for j in range(len(draft), k):
             draft.append(draft[src + j - len(ids)])
         return draft
 
-    def _followed(self, ids: list[int]) -> int | None:
+    def _followed(self, ids: list[int]) -> tuple[int | None, bool]:
+        """Where the followed copy goes on: (position, True) while every token since the last draft matched
+        it; (position past the edit, False) after an edit; (None, False) when there is no copy to follow."""
         if self.follow is None:
-            return None
+            return None, False
         src, at = self.follow
         grown = len(ids) - at
-        if grown <= 0 or ids[src : src + grown] != ids[at:]:
-            return None
-        return src + grown
+        if grown <= 0:
+            return None, False
+        subs, matched = self.subs, 0
+        while matched < grown:
+            tok, source = ids[at + matched], ids[src + matched]
+            if tok != subs.get(source, source):
+                if tok != source:
+                    break
+                del subs[source]  # the edit is not repeated here: copy the token as it is
+            matched += 1
+        self.run += matched
+        if matched == grown:
+            self.edit = None
+            return src + grown, True
+        if matched or self.edit is None:  # a new edit starts at the first token that differs
+            if self.run < MIN_RUN:  # too short a copy to be sure of: re-anchor
+                self.edit = None
+                return None, False
+            self.edit = (src + matched, at + matched, min(self.run, LOCAL_MATCH_SPAN))
+            self.run = 0
+        return self._past_edit(ids), False
 
-    def _anchor(self, ids: list[int]) -> int | None:
+    def _past_edit(self, ids: list[int]) -> int | None:
+        """Where the source goes on after the open edit: the latest emitted tokens after the edit's first one
+        (3 down to 1) found again ending within LOCAL_RESYNC tokens after the edit's source position (the
+        closest to a same-length replacement), else one past that position; None past MAX_EDIT tokens."""
+        q0, e0, _ = self.edit
+        d = len(ids) - e0  # the edit's tokens so far
+        if d == 2 and self.subs.get(ids[q0]) == ids[e0]:  # not one token for one after all
+            del self.subs[ids[q0]]
+        if d > MAX_EDIT:
+            self.edit = None
+            return None
+        for m in range(min(self.max_n, d - 1), 0, -1):
+            seen = self.ends.get(tuple(ids[-m:]))
+            if not seen:
+                continue
+            lo = bisect.bisect_left(seen, q0 + 1)
+            hi = bisect.bisect_right(seen, q0 + d + LOCAL_RESYNC)
+            if lo < hi:
+                return min(seen[lo:hi], key=lambda e: abs(e - q0 - d))
+        if d == 1:  # one token for one: the copy repeats it where the source token comes again
+            self.subs.pop(ids[q0], None)
+            self.subs[ids[q0]] = ids[e0]
+            if len(self.subs) > MAX_SUBS:
+                del self.subs[next(iter(self.subs))]
+        return q0 + 1
+
+    def _anchor(self, ids: list[int]) -> tuple[int | None, int]:
+        """(where the best occurrence's continuation starts, how many tokens before it match the tail)."""
         last = len(ids) - 1
         for n in range(min(self.max_n, last), 0, -1):
             seen = self.ends.get(tuple(ids[-n:]))
@@ -107,8 +181,8 @@ class LocalIndex:
                     length += 1
                 if length > best_len:
                     best, best_len = e, length
-            return best
-        return None
+            return best, best_len
+        return None, 0
 
 
 class SequenceIndex:
@@ -239,14 +313,31 @@ class Drafter:
     def propose(self, state: SpecState, ids: list[int], k: int, shared_ok: bool) -> list[int]:
         """Up to `k` tokens to follow `ids` (the request's prompt + output); [] when nothing matches."""
         state.judge_cut(ids, self.max_draft)
-        if state.skip > 0:
-            state.skip -= 1
-            return []
         state.index.update(ids)
+        if state.skip > 0:
+            if not self._copying(state.index, ids, shared_ok):
+                state.skip -= 1
+                return []
+            state.skip = 0  # the output runs into known text: draft again now (a rejection skips again)
         draft = state.index.propose(ids, k)
         if self.shared is not None and shared_ok and len(draft) < k:
             draft = draft + self.shared.propose(ids[-SHARED_MAX_N:] + draft, k - len(draft))
         return draft
+
+    def _copying(self, index: LocalIndex, ids: list[int], shared_ok: bool) -> bool:
+        """Whether the output's last COPY_SIGNAL tokens occurred before in the request (or with `suffix`, its
+        last SHARED_MAX_N as a context of finished sequences): a dictionary lookup and a short compare, so a
+        request that skips drafting after rejections (free text) sees at once that its output has turned
+        into a copy. Before, the skip ran its course (up to MAX_COOLDOWN steps, again after each rejected
+        try): an edit's answer that began with free text went ~60 tokens of copied code undrafted. A shorter
+        signal (3 tokens) also fired on free text's common phrases and cost chat ~5 % in verifies."""
+        if len(ids) <= COPY_SIGNAL:
+            return False
+        tail = ids[-COPY_SIGNAL:]
+        for e in reversed(index.ends.get(tuple(tail[-LOCAL_MAX_N:]), ())[-LOCAL_MAX_CANDIDATES:]):
+            if e >= COPY_SIGNAL and ids[e - COPY_SIGNAL : e] == tail:
+                return True
+        return self.shared is not None and shared_ok and tuple(ids[-SHARED_MAX_N:]) in self.shared.counts
 
     def learn(self, ids: list[int], start: int) -> None:
         """A finished sequence: count it from `start` (what the cache held of it before) on."""
