@@ -29,6 +29,7 @@ from typing import Any
 
 from bench import agent_catalogue as cat
 from bench.harness import common
+from runtime.server_args import ServerArgs
 
 ALGORITHMS = ("none", "ngram", "suffix")
 # groups of `batch` requests per cell, one after another: a batch of 8 agent turns decodes in under a second,
@@ -164,7 +165,12 @@ def main() -> None:
         "--requests", type=int, default=0, help="requests per cell (default: the batch size x WAVES)"
     )
     p.add_argument("--code-lines", type=int, default=300)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=ServerArgs.speculative_num_draft_tokens,
+        help="the server's default",
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell; the median counts")
     p.add_argument(

@@ -253,7 +253,7 @@ class ServerArgs:
         choices=("none", "ngram", "suffix"),
     )
     speculative_num_draft_tokens: int = _opt(
-        4, "most draft tokens per request and step (each request adapts below it to its acceptance)"
+        8, "most draft tokens per request and step (each request adapts below it to its acceptance)"
     )
     # ---- measured defaults (--quantization auto) ----
     quantization_reason: str = _opt(

@@ -50,8 +50,10 @@ def test_cheap_rows_keep_whole_drafts_and_dear_rows_keep_only_likely_ones():
     _feed(dear.cost, a=1e-3, b=1e-3, c=0.0)  # compute-bound: a row costs like the fixed part
     # 8 requests: the step makes 8 tokens in 9 ms; a token accepted with p=0.3 costs 1 ms -> not worth it
     assert dear.trim([[1, 2, 3, 4]] * 8, [200] * 8, [0.3] * 8) == [[]] * 8
-    # near-certain drafts still pay, but their tails (0.95^k) stop paying at some length
-    kept = dear.trim([[1, 2, 3, 4, 5, 6, 7, 8]] * 8, [200] * 8, [0.95] * 8)
+    # with rows a tenth of that, near-certain drafts pay, but their tails (0.95^k) stop paying at some length
+    tenth = DraftBudget()
+    _feed(tenth.cost, a=1e-3, b=1e-4, c=0.0)
+    kept = tenth.trim([[1, 2, 3, 4, 5, 6, 7, 8]] * 8, [200] * 8, [0.95] * 8)
     assert all(1 <= len(d) < 8 for d in kept)
 
 
@@ -114,3 +116,12 @@ def test_a_dear_verify_step_is_skipped_unless_its_drafts_pay_for_it():
     assert budget.trim([[1, 2]], [100], [0.3]) == [[]]
     # drafts of 8 at alpha 0.95: ~6.6 tokens in ~10 ms -> verify them
     assert budget.trim([[1] * 8], [100], [0.95]) == [[1] * 8]
+
+
+def test_a_verify_step_must_beat_a_plain_one_by_the_margin():
+    budget = DraftBudget()
+    _feed(budget.cost, a=5e-3, b=1e-3, c=0.0)  # a plain step: 1 token in 6 ms; a draft token adds 1 ms
+    # alpha 0.25: 1.25 tokens in 7 ms, 7 % better than plain: within the fit's error, so not worth it
+    assert budget.trim([[1]], [100], [0.25]) == [[]]
+    # alpha 0.6: 1.6 tokens in 7 ms, 37 % better: verify
+    assert budget.trim([[1]], [100], [0.6]) == [[1]]

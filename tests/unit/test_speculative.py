@@ -415,7 +415,11 @@ def test_stop_string_inside_an_accepted_run(tiny_model_dir, default_tokenizer, t
 
 def test_aborts_and_retraction_leave_no_kv(tiny_model_dir, default_tokenizer, tiny_refs):
     msgs = [gen(f"r{i}", p, max_new_tokens=40, ignore_eos=True) for i, (p, _) in enumerate(tiny_refs)]
-    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, max_running_requests=12)
+    # drafts of 4: the oracle's drafts are always accepted, so 5 tokens a step leave every request running
+    # when the aborts arrive (at the default 8 some would finish 40 tokens first)
+    sched = spec_sched(
+        tiny_model_dir, default_tokenizer, tiny_refs, max_running_requests=12, speculative_num_draft_tokens=4
+    )
     res = drive(sched, msgs, abort_at={3: "r0", 5: "r4", 6: "r7"})
     assert {res[r][1]["type"] for r in ("r0", "r4", "r7")} == {"abort"}
     assert_all_free(sched)
