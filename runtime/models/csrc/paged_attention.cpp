@@ -296,18 +296,127 @@ inline __m512 exp16(__m512 x) {
 inline __mmask16 first_lanes(int64_t k) {  // the first k of 16 lanes (k clipped to 0..16)
   return k >= 16 ? __mmask16(0xFFFF) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
 }
+
+// The rows > 4 path: a block's keys laid out transposed, kt[d * BLOCK + t] (dims x keys), so that one vector
+// holds a dim of 16 keys and a row's 16 scores come from vertical FMAs and adds, with no shuffle per key.
+// The sums are those of scores_rows16 exactly: for key t, lane l of its accumulator is the FMA chain over
+// chunks c of q[c + l] * k[c + l] from zero; fold256 adds lanes m and m + 8 (f_m), and the hadd tree gives
+// ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7)). Here each lane l is a vector over the keys, grouped the
+// same way, so a row's scores keep their bits whichever path or batch computed them.
+
+// r[i] (16 rows of 16 floats) becomes its transpose: r[j] lane i = old r[i] lane j.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e], 128-bit lane L: rows 4i..4i+3 of column 4L + e
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 u0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), u1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 u2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 u3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    t[e] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+    t[e + 4] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+    t[e + 8] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+    t[e + 12] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// kt[d * BLOCK + t] = key t's dim d as float32 for t < n, 0 for the rest of the 16-key groups touched.
+template <typename T>
+inline void transpose_keys(const T* const* keys, int64_t n, int64_t D, float* kt) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16)
+    for (int64_t c = 0; c < D; c += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = t0 + i < n ? load16(keys[t0 + i] + c) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_ps(kt + (c + j) * BLOCK + t0, r[j]);
+    }
+}
+
+// R rows against 16 transposed keys: f_m (lanes m and m + 8 of scores_rows16's accumulator) for each row.
+// The K^T vectors of a chunk are loaded once for all R rows.
+template <int R>
+inline void lane_pair16(const float* q, const float* kt, int64_t D, int m, __m512* f) {
+  __m512 a[R], b[R];
+  for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m512 ka = _mm512_loadu_ps(kt + (c + m) * BLOCK), kb = _mm512_loadu_ps(kt + (c + m + 8) * BLOCK);
+    for (int i = 0; i < R; ++i) {
+      a[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + c + m]), ka, a[i]);
+      b[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + c + m + 8]), kb, b[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) f[i] = _mm512_add_ps(a[i], b[i]);
+}
+
+// scores[r][t] for R rows and the 16 keys t0..t0+15 of kt, summed in scores_rows16's order (see above).
+template <int R>
+inline void scores_kt16(const float* q, const float* kt, int64_t D, float* scores) {
+  __m512 x[R], y[R], lo[R], hi[R];
+  lane_pair16<R>(q, kt, D, 0, x);
+  lane_pair16<R>(q, kt, D, 1, y);
+  for (int i = 0; i < R; ++i) lo[i] = _mm512_add_ps(x[i], y[i]);  // f0 + f1
+  lane_pair16<R>(q, kt, D, 2, x);
+  lane_pair16<R>(q, kt, D, 3, y);
+  for (int i = 0; i < R; ++i) lo[i] = _mm512_add_ps(lo[i], _mm512_add_ps(x[i], y[i]));
+  lane_pair16<R>(q, kt, D, 4, x);
+  lane_pair16<R>(q, kt, D, 5, y);
+  for (int i = 0; i < R; ++i) hi[i] = _mm512_add_ps(x[i], y[i]);
+  lane_pair16<R>(q, kt, D, 6, x);
+  lane_pair16<R>(q, kt, D, 7, y);
+  for (int i = 0; i < R; ++i)
+    _mm512_storeu_ps(scores + i * BLOCK, _mm512_add_ps(lo[i], _mm512_add_ps(hi[i], _mm512_add_ps(x[i], y[i]))));
+}
+
+// block_scores for rows > 4 over transposed keys (n keys; the scores of padding keys up to a multiple of 16 are
+// written too, and never read).
+inline void block_scores_kt(const float* q, int64_t rows, const float* kt, int64_t n, int64_t D, float* scores) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) scores_kt16<4>(q + r * D, kt + t0, D, scores + r * BLOCK + t0);
+    switch (rows - r) {
+      case 3: scores_kt16<3>(q + r * D, kt + t0, D, scores + r * BLOCK + t0); break;
+      case 2: scores_kt16<2>(q + r * D, kt + t0, D, scores + r * BLOCK + t0); break;
+      case 1: scores_kt16<1>(q + r * D, kt + t0, D, scores + r * BLOCK + t0); break;
+      default: break;
+    }
+  }
+}
 #endif
 
 // Whether a task with `rows` query rows reads K/V rows of head_dim D in place (as T) in the vector loops;
-// otherwise attend_split widens each block into float rows first. AVX-512 widens for more than 4 rows (an
-// extend, or requests sharing a prefix): the rows are taken 4 at a time, and each pass would widen again.
+// otherwise attend_split widens each block into float rows first (or, see transposes_keys, lays its keys out
+// transposed). AVX-512 reads in place up to 4 rows (a decode); more (an extend, or requests sharing a prefix)
+// would be taken 4 at a time, each pass widening again.
 template <typename T>
 inline bool reads_in_place(int64_t D, int64_t rows) {
 #if defined(RADIXLM_AVX512)
-  return D % 16 == 0 && (std::is_same_v<T, float> || rows <= 4);
+  return D % 16 == 0 && rows <= 4;
 #elif defined(RADIXLM_AVX2)
   (void)rows;
   return D % 16 == 0;
+#else
+  (void)D;
+  (void)rows;
+  return false;
+#endif
+}
+
+// Whether attend_split scores a task's rows over transposed keys (block_scores_kt): on AVX-512 for more than
+// 4 rows, where transposing a block once costs less than the per-key horizontal sums of every row.
+inline bool transposes_keys(int64_t D, int64_t rows) {
+#if defined(RADIXLM_AVX512)
+  return D % 16 == 0 && rows > 4;
 #else
   (void)D;
   (void)rows;
@@ -433,8 +542,8 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
                   int64_t head_off, int64_t D, bool staged, float* m, float* l, float* acc) {
   thread_local std::vector<float> scores, kbuf, vbuf;  // reused: a decode step runs thousands of these
   scores.resize(rows * BLOCK);
-  const bool direct = reads_in_place<KV>(D, rows);
-  if (!direct) {
+  const bool direct = reads_in_place<KV>(D, rows), transposed = transposes_keys(D, rows);
+  if (!direct) {  // kbuf: K widened, or transposed (D x BLOCK)
     kbuf.resize(BLOCK * D);
     vbuf.resize(BLOCK * D);
   }
@@ -479,12 +588,20 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
         keys_kv[t] = krow[t] + h * D;
         values_kv[t] = vrow[t] + h * D;
         if (!direct) {
-          keys[t] = as_float(keys_kv[t], kbuf.data() + t * D, D);
+          if (!transposed) keys[t] = as_float(keys_kv[t], kbuf.data() + t * D, D);
           values[t] = as_float(values_kv[t], vbuf.data() + t * D, D);
         }
       }
-      if (direct) block_scores<KV>(qh, rows, keys_kv, n, D, scores.data());
-      else block_scores<float>(qh, rows, keys, n, D, scores.data());
+      if (direct) {
+        block_scores<KV>(qh, rows, keys_kv, n, D, scores.data());
+      } else if (transposed) {
+#ifdef RADIXLM_AVX512
+        transpose_keys(keys_kv, n, D, kbuf.data());
+        block_scores_kt(qh, rows, kbuf.data(), n, D, scores.data());
+#endif
+      } else {
+        block_scores<float>(qh, rows, keys, n, D, scores.data());
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const float keep = softmax_update(scores.data() + r * BLOCK, n, pos[r] - t0 + 1, mh[r], lh[r]);
         if (keep != 1.f) scale_add(acch + r * D, keep, 0.f, acch + r * D, D);
