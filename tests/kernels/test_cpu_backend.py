@@ -142,7 +142,7 @@ def test_an_extend_changes_no_bits(dtype, head_dim):
     prefix) scores its keys another way than a decode's 3 rows (AVX-512: over transposed keys); each query's
     output is still bit for bit what decoding it alone at its position gives."""
     gen = torch.Generator().manual_seed(13)
-    seq, ext = [37, 300, 531, 21, 290], [5, 9, 2, 9, 5]  # 2..9 tokens: 6..27 rows per task
+    seq, ext = [37, 300, 531, 21, 290, 70], [5, 9, 4, 9, 5, 2]  # 6..27 rows per task
     size = sum(seq) + 8
     k = torch.randn(size, 3, head_dim, generator=gen).to(dtype)
     v = torch.randn(size, 3, head_dim, generator=gen).to(dtype)
@@ -150,7 +150,7 @@ def test_an_extend_changes_no_bits(dtype, head_dim):
     table = torch.zeros(len(seq), 540, dtype=torch.int64)
     for b, n in enumerate(seq):
         table[b, :n] = torch.tensor([free.pop() for _ in range(n)])
-    table[4, :256] = table[1, :256]  # one whole split shared: 24 + 15 rows in one task
+    table[4, :256] = table[1, :256]  # one whole split shared: 27 + 15 rows in one task
     q = torch.randn(sum(ext), 9, head_dim, generator=gen).to(dtype)
     rows = torch.arange(len(seq))
     out = torch.ops.radixlm.paged_attention(q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
