@@ -135,6 +135,42 @@ def test_a_shared_prefix_changes_no_bits(dtype, ext):
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_an_extend_changes_no_bits(dtype, head_dim):
+    """A task of more than 4 rows (an extend, as speculative decoding's verify step, or requests sharing a
+    prefix) scores its keys another way than a decode's 3 rows (AVX-512: over transposed keys); each query's
+    output is still bit for bit what decoding it alone at its position gives."""
+    gen = torch.Generator().manual_seed(13)
+    seq, ext = [37, 300, 531, 21, 290, 70], [5, 9, 4, 9, 5, 2]  # 6..27 rows per task
+    size = sum(seq) + 8
+    k = torch.randn(size, 3, head_dim, generator=gen).to(dtype)
+    v = torch.randn(size, 3, head_dim, generator=gen).to(dtype)
+    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq), 540, dtype=torch.int64)
+    for b, n in enumerate(seq):
+        table[b, :n] = torch.tensor([free.pop() for _ in range(n)])
+    table[4, :256] = table[1, :256]  # one whole split shared: 27 + 15 rows in one task
+    q = torch.randn(sum(ext), 9, head_dim, generator=gen).to(dtype)
+    rows = torch.arange(len(seq))
+    out = torch.ops.radixlm.paged_attention(q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
+    one = torch.ones(1, dtype=torch.int64)
+    i = 0
+    for b in range(len(seq)):
+        for j in range(ext[b]):
+            pos = seq[b] - ext[b] + j
+            alone = torch.ops.radixlm.paged_attention(
+                q[i : i + 1], k, v, table, rows[b : b + 1], torch.tensor([pos + 1]), one, 0.125
+            )
+            assert torch.equal(out[i : i + 1], alone), (b, j)
+            slots = table[b, : pos + 1]
+            kb, vb = k[slots].double(), v[slots].double()
+            for h in range(9):
+                w = torch.softmax(kb[:, h // 3] @ q[i, h].double() * 0.125, 0)
+                torch.testing.assert_close(out[i, h].double(), w @ vb[:, h // 3], **TOL[dtype])
+            i += 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_big_batch_changes_no_bits(dtype):
     """A batch of many requests takes every KV head of a slot in one task and stages the K/V rows it reads

@@ -251,7 +251,8 @@ inline void scores_rows16(const float* q, const T* const* keys, int64_t n, int64
 
 // R accumulator rows += p[r][t] * value_t over n values, U * 16 dims per pass (R * U accumulators in registers).
 template <int R, int U, typename T>
-inline void accumulate_pass16(float* acc, const float* p, const T* const* values, int64_t n, int64_t D, int64_t c) {
+inline void accumulate_pass16(float* acc, const float* p, const T* const* values, int64_t n, int64_t D, int64_t c,
+                              int64_t rs, int64_t ts) {
   __m512 a[R][U];
   for (int i = 0; i < R; ++i)
     for (int u = 0; u < U; ++u) a[i][u] = _mm512_loadu_ps(acc + i * D + c + 16 * u);
@@ -259,7 +260,7 @@ inline void accumulate_pass16(float* acc, const float* p, const T* const* values
     __m512 v[U];
     for (int u = 0; u < U; ++u) v[u] = load16(values[t] + c + 16 * u);
     for (int i = 0; i < R; ++i) {
-      const __m512 w = _mm512_set1_ps(p[i * BLOCK + t]);
+      const __m512 w = _mm512_set1_ps(p[i * rs + t * ts]);
       for (int u = 0; u < U; ++u) a[i][u] = _mm512_fmadd_ps(w, v[u], a[i][u]);
     }
   }
@@ -267,11 +268,13 @@ inline void accumulate_pass16(float* acc, const float* p, const T* const* values
     for (int u = 0; u < U; ++u) _mm512_storeu_ps(acc + i * D + c + 16 * u, a[i][u]);
 }
 
+// p[i * rs + t * ts] is row i's weight of value t.
 template <int R, typename T>
-inline void accumulate_rows16(float* acc, const float* p, const T* const* values, int64_t n, int64_t D) {
+inline void accumulate_rows16(float* acc, const float* p, const T* const* values, int64_t n, int64_t D,
+                              int64_t rs = BLOCK, int64_t ts = 1) {
   int64_t c = 0;
-  for (; c + 64 <= D; c += 64) accumulate_pass16<R, 4, T>(acc, p, values, n, D, c);
-  for (; c < D; c += 16) accumulate_pass16<R, 1, T>(acc, p, values, n, D, c);
+  for (; c + 64 <= D; c += 64) accumulate_pass16<R, 4, T>(acc, p, values, n, D, c, rs, ts);
+  for (; c < D; c += 16) accumulate_pass16<R, 1, T>(acc, p, values, n, D, c, rs, ts);
 }
 
 // exp(x) for x <= 0 (or -inf -> 0), 16 lanes: the same reduction and polynomial as exp_inplace, scaled by 2^k
@@ -296,15 +299,116 @@ inline __m512 exp16(__m512 x) {
 inline __mmask16 first_lanes(int64_t k) {  // the first k of 16 lanes (k clipped to 0..16)
   return k >= 16 ? __mmask16(0xFFFF) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
 }
+
+// Rows in lanes: 16 query rows of a task as the lanes of a vector, qt[d * 16 + i] = row i's dim d, so that a
+// key's 16 scores (one per row) come from vertical FMAs with the key's dims broadcast, and the online softmax
+// runs on whole vectors too: no transpose per block and no horizontal sum per key or row.
+inline void transpose_rows(const float* q, int64_t cnt, int64_t D, float* qt) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t i = 0; i < 16; ++i) qt[d * 16 + i] = i < cnt ? q[i * D + d] : 0.f;
+}
+
+// The lanes m and m + 8 of scores_rows16's accumulator summed (its f_m) for K keys, each over 16 rows.
+template <int K>
+inline void lane_pair_keys(const float* qt, const float* const* keys, int64_t D, int m, __m512* f) {
+  __m512 a[K], b[K];
+  for (int i = 0; i < K; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m512 qa = _mm512_loadu_ps(qt + (c + m) * 16), qb = _mm512_loadu_ps(qt + (c + m + 8) * 16);
+    for (int i = 0; i < K; ++i) {
+      a[i] = _mm512_fmadd_ps(qa, _mm512_set1_ps(keys[i][c + m]), a[i]);
+      b[i] = _mm512_fmadd_ps(qb, _mm512_set1_ps(keys[i][c + m + 8]), b[i]);
+    }
+  }
+  for (int i = 0; i < K; ++i) f[i] = _mm512_add_ps(a[i], b[i]);
+}
+
+// s[i * 16 + r] = row r's score of key i (K keys), summed in scores_rows16's order: the FMA chain of each of
+// its 16 lanes l (q[c + l] * k[c + l] over chunks c, from zero), f_m = lanes m + (m + 8) (fold256), then the
+// hadd tree ((f0 + f1) + (f2 + f3)) + ((f4 + f5) + (f6 + f7)). So a row's scores have the same bits here as
+// in a decode's 4-row pass.
+template <int K>
+inline void scores_keys(const float* qt, const float* const* keys, int64_t D, float* s) {
+  __m512 x[K], y[K], lo[K], hi[K];
+  lane_pair_keys<K>(qt, keys, D, 0, x);
+  lane_pair_keys<K>(qt, keys, D, 1, y);
+  for (int i = 0; i < K; ++i) lo[i] = _mm512_add_ps(x[i], y[i]);
+  lane_pair_keys<K>(qt, keys, D, 2, x);
+  lane_pair_keys<K>(qt, keys, D, 3, y);
+  for (int i = 0; i < K; ++i) lo[i] = _mm512_add_ps(lo[i], _mm512_add_ps(x[i], y[i]));
+  lane_pair_keys<K>(qt, keys, D, 4, x);
+  lane_pair_keys<K>(qt, keys, D, 5, y);
+  for (int i = 0; i < K; ++i) hi[i] = _mm512_add_ps(x[i], y[i]);
+  lane_pair_keys<K>(qt, keys, D, 6, x);
+  lane_pair_keys<K>(qt, keys, D, 7, y);
+  for (int i = 0; i < K; ++i)
+    _mm512_storeu_ps(s + i * 16, _mm512_add_ps(lo[i], _mm512_add_ps(hi[i], _mm512_add_ps(x[i], y[i]))));
+}
+
+inline void block_scores_lanes(const float* qt, const float* const* keys, int64_t n, int64_t D, float* s) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) scores_keys<4>(qt, keys + t, D, s + t * 16);
+  switch (n - t) {
+    case 3: scores_keys<3>(qt, keys + t, D, s + t * 16); break;
+    case 2: scores_keys<2>(qt, keys + t, D, s + t * 16); break;
+    case 1: scores_keys<1>(qt, keys + t, D, s + t * 16); break;
+    default: break;
+  }
+}
+
+// softmax_update for the (up to 16) rows of a group at once, s[t * 16 + i] being row i's score of key t < n and
+// valid[i] its valid keys (softmax_update's, clipped to n; <= 0 for unused lanes). Bit for bit the same per row:
+// exp16 is lane-wise, and the maximum and the sum over a row's keys are reduced in the order of
+// _mm512_reduce_max_ps and _mm512_reduce_add_ps (GCC's: halves 256, 128, then pairs), with each of their lanes
+// a vector over the rows. keep[i] gets row i's accumulator factor.
+inline void softmax_lanes(float* s, int64_t n, const int32_t* valid, float* m, float* l, float* keep) {
+  static_assert(BLOCK == 32, "a row's block is two 16-lane halves, as in softmax_update");
+  const __m512i vv = _mm512_loadu_si512(valid);
+  const __m512 ninf = _mm512_set1_ps(NEG_INF);
+  auto live = [&](int64_t t) { return t < n ? _mm512_cmpgt_epi32_mask(vv, _mm512_set1_epi32(int32_t(t))) : 0; };
+  auto x = [&](int64_t t) { return t < n ? _mm512_mask_loadu_ps(ninf, live(t), s + t * 16) : ninf; };
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_max_ps(x(j), x(j + 16));
+  for (int j = 0; j < 8; ++j) a[j] = _mm512_max_ps(a[j + 8], a[j]);
+  for (int j = 0; j < 4; ++j) a[j] = _mm512_max_ps(a[j + 4], a[j]);
+  const __m512 red = _mm512_max_ps(_mm512_max_ps(a[0], a[2]), _mm512_max_ps(a[1], a[3]));
+  const __m512 mv = _mm512_loadu_ps(m);
+  const __m512 mx = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mv, red, _CMP_LT_OQ), mv, red);  // std::max(m, red)
+  for (int j = 0; j < 16; ++j) {
+    __m512 e[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t t = j + 16 * h;
+      e[h] = _mm512_setzero_ps();
+      if (t < n) {
+        e[h] = _mm512_maskz_mov_ps(live(t), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t * 16), mx)));
+        _mm512_storeu_ps(s + t * 16, e[h]);
+      }
+    }
+    a[j] = _mm512_add_ps(e[0], e[1]);
+  }
+  for (int j = 0; j < 8; ++j) a[j] = _mm512_add_ps(a[j + 8], a[j]);
+  for (int j = 0; j < 4; ++j) a[j] = _mm512_add_ps(a[j + 4], a[j]);
+  alignas(64) float mxs[16], sums[16];
+  _mm512_store_ps(mxs, mx);
+  _mm512_store_ps(sums, _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3])));
+  for (int i = 0; i < 16; ++i) {
+    keep[i] = 1.f;
+    if (valid[i] <= 0) continue;  // every key of the block is in this row's future
+    keep[i] = m[i] == mxs[i] && std::isfinite(m[i]) ? 1.f : std::exp(m[i] - mxs[i]);  // exp(0) is 1 exactly
+    l[i] = l[i] * keep[i] + sums[i];
+    m[i] = mxs[i];
+  }
+}
 #endif
 
 // Whether a task with `rows` query rows reads K/V rows of head_dim D in place (as T) in the vector loops;
-// otherwise attend_split widens each block into float rows first. AVX-512 widens for more than 4 rows (an
-// extend, or requests sharing a prefix): the rows are taken 4 at a time, and each pass would widen again.
+// otherwise attend_split widens each block into float rows first. AVX-512 reads in place up to 4 rows (a
+// decode); more (an extend, or requests sharing a prefix) would widen again in each pass, and are mostly
+// taken in lanes anyway (lane_rows).
 template <typename T>
 inline bool reads_in_place(int64_t D, int64_t rows) {
 #if defined(RADIXLM_AVX512)
-  return D % 16 == 0 && (std::is_same_v<T, float> || rows <= 4);
+  return D % 16 == 0 && rows <= 4;
 #elif defined(RADIXLM_AVX2)
   (void)rows;
   return D % 16 == 0;
@@ -312,6 +416,20 @@ inline bool reads_in_place(int64_t D, int64_t rows) {
   (void)D;
   (void)rows;
   return false;
+#endif
+}
+
+// How many of a task's rows attend_split takes 16 at a time as the lanes of vectors (see transpose_rows): on
+// AVX-512, for more than 4 rows, every whole group of 16 and a last group of 10 or more (bench: rows in lanes
+// beat 4-row passes over widened keys from about 10 rows of 16 on). The other rows go the 4-row way.
+inline int64_t lane_rows(int64_t D, int64_t rows) {
+#if defined(RADIXLM_AVX512)
+  if (D % 16 != 0 || rows <= 4) return 0;
+  return rows % 16 >= 10 ? rows : rows / 16 * 16;
+#else
+  (void)D;
+  (void)rows;
+  return 0;
 #endif
 }
 
@@ -432,8 +550,9 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
                   int64_t begin, int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride,
                   int64_t head_off, int64_t D, bool staged, float* m, float* l, float* acc) {
   thread_local std::vector<float> scores, kbuf, vbuf;  // reused: a decode step runs thousands of these
-  scores.resize(rows * BLOCK);
+  scores.resize(std::max<int64_t>(rows, 16) * BLOCK);
   const bool direct = reads_in_place<KV>(D, rows);
+  const int64_t lrows = lane_rows(D, rows), groups = (lrows + 15) / 16;  // rows [0, lrows) in lanes
   if (!direct) {
     kbuf.resize(BLOCK * D);
     vbuf.resize(BLOCK * D);
@@ -447,6 +566,18 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
     m[r] = NEG_INF;
     l[r] = 0.f;
   }
+  thread_local std::vector<float> qt, lm, ll;  // lanes: q transposed, and m, l per lane (16 per group)
+#ifdef RADIXLM_AVX512
+  if (lrows > 0) {
+    qt.resize(nheads * groups * 16 * D);
+    lm.assign(nheads * groups * 16, NEG_INF);
+    ll.assign(nheads * groups * 16, 0.f);
+    for (int64_t h = 0; h < nheads; ++h)
+      for (int64_t g = 0; g < groups; ++g)
+        transpose_rows(q_rows + (h * rows + g * 16) * D, std::min<int64_t>(16, lrows - g * 16), D,
+                       qt.data() + (h * groups + g) * 16 * D);
+  }
+#endif
   // When `staged`, each block's K and V rows (every head of the task, one contiguous run per slot) are first
   // copied into `stage`, then scored and accumulated from there. The slots are scattered over a pool far
   // bigger than the caches: a plain copy keeps many misses in flight at once, while the arithmetic's own
@@ -483,16 +614,48 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
           values[t] = as_float(values_kv[t], vbuf.data() + t * D, D);
         }
       }
-      if (direct) block_scores<KV>(qh, rows, keys_kv, n, D, scores.data());
-      else block_scores<float>(qh, rows, keys, n, D, scores.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        const float keep = softmax_update(scores.data() + r * BLOCK, n, pos[r] - t0 + 1, mh[r], lh[r]);
-        if (keep != 1.f) scale_add(acch + r * D, keep, 0.f, acch + r * D, D);
+#ifdef RADIXLM_AVX512
+      for (int64_t g = 0; g < groups; ++g) {  // the steps below, for 16 rows at a time
+        const int64_t r0 = g * 16, cnt = std::min<int64_t>(16, lrows - r0), hg = (h * groups + g) * 16;
+        float* s = scores.data();  // [key][lane]
+        block_scores_lanes(qt.data() + hg * D, keys, n, D, s);
+        alignas(64) int32_t valid[16];
+        alignas(64) float keep[16];
+        for (int64_t i = 0; i < 16; ++i) valid[i] = i < cnt ? int32_t(std::min(pos[r0 + i] - t0 + 1, n)) : 0;
+        softmax_lanes(s, n, valid, lm.data() + hg, ll.data() + hg, keep);
+        float* a = acch + r0 * D;
+        for (int64_t i = 0; i < cnt; ++i)
+          if (keep[i] != 1.f) scale_add(a + i * D, keep[i], 0.f, a + i * D, D);
+        int64_t i = 0;
+        for (; i + 4 <= cnt; i += 4) accumulate_rows16<4, float>(a + i * D, s + i, values, n, D, 1, 16);
+        switch (cnt - i) {
+          case 3: accumulate_rows16<3, float>(a + i * D, s + i, values, n, D, 1, 16); break;
+          case 2: accumulate_rows16<2, float>(a + i * D, s + i, values, n, D, 1, 16); break;
+          case 1: accumulate_rows16<1, float>(a + i * D, s + i, values, n, D, 1, 16); break;
+          default: break;
+        }
       }
-      if (direct) block_accumulate<KV>(acch, rows, scores.data(), values_kv, n, D);
-      else block_accumulate<float>(acch, rows, scores.data(), values, n, D);
+#endif
+      const int64_t rest = rows - lrows;
+      if (rest == 0) continue;
+      const float* qr = qh + lrows * D;
+      float *mr = mh + lrows, *lr = lh + lrows, *accr = acch + lrows * D;
+      if (direct) block_scores<KV>(qr, rest, keys_kv, n, D, scores.data());
+      else block_scores<float>(qr, rest, keys, n, D, scores.data());
+      for (int64_t r = 0; r < rest; ++r) {
+        const float keep = softmax_update(scores.data() + r * BLOCK, n, pos[lrows + r] - t0 + 1, mr[r], lr[r]);
+        if (keep != 1.f) scale_add(accr + r * D, keep, 0.f, accr + r * D, D);
+      }
+      if (direct) block_accumulate<KV>(accr, rest, scores.data(), values_kv, n, D);
+      else block_accumulate<float>(accr, rest, scores.data(), values, n, D);
     }
   }
+  if (lrows > 0)
+    for (int64_t h = 0; h < nheads; ++h)
+      for (int64_t r = 0; r < lrows; ++r) {
+        m[h * rows + r] = lm[(h * groups + r / 16) * 16 + r % 16];
+        l[h * rows + r] = ll[(h * groups + r / 16) * 16 + r % 16];
+      }
 }
 
 template <typename KV, typename QT>
