@@ -8,7 +8,8 @@ from runtime.server_args import ServerArgs
 
 def make_scheduler(model_dir: str, tokenizer, **kw) -> Scheduler:
     """float32 on the CPU with torch_native attention (token-exact comparisons), no status log lines, an
-    8192-slot KV pool unless `max_total_tokens` says otherwise; `kw` overrides any ServerArgs field."""
+    8192-slot KV pool unless `max_total_tokens` says otherwise, no speculation (tests count steps and tokens
+    per step; tests/unit/test_speculative.py turns it on); `kw` overrides any ServerArgs field."""
     args = ServerArgs(
         model=model_dir,
         dtype="float32",
@@ -17,6 +18,6 @@ def make_scheduler(model_dir: str, tokenizer, **kw) -> Scheduler:
         device="cpu",
         log_interval=0,
         attention_backend="torch_native",
-        **{"max_total_tokens": 8192, **kw},
+        **{"max_total_tokens": 8192, "speculative_algorithm": "none", **kw},
     )
     return Scheduler(args, model_dir, tokenizer=tokenizer)

@@ -141,7 +141,11 @@ class ServerProcess:
             # exactness tests (batch composition, cache hits, transformers parity) assume float32 without
             # quantization and with float32 K/V; `auto` is w4a8 or bfloat16 on some CPUs
             # (runtime/models/quantization.py) and float16 K/V on the CPU.
+            # No speculation either: stream-chunk and step tests assume one token per step
+            # (tests/e2e/test_speculative_server.py starts its own speculating server).
             # extra_args may override them (argparse: last one wins).
+            "--speculative-algorithm",
+            "none",
             "--dtype",
             "float32",
             "--quantization",
