@@ -278,15 +278,28 @@ def chat_prompts(tokenizer) -> list[list[int]]:
 
 
 # ---- greedy: identical outputs ----------------------------------------------------------------------------
-def test_greedy_identical_with_speculation_default_model(default_model_dir, default_tokenizer):
-    """54 chat prompts (fp32), half copy-style, half free text: the suffix drafter (prompt lookup, then the
+# float32 (the exactness setting) and the server's default numerics on the CPU: speculation is on by default,
+# so it must not change a default server's greedy output either
+NUMERICS = {
+    "float32": {},
+    "w4a8": {"quantization": "w4a8", "kv_cache_dtype": "float16", "attention_backend": "cpu"},
+}
+
+
+@pytest.mark.parametrize("numerics", list(NUMERICS))
+def test_greedy_identical_with_speculation_default_model(default_model_dir, default_tokenizer, numerics):
+    """54 chat prompts, half copy-style, half free text: the suffix drafter (prompt lookup, then the
     shared index of finished requests) must not change one token or logprob."""
     prompts = chat_prompts(default_tokenizer)
     msgs = [gen(f"p{i}", p, max_new_tokens=16, return_logprob=True) for i, p in enumerate(prompts)]
 
     def outputs(alg):
         sched = make_scheduler(
-            default_model_dir, default_tokenizer, max_running_requests=54, speculative_algorithm=alg
+            default_model_dir,
+            default_tokenizer,
+            max_running_requests=54,
+            speculative_algorithm=alg,
+            **NUMERICS[numerics],
         )
         res = drive(sched, msgs)
         assert_all_free(sched)
