@@ -78,6 +78,7 @@ def schedulers(default_model_dir, default_tokenizer):
             log_interval=0,
             attention_backend="torch_native",
             disable_jump_forward=not jf,
+            speculative_algorithm="none",  # the tests count forward passes saved by jump-forward alone
         )
         out[jf] = Scheduler(args, default_model_dir, tokenizer=default_tokenizer)
     return out

@@ -205,7 +205,7 @@ def test_server_args_reject_bad_speculative_options():
         ServerArgs(speculative_num_draft_tokens=0)
     with pytest.raises(ValueError, match="speculative-algorithm must be one of"):
         ServerArgs(speculative_algorithm="eagle")
-    assert ServerArgs().speculative_algorithm == "none"
+    assert ServerArgs().speculative_algorithm == "suffix"  # on by default: greedy outputs do not change
 
 
 # ---- scheduler helpers -------------------------------------------------------------------------------------
