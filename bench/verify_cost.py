@@ -37,7 +37,7 @@ def step_ms(runner: Any, rows: list[int], last: list[int], context: int, k: int,
         if k == 0:
             batch = ForwardBatch.build_decode(last, [context + 1] * bs, rows, new)
         else:
-            tokens = [[t] + [t] * k for t in last]
+            tokens = [[t] * n for t in last]  # the last token and k drafts
             batch = ForwardBatch.build_extend(
                 tokens, [context] * bs, rows, new, logits_indices=list(range(bs * n))
             )

@@ -139,8 +139,8 @@ def test_a_shared_prefix_changes_no_bits(dtype, ext):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_an_extend_changes_no_bits(dtype, head_dim):
     """A task of more than 4 rows (an extend, as speculative decoding's verify step, or requests sharing a
-    prefix) scores its keys another way than a decode's 3 rows (AVX-512: over transposed keys); each query's
-    output is still bit for bit what decoding it alone at its position gives."""
+    prefix) scores its keys another way than a decode's 3 rows (AVX-512: 16 rows as the lanes of a vector);
+    each query's output is still bit for bit what decoding it alone at its position gives."""
     gen = torch.Generator().manual_seed(13)
     seq, ext = [37, 300, 531, 21, 290, 70], [5, 9, 4, 9, 5, 2]  # 6..27 rows per task
     size = sum(seq) + 8

@@ -13,7 +13,7 @@ import pytest
 from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.messages import TokenizedGenerateReq
 from runtime.sampling_params import SamplingParams
-from runtime.server_args import ServerArgs
+from tests.scheduler_utils import make_scheduler
 
 REGEXES = {
     "integer": r"-?[1-9]\d{0,5}",
@@ -67,21 +67,12 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def schedulers(default_model_dir, default_tokenizer):
-    out = {}
-    for jf in (True, False):
-        args = ServerArgs(
-            model=default_model_dir,
-            dtype="float32",  # token-exact comparisons below; `auto` may be bfloat16 or w4a8 on this CPU
-            quantization="none",
-            kv_cache_dtype="float32",
-            max_total_tokens=8192,
-            log_interval=0,
-            attention_backend="torch_native",
-            disable_jump_forward=not jf,
-            speculative_algorithm="none",  # the tests count forward passes saved by jump-forward alone
-        )
-        out[jf] = Scheduler(args, default_model_dir, tokenizer=default_tokenizer)
-    return out
+    # make_scheduler pins float32 (token-exact comparisons) and no speculation (the tests count the forward
+    # passes jump-forward alone saves)
+    return {
+        jf: make_scheduler(default_model_dir, default_tokenizer, disable_jump_forward=not jf)
+        for jf in (True, False)
+    }
 
 
 def chat(tok, text: str) -> list[int]:
