@@ -8,7 +8,7 @@ batch 8, on four workloads (greedy, the default model, the offline Engine):
 
 Per cell: output tokens / wall seconds over the requests (batch 8: 8 requests submitted together; an agent
 turn is ~27 tokens, so its cells run WAVES["agent"] such groups one after another to last long enough to
-time), the mean
+time; single stream: SINGLE_STREAM_REQUESTS requests one after another), the mean
 tokens per verified draft (accepted draft tokens + the sampled one; from the scheduler's counters) and the
 draft's cost share (drafting seconds / wall seconds). Each workload runs once unmeasured per engine first
 (warm-up) on another request, so the shared index of `suffix` has seen one such request, as it would in a
@@ -35,6 +35,10 @@ ALGORITHMS = ("none", "ngram", "suffix")
 # groups of `batch` requests per cell, one after another: a batch of 8 agent turns decodes in under a second,
 # where one slow step moves the cell by 20-40 % (samples 164-308 tok/s for one side in one run)
 WAVES = {"agent": 4}
+# requests per single-stream cell, one after another: one workload's speedup ranges 0.97x-3x from prompt to
+# prompt (session 39, edit: 93 / 170 / 294 tok/s for its three samples), so a cell of one request made the
+# median one prompt's luck
+SINGLE_STREAM_REQUESTS = 4
 _SPEC_KEYS = ("spec_draft_seconds", "spec_verified_drafts", "spec_accepted_tokens", "generated_tokens")
 
 
@@ -162,7 +166,10 @@ def main() -> None:
     p.add_argument("--algorithms", default=",".join(ALGORITHMS))
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument(
-        "--requests", type=int, default=0, help="requests per cell (default: the batch size x WAVES)"
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per cell (default: the batch size x WAVES; single stream: SINGLE_STREAM_REQUESTS)",
     )
     p.add_argument("--code-lines", type=int, default=300)
     p.add_argument(
@@ -211,7 +218,7 @@ def main() -> None:
         for wl in workloads:
             next_id = 0  # every measured prompt of a workload is new to every engine (batch sizes too)
             for bs in batches:
-                n = a.requests or bs * WAVES.get(wl, 1)
+                n = a.requests or bs * max(WAVES.get(wl, 1), SINGLE_STREAM_REQUESTS if bs == 1 else 1)
                 # warm-up: another request of the workload (what suffix's shared index has seen)
                 for engine in engines.values():
                     run_cell(engine, chat(wl, range(1000, 1001)), 1, a.max_new_tokens)
