@@ -125,3 +125,40 @@ def test_a_verify_step_must_beat_a_plain_one_by_the_margin():
     assert budget.trim([[1]], [100], [0.25]) == [[]]
     # alpha 0.6: 1.6 tokens in 7 ms, 37 % better: verify
     assert budget.trim([[1]], [100], [0.6]) == [[1]]
+
+
+def test_a_new_request_starts_from_the_acceptance_recent_requests_saw():
+    """The prior of a new request's alpha is learnt from finished requests (salted ones neither teach nor
+    read it): on free text a fresh request's first drafts no longer look worth a verify at batch 8."""
+    from runtime.managers.scheduler.drafting import ALPHA_PRIOR
+    from runtime.managers.scheduler.req import Req
+    from runtime.managers.scheduler.speculative import SpeculativeDecoder
+    from runtime.sampling_params import SamplingParams
+
+    spec = SpeculativeDecoder("ngram", 8)
+    assert spec.prior.alpha == ALPHA_PRIOR
+
+    def finished(accepted: int, drafted: int, salt: str | None = None) -> Req:
+        req = Req(rid="r", prompt_ids=[5, 6], params=SamplingParams(max_new_tokens=4))
+        req.cache_salt = salt
+        req.spec = SpecState(k=4)
+        for _ in range(10):
+            req.spec.record(drafted, accepted, 8)
+        return req
+
+    spec.learn(finished(0, 4, salt="tenant-a"), {"spec_draft_seconds": 0.0})
+    assert spec.prior.alpha == ALPHA_PRIOR  # a salted request teaches nothing
+    for _ in range(3):
+        spec.learn(finished(0, 4), {"spec_draft_seconds": 0.0})
+    assert spec.prior.alpha < 0.25
+    fresh = Req(rid="n", prompt_ids=[1, 2, 3, 1, 2], params=SamplingParams(max_new_tokens=16))
+    spec.draft(fresh)
+    assert fresh.spec.prior == spec.prior.alpha and fresh.spec.alpha < 0.25
+    salted = Req(rid="s", prompt_ids=[1, 2, 3, 1, 2], params=SamplingParams(max_new_tokens=16))
+    salted.cache_salt = "tenant-b"
+    spec.draft(salted)
+    assert salted.spec.prior == ALPHA_PRIOR
+    # copyable traffic lifts it again: 4 of 4 accepted per verify
+    for _ in range(6):
+        spec.learn(finished(4, 4), {"spec_draft_seconds": 0.0})
+    assert spec.prior.alpha > 0.9
