@@ -30,13 +30,9 @@ LOCAL_RESYNC = 8  # source tokens past an edit where its copy may go on (a longe
 SHARED_MIN_N, SHARED_MAX_N = 2, 4
 SHARED_MAX_KEYS = 300_000  # past it the oldest quarter of the contexts is dropped (~100 MB at the cap)
 SHARED_MAX_NEXT = 8  # continuations kept per context (the rarest goes first)
-# per-token acceptance estimate (SpecState.alpha): a prior worth 2 tokens (AcceptancePrior: what recent
-# requests saw, ALPHA_PRIOR before any), older evidence decayed by 0.75 per verify, and per draft the budget
-# cut once the tokens it guessed are out (`SpecState.cut`)
+# per-token acceptance estimate (SpecState.alpha): prior 0.6 worth 2 tokens, older evidence decayed by 0.75
+# per verify, and per draft the budget cut once the tokens it guessed are out (`SpecState.cut`)
 ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT, ALPHA_DECAY, ALPHA_MAX = 0.6, 2.0, 0.75, 0.95
-# AcceptancePrior: each finished request's judged draft tokens, older requests' decayed by 0.8 per request,
-# with ALPHA_PRIOR in as PRIOR_SEED_TOKENS judged tokens, so one short request does not decide it
-PRIOR_DECAY, PRIOR_SEED_TOKENS = 0.8, 8.0
 MIN_RUN = 12  # tokens a followed copy must have matched before an edit for it to go on past it (`LocalIndex`)
 MAX_EDIT = 4  # tokens of an edit a followed copy goes on past before it re-anchors (`LocalIndex`)
 MAX_SUBS = 4  # one-token edits a followed copy repeats (the latest)
@@ -248,22 +244,13 @@ class SpecState:
     hits: float = 0.0  # recent accepted draft tokens (decayed per verify), for `alpha`
     trials: float = 0.0  # recent draft tokens judged: accepted ones plus the first rejected one
     shadow: tuple[int, list[int]] | None = None  # a draft the budget cut: (seq len at proposal, draft)
-    prior: float = ALPHA_PRIOR  # alpha before any evidence (AcceptancePrior.alpha when the request began)
-    judged_hits: int = 0  # all draft tokens judged accepted (verified or cut), for AcceptancePrior
-    judged: int = 0  # all draft tokens judged (as `trials`, undecayed)
 
     @property
     def alpha(self) -> float:
         """Recent per-token acceptance rate (a draft token is accepted given the ones before it were),
-        pulled towards `prior` while there is little evidence and capped below 1."""
-        prior = self.prior * ALPHA_PRIOR_WEIGHT
+        pulled towards ALPHA_PRIOR while there is little evidence and capped below 1."""
+        prior = ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT
         return min(ALPHA_MAX, (self.hits + prior) / (self.trials + ALPHA_PRIOR_WEIGHT))
-
-    def _judged(self, accepted: int, rejected: bool) -> None:
-        self.hits = self.hits * ALPHA_DECAY + accepted
-        self.trials = self.trials * ALPHA_DECAY + accepted + rejected
-        self.judged_hits += accepted
-        self.judged += accepted + rejected
 
     def cut(self, seq_len: int, draft: list[int]) -> None:
         """The budget cut this step's whole `draft` (proposed after `seq_len` tokens). It is judged once the
@@ -290,7 +277,8 @@ class SpecState:
         while accepted < len(seen) and seen[accepted] == draft[accepted]:
             accepted += 1
         rejected = accepted < len(seen)
-        self._judged(accepted, rejected)
+        self.hits = self.hits * ALPHA_DECAY + accepted
+        self.trials = self.trials * ALPHA_DECAY + accepted + rejected
         if not rejected:
             self.k = min(max_k, max(self.k, accepted) * 2)
 
@@ -299,7 +287,8 @@ class SpecState:
         skip drafting for a while), some -> one more than was accepted."""
         self.verify_steps += 1
         self.accepted += accepted
-        self._judged(accepted, accepted < drafted)
+        self.hits = self.hits * ALPHA_DECAY + accepted
+        self.trials = self.trials * ALPHA_DECAY + accepted + (accepted < drafted)
         if accepted == drafted:
             self.k = min(max_k, max(self.k, drafted) * 2)
             self.cooldown = 0
@@ -311,29 +300,6 @@ class SpecState:
         else:
             self.k = min(max_k, accepted + 1)
             self.cooldown = 0
-
-
-class AcceptancePrior:
-    """The acceptance rate a new request starts from: what the requests that finished lately saw, per judged
-    draft token. A fixed prior (0.6) made each new request's first drafts look worth verifying whatever the
-    traffic: on free chat at batch 8 those verifies, ~1 token accepted each, cost ~5 % before a request's
-    own rejections pulled its estimate down; an agent's turns, short and copyable, lose little either way.
-    Salted requests neither feed it nor read it (acceptance changes timing, see the module docstring)."""
-
-    def __init__(self):
-        self.hits = 0.0  # judged accepted draft tokens of finished requests, decayed per request
-        self.trials = 0.0  # judged draft tokens, likewise
-
-    def observe(self, state: SpecState) -> None:
-        """A request finished with `state`: its judged draft tokens join the estimate."""
-        if state.judged == 0:
-            return
-        self.hits = self.hits * PRIOR_DECAY + state.judged_hits
-        self.trials = self.trials * PRIOR_DECAY + state.judged
-
-    @property
-    def alpha(self) -> float:
-        return (self.hits + ALPHA_PRIOR * PRIOR_SEED_TOKENS) / (self.trials + PRIOR_SEED_TOKENS)
 
 
 class Drafter:

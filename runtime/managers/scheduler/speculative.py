@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.managers.scheduler.batch_builder import build_verify_batch
-from runtime.managers.scheduler.drafting import ALPHA_PRIOR, AcceptancePrior, Drafter, SpecState
+from runtime.managers.scheduler.drafting import Drafter, SpecState
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.spec_budget import DraftBudget
 from runtime.model_executor.sampler import SamplingBatchInfo
@@ -49,7 +49,6 @@ class SpeculativeDecoder:
         self.drafter = Drafter(algorithm, max_draft)
         self.max_draft = max_draft
         self.budget = DraftBudget()  # trims drafts to what the measured step cost says pays
-        self.prior = AcceptancePrior()  # the acceptance a new request starts from
 
     @classmethod
     def from_args(cls, args) -> SpeculativeDecoder | None:
@@ -65,19 +64,13 @@ class SpeculativeDecoder:
         if k < 1:
             return []
         if req.spec is None:
-            prior = self.prior.alpha if req.cache_salt is None else ALPHA_PRIOR
-            req.spec = SpecState(k=self.max_draft, prior=prior)
+            req.spec = SpecState(k=self.max_draft)
         k = min(k, req.spec.k)
         return self.drafter.propose(req.spec, req.all_ids, k, shared_ok=req.cache_salt is None)
 
     def learn(self, req: Req, stats: dict) -> None:
-        """A request left: its acceptance feeds the prior of later requests, and its new part (valid tokens
-        only) the shared index (`suffix`)."""
-        if req.cache_salt is not None:
-            return
-        if req.spec is not None:
-            self.prior.observe(req.spec)
-        if self.drafter.shared is None or req.error is not None:
+        """A request left with valid tokens: its new part feeds the shared index (`suffix`)."""
+        if self.drafter.shared is None or req.cache_salt is not None or req.error is not None:
             return
         t0 = time.perf_counter()
         self.drafter.learn(req.all_ids, req.prefix_hit_len)
