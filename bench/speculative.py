@@ -163,7 +163,12 @@ def main() -> None:
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="agent,edit,extract,chat")
     p.add_argument("--batches", default="1,8", help="batch sizes (requests submitted together)")
-    p.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    p.add_argument(
+        "--algorithms",
+        default=",".join(ALGORITHMS),
+        help="ALG or ALG@KV_DTYPE (e.g. none@float16,suffix@bfloat16: KV layouts side by side in one run; "
+        "each speedup is against none with the same KV dtype)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument(
         "--requests",
@@ -198,10 +203,12 @@ def main() -> None:
     engines: dict[str, Any] = {}
     try:
         for alg in algorithms:
+            name, _, kv = alg.partition("@")
             engines[alg] = Engine(
-                speculative_algorithm=alg,
+                speculative_algorithm=name,
                 speculative_num_draft_tokens=a.num_draft_tokens,
                 dtype=a.dtype,
+                kv_cache_dtype=kv or "auto",
                 max_total_tokens=a.max_total_tokens,
                 log_interval=0,
             )
@@ -240,8 +247,9 @@ def main() -> None:
             engine.shutdown()
     for by_bs in results.values():
         for cells in by_bs.values():
-            base = cells.get("none", {}).get("tok_per_s")
-            for cell in cells.values():
+            for alg, cell in cells.items():
+                kv = alg.partition("@")[2]
+                base = cells.get(f"none@{kv}" if kv else "none", {}).get("tok_per_s")
                 cell["speedup"] = round(cell["tok_per_s"] / base, 3) if base else None
     config = {"command": common.command_line(), **vars(a)}
     name = a.name or ("speculative_quick" if a.quick else "speculative")

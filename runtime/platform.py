@@ -38,6 +38,12 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_has_amx_bf16() -> bool:
+    """True where the CPU has AMX tiles with bf16 products (Sapphire Rapids on); the paged attention kernel
+    then attends over a bfloat16 KV cache with tile products (runtime/models/csrc/paged_attention.cpp)."""
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+
+
 def cpu_has_vnni() -> bool:
     """True when /proc/cpuinfo lists AVX512-VNNI or AVX-VNNI (int8 dot products without int16 saturation)."""
     flags = cpu_flags()

@@ -20,7 +20,7 @@ from runtime.models.quantization import (
     measured_model,
     resolve_auto,
 )
-from runtime.platform import auto_num_threads, cpu_has_native_bf16, free_port
+from runtime.platform import auto_num_threads, cpu_has_amx_bf16, cpu_has_native_bf16, free_port
 
 
 def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
@@ -47,9 +47,10 @@ class ServerArgs:
     )
     kv_cache_dtype: str = _opt(
         "auto",
-        "KV cache storage dtype; auto = float16 on the CPU under float32 activations (half the memory "
-        "attention reads per step; its math stays float32, next-token agreement measured 1.000), else the "
-        "model's dtype. GPUs store KV in the model's dtype",
+        "KV cache storage dtype; auto = half precision on the CPU under float32 activations (half the memory "
+        "attention reads per step; next-token agreement measured 1.000): bfloat16 where the CPU has AMX-BF16 "
+        "(attention then runs on AMX tiles), else float16; elsewhere the model's dtype. GPUs store KV in "
+        "the model's dtype",
         ("auto", "float32", "bfloat16", "float16"),
     )
     device: str = _opt("auto", "cpu or cuda; auto picks cuda when available", ("auto", "cpu", "cuda"))
@@ -487,10 +488,7 @@ class ServerArgs:
         check_model(quantization, self.model)
         kv_cache_dtype = self.kv_cache_dtype
         if kv_cache_dtype == "auto":
-            # float16 K/V under float32 math on the CPU: half the bytes attention reads per step, and
-            # next-token top-1 agreement 1.000 with KL < 1e-4 against float32 KV
-            # (bench/results/quant_accuracy_kv.json). GPUs keep the model's dtype.
-            kv_cache_dtype = "float16" if device == "cpu" and dtype == "float32" else dtype
+            kv_cache_dtype = auto_kv_cache_dtype(device, dtype, cpu_has_amx_bf16())
         if device != "cpu" and kv_cache_dtype != dtype:
             raise ValueError(
                 f"--kv-cache-dtype {kv_cache_dtype} differs from --dtype {dtype}: only the CPU attention "
@@ -557,6 +555,19 @@ class ServerArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
         return cls(**{f.name: getattr(ns, f.name) for f in fields})
+
+
+def auto_kv_cache_dtype(device: str, dtype: str, amx_bf16: bool) -> str:
+    """`--kv-cache-dtype auto`. Under float32 activations on the CPU, K/V are stored in half precision (half
+    the bytes attention reads per step): bfloat16 where the CPU has AMX-BF16, because the paged attention
+    kernel multiplies a bfloat16 cache on AMX tiles, which makes an extend row (a speculative draft token)
+    ~40 % cheaper at 2,300 keys (bench/results/verify_cost_s41_*.json); float16, with 3 more mantissa bits,
+    elsewhere. Both are far inside w4a8's own error: against float32, w4a8 with float16 K/V has next-token
+    mean KL 0.0029 and top-1 agreement 1.000, with bfloat16 K/V 0.0026 and 0.991 (one of 114 positions;
+    bench/results/quant_accuracy_kv_s41.json); MMLU cloze 30.9 % vs 31.0 %. GPUs keep the model's dtype."""
+    if device == "cpu" and dtype == "float32":
+        return "bfloat16" if amx_bf16 else "float16"
+    return dtype
 
 
 def parse_dist_init_addr(addr: str) -> tuple[str, int]:

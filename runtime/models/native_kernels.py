@@ -196,6 +196,7 @@ def _paged_attention_kv_fake(
 # Set one to 1 to build the scalar loops, or the AVX2 path on an AVX-512 CPU (tests check all three agree).
 PAGED_ATTENTION_PORTABLE_ENV = "RADIXLM_PAGED_ATTENTION_PORTABLE"
 PAGED_ATTENTION_AVX2_ENV = "RADIXLM_PAGED_ATTENTION_AVX2"
+PAGED_ATTENTION_NO_AMX_ENV = "RADIXLM_PAGED_ATTENTION_NO_AMX"  # 1: bfloat16 caches skip the AMX tiles
 PAGED_ATTENTION = NativeLibrary(
     "paged_attention",
     CSRC / "paged_attention.cpp",
@@ -204,6 +205,7 @@ PAGED_ATTENTION = NativeLibrary(
     flag_envs={
         PAGED_ATTENTION_PORTABLE_ENV: "-DRADIXLM_PORTABLE",
         PAGED_ATTENTION_AVX2_ENV: "-DRADIXLM_FORCE_AVX2",
+        PAGED_ATTENTION_NO_AMX_ENV: "-DRADIXLM_NO_AMX",
     },
 )
 
@@ -214,6 +216,12 @@ def paged_attention_isa() -> str:
     isa = ctypes.CDLL(str(PAGED_ATTENTION.load())).radixlm_paged_attention_isa
     isa.restype = ctypes.c_char_p
     return isa().decode()
+
+
+def paged_attention_uses_amx() -> bool:
+    """Whether the loaded paged attention library attends over bfloat16 caches with AMX tiles (built where the
+    CPU has AMX-BF16, unless RADIXLM_PAGED_ATTENTION_NO_AMX=1, and the OS lent this process the tiles)."""
+    return bool(ctypes.CDLL(str(PAGED_ATTENTION.load())).radixlm_paged_attention_amx())
 
 
 # ------------------------------------------------------------------------------------------- fused layers

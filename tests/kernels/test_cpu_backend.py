@@ -17,10 +17,12 @@ from radixlm_kernels.torch_native import TorchNativeBackend
 from runtime.models.native_kernels import (
     PAGED_ATTENTION,
     PAGED_ATTENTION_AVX2_ENV,
+    PAGED_ATTENTION_NO_AMX_ENV,
     PAGED_ATTENTION_PORTABLE_ENV,
     paged_attention_isa,
+    paged_attention_uses_amx,
 )
-from runtime.platform import cpu_flags
+from runtime.platform import cpu_flags, cpu_has_amx_bf16
 from tests.kernels.native import load_native_or_skip
 
 pytestmark = pytest.mark.slow  # builds a C++ kernel on first use (the fast tier needs no compiler)
@@ -171,7 +173,7 @@ def test_an_extend_changes_no_bits(dtype, head_dim):
             i += 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_big_batch_changes_no_bits(dtype):
     """A batch of many requests takes every KV head of a slot in one task and stages the K/V rows it reads
     (a copy that keeps many cache misses in flight); a lone short request does neither. Neither may change a
@@ -236,15 +238,15 @@ def test_bad_metadata_is_an_error_not_a_wild_read():
 
 _VARIANT_RUN = """
 import sys, torch
-from runtime.models.native_kernels import paged_attention_isa
-isa = paged_attention_isa()
+from runtime.models.native_kernels import paged_attention_isa, paged_attention_uses_amx
+isa, amx = paged_attention_isa(), paged_attention_uses_amx()
 outs = []
 for args in torch.load(sys.argv[1]):
     if len(args) == 8:
         outs.append(torch.ops.radixlm.paged_attention(*args))
     else:  # the kv op: its output and the pool it wrote
         outs.append((torch.ops.radixlm.paged_attention_kv(*args), args[4], args[5]))
-torch.save((isa, outs), sys.argv[2])
+torch.save((isa, amx, outs), sys.argv[2])
 """
 
 
@@ -285,18 +287,26 @@ def _variant_cases() -> list[tuple]:
 
 @pytest.mark.parametrize(
     "build",
-    [{PAGED_ATTENTION_AVX2_ENV: "1"}, {PAGED_ATTENTION_PORTABLE_ENV: "1"}],
-    ids=["avx2", "scalar"],
+    [{PAGED_ATTENTION_AVX2_ENV: "1"}, {PAGED_ATTENTION_PORTABLE_ENV: "1"}, {PAGED_ATTENTION_NO_AMX_ENV: "1"}],
+    ids=["avx2", "scalar", "no-amx"],
 )
 def test_every_build_gives_the_same_results(build, tmp_path):
-    """The AVX2 build (forced past AVX-512) and the scalar loops (another process: one library per op) give
-    this process's native build's answers up to float32 summation order, and write the same pool bits."""
+    """The AVX2 build (forced past AVX-512), the scalar loops and the AVX-512 loops without AMX tiles
+    (another process: one library per op) give this process's native build's answers up to float32
+    summation order (AMX: bfloat16 caches' products carry ~16 bits, see paged_attention.cpp), and write the
+    same pool bits."""
     assert paged_attention_isa() == expected_isa(
         dict(os.environ)
     )  # this process: the suite may force a build
     cases = _variant_cases()
     torch.save(cases, tmp_path / "args.pt")
-    env = {**os.environ, PAGED_ATTENTION_PORTABLE_ENV: "0", PAGED_ATTENTION_AVX2_ENV: "0", **build}
+    env = {
+        **os.environ,
+        PAGED_ATTENTION_PORTABLE_ENV: "0",
+        PAGED_ATTENTION_AVX2_ENV: "0",
+        PAGED_ATTENTION_NO_AMX_ENV: "0",
+        **build,
+    }
     env["PYTHONPATH"] = str(ROOT)
     subprocess.run(
         [sys.executable, "-c", _VARIANT_RUN, str(tmp_path / "args.pt"), str(tmp_path / "out.pt")],
@@ -304,8 +314,8 @@ def test_every_build_gives_the_same_results(build, tmp_path):
         env=env,
         timeout=300,
     )
-    isa, outs = torch.load(tmp_path / "out.pt")
-    assert isa == expected_isa(build)
+    isa, amx, outs = torch.load(tmp_path / "out.pt")
+    assert isa == expected_isa(build) and not amx  # every variant here is one without tiles
     for args, got in zip(cases, outs, strict=True):
         if len(args) == 8:
             torch.testing.assert_close(torch.ops.radixlm.paged_attention(*args), got, atol=1e-5, rtol=1e-5)
@@ -313,6 +323,18 @@ def test_every_build_gives_the_same_results(build, tmp_path):
             out, k_pool, v_pool = got
             torch.testing.assert_close(torch.ops.radixlm.paged_attention_kv(*args), out, atol=1e-5, rtol=1e-5)
             assert torch.equal(args[4], k_pool) and torch.equal(args[5], v_pool)
+
+
+def test_bfloat16_caches_take_the_amx_tiles_where_the_cpu_has_them():
+    """Where the CPU has AMX-BF16 (and no build variable turns it off) a bfloat16 cache is attended with
+    tiles: the server's default KV dtype there (`auto_kv_cache_dtype`), so the tests above run that path."""
+    if not cpu_has_amx_bf16():
+        pytest.skip("this CPU has no AMX-BF16")
+    forced_off = any(
+        os.environ.get(env) == "1"
+        for env in (PAGED_ATTENTION_NO_AMX_ENV, PAGED_ATTENTION_AVX2_ENV, PAGED_ATTENTION_PORTABLE_ENV)
+    )
+    assert paged_attention_uses_amx() == (not forced_off)
 
 
 def test_auto_is_cpu_on_the_cpu_and_cpu_is_refused_elsewhere(make_case):

@@ -42,16 +42,25 @@ def test_this_machine_flags_are_read():
     assert cpu_has_native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
 
 
+AMX = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+
+
 @pytest.mark.parametrize(
-    "dtype,kv,want",
+    "flags,dtype,kv,want",
     [
-        ("float32", "auto", "float16"),  # CPU, float32 math: float16 K/V (measured: quant_accuracy_kv.json)
-        ("bfloat16", "auto", "bfloat16"),
-        ("float32", "float32", "float32"),
-        ("float32", "bfloat16", "bfloat16"),
+        # CPU, float32 math: half-precision K/V (measured: quant_accuracy_kv.json); bfloat16 where the
+        # attention kernel multiplies it on AMX tiles, else float16
+        ({"avx2", "avx512f", "avx512_bf16"}, "float32", "auto", "float16"),
+        (AMX, "float32", "auto", "bfloat16"),
+        (set(), "float32", "auto", "float16"),
+        (AMX, "bfloat16", "auto", "bfloat16"),
+        (AMX, "float32", "float32", "float32"),
+        (AMX, "float32", "float16", "float16"),
+        (set(), "float32", "bfloat16", "bfloat16"),
     ],
 )
-def test_kv_cache_dtype_auto_on_the_cpu(dtype, kv, want):
+def test_kv_cache_dtype_auto_on_the_cpu(monkeypatch, flags, dtype, kv, want):
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset(flags))
     args = ServerArgs(device="cpu", dtype=dtype, quantization="none", kv_cache_dtype=kv).resolve()
     assert args.kv_cache_dtype == want
     assert args.resolve().kv_cache_dtype == want  # idempotent: the scheduler resolves again

@@ -283,6 +283,8 @@ def chat_prompts(tokenizer) -> list[list[int]]:
 NUMERICS = {
     "float32": {},
     "w4a8": {"quantization": "w4a8", "kv_cache_dtype": "float16", "attention_backend": "cpu"},
+    # the default where the CPU has AMX-BF16: attention over a bfloat16 cache with tile products
+    "w4a8-bf16kv": {"quantization": "w4a8", "kv_cache_dtype": "bfloat16", "attention_backend": "cpu"},
 }
 
 

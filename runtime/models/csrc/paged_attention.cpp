@@ -14,8 +14,9 @@
 // Shapes: q [T, H, D] (T = sum of ext_lens; request b's queries are its last ext_lens[b] positions, query j
 // at position seq_lens[b] - ext_lens[b] + j, causal); k_cache, v_cache [S, Hkv, D] (float32, bfloat16 or
 // float16); req_to_token [R, C] int64; req_pool_indices, seq_lens, ext_lens [B] int64. Query head h reads KV
-// head h / (H / Hkv). Math is float32 whatever the storage types; the output is a contiguous [T, H, D] of q's
-// dtype. q may be a strided view (last dim contiguous), e.g. straight out of the fused qkv projection's split.
+// head h / (H / Hkv). Math is float32 whatever the storage types (a bfloat16 cache on an AMX CPU: tile products
+// with queries and weights at ~16 bits, see "AMX tiles"); the output is a contiguous [T, H, D] of q's dtype.
+// q may be a strided view (last dim contiguous), e.g. straight out of the fused qkv projection's split.
 //
 // paged_attention_kv(q, k, v, out_cache_loc, k_cache, v_cache, ...) first stores the new tokens' k, v
 // ([T, Hkv, D] views, last dim contiguous, any dtype of the three) converted to the cache's dtype at slots
@@ -49,6 +50,14 @@
 #if defined(__AVX512F__) && !defined(RADIXLM_FORCE_AVX2)
 #define RADIXLM_AVX512 1
 #endif
+#endif
+// AMX tiles for bfloat16 caches where the CPU has them (Sapphire Rapids on); -DRADIXLM_NO_AMX builds the AVX-512
+// loops instead (tests compare the two).
+#if defined(RADIXLM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    !defined(RADIXLM_NO_AMX)
+#define RADIXLM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -540,6 +549,244 @@ inline float softmax_update(float* s, int64_t n, int64_t valid, float& m, float&
   return keep;
 }
 
+#ifdef RADIXLM_AMX
+// ------------------------------------------------------------------------------------------- AMX tiles
+// Why: with vector FMAs an extend row (a speculative draft token) costs as much attention as a decode row: every
+// row x key x dim is one multiply-add, so at 2,300 keys a draft token cost ~1.3 ms of a 10 ms step. An AMX tile
+// product does 16 x 16 x 32 of them in one instruction; once a block's K and V are laid out as tiles, 16 query
+// rows cost little more than one. Only for a bfloat16 cache: its K/V go into tiles as they are (a copy, a
+// shuffle), where a float16 cache would need a split into two bfloat16 halves per value, which measured slower
+// than the vector loops for a decode (`--kv-cache-dtype auto` picks bfloat16 on AMX CPUs: server_args.py).
+//
+// Precision: K/V are exact in the tiles. Queries and softmax weights (float32) are split into x = hi + lo, two
+// bfloat16 rounded to nearest, and multiplied as hi * k + lo * k in float32: ~16 significant bits per product,
+// where bfloat16 K/V carry 8. The online softmax, its sums and the accumulators stay float32 in vectors.
+//
+// Per block of 32 keys and KV head: K rows copied (tile A: 16 keys x 32 dims); the task's query rows, split once,
+// laid out as VNNI pairs (tile B: 32 dims x R rows), so the scores tile is keys x rows, the layout
+// softmax_lanes takes; each row's weights then go into tile A (R rows x 32 keys) and V is laid out as VNNI key
+// pairs (tile B: 32 keys x 16 dims), giving the block's output rows x dims, added to each row's accumulator
+// after its softmax factor. A row's arithmetic never depends on the other rows of its tile (a tile product is
+// per row and column) nor on keys it does not see (their weight is exactly 0), and softmax_update gives a row
+// the bits softmax_lanes gives it, so a decode and an extend of the same tokens give the same bits, as on the
+// vector path.
+
+// Linux gives a process the tile registers' state only on request (arch_prctl, once); without it, the loops.
+inline bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+template <typename KV>
+inline bool uses_amx(int64_t D) {
+  return std::is_same_v<KV, c10::BFloat16> && D % 32 == 0 && amx_ready();
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// R = the rows of a tile group (16, or a lone group's own count: a decode's 3 rows then cost 3 tile rows in the
+// weighted sum, not 16). Tiles: 0, 1 K of keys 0-15, 16-31, then V chunks (16 x 64 B); 2, 3 the queries' hi,
+// lo (B: 16 dim pairs x R columns); 4 scores (16 keys x R); 5 the output (R x 16 dims); 6, 7 the weights' hi,
+// lo (A: R rows x 32 keys). The intrinsics take tile numbers as literals.
+inline void amx_configure(int64_t R) {
+  TileConfig cfg;
+  const uint16_t cols = static_cast<uint16_t>(4 * R);
+  const uint8_t rows = static_cast<uint8_t>(R);
+  const uint16_t colsb[8] = {64, 64, cols, cols, cols, 64, 64, 64};
+  const uint8_t nrows[8] = {16, 16, 16, 16, 16, rows, rows, rows};
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = colsb[i];
+    cfg.rows[i] = nrows[i];
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The 32 floats a (first) then b as bfloat16 hi + lo (hi rounded to nearest even, lo the rest rounded), in
+// that order.
+inline void split_bf16(__m512 a, __m512 b, __m512i& hi, __m512i& lo) {
+  hi = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+  const __m512 ha = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(hi));
+  const __m512 hb = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(hi, 1));
+  lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha));
+}
+
+// Rows r < cnt of q ([cnt, D], cnt <= 16) as VNNI tiles B, one per 32 dims: 32-bit word p * 16 + r of chunk c
+// holds row r's dims c + 2p and c + 2p + 1. Columns past cnt keep whatever they held: their scores land in
+// lanes no row reads.
+inline void query_tiles(const float* q, int64_t cnt, int64_t D, uint16_t* th, uint16_t* tl) {
+  const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                        _mm512_set1_epi32(16));
+  for (int64_t c = 0; c < D; c += 32)
+    for (int64_t r = 0; r < cnt; ++r) {
+      __m512i hi, lo;
+      split_bf16(_mm512_loadu_ps(q + r * D + c), _mm512_loadu_ps(q + r * D + c + 16), hi, lo);
+      const __m512i idx = _mm512_add_epi32(at, _mm512_set1_epi32(int32_t(r)));
+      _mm512_i32scatter_epi32(th + c * 16, idx, hi, 4);
+      _mm512_i32scatter_epi32(tl + c * 16, idx, lo, 4);
+    }
+}
+
+// Value rows 2i and 2i+1 (null: past the block, zeros) as key pair i of the VNNI tiles B, one per 16 dims:
+// 32-bit word j * 256 + i * 16 + d holds dim 16 j + d of both.
+inline void stage_value_pair(const c10::BFloat16* v0, const c10::BFloat16* v1, int64_t D, int64_t i, uint16_t* out) {
+  static const __m512i lo_dims = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                  38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  static const __m512i hi_dims = _mm512_add_epi16(lo_dims, _mm512_set1_epi16(16));
+  for (int64_t c = 0; c < D; c += 32) {
+    const __m512i a = v0 ? _mm512_loadu_si512(v0 + c) : _mm512_setzero_si512();
+    const __m512i b = v1 ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + (c / 16) * 512 + i * 32, _mm512_permutex2var_epi16(a, lo_dims, b));
+    _mm512_storeu_si512(out + (c / 16 + 1) * 512 + i * 32, _mm512_permutex2var_epi16(a, hi_dims, b));
+  }
+}
+
+constexpr int64_t FEW_ROWS = 4;  // a group of at most this many rows runs its softmax row by row
+
+// attend_split with tiles over a bfloat16 cache (same arguments and results; see the section comment).
+void attend_split_amx(const float* q_rows, const int64_t* pos, int64_t rows, int64_t nheads, const int64_t* slots,
+                      int64_t begin, int64_t end, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                      int64_t slot_stride, int64_t head_off, int64_t D, float* m, float* l, float* acc) {
+  static_assert(BLOCK == 32, "a block is two 16-key score tiles and one 32-key weight tile");
+  const int64_t groups = (rows + 15) / 16, kv_tile = BLOCK * D;
+  thread_local std::vector<uint16_t> qth, qtl, kst, vst;
+  thread_local std::vector<float> lm, ll, obuf;
+  qth.resize(nheads * groups * D * 16);
+  qtl.resize(qth.size());
+  kst.resize(nheads * kv_tile);
+  vst.resize(nheads * kv_tile);
+  obuf.resize(16 * D);
+  lm.assign(nheads * groups * 16, NEG_INF);
+  ll.assign(nheads * groups * 16, 0.f);
+  alignas(64) float s[BLOCK * 16];
+  alignas(64) uint16_t ph[16 * 32] = {}, pl[16 * 32] = {};
+  std::fill(acc, acc + nheads * rows * D, 0.f);
+  for (int64_t h = 0; h < nheads; ++h)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (h * groups + g) * D * 16;
+      query_tiles(q_rows + (h * rows + g * 16) * D, std::min<int64_t>(16, rows - g * 16), D, qth.data() + at,
+                  qtl.data() + at);
+    }
+  amx_configure(groups == 1 ? rows : 16);
+  const __m512i lanes16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+  for (int64_t t0 = begin; t0 < end; t0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, end - t0);
+    // the next block's rows lie scattered over the pool: asked for now, their misses overlap this block's work
+    for (int64_t t = t0 + BLOCK; t < std::min(end, t0 + 2 * BLOCK); ++t) {
+      const char* kr = reinterpret_cast<const char*>(k_cache + slots[t] * slot_stride + head_off);
+      const char* vr = reinterpret_cast<const char*>(v_cache + slots[t] * slot_stride + head_off);
+      for (int64_t b = 0; b < nheads * D * int64_t(sizeof(c10::BFloat16)); b += 64) {
+        _mm_prefetch(kr + b, _MM_HINT_T0);
+        _mm_prefetch(vr + b, _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < nheads; ++h) {  // the block's K rows copied, V laid out in key pairs
+      uint16_t *kh = kst.data() + h * kv_tile, *vh = vst.data() + h * kv_tile;
+      for (int64_t t = 0; t < BLOCK; ++t) {  // (inline copies: a memcpy call per 128-byte row costs more)
+        if (t < n) {
+          const c10::BFloat16* src = k_cache + slots[t0 + t] * slot_stride + head_off + h * D;
+          for (int64_t c = 0; c < D; c += 32) _mm512_storeu_si512(kh + t * D + c, _mm512_loadu_si512(src + c));
+        } else {
+          for (int64_t c = 0; c < D; c += 32) _mm512_storeu_si512(kh + t * D + c, _mm512_setzero_si512());
+        }
+      }
+      auto value = [&](int64_t t) -> const c10::BFloat16* {
+        return t < n ? v_cache + slots[t0 + t] * slot_stride + head_off + h * D : nullptr;
+      };
+      for (int64_t i = 0; i < BLOCK / 2; ++i) stage_value_pair(value(2 * i), value(2 * i + 1), D, i, vh);
+    }
+    for (int64_t h = 0; h < nheads; ++h) {
+      const uint16_t *kh = kst.data() + h * kv_tile, *vh = vst.data() + h * kv_tile;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t r0 = g * 16, cnt = std::min<int64_t>(16, rows - r0), hg = (h * groups + g) * 16;
+        const uint16_t *qh = qth.data() + hg * D, *ql = qtl.data() + hg * D;
+        // scores: s[t * 16 + r] for key t of the block and row r (keys 16-31 only when the block has them)
+        const bool two = n > 16;
+        for (int64_t half = 0; half < (two ? 2 : 1); ++half) {
+          _tile_zero(4);
+          for (int64_t c = 0; c < D; c += 32) {
+            _tile_loadd(2, qh + c * 16, 64);
+            _tile_loadd(3, ql + c * 16, 64);
+            if (half) {
+              _tile_loadd(1, kh + 16 * D + c, D * 2);
+              _tile_dpbf16ps(4, 1, 2);
+              _tile_dpbf16ps(4, 1, 3);
+            } else {
+              _tile_loadd(0, kh + c, D * 2);
+              _tile_dpbf16ps(4, 0, 2);
+              _tile_dpbf16ps(4, 0, 3);
+            }
+          }
+          _tile_stored(4, s + 256 * half, 64);
+        }
+        alignas(64) float keep[16];
+        float *mg = lm.data() + hg, *lg = ll.data() + hg;
+        if (cnt <= FEW_ROWS) {  // per row: its 32 scores gathered, softmax_update (the same bits as in lanes)
+          for (int64_t r = 0; r < cnt; ++r) {
+            alignas(64) float row[BLOCK];
+            _mm512_store_ps(row, _mm512_i32gather_ps(lanes16, s + r, 4));
+            _mm512_store_ps(row + 16, two ? _mm512_i32gather_ps(lanes16, s + 256 + r, 4) : _mm512_setzero_ps());
+            keep[r] = softmax_update(row, n, pos[r0 + r] - t0 + 1, mg[r], lg[r]);
+            std::fill(row + n, row + BLOCK, 0.f);
+            __m512i hi, lo;
+            split_bf16(_mm512_load_ps(row), _mm512_load_ps(row + 16), hi, lo);
+            _mm512_store_si512(ph + r * 32, hi);
+            _mm512_store_si512(pl + r * 32, lo);
+          }
+        } else {  // every row at once as the lanes of vectors, then each row's weights gathered
+          alignas(64) int32_t valid[16];
+          for (int64_t i = 0; i < 16; ++i) valid[i] = i < cnt ? int32_t(std::min(pos[r0 + i] - t0 + 1, n)) : 0;
+          softmax_lanes(s, n, valid, mg, lg, keep);
+          for (int64_t t = n; t < BLOCK; ++t) _mm512_store_ps(s + t * 16, _mm512_setzero_ps());
+          for (int64_t r = 0; r < cnt; ++r) {  // weights: row r's 32 keys as one tile row, hi and lo
+            __m512i hi, lo;
+            split_bf16(_mm512_i32gather_ps(lanes16, s + r, 4), _mm512_i32gather_ps(lanes16, s + 256 + r, 4), hi,
+                       lo);
+            _mm512_store_si512(ph + r * 32, hi);
+            _mm512_store_si512(pl + r * 32, lo);
+          }
+        }
+        _tile_loadd(6, ph, 64);
+        _tile_loadd(7, pl, 64);
+        for (int64_t j = 0; j < D / 16; ++j) {  // the block's output, rows x 16 dims at a time
+          _tile_zero(5);
+          if (j % 2) {
+            _tile_loadd(1, vh + j * 512, 64);
+            _tile_dpbf16ps(5, 6, 1);
+            _tile_dpbf16ps(5, 7, 1);
+          } else {
+            _tile_loadd(0, vh + j * 512, 64);
+            _tile_dpbf16ps(5, 6, 0);
+            _tile_dpbf16ps(5, 7, 0);
+          }
+          _tile_stored(5, obuf.data() + j * 16, D * 4);
+        }
+        float* a = acc + (h * rows + r0) * D;
+        for (int64_t i = 0; i < cnt; ++i) {
+          const __m512 kf = _mm512_set1_ps(keep[i]);
+          for (int64_t c = 0; c < D; c += 16)
+            _mm512_storeu_ps(a + i * D + c, _mm512_fmadd_ps(_mm512_loadu_ps(a + i * D + c), kf,
+                                                             _mm512_loadu_ps(obuf.data() + i * D + c)));
+        }
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t h = 0; h < nheads; ++h)
+    for (int64_t r = 0; r < rows; ++r) {
+      m[h * rows + r] = lm[(h * groups + r / 16) * 16 + r % 16];
+      l[h * rows + r] = ll[(h * groups + r / 16) * 16 + r % 16];
+    }
+}
+#endif
+
 // Rows (query x head, q pre-scaled) against the keys [begin, end) of `nheads` consecutive KV heads from
 // head_off, read through `slots`: for head h, rows h * rows .. (h + 1) * rows - 1 of q_rows, m, l and acc
 // ([nheads * rows, D]) get the running max, the sum of weights and the unnormalised output; pos[r] is row r's
@@ -549,6 +796,12 @@ template <typename KV>
 void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t nheads, const int64_t* slots,
                   int64_t begin, int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride,
                   int64_t head_off, int64_t D, bool staged, float* m, float* l, float* acc) {
+#ifdef RADIXLM_AMX
+  if constexpr (std::is_same_v<KV, c10::BFloat16>)
+    if (uses_amx<KV>(D))
+      return attend_split_amx(q_rows, pos, rows, nheads, slots, begin, end, k_cache, v_cache, slot_stride, head_off,
+                              D, m, l, acc);
+#endif
   thread_local std::vector<float> scores, kbuf, vbuf;  // reused: a decode step runs thousands of these
   scores.resize(std::max<int64_t>(rows, 16) * BLOCK);
   const bool direct = reads_in_place<KV>(D, rows);
@@ -973,6 +1226,15 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
   lib.impl("paged_attention", &paged_attention);
   lib.impl("paged_attention_kv", &paged_attention_kv);
+}
+
+// Whether bfloat16 caches take the AMX tiles (built with them, and the OS lends them to this process).
+extern "C" int radixlm_paged_attention_amx() {
+#ifdef RADIXLM_AMX
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 // Which vector path this build took (tests check that a forced build is the variant it claims to be).
