@@ -549,6 +549,18 @@ inline float softmax_update(float* s, int64_t n, int64_t valid, float& m, float&
   return keep;
 }
 
+// The running max and sum of rows [0, count) of each of nheads heads (rows per head) back from the layout
+// where they were lanes: head h, group g of 16 rows, lane i at lm[(h * groups + g) * 16 + i].
+inline void rows_from_lanes(const float* lm, const float* ll, int64_t nheads, int64_t rows, int64_t count, float* m,
+                            float* l) {
+  const int64_t groups = (count + 15) / 16;
+  for (int64_t h = 0; h < nheads; ++h)
+    for (int64_t r = 0; r < count; ++r) {
+      m[h * rows + r] = lm[(h * groups + r / 16) * 16 + r % 16];
+      l[h * rows + r] = ll[(h * groups + r / 16) * 16 + r % 16];
+    }
+}
+
 #ifdef RADIXLM_AMX
 // ------------------------------------------------------------------------------------------- AMX tiles
 // Why: with vector FMAs an extend row (a speculative draft token) costs as much attention as a decode row: every
@@ -608,6 +620,12 @@ inline void amx_configure(int64_t R) {
   _tile_loadconfig(&cfg);
 }
 
+// 0, 16, 32, ..., 240: a gather or scatter index over every 16th float (one column of a 16-wide layout).
+inline __m512i every_16th() {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(16));
+}
+
 // The 32 floats a (first) then b as bfloat16 hi + lo (hi rounded to nearest even, lo the rest rounded), in
 // that order.
 inline void split_bf16(__m512 a, __m512 b, __m512i& hi, __m512i& lo) {
@@ -621,8 +639,7 @@ inline void split_bf16(__m512 a, __m512 b, __m512i& hi, __m512i& lo) {
 // holds row r's dims c + 2p and c + 2p + 1. Columns past cnt keep whatever they held: their scores land in
 // lanes no row reads.
 inline void query_tiles(const float* q, int64_t cnt, int64_t D, uint16_t* th, uint16_t* tl) {
-  const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                        _mm512_set1_epi32(16));
+  const __m512i at = every_16th();
   for (int64_t c = 0; c < D; c += 32)
     for (int64_t r = 0; r < cnt; ++r) {
       __m512i hi, lo;
@@ -674,8 +691,7 @@ void attend_split_amx(const float* q_rows, const int64_t* pos, int64_t rows, int
                   qtl.data() + at);
     }
   amx_configure(groups == 1 ? rows : 16);
-  const __m512i lanes16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(16));
+  const __m512i lanes16 = every_16th();
   for (int64_t t0 = begin; t0 < end; t0 += BLOCK) {
     const int64_t n = std::min(BLOCK, end - t0);
     // the next block's rows lie scattered over the pool: asked for now, their misses overlap this block's work
@@ -779,11 +795,7 @@ void attend_split_amx(const float* q_rows, const int64_t* pos, int64_t rows, int
     }
   }
   _tile_release();
-  for (int64_t h = 0; h < nheads; ++h)
-    for (int64_t r = 0; r < rows; ++r) {
-      m[h * rows + r] = lm[(h * groups + r / 16) * 16 + r % 16];
-      l[h * rows + r] = ll[(h * groups + r / 16) * 16 + r % 16];
-    }
+  rows_from_lanes(lm.data(), ll.data(), nheads, rows, rows, m, l);
 }
 #endif
 
@@ -903,12 +915,7 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
       else block_accumulate<float>(accr, rest, scores.data(), values, n, D);
     }
   }
-  if (lrows > 0)
-    for (int64_t h = 0; h < nheads; ++h)
-      for (int64_t r = 0; r < lrows; ++r) {
-        m[h * rows + r] = lm[(h * groups + r / 16) * 16 + r % 16];
-        l[h * rows + r] = ll[(h * groups + r / 16) * 16 + r % 16];
-      }
+  if (lrows > 0) rows_from_lanes(lm.data(), ll.data(), nheads, rows, lrows, m, l);
 }
 
 template <typename KV, typename QT>
