@@ -592,9 +592,8 @@ inline bool amx_ready() {
   return ok;
 }
 
-template <typename KV>
-inline bool uses_amx(int64_t D) {
-  return std::is_same_v<KV, c10::BFloat16> && D % 32 == 0 && amx_ready();
+inline bool uses_amx(int64_t D) {  // for a bfloat16 cache (attend_split checks the type at compile time)
+  return D % 32 == 0 && amx_ready();
 }
 
 struct alignas(64) TileConfig {
@@ -810,7 +809,7 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
                   int64_t head_off, int64_t D, bool staged, float* m, float* l, float* acc) {
 #ifdef RADIXLM_AMX
   if constexpr (std::is_same_v<KV, c10::BFloat16>)
-    if (uses_amx<KV>(D))
+    if (uses_amx(D))
       return attend_split_amx(q_rows, pos, rows, nheads, slots, begin, end, k_cache, v_cache, slot_stride, head_off,
                               D, m, l, acc);
 #endif
