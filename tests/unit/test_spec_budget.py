@@ -85,6 +85,21 @@ def test_acceptance_estimate_follows_recent_verifies_and_cut_drafts_judged_later
     assert state.alpha < 0.25
 
 
+def test_rejected_cut_drafts_shrink_the_draft_and_skip_drafting_as_rejected_verifies_do():
+    """Free text at batch 8: the budget cuts every draft and the output follows none of them. The request must
+    stop proposing (a shorter draft, then skipped steps) instead of drafting every step for nothing."""
+    judged, verified = SpecState(k=8), SpecState(k=8)
+    ids = list(range(100))
+    for _ in range(5):
+        judged.cut(len(ids), [7] * judged.k)
+        ids.append(ids[-1] + 1)
+        judged.judge_cut(ids, 8)
+        verified.record(verified.k, 0, 8)
+    assert judged.k == verified.k == 1
+    assert judged.skip == verified.skip > 0
+    assert (judged.hits, judged.trials) == pytest.approx((verified.hits, verified.trials))
+
+
 def test_a_cut_draft_waits_for_its_tokens_and_is_dropped_when_the_tokens_are_rewritten():
     state = SpecState(k=2)
     state.cut(10, [5, 6])

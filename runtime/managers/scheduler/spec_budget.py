@@ -44,14 +44,21 @@ class StepCostModel:
     def __init__(self):
         # (verify 0/1, rows, attended, seconds)
         self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=WINDOW)
-        self.coef: tuple[float, float, float, float] | None = None  # (a, v, b, c); None until fitted
+        self._coef: tuple[float, float, float, float] | None = None
         self._since_fit = 0
 
     def observe(self, verify: bool, rows: int, attended: float, seconds: float) -> None:
         self.samples.append((float(verify), float(rows), attended, seconds))
         self._since_fit += 1
+
+    @property
+    def coef(self) -> tuple[float, float, float, float] | None:
+        """(a, v, b, c), refitted when asked for and REFIT_EVERY steps old; None until MIN_STEPS are seen.
+        Fitting on demand, not per observed step, costs nothing while no request has a draft to trim (free
+        text whose drafting is skipped): the refits were ~0.6 % of a free-chat batch's scheduler time."""
         if len(self.samples) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
             self.fit()
+        return self._coef
 
     def fit(self) -> None:
         """Least squares with a weak ridge pull towards a prior in which half of a median step is fixed cost
@@ -77,7 +84,7 @@ class StepCostModel:
         a, v, b, c = (float(x) for x in coef)
         r_med = float(max(np.median(data[:, 1]), 1.0))
         floor = 0.02 * t_med / r_med  # a row is never free: keeps the trimming from keeping everything
-        self.coef = (max(a, 0.0), max(v, 0.0), max(b, floor), max(c, 0.0))
+        self._coef = (max(a, 0.0), max(v, 0.0), max(b, floor), max(c, 0.0))
 
     @staticmethod
     def _solve(x: np.ndarray, secs: np.ndarray, t_med: float) -> np.ndarray:
@@ -90,11 +97,11 @@ class StepCostModel:
         return np.linalg.lstsq(x_aug, y_aug, rcond=None)[0]
 
     def row_cost(self, context: int) -> float:
-        _, _, b, c = self.coef
+        _, _, b, c = self._coef
         return b + c * context / CONTEXT_UNIT
 
     def step_cost(self, verify: bool, rows: int, attended: float) -> float:
-        a, v, b, c = self.coef
+        a, v, b, c = self._coef
         return a + v * verify + b * rows + c * attended
 
 
@@ -121,7 +128,7 @@ class DraftBudget:
     def trim(self, drafts: list[list[int]], contexts: list[int], alphas: list[float]) -> list[list[int]]:
         """Each draft cut to the prefix worth verifying; all empty unless the best verify step is expected
         to beat a plain decode step per token by VERIFY_MARGIN. Unchanged before the first fit."""
-        if self.cost.coef is None or not any(drafts):
+        if not any(drafts) or self.cost.coef is None:
             return drafts
         base_rows = len(drafts)
         work = attended(contexts, [1] * base_rows)
