@@ -31,7 +31,7 @@ from collections import deque
 import numpy as np
 
 WINDOW = 64  # recent steps the fit uses: the current workload (its contexts, its batch) decides
-REFIT_EVERY = 8  # steps between fits
+REFIT_EVERY = 32  # steps between fits: one costs ~0.7 ms in the scheduler (cold caches after a forward)
 MIN_STEPS = 16  # steps seen before trimming starts
 CONTEXT_UNIT = 1000.0  # `attended` is counted in rows x thousands of keys (keeps the fit well scaled)
 VERIFY_MARGIN = 0.15  # a verify step must be expected this much faster per token than a plain one
@@ -71,9 +71,16 @@ class StepCostModel:
         t_med = float(np.median(secs))
         if t_med <= 0:
             return
+        # the prior as pseudo-observations, one per coefficient, each worth a quarter of a typical step: half
+        # of a median step fixed, half per row
+        r_med = float(max(np.median(data[:, 1]), 1.0))
+        prior = np.array([0.5 * t_med, 0.0, 0.5 * t_med / r_med, 0.0])
+        scale = 0.25 * np.array([1.0, 1.0, r_med, max(float(np.median(data[:, 2])), 1e-3)])
+        x_prior, y_prior = np.diag(scale / t_med), scale * prior / t_med
         calm = np.ones(len(data), dtype=bool)
         for _ in range(8):  # each pass drops what the last fit calls a stall, then fits the rest again
-            coef = self._solve(x[calm], secs[calm], t_med)
+            x_aug = np.vstack([x[calm] / t_med, x_prior])
+            coef = np.linalg.lstsq(x_aug, np.concatenate([secs[calm] / t_med, y_prior]), rcond=None)[0]
             resid = secs - x @ coef
             mid = float(np.median(resid[calm]))
             spread = 1.4826 * float(np.median(np.abs(resid[calm] - mid))) + 0.02 * t_med
@@ -82,19 +89,8 @@ class StepCostModel:
                 break
             calm = now
         a, v, b, c = (float(x) for x in coef)
-        r_med = float(max(np.median(data[:, 1]), 1.0))
         floor = 0.02 * t_med / r_med  # a row is never free: keeps the trimming from keeping everything
         self._coef = (max(a, 0.0), max(v, 0.0), max(b, floor), max(c, 0.0))
-
-    @staticmethod
-    def _solve(x: np.ndarray, secs: np.ndarray, t_med: float) -> np.ndarray:
-        r_med = float(max(np.median(x[:, 2]), 1.0))
-        prior = np.array([0.5 * t_med, 0.0, 0.5 * t_med / r_med, 0.0])
-        # the prior as pseudo-observations, one per coefficient, each worth a quarter of a typical step
-        scale = 0.25 * np.array([1.0, 1.0, r_med, max(float(np.median(x[:, 3])), 1e-3)])
-        x_aug = np.vstack([x / t_med, np.diag(scale / t_med)])
-        y_aug = np.concatenate([secs / t_med, scale * prior / t_med])
-        return np.linalg.lstsq(x_aug, y_aug, rcond=None)[0]
 
     def row_cost(self, context: int) -> float:
         _, _, b, c = self._coef
