@@ -4,12 +4,16 @@ heads over 3 KV heads of 64 dims), the time of one decode step's attention.
 bench.step_profile says the op is most of a long-context step; this separates its arithmetic from its memory
 traffic. Each layer has its own pool (as a server's), so a step reads every layer's K/V from DRAM once;
 `--same-pool` gives all layers one pool, which stays in cache: the gap between the two is time spent
-waiting on memory. Slots are interleaved across requests as in bench.step_profile; a case ending in s
-shares its context's slots between the requests, as the radix cache does; `eN` makes each request extend
-N tokens instead of decoding one.
+waiting on memory. Slots are interleaved across requests as in bench.step_profile (`--layout interleaved`:
+what decoding a batch one token per request per step leaves); `contiguous` gives each request one run of
+slots (what a per-request page would), `scattered` a random permutation of a 4x larger pool (a pool
+fragmented by cache evictions and freed draft tokens). A case ending in s shares its context's slots
+between the requests, as the radix cache does; `eN` makes each request extend N tokens instead of decoding
+one.
 
     python -m bench.paged_attention_op --cases 4x1400,4x1400s,32x128,4x1400e8 --threads 2
     python -m bench.paged_attention_op --cases 4x1400 --threads 1 --same-pool
+    python -m bench.paged_attention_op --cases 8x300,8x2300 --kv-dtype bfloat16 --layout contiguous
 """
 
 from __future__ import annotations
@@ -34,22 +38,37 @@ def parse_case(spec: str) -> tuple[int, int, int, bool]:
     return int(m[1]), int(m[2]), int(m[3] or 1), m[4] == "s"
 
 
-def time_case(
-    spec: str, reps: int, same_pool: bool, kv_dtype: torch.dtype, gen: torch.Generator
-) -> dict[str, Any]:
-    bs, ctx, ext, shared = parse_case(spec)
+LAYOUTS = ("interleaved", "contiguous", "scattered")
+
+
+def slot_table(bs: int, ctx: int, ext: int, shared: bool, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """[bs, ctx + ext] KV slots (from 1) of each request's tokens, laid out as `layout` says."""
     seq = ctx + ext
-    size = bs * seq + 8
-    pools = 1 if same_pool else LAYERS
-    k = [torch.randn(size, HKV, D, generator=gen).to(kv_dtype) for _ in range(pools)]
-    v = [torch.randn(size, HKV, D, generator=gen).to(kv_dtype) for _ in range(pools)]
     table = torch.zeros(bs, seq, dtype=torch.int64)
     for i in range(bs):
         if shared:
             table[i, :ctx] = torch.arange(ctx) + 1
             table[i, ctx:] = ctx + 1 + i * ext + torch.arange(ext)
+        elif layout == "contiguous":
+            table[i] = i * seq + torch.arange(seq) + 1
         else:
             table[i] = torch.arange(seq) * bs + i + 1
+    if layout == "scattered":  # every slot mapped to a random one of a 4x larger pool
+        used = int(table.max())
+        table = (torch.randperm(4 * used, generator=gen)[:used] + 1)[table - 1]
+    return table
+
+
+def time_case(
+    spec: str, reps: int, same_pool: bool, kv_dtype: torch.dtype, gen: torch.Generator, layout: str
+) -> dict[str, Any]:
+    bs, ctx, ext, shared = parse_case(spec)
+    seq = ctx + ext
+    table = slot_table(bs, ctx, ext, shared, layout, gen)
+    size = int(table.max()) + 8
+    pools = 1 if same_pool else LAYERS
+    k = [torch.randn(size, HKV, D, generator=gen).to(kv_dtype) for _ in range(pools)]
+    v = [torch.randn(size, HKV, D, generator=gen).to(kv_dtype) for _ in range(pools)]
     loc = table[:, ctx:].reshape(-1).contiguous()
     qkv = torch.randn(bs * ext, (H + 2 * HKV) * D, generator=gen)
     q, kn, vn = qkv.view(bs * ext, H + 2 * HKV, D).split([H, HKV, HKV], dim=1)
@@ -77,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--same-pool", action="store_true", help="one pool for every layer: K/V stay in cache")
     p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--layout", default="interleaved", choices=LAYOUTS, help="where requests' KV slots lie")
     p.add_argument("--out", help="write the JSON here too")
     args = p.parse_args(argv)
     from runtime.models.native_kernels import PAGED_ATTENTION, paged_attention_isa
@@ -90,11 +110,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": args.threads,
         "same_pool": args.same_pool,
         "kv_dtype": args.kv_dtype,
+        "layout": args.layout,
         "load_avg": os.getloadavg()[0],
         "cases": [],
     }
     for spec in args.cases.split(","):
-        case = time_case(spec, args.reps, args.same_pool, kv_dtype, gen)
+        case = time_case(spec, args.reps, args.same_pool, kv_dtype, gen, args.layout)
         result["cases"].append(case)
         print(
             f"{spec:12s} {case['min_ms']:8.2f} ms min, {case['median_ms']:8.2f} ms median per step",
