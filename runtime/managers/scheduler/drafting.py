@@ -264,8 +264,8 @@ class SpecState:
         """Score the last cut draft against the tokens emitted since (greedy: exactly what a verify would
         have accepted; sampled: a match has the acceptance probability's expectation) and adapt the draft
         length as a verify would (`record`). A rejected first guess halves `k` and, at 1, starts the
-        cooldown: before, only matches were acted on, so every free-chat request kept proposing (and the
-        budget kept weighing) a draft every step, ~2 % of chat's time at batch 8 for nothing."""
+        cooldown: before, only matches were acted on, so every free-chat request whose drafts the budget
+        cut kept proposing one (and the budget kept weighing it) every step."""
         if self.shadow is None:
             return
         at, draft = self.shadow
