@@ -125,16 +125,21 @@ def test_release_without_caching_frees_own_slots_only():
     cm.check_accounting([])
 
 
-def test_drop_kv_frees_own_slots_and_never_cuts_into_cache_owned_ones():
+def test_drop_kv_gives_own_slots_to_the_decode_run_and_never_cuts_into_cache_owned_ones():
     cm = make_cm(16)
     cache_tokens(cm, [1, 2])
     req = make_req([1, 2, 3])
     cm.match(req)
     cm.start(req)
-    cm.append_slots(req, cm.alloc_slots(3))  # kv 5: 2 cached + 3 own
+    own = cm.alloc_slots(3)
+    cm.append_slots(req, own)  # kv 5: 2 cached + 3 own
     cm.drop_kv_from(req, 3)
-    assert req.kv_len == 3 and cm.allocator.available() == 13
+    assert req.kv_len == 3 and cm.allocator.available() == 11 and cm.available() == 13
     cm.check_accounting([req])
+    # the dropped positions' slots are the request's next positions' slots again
+    again = cm.run_slots([req], [2])
+    assert again.tolist() == own[1:].tolist()
+    cm.append_slots(req, again)
     cm.drop_kv_from(req, 1)  # inside the cached prefix: the request gives all its KV back instead
     assert req.req_pool_idx is None and req.kv_len == 0
     assert (cm.allocator.available(), cm.cache.total_size(), cm.cache.protected_size()) == (14, 2, 0)
@@ -163,7 +168,8 @@ def test_jump_forward_rewrite_then_finish_caches_only_kv_of_kept_tokens():
 def test_accounting_check_catches_a_lost_slot():
     cm = make_cm(8)
     cm.alloc_slots(1)  # allocated and held by nobody
-    with pytest.raises(AssertionError, match="KV accounting broken: free 7 \\+ cache 0 \\+ requests 0 = 7"):
+    broken = "KV accounting broken: free 7 \\+ cache 0 \\+ requests 0 \\+ decode runs 0 = 7"
+    with pytest.raises(AssertionError, match=broken):
         cm.check_accounting([])
 
 
@@ -278,3 +284,91 @@ def test_one_slot_each_is_append_slots_per_request():
     req.req_pool_idx = one.req_pool.alloc()
     one.append_one_slot_each([req], one.alloc_slots(1))
     assert req.kv_len == 1 and one.req_pool.read(req.req_pool_idx, 1).tolist() == [8]
+
+
+# ---- decode runs ---------------------------------------------------------------------------------------
+def start_decoding(cm: CacheManager, prompt: list[int], max_new: int = 40) -> Req:
+    """A request whose prompt KV is its own and that decodes next (kv_len == seq_len - 1 after a sample)."""
+    req = make_req(prompt, max_new)
+    cm.match(req)
+    cm.start(req)
+    cm.append_slots(req, cm.alloc_slots(len(prompt)))
+    return req
+
+
+def test_decoding_requests_fill_their_positions_from_their_own_contiguous_runs():
+    cm = make_cm(200)
+    a, b = start_decoding(cm, [1, 2]), start_decoding(cm, [3, 4])
+    steps = []
+    for _ in range(5):
+        slots = cm.run_slots([a, b], [1, 1])
+        cm.append_one_slot_each([a, b], slots)
+        steps.append(slots.tolist())
+    a_slots, b_slots = [s[0] for s in steps], [s[1] for s in steps]
+    # a step takes one slot per request, but each request's slots follow one another in the pool
+    assert a_slots == list(range(a_slots[0], a_slots[0] + 5))
+    assert b_slots == list(range(b_slots[0], b_slots[0] + 5))
+    assert cm.info()["decode_run_tokens"] == 2 * (32 - 5)
+    cm.check_accounting([a, b])
+    cm.release(a, cache_tokens=False)
+    cm.release(b, cache_tokens=False)
+    assert cm.allocator.available() == 200 and cm.info()["decode_run_tokens"] == 0
+    cm.check_accounting([])
+
+
+def test_a_run_is_no_longer_than_the_request_can_use():
+    cm = make_cm(200)
+    req = start_decoding(cm, [1, 2], max_new=3)
+    cm.append_slots(req, cm.run_slots([req], [1]))
+    assert cm.info()["decode_run_tokens"] == 3  # max_new_tokens 3 + this step's slot - the slot taken
+    cm.check_accounting([req])
+
+
+def test_rejected_draft_slots_return_to_the_head_of_the_run():
+    cm = make_cm(200)
+    req = start_decoding(cm, [1, 2, 3])
+    req.output_ids = [9]  # kv covers the prompt; the last token and 4 draft tokens are verified
+    slots = cm.run_slots([req], [5]).tolist()
+    cm.append_slots(req, torch.tensor(slots))
+    cm.drop_kv_from(req, 3 + 2)  # the last token and one draft token kept
+    assert req.kv_len == 5
+    again = cm.run_slots([req], [3])
+    assert again.tolist() == slots[2:]  # the rejected positions reuse their slots
+    cm.append_slots(req, again)
+    cm.check_accounting([req])
+
+
+def test_runs_go_back_when_a_step_cannot_be_served_otherwise():
+    cm = make_cm(70, rows=4)
+    a, b = start_decoding(cm, [1, 2]), start_decoding(cm, [3, 4])
+    cm.append_one_slot_each([a, b], cm.run_slots([a, b], [1, 1]))  # two runs of 32: 70 - 4 - 64 = 2 free
+    assert cm.allocator.available() == 2 and cm.available() == 2 + 62
+    c = start_decoding(cm, [5, 6])  # the prompt takes the last 2 free slots
+    slots = cm.run_slots([a, b, c], [1, 1, 1])  # c has no run and the free list is empty
+    assert slots is not None and cm.info()["decode_run_tokens"] == 0
+    cm.append_one_slot_each([a, b, c], slots)
+    cm.check_accounting([a, b, c])
+
+
+def test_a_prefill_takes_the_runs_back_when_the_pool_runs_short():
+    cm = make_cm(70, rows=4)
+    a, b = start_decoding(cm, [1, 2]), start_decoding(cm, [3, 4])
+    cm.append_one_slot_each([a, b], cm.run_slots([a, b], [1, 1]))
+    c = make_req([5] * 20)
+    cm.match(c)
+    cm.start(c)
+    cm.append_slots(c, cm.alloc_slots(20))  # 2 free: the runs go back to the free list for it
+    assert cm.info()["decode_run_tokens"] == 0
+    cm.check_accounting([a, b, c])
+
+
+def test_a_step_that_cannot_get_its_slots_returns_none_and_loses_nothing():
+    cm = make_cm(40, rows=4)
+    a, b = start_decoding(cm, [1] * 18), start_decoding(cm, [2] * 18)
+    cm.append_one_slot_each([a, b], cm.run_slots([a, b], [1, 1]))  # 4 free: too few for runs, one slot each
+    assert cm.run_slots([a, b], [3, 3]) is None  # 0 free, nothing to evict
+    cm.check_accounting([a, b])
+    for r in (a, b):
+        cm.release(r, cache_tokens=False)
+    assert cm.allocator.available() == 40
+    cm.check_accounting([])

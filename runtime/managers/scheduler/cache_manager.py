@@ -8,6 +8,15 @@ the lock dropped, so the accounting invariant holds after every step:
 
     allocator.available() + cache.total_size() + sum(own slots of live requests) == pool size
 
+A decoding request also owns a *decode run*: up to `DECODE_RUN` free slots taken from the pool in one piece,
+from which its next positions are filled (`run_slots`), and to whose head a verify's rejected slots go back
+(`drop_kv_from`). A batch that takes one slot per request per step from the shared free list interleaves
+the requests' KV, and freed draft slots and evicted cache nodes scatter it; attention over scattered KV
+is slower (`bench/paged_attention_op.py --layout`: 8 x 2300 keys, 37 ms contiguous against 52 ms
+scattered). Runs count as the request's own slots in the invariant, as available to admission (they hold a
+running request's next tokens, which the prefill adder reserves anyway), and they are given back whenever
+the pool runs short.
+
 With a host tier (`--kv-host-tier-gb`) the cache's evictions are copied there first, and `start` loads a
 prefix the host holds beyond the device match back into fresh device slots (inserted into the cache like any
 computed KV) instead of leaving it to be recomputed. When the pool has no room for it now, `start` records
@@ -27,6 +36,8 @@ from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
 
+DECODE_RUN = 32  # slots a decoding request takes from the pool at a time (~3 pages of one layer's K)
+
 
 class CacheManager:
     def __init__(
@@ -42,6 +53,8 @@ class CacheManager:
         self.allocator = allocator
         self.host = host
         self.disk = disk
+        self._runs: dict[int, list[int]] = {}  # request row -> its decode run, next position's slot first
+        self._run_slots = 0
         if host is not None:
             assert isinstance(cache, RadixCache), "a host tier sits under the radix cache"
             cache.on_evict = host.save
@@ -73,16 +86,76 @@ class CacheManager:
         return memo[1]
 
     def available(self) -> int:
-        """Slots obtainable right now: free plus evictable."""
-        return self.allocator.available() + self.cache.evictable_size()
+        """Slots obtainable right now: free, evictable, and the unused slots of decode runs."""
+        return self.allocator.available() + self.cache.evictable_size() + self._run_slots
 
     # ---- slots -------------------------------------------------------------------------------------------
     def alloc_slots(self, n: int) -> torch.Tensor | None:
+        """n slots from the free list, evicting cached prefixes and then taking the decode runs back for
+        them. None: not even that gives n."""
+        slots = self._alloc_evicting(n)
+        if slots is None and self._run_slots:
+            self._drop_runs()
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def _alloc_evicting(self, n: int) -> torch.Tensor | None:
         slots = self.allocator.alloc(n)
         if slots is None:
             self.allocator.free(self.cache.evict(n - self.allocator.available()))
             slots = self.allocator.alloc(n)
         return slots
+
+    def run_slots(self, reqs: list[Req], counts: list[int]) -> torch.Tensor | None:
+        """`counts[i]` slots for the next positions of `reqs[i]` (a decode or verify step), concatenated in
+        request order, from each request's decode run. A short run is refilled in one piece of up to
+        `DECODE_RUN` slots (no more than the request can still use) while the free list has them; when it
+        does not, only the missing slots are allocated (evicting), and when even eviction cannot supply
+        them every run goes back to the free list first. None: not enough KV for the step."""
+        runs = self._runs
+        short = [max(0, c - len(runs.get(r.req_pool_idx, ()))) for r, c in zip(reqs, counts)]
+        need = sum(short)
+        if need:
+            want = [
+                max(s, min(DECODE_RUN, r.remaining_new_tokens + c)) if s else 0
+                for r, s, c in zip(reqs, short, counts)
+            ]
+            if sum(want) > self.allocator.available():
+                want = short
+                if need > self.allocator.available() + self.cache.evictable_size():
+                    self._drop_runs()
+                    want = list(counts)
+            got = self._alloc_evicting(sum(want))
+            if got is None:
+                return None
+            got, at = got.tolist(), 0
+            for req, w in zip(reqs, want):
+                if w:
+                    runs.setdefault(req.req_pool_idx, []).extend(got[at : at + w])
+                    at += w
+            self._run_slots += at
+        out: list[int] = []
+        for req, c in zip(reqs, counts):
+            if c:
+                run = runs[req.req_pool_idx]
+                out.extend(run[:c])
+                del run[:c]
+        self._run_slots -= len(out)
+        return torch.tensor(out, dtype=torch.int64, device=self.allocator.device)
+
+    def _drop_runs(self) -> None:
+        """Give every decode run's slots back to the free list (the pool ran short)."""
+        runs = [s for run in self._runs.values() for s in run]
+        self._runs.clear()
+        self._run_slots = 0
+        if runs:
+            self.allocator.free(torch.tensor(runs, dtype=torch.int64))
+
+    def _drop_run(self, row: int) -> None:
+        run = self._runs.pop(row, None)
+        if run:
+            self._run_slots -= len(run)
+            self.allocator.free(torch.tensor(run, dtype=torch.int64))
 
     def start(self, req: Req, room: int | None = None) -> bool:
         """Give a request without KV its row and the cached prefix recorded by `match`. False: no free row.
@@ -192,8 +265,9 @@ class CacheManager:
             req.kv_len += 1
 
     def drop_kv_from(self, req: Req, pos: int) -> None:
-        """The tokens from position `pos` on are about to be rewritten (jump-forward): free the request's own
-        KV for them. Where that would cut into cache-owned slots the request gives all its KV back (it is
+        """The tokens from position `pos` on are rejected (a verify) or about to be rewritten (jump-forward):
+        take the request's own KV for them out of its row, back to the head of its decode run (the slots of
+        the same positions next time). Where that would cut into cache-owned slots the request gives all its KV back (it is
         recomputed over the cache's prefix at the next admission). Afterwards every KV slot the request
         holds belongs to a token it keeps, so releasing or caching it later is sound."""
         if req.req_pool_idx is None or pos >= req.kv_len:
@@ -201,7 +275,10 @@ class CacheManager:
         if pos < req.cache_owned_len:
             self.release(req, cache_tokens=False)
             return
-        self.allocator.free(self.req_pool.read(req.req_pool_idx, req.kv_len, pos).clone())
+        dropped = self.req_pool.read(req.req_pool_idx, req.kv_len, pos).tolist()
+        run = self._runs.setdefault(req.req_pool_idx, [])
+        run[:0] = dropped  # they are the slots of the request's next positions again
+        self._run_slots += len(dropped)
         req.kv_len = pos
 
     def cache_prefix(self, req: Req) -> None:
@@ -238,6 +315,7 @@ class CacheManager:
         else:
             self.allocator.free(slots[req.cache_owned_len :])
         self.cache.unlock(req.locked_node)
+        self._drop_run(row)
         self.req_pool.free(row)
         req.req_pool_idx, req.locked_node, req.kv_len, req.cache_owned_len = None, None, 0, 0
 
@@ -262,6 +340,7 @@ class CacheManager:
             "cache_evictable_tokens": cache.evictable_size(),
             "cache_protected_tokens": cache.protected_size(),
             "request_held_tokens": alloc.size - alloc.available() - cache.total_size(),
+            "decode_run_tokens": self._run_slots,
             "token_usage": 1 - (alloc.available() + cache.evictable_size()) / alloc.size,
             "radix_cache_enabled": cache.enabled,
             **host,
@@ -286,12 +365,17 @@ class CacheManager:
             for r in live
             if r.req_pool_idx is not None
         ]
-        parts = [self.allocator.free_slots(), self.cache.all_slots(), *own]
+        rows = {r.req_pool_idx for r in live if r.req_pool_idx is not None}
+        assert set(self._runs) <= rows, f"KV accounting broken: decode runs of rows {set(self._runs) - rows}"
+        assert self._run_slots == sum(map(len, self._runs.values())), "KV accounting broken: run count"
+        runs = [torch.tensor(run, dtype=torch.int64) for run in self._runs.values()]
+        parts = [t.cpu() for t in (self.allocator.free_slots(), self.cache.all_slots(), *own)] + runs
         held = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         size = self.allocator.size
         assert held.numel() == size, (
             f"KV accounting broken: free {self.allocator.available()} + cache {self.cache.total_size()} + "
-            f"requests {sum(o.numel() for o in own)} = {held.numel()} != pool size {size}"
+            f"requests {sum(o.numel() for o in own)} + decode runs {self._run_slots} = {held.numel()} "
+            f"!= pool size {size}"
         )
         assert torch.unique(held).numel() == size, "KV accounting broken: a slot is held twice"
         self.cache.check_integrity()

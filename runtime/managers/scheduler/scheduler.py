@@ -376,12 +376,16 @@ class Scheduler:
     def _run_decode(self) -> None:
         if self.spec is not None and self.spec.step(self):
             return
-        slots = self.cm.alloc_slots(len(self.running))
+
+        def one_each() -> torch.Tensor | None:
+            return self.cm.run_slots(self.running, [1] * len(self.running)) if self.running else None
+
+        slots = one_each()
         while slots is None and self.sessions.release_oldest():  # pins go before running requests do
-            slots = self.cm.alloc_slots(len(self.running))
+            slots = one_each()
         while slots is None and self.running:
             self._retract_one()
-            slots = self.cm.alloc_slots(len(self.running)) if self.running else None
+            slots = one_each()
         if not self.running:
             return
         reqs = list(self.running)

@@ -22,9 +22,10 @@ draw without speculation (up to the round-off of a different batch shape). Emitt
 scheduler's `_advance` one at a time, as decoded ones do: the grammar accepts each once, a stop or a
 terminated grammar finishes the request there, and a jump-forward ends the run (its tokens replace the rest).
 
-KV: slots are allocated for the last token and every draft token; after verification the slots of
-rejected positions are freed at once (`CacheManager.drop_kv_from`), so a request's KV row only ever holds
-tokens it keeps, and the radix cache never receives a rejected token.
+KV: slots for the last token and every draft token come from the request's decode run
+(`CacheManager.run_slots`); after verification the slots of rejected positions leave its KV row at once and
+go back to the head of that run (`CacheManager.drop_kv_from`), so a request's KV row only ever holds tokens
+it keeps, the radix cache never receives a rejected token, and its next positions reuse those slots.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class SpeculativeDecoder:
         s.stats["spec_draft_seconds"] += time.perf_counter() - t0
         if not any(drafts):
             return False
-        slots = s.cm.alloc_slots(sum(1 + len(d) for d in drafts))
+        slots = s.cm.run_slots(reqs, [1 + len(d) for d in drafts])
         if slots is None:
             return False
         at = 0
