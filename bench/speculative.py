@@ -39,7 +39,14 @@ WAVES = {"agent": 4}
 # prompt (session 39, edit: 93 / 170 / 294 tok/s for its three samples), so a cell of one request made the
 # median one prompt's luck
 SINGLE_STREAM_REQUESTS = 4
-_SPEC_KEYS = ("spec_draft_seconds", "spec_verified_drafts", "spec_accepted_tokens", "generated_tokens")
+_SPEC_KEYS = (
+    "spec_draft_seconds",
+    "spec_verified_drafts",
+    "spec_accepted_tokens",
+    "spec_verify_steps",
+    "decode_steps",
+    "generated_tokens",
+)
 
 
 def _agent(i: int) -> list[dict[str, str]]:
@@ -155,6 +162,8 @@ def run_cell(engine, prompts: list[str], batch: int, max_new: int) -> dict[str, 
         "tok_per_s": round(tokens / wall, 2),
         "accept_length": round((d["spec_accepted_tokens"] + verified) / verified, 3) if verified else None,
         "draft_cost_share": round(d["spec_draft_seconds"] / wall, 4),
+        "verify_steps": int(d["spec_verify_steps"]),  # of `decode_steps` forwards, how many verified drafts
+        "decode_steps": int(d["decode_steps"]),
     }
 
 
@@ -167,7 +176,8 @@ def main() -> None:
         "--algorithms",
         default=",".join(ALGORITHMS),
         help="ALG or ALG@KV_DTYPE (e.g. none@float16,suffix@bfloat16: KV layouts side by side in one run; "
-        "each speedup is against none with the same KV dtype)",
+        "each speedup is against none with the same KV dtype); ALG#TAG adds another engine of that kind "
+        "(none#control: its 'speedup' is how far two identical engines differ in this run)",
     )
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument(
@@ -204,6 +214,7 @@ def main() -> None:
     try:
         for alg in algorithms:
             name, _, kv = alg.partition("@")
+            name = name.partition("#")[0]  # none#control: a second engine of the same kind
             engines[alg] = Engine(
                 speculative_algorithm=name,
                 speculative_num_draft_tokens=a.num_draft_tokens,
@@ -239,7 +250,11 @@ def main() -> None:
                         samples[alg].append(run_cell(engines[alg], prompts, bs, a.max_new_tokens))
                 for alg, cells in samples.items():
                     cell = sorted(cells, key=lambda c: c["tok_per_s"])[len(cells) // 2]
-                    cell = {**cell, "tok_per_s_samples": [c["tok_per_s"] for c in cells]}
+                    cell = {
+                        **cell,
+                        "tok_per_s_samples": [c["tok_per_s"] for c in cells],
+                        "verify_steps_samples": [c["verify_steps"] for c in cells],
+                    }
                     results.setdefault(wl, {}).setdefault(f"batch{bs}", {})[alg] = cell
                     print(wl, f"batch {bs}", alg, cell, flush=True)
     finally:

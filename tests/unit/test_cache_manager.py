@@ -372,3 +372,15 @@ def test_a_step_that_cannot_get_its_slots_returns_none_and_loses_nothing():
         cm.release(r, cache_tokens=False)
     assert cm.allocator.available() == 40
     cm.check_accounting([])
+
+
+def test_a_flush_that_frees_every_slot_puts_the_pool_back_in_order():
+    cm = make_cm(16)
+    cache_tokens(cm, [1, 2, 3])
+    req = start_decoding(cm, [4, 5])
+    cm.append_one_slot_each([req], cm.run_slots([req], [1]))
+    req.output_ids = [6, 7]  # kv covers the prompt and the first output token
+    cm.release(req)  # its tokens go to the cache: the free list is now in no particular order
+    assert cm.flush()
+    assert cm.allocator.free_slots().tolist() == list(range(1, 17))
+    cm.check_accounting([])

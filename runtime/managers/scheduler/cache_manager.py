@@ -267,9 +267,9 @@ class CacheManager:
     def drop_kv_from(self, req: Req, pos: int) -> None:
         """The tokens from position `pos` on are rejected (a verify) or about to be rewritten (jump-forward):
         take the request's own KV for them out of its row, back to the head of its decode run (the slots of
-        the same positions next time). Where that would cut into cache-owned slots the request gives all its KV back (it is
-        recomputed over the cache's prefix at the next admission). Afterwards every KV slot the request
-        holds belongs to a token it keeps, so releasing or caching it later is sound."""
+        the same positions next time). Where that would cut into cache-owned slots the request gives all its
+        KV back (it is recomputed over the cache's prefix at the next admission). Afterwards every KV slot
+        the request holds belongs to a token it keeps, so releasing or caching it later is sound."""
         if req.req_pool_idx is None or pos >= req.kv_len:
             return
         if pos < req.cache_owned_len:
@@ -324,6 +324,8 @@ class CacheManager:
         if self.cache.protected_size() > 0 or (self.host is not None and self.host.tree.protected_size()):
             return False
         self.allocator.free(self.cache.reset())
+        if self.allocator.available() == self.allocator.size:  # nothing held: the pool in order again
+            self.allocator.clear()
         if self.host is not None:
             self.host.reset()
         return True
