@@ -145,11 +145,8 @@ class CacheManager:
 
     def _drop_runs(self) -> None:
         """Give every decode run's slots back to the free list (the pool ran short)."""
-        runs = [s for run in self._runs.values() for s in run]
-        self._runs.clear()
-        self._run_slots = 0
-        if runs:
-            self.allocator.free(torch.tensor(runs, dtype=torch.int64))
+        for row in list(self._runs):
+            self._drop_run(row)
 
     def _drop_run(self, row: int) -> None:
         run = self._runs.pop(row, None)
