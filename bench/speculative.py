@@ -15,9 +15,14 @@ draft's cost share (drafting seconds / wall seconds). Each workload runs once un
 serving process; then the measured prompts are prefilled once (max_new_tokens 1), so a cell times decoding.
 The engines of all algorithms run side by side and every cell is measured --repeats times, interleaved
 across algorithms on new prompts each time; the median counts (the samples are kept in the JSON).
+Two engines of one kind differ by 2-4 % on the 2-core machine of sessions 39-43 (a constant of each
+process), more than drafting costs on free chat at batch 8; `suffix:off` measures the `suffix` engine
+itself with speculation off per request, so `speedup_same_engine` holds what drafting costs or gains
+without that difference.
 
     python -m bench.speculative --quick
     python -m bench.speculative --max-new-tokens 256 --workloads agent,edit,extract,chat
+    python -m bench.speculative --algorithms none,ngram,suffix,suffix:off,none#control
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from bench.harness import common
 from runtime.server_args import ServerArgs
 
 ALGORITHMS = ("none", "ngram", "suffix")
+OFF = ":off"  # ALG:off: ALG's engine, every request with speculation off (the same-process baseline)
 # groups of `batch` requests per cell, one after another: a batch of 8 agent turns decodes in under a second,
 # where one slow step moves the cell by 20-40 % (samples 164-308 tok/s for one side in one run)
 WAVES = {"agent": 4}
@@ -143,8 +149,8 @@ def _counters(engine) -> dict[str, float]:
     return {k: float(info.get(k, 0)) for k in _SPEC_KEYS}
 
 
-def run_cell(engine, prompts: list[str], batch: int, max_new: int) -> dict[str, Any]:
-    params = {"max_new_tokens": max_new, "temperature": 0.0}
+def run_cell(engine, prompts: list[str], batch: int, max_new: int, **extra: Any) -> dict[str, Any]:
+    params = {"max_new_tokens": max_new, "temperature": 0.0, **extra}
     before = _counters(engine)
     t0 = time.perf_counter()
     tokens = 0
@@ -177,7 +183,9 @@ def main() -> None:
         default=",".join(ALGORITHMS),
         help="ALG or ALG@KV_DTYPE (e.g. none@float16,suffix@bfloat16: KV layouts side by side in one run; "
         "each speedup is against none with the same KV dtype); ALG#TAG adds another engine of that kind "
-        "(none#control: its 'speedup' is how far two identical engines differ in this run)",
+        "(none#control: its 'speedup' is how far two identical engines differ in this run); ALG:off runs "
+        "on ALG's engine with speculation off per request (speculative_num_draft_tokens 0), and ALG's "
+        "cells get `speedup_same_engine` against it: what drafting costs or gains within one process",
     )
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument(
@@ -211,8 +219,13 @@ def main() -> None:
     # so load that drifts over minutes on a shared machine lands on every side alike; each side's figure is
     # its median over --repeats, and each repeat decodes new prompts, so no engine has seen the outputs.
     engines: dict[str, Any] = {}
+    off = {alg: alg.removesuffix(OFF) for alg in algorithms if alg.endswith(OFF)}  # ALG:off -> ALG
+    if not set(off.values()) <= set(algorithms):
+        p.error(f"ALG{OFF} runs on ALG's engine: list ALG too ({', '.join(off)})")
     try:
         for alg in algorithms:
+            if alg in off:
+                continue
             name, _, kv = alg.partition("@")
             name = name.partition("#")[0]  # none#control: a second engine of the same kind
             engines[alg] = Engine(
@@ -223,7 +236,7 @@ def main() -> None:
                 max_total_tokens=a.max_total_tokens,
                 log_interval=0,
             )
-        tok = engines[algorithms[0]].tokenizer
+        tok = next(iter(engines.values())).tokenizer
 
         def chat(wl: str, ids: range) -> list[str]:
             return [
@@ -246,8 +259,10 @@ def main() -> None:
                     next_id += n
                     order = algorithms[r % len(algorithms) :] + algorithms[: r % len(algorithms)]
                     for alg in order:
-                        run_cell(engines[alg], prompts, bs, 1)  # prefill (cached), so the cell times decoding
-                        samples[alg].append(run_cell(engines[alg], prompts, bs, a.max_new_tokens))
+                        engine = engines[off.get(alg, alg)]
+                        extra = {"speculative_num_draft_tokens": 0} if alg in off else {}
+                        run_cell(engine, prompts, bs, 1)  # prefill (cached), so the cell times decoding
+                        samples[alg].append(run_cell(engine, prompts, bs, a.max_new_tokens, **extra))
                 for alg, cells in samples.items():
                     cell = sorted(cells, key=lambda c: c["tok_per_s"])[len(cells) // 2]
                     cell = {
@@ -266,6 +281,9 @@ def main() -> None:
                 kv = alg.partition("@")[2]
                 base = cells.get(f"none@{kv}" if kv else "none", {}).get("tok_per_s")
                 cell["speedup"] = round(cell["tok_per_s"] / base, 3) if base else None
+                same = cells.get(alg + OFF, {}).get("tok_per_s")
+                if same:
+                    cell["speedup_same_engine"] = round(cell["tok_per_s"] / same, 3)
     config = {"command": common.command_line(), **vars(a)}
     name = a.name or ("speculative_quick" if a.quick else "speculative")
     common.write_results(name, config, results, env, results_dir=a.results_dir)

@@ -17,6 +17,7 @@ from typing import Any
 # (--max-stop-strings, --max-stop-chars), checked by the tokenizer manager.
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_N = 64
+MAX_DRAFT_TOKENS = 32  # the bound of --speculative-num-draft-tokens too
 # Integers cross process boundaries as MessagePack and end up in int64 tensors: anything wider is refused
 # here.
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -44,6 +45,9 @@ class SamplingParams:
     n: int = 1
     no_stop_trim: bool = False
     seed: int | None = None
+    # this request's draft length bound under --speculative-algorithm ngram/suffix (None: the server's
+    # --speculative-num-draft-tokens; 0: no speculation for this request; never above the server's)
+    speculative_num_draft_tokens: int | None = None
     # ---- SGLang wire compatibility: the rest of SGLang's sampling parameters (see `_verify_sglang`) ----
     stop_regex: list[str] = field(default_factory=list)  # stop when one matches the output's tail
     sampling_seed: int | None = None  # SGLang's name for `seed`
@@ -158,6 +162,13 @@ class SamplingParams:
             raise ValueError(f"{' and '.join(given)} are mutually exclusive")
         if self.seed is not None:
             _check_type("seed", self.seed, int)
+        if self.speculative_num_draft_tokens is not None:
+            _check_type("speculative_num_draft_tokens", self.speculative_num_draft_tokens, int)
+            if not 0 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+                raise ValueError(
+                    f"speculative_num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}] (0: no speculation for "
+                    f"this request), got {self.speculative_num_draft_tokens}"
+                )
         self._verify_sglang()
 
     def _verify_sglang(self) -> None:

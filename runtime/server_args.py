@@ -21,6 +21,7 @@ from runtime.models.quantization import (
     resolve_auto,
 )
 from runtime.platform import auto_num_threads, cpu_has_amx_bf16, cpu_has_native_bf16, free_port
+from runtime.sampling_params import MAX_DRAFT_TOKENS
 
 
 def _opt(default, help: str, choices: tuple | None = None, cli: bool = True):
@@ -255,7 +256,9 @@ class ServerArgs:
         choices=("none", "ngram", "suffix"),
     )
     speculative_num_draft_tokens: int = _opt(
-        8, "most draft tokens per request and step (each request adapts below it to its acceptance)"
+        8,
+        "most draft tokens per request and step (each request adapts below it to its acceptance; a request's "
+        "speculative_num_draft_tokens lowers it, 0 turning speculation off for that request)",
     )
     # ---- measured defaults (--quantization auto) ----
     quantization_reason: str = _opt(
@@ -327,9 +330,10 @@ class ServerArgs:
                 )
 
     def _check_speculative(self) -> None:
-        if not 1 <= self.speculative_num_draft_tokens <= 32:
+        if not 1 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(
-                f"--speculative-num-draft-tokens must be in 1..32, got {self.speculative_num_draft_tokens}"
+                f"--speculative-num-draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, "
+                f"got {self.speculative_num_draft_tokens}"
             )
 
     def _check_sessions(self) -> None:

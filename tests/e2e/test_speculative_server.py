@@ -125,3 +125,25 @@ def test_disconnect_mid_stream_leaves_no_kv_and_metrics(spec_url):
     metrics = requests.get(spec_url + "/metrics", timeout=60).text
     line = next(x for x in metrics.splitlines() if x.startswith("radixlm_spec_accept_length "))
     assert float(line.split()[1]) > 1.0
+
+
+def test_a_request_turns_its_speculation_off(spec_url):
+    on = _gen(spec_url, {"text": COPY, "sampling_params": GREEDY})
+    off = _gen(spec_url, {"text": COPY, "sampling_params": {**GREEDY, "speculative_num_draft_tokens": 0}})
+    assert off["text"] == on["text"]
+    assert on["meta_info"]["spec_verify_steps"] > 0 and "spec_verify_steps" not in off["meta_info"]
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "speculative_num_draft_tokens": 0,
+    }
+    r = requests.post(spec_url + "/v1/chat/completions", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    for url, bad in (
+        ("/generate", {"text": FREE, "sampling_params": {"speculative_num_draft_tokens": -1}}),
+        ("/v1/chat/completions", {**body, "speculative_num_draft_tokens": 33}),
+    ):
+        r = requests.post(spec_url + url, json=bad, timeout=600)
+        assert r.status_code == 400 and "speculative_num_draft_tokens must be in [0, 32]" in r.text, r.text

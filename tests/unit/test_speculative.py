@@ -210,7 +210,8 @@ def test_server_args_reject_bad_speculative_options():
 
 # ---- scheduler helpers -------------------------------------------------------------------------------------
 def drive(sched, msgs, abort_at: dict[int, str] | None = None) -> dict:
-    """Submit `msgs`, step until idle (checking the KV accounting every step); {rid: (ids, finish, out)}."""
+    """Submit `msgs`, step until idle (checking the KV accounting every step); {rid: [ids, finish, logprobs,
+    spec counts]}."""
     for m in msgs:
         sched.handle(m)
     res: dict[str, list] = {}
@@ -221,13 +222,14 @@ def drive(sched, msgs, abort_at: dict[int, str] | None = None) -> dict:
         if abort_at and steps in abort_at:
             sched.handle(AbortReq(rid=abort_at[steps]))
         for o in sched.step():
-            r = res.setdefault(o.rid, [[], None, []])
+            r = res.setdefault(o.rid, [[], None, [], None])
             if o.replaced_tokens:  # jump-forward re-tokenized the tail
                 del r[0][len(r[0]) - o.replaced_tokens :]
             r[0].extend(o.new_token_ids)
             r[2].extend(o.output_token_logprobs or [])
             if o.finished_reason:
                 r[1] = o.finished_reason
+            r[3] = o.spec or r[3]  # [verify steps, accepted draft tokens] of the request
         sched.check_accounting()
         steps += 1
         forwards = sched.stats["extend_steps"] + sched.stats["decode_steps"]
@@ -392,6 +394,42 @@ def test_oracle_and_wrong_drafts_keep_outputs_logprobs_and_cache(
     # rejected tokens never reach the radix cache: it holds exactly what it holds without speculation
     assert sched.cm.cache.total_size() == off.cm.cache.total_size()
     assert_all_free(sched)
+
+
+def test_a_request_bounds_or_turns_off_its_own_speculation(tiny_model_dir, default_tokenizer, tiny_refs):
+    # the oracle drafts every request's exact continuation: only the per-request bound limits the drafts
+    msgs = [
+        gen("off", tiny_refs[0][0], max_new_tokens=40, ignore_eos=True, speculative_num_draft_tokens=0),
+        gen("two", tiny_refs[1][0], max_new_tokens=40, ignore_eos=True, speculative_num_draft_tokens=2),
+        gen("all", tiny_refs[2][0], max_new_tokens=40, ignore_eos=True, speculative_num_draft_tokens=32),
+    ]
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs, speculative_num_draft_tokens=4)
+    res = drive(sched, msgs)
+    assert [res[r][0] for r in ("off", "two", "all")] == [out for _, out in tiny_refs[:3]]
+    assert res["off"][3] is None  # never drafted: no drafting state at all
+    steps, accepted = res["two"][3]
+    assert 2 * steps - 1 <= accepted <= 2 * steps  # drafts of 2 (the last may be cut by max_new_tokens)
+    steps, accepted = res["all"][3]
+    assert 2 * steps < accepted <= 4 * steps  # the server's bound (4) caps the request's 32
+    assert_all_free(sched)
+    # every request off: a step costs what it costs without speculation (no drafting, no step timing)
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs)
+    drive(sched, [gen(f"r{i}", p, speculative_num_draft_tokens=0) for i, (p, _) in enumerate(tiny_refs[:4])])
+    assert sched.stats["spec_draft_steps"] == sched.stats["spec_verify_steps"] == 0
+    assert not sched.spec.budget.cost.samples
+    assert_all_free(sched)
+
+
+def test_request_draft_bound_is_checked():
+    assert SamplingParams(speculative_num_draft_tokens=0).speculative_num_draft_tokens == 0
+    for bad, why in (
+        (-1, r"must be in \[0, 32\]"),
+        (33, r"must be in \[0, 32\]"),
+        (2.0, "of type int"),
+        (True, "boolean"),
+    ):
+        with pytest.raises(ValueError, match=f"speculative_num_draft_tokens .*{why}"):
+            SamplingParams(speculative_num_draft_tokens=bad)
 
 
 def test_max_new_tokens_and_stop_token_inside_an_accepted_run(tiny_model_dir, default_tokenizer, tiny_refs):
@@ -697,7 +735,7 @@ def test_constrained_requests_speculate_with_identical_greedy_outputs(
         before = dict(sched.stats)
         res = drive(sched, msgs)
         assert_all_free(sched)  # every slot back, and the next run starts from an empty cache
-        for rid, (ids, finish, _) in res.items():
+        for rid, (ids, finish, *_) in res.items():
             assert finish["type"] == "stop", (rid, finish)
             assert _valid(default_tokenizer.decode(ids, skip_special_tokens=True), CONSTRAINED_CASES[rid][1])
         return res, {k: sched.stats[k] - before[k] for k in before if isinstance(before[k], (int, float))}

@@ -50,6 +50,7 @@ class CommonRequest(BaseModel):
     json_schema: dict[str, Any] | str | None = None
     stop_token_ids: list[int] | None = None
     no_stop_trim: StrictBool = False
+    speculative_num_draft_tokens: int | None = None  # checked with the other sampling parameters
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     cache_ttl_s: float | None = Field(default=None, ge=0)

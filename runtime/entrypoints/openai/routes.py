@@ -252,6 +252,7 @@ def sampling_params(
             no_stop_trim=body.no_stop_trim,
             seed=body.seed,
             n=body.n,
+            speculative_num_draft_tokens=body.speculative_num_draft_tokens,
             **grammar,
         )
     except ValueError as e:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from runtime.sampling_params import MAX_DRAFT_TOKENS
+
 # prompt lookup keys on the last 3, 2, then 1 tokens and compares up to 32 tokens of the latest 32
 # occurrences of the key; finished-sequence counts use contexts of 4 down to 2
 LOCAL_MAX_N = 3
@@ -235,7 +237,8 @@ class SequenceIndex:
 class SpecState:
     """One request's drafting state (`Req.spec`): its index, its adaptive draft length, its counters."""
 
-    k: int  # draft length for the next step (1..max)
+    k: int  # draft length for the next step (1..max_k)
+    max_k: int = MAX_DRAFT_TOKENS  # this request's bound: the server's, or its own lower one
     index: LocalIndex = field(default_factory=LocalIndex)
     cooldown: int = 0  # steps to skip after repeated full rejections (doubles each time)
     skip: int = 0  # steps still skipped
@@ -314,7 +317,7 @@ class Drafter:
 
     def propose(self, state: SpecState, ids: list[int], k: int, shared_ok: bool) -> list[int]:
         """Up to `k` tokens to follow `ids` (the request's prompt + output); [] when nothing matches."""
-        state.judge_cut(ids, self.max_draft)
+        state.judge_cut(ids, min(self.max_draft, state.max_k))
         state.index.update(ids)
         if state.skip > 0:
             if not self._copying(state.index, ids, shared_ok):

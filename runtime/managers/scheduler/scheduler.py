@@ -400,7 +400,7 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         self.running = []
         self._sample_and_advance(reqs, logits)
-        if self.spec is not None:  # a plain step is the draft budget's baseline
+        if self.spec is not None and self.spec.drafting(reqs):  # a plain step is the draft budget's baseline
             elapsed = time.perf_counter() - t_step
             self.spec.budget.observe([r.seq_len for r in reqs], [1] * len(reqs), elapsed, False)
         for req in reqs:

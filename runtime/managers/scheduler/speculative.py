@@ -61,17 +61,35 @@ class SpeculativeDecoder:
     def draft(self, req: Req) -> list[int]:
         """The drafter's proposal for `req`'s next step ([] when it has none); a constrained request's is cut
         to what its grammar allows by `GrammarManager.verify_masks`."""
-        k = min(self.max_draft, req.remaining_new_tokens - 1)  # room for the bonus token: max_new exact
+        bound = self.bound(req)
+        k = min(bound, req.remaining_new_tokens - 1)  # room for the bonus token: max_new exact
         if k < 1:
             return []
         if req.spec is None:
-            req.spec = SpecState(k=self.max_draft)
+            req.spec = SpecState(k=bound, max_k=bound)
         k = min(k, req.spec.k)
         return self.drafter.propose(req.spec, req.all_ids, k, shared_ok=req.cache_salt is None)
 
+    def bound(self, req: Req) -> int:
+        """The most draft tokens `req` may get: the server's, or its own `speculative_num_draft_tokens`
+        when lower (0: it does not speculate)."""
+        own = req.params.speculative_num_draft_tokens
+        return self.max_draft if own is None else min(own, self.max_draft)
+
+    def drafting(self, reqs: list[Req]) -> bool:
+        """Whether any of `reqs` may speculate. When none may (each turned it off), a step costs what it
+        costs without speculation: no proposals, no step timing for the draft budget."""
+        return any(r.params.speculative_num_draft_tokens != 0 for r in reqs)
+
     def learn(self, req: Req, stats: dict) -> None:
-        """A request left with valid tokens: its new part feeds the shared index (`suffix`)."""
-        if self.drafter.shared is None or req.cache_salt is not None or req.error is not None:
+        """A request left with valid tokens: its new part feeds the shared index (`suffix`). One that turned
+        speculation off does not: it costs nothing of speculation's."""
+        if (
+            self.drafter.shared is None
+            or req.cache_salt is not None
+            or req.error is not None
+            or req.params.speculative_num_draft_tokens == 0
+        ):
             return
         t0 = time.perf_counter()
         self.drafter.learn(req.all_ids, req.prefix_hit_len)
@@ -81,6 +99,8 @@ class SpeculativeDecoder:
     def step(self, s: Scheduler) -> bool:
         """Run the decode step of `s.running` with drafts; False (nothing done) when no request has a draft
         or the pool cannot hold them now (the plain decode step then runs, with its retraction logic)."""
+        if not self.drafting(s.running):
+            return False
         t0 = time.perf_counter()
         reqs = list(s.running)
         proposed = [self.draft(r) for r in reqs]
@@ -210,7 +230,7 @@ class SpeculativeDecoder:
             s.stats["spec_verified_drafts"] += 1
             s.stats["spec_draft_tokens"] += len(draft)
             s.stats["spec_accepted_tokens"] += accepted
-            req.spec.record(len(draft), accepted, self.max_draft)
+            req.spec.record(len(draft), accepted, req.spec.max_k)
 
 
 SPEC_COST_NAMES = ("fixed_s", "verify_extra_s", "per_row_s", "per_row_1k_keys_s")
