@@ -104,16 +104,20 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         reqs = list(s.running)
         proposed = [self.draft(r) for r in reqs]
+        s.stats["spec_draft_steps"] += 1
+        if not any(proposed):  # the usual step on free text: every request pausing or without a match
+            s.stats["spec_draft_seconds"] += time.perf_counter() - t0
+            return False
+        contexts = [r.seq_len for r in reqs]
         alphas = [r.spec.alpha if r.spec else 0.0 for r in reqs]
-        drafts = self.budget.trim(proposed, [r.seq_len for r in reqs], alphas)
-        for req, before, after in zip(reqs, proposed, drafts):
+        drafts = self.budget.trim(proposed, contexts, alphas)
+        for req, ctx, before, after in zip(reqs, contexts, proposed, drafts):
             if before and not after:
-                req.spec.cut(len(req.all_ids), before)
+                req.spec.cut(ctx, before)
         mask = None
         if any(drafts):  # after the budget: the masks are filled for exactly the rows that are verified
             reqs, drafts, mask = s.grammars.verify_masks(reqs, drafts, lambda r: self._fail(s, r))
-        contexts = [r.seq_len for r in reqs]
-        s.stats["spec_draft_steps"] += 1
+            contexts = [r.seq_len for r in reqs]  # a request whose grammar failed is gone
         s.stats["spec_draft_seconds"] += time.perf_counter() - t0
         if not any(drafts):
             return False
