@@ -160,6 +160,46 @@ def test_skipping_ends_when_the_output_turns_into_a_copy():
     assert shared.propose(state, [30, 31, 32, 50, 51, 52, 53], 1, False) == []  # salted: not shared
 
 
+def _emit_by_verifying(drafter, prompt: list[int], out: list[int]) -> tuple[int, SpecState]:
+    """Decode `out` after `prompt` as verify steps would: each step keeps the draft's prefix that matches
+    `out` plus one token. (steps, the request's drafting state)"""
+    from runtime.managers.scheduler.drafting import _matched
+
+    state, ids, steps = SpecState(k=8), list(prompt), 0
+    while len(ids) < len(prompt) + len(out):
+        draft = drafter.propose(state, ids, 8, True)
+        want = out[len(ids) - len(prompt) :]
+        accepted = _matched(draft, want)
+        if draft:
+            state.record(len(draft), accepted, 8)
+        ids += want[: accepted + 1]
+        steps += 1
+    return steps, state
+
+
+def test_shared_index_drafts_first_once_it_beats_prompt_lookup():
+    """An output that writes the prompt's text in another form (a list "a NL b NL ..." written back as
+    "1 . a . 2 . b . ..."): prompt lookup keeps drafting the prompt's form after each item, while the shared
+    index, which has seen a finished request write this output, drafts it right. One disagreement won by the
+    shared index makes it draft first for that request."""
+    from runtime.managers.scheduler.drafting import Drafter
+
+    nl, dot = 1, 52
+    items = list(range(10, 22))
+    prompt = [100, 101, 102, *[t for x in items for t in (x, nl)], 200, 201]
+    out = [t for i, x in enumerate(items) for t in (60 + i, dot, x, dot)]
+    ngram_steps, _ = _emit_by_verifying(Drafter("ngram", 8), prompt, out)
+    suffix = Drafter("suffix", 8)
+    suffix.learn(prompt + out, len(prompt))  # a finished request wrote this output
+    steps, state = _emit_by_verifying(suffix, prompt, out)
+    assert state.lead > 0
+    assert steps <= len(out) / 6 < ngram_steps / 2, (steps, ngram_steps)
+    # the same prompt copied verbatim this time: prompt lookup stays first and drafts the copy as fast
+    verbatim = [t for x in items for t in (x, nl)]
+    steps, state = _emit_by_verifying(suffix, prompt, verbatim)
+    assert state.lead <= 0 and steps <= len(verbatim) / 6, steps
+
+
 def test_local_index_continues_text_that_repeats_into_its_own_end():
     # the source of the copy runs into the end of the tokens: the copy goes on with the text's period
     for ids, want in (([5, 1, 1, 1, 1], [1, 1, 1, 1]), ([1, 2, 3, 1, 2, 3, 1, 2], [3, 1, 2, 3, 1])):

@@ -12,6 +12,10 @@ Two sources, both plain Python dictionaries updated incrementally (no torch, no 
   from another's. The tree itself is keyed by prefix, so a lookup by suffix needs this index of its own;
   it is fed the part of a request the tree did not hold yet (from its cache hit on).
 
+Prompt lookup drafts first and the shared index fills what it leaves short, unless the shared index has
+lately been right where the two disagreed (`SpecState.judge_sources`): an output that writes the prompt's
+text in another form, which the shared index has seen a finished request write, is then drafted from it.
+
 Salted requests (`cache_salt`) neither feed the shared index nor draft from it: drafts never change outputs,
 but acceptance changes timing, which must not leak across salts.
 """
@@ -39,6 +43,7 @@ MIN_RUN = 12  # tokens a followed copy must have matched before an edit for it t
 MAX_EDIT = 4  # tokens of an edit a followed copy goes on past before it re-anchors (`LocalIndex`)
 MAX_SUBS = 4  # one-token edits a followed copy repeats (the latest)
 MAX_COOLDOWN = 16  # steps a request skips drafting after repeated full rejections, at most
+LEAD_MAX = 2  # how far the shared index's lead over prompt lookup swings (`SpecState.judge_sources`)
 COPY_SIGNAL = 6  # ... unless its last this many tokens occurred before (`Drafter._copying`)
 
 
@@ -247,6 +252,10 @@ class SpecState:
     hits: float = 0.0  # recent accepted draft tokens (decayed per verify), for `alpha`
     trials: float = 0.0  # recent draft tokens judged: accepted ones plus the first rejected one
     shadow: tuple[int, list[int]] | None = None  # a draft the budget cut: (seq len at proposal, draft)
+    # `suffix`: the last step whose two sources disagreed, (seq len, own draft, shared draft), and how many
+    # such steps the shared index won more than the request's own tokens lately (> 0: it drafts first)
+    rival: tuple[int, list[int], list[int]] | None = None
+    lead: int = 0
 
     @property
     def alpha(self) -> float:
@@ -283,6 +292,22 @@ class SpecState:
             accepted += 1
         self._adapt(len(seen), accepted, max_k)
 
+    def judge_sources(self, ids: list[int]) -> None:
+        """Score the last disagreement of the two sources against the tokens emitted since: the one whose
+        draft matched more of them gains a point (`lead` kept in [-LEAD_MAX, LEAD_MAX]). Prompt lookup goes
+        first while `lead` <= 0: it is the better source for a copy of the request's own text. But an output
+        that writes that text in another form ("apple_17" per line written back as "1. apple_17.") keeps
+        drafting the prompt's form, while the shared index, which has seen that output, drafts the right one
+        (a repeated request: 1.4 tokens per draft instead of ~4.7, session 43)."""
+        if self.rival is None or len(ids) <= self.rival[0]:
+            return
+        at, own, shared = self.rival
+        self.rival = None
+        seen = ids[at : at + max(len(own), len(shared))]
+        score = _matched(shared, seen) - _matched(own, seen)
+        if score:
+            self.lead = max(-LEAD_MAX, min(LEAD_MAX, self.lead + (1 if score > 0 else -1)))
+
     def record(self, drafted: int, accepted: int, max_k: int) -> None:
         """Adapt the draft length to this verify: all accepted -> double it, none -> halve it (and, at 1,
         skip drafting for a while), some -> one more than was accepted."""
@@ -307,6 +332,16 @@ class SpecState:
             self.cooldown = 0
 
 
+def _matched(draft: list[int], seen: list[int]) -> int:
+    """How many leading tokens of `draft` equal the emitted tokens `seen`."""
+    n = 0
+    for a, b in zip(draft, seen):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 class Drafter:
     """Proposes each step's drafts; `algorithm` is 'ngram' or 'suffix'."""
 
@@ -325,7 +360,20 @@ class Drafter:
                 return []
             state.skip = 0  # the output runs into known text: draft again now (a rejection skips again)
         draft = state.index.propose(ids, k)
-        if self.shared is not None and shared_ok and len(draft) < k:
+        if self.shared is None or not shared_ok:
+            return draft
+        state.judge_sources(ids)
+        if draft and state.lead <= 0 and state.index.run >= LOCAL_MATCH_SPAN:  # a long exact copy: trust it
+            alt = []
+        else:
+            alt = self.shared.propose(ids[-SHARED_MAX_N:], k)
+        if not draft:
+            return alt
+        if alt and alt[0] != draft[0]:  # the two sources disagree: judged once the tokens are out
+            state.rival = (len(ids), draft, alt)
+            if state.lead > 0:
+                return alt
+        if len(draft) < k:
             draft = draft + self.shared.propose(ids[-SHARED_MAX_N:] + draft, k - len(draft))
         return draft
 
