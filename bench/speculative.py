@@ -13,8 +13,9 @@ tokens per verified draft (accepted draft tokens + the sampled one; from the sch
 draft's cost share (drafting seconds / wall seconds). Each workload runs once unmeasured per engine first
 (warm-up) on another request, so the shared index of `suffix` has seen one such request, as it would in a
 serving process; then the measured prompts are prefilled once (max_new_tokens 1), so a cell times decoding.
-The engines of all algorithms run side by side and every cell is measured --repeats times, interleaved
-across algorithms on new prompts each time; the median counts (the samples are kept in the JSON).
+The engines of all algorithms run side by side and every cell is measured --repeats times (free chat:
+REPEAT_FACTOR times as many), interleaved across algorithms on new prompts each time; the median counts (the
+samples are kept in the JSON).
 Two engines of one kind differ by 2-4 % on the 2-core machine of sessions 39-43 (a constant of each
 process), more than drafting costs on free chat at batch 8; `suffix:off` measures the `suffix` engine
 itself with speculation off per request, so `speedup_same_engine` holds what drafting costs or gains
@@ -41,6 +42,10 @@ OFF = ":off"  # ALG:off: ALG's engine, every request with speculation off (the s
 # groups of `batch` requests per cell, one after another: a batch of 8 agent turns decodes in under a second,
 # where one slow step moves the cell by 20-40 % (samples 164-308 tok/s for one side in one run)
 WAVES = {"agent": 4}
+# repeats per cell, as a multiple of --repeats: free chat's target is a ratio within 3 % of 1, where one cell
+# moves by +-3 % from repeat to repeat (its forward alone, in one process: session 44), and a median of 3 put
+# batch 8 anywhere in 0.93-0.99 from run to run; its cells are the shortest, so 9 cost ~1.5 minutes more
+REPEAT_FACTOR = {"chat": 3}
 # requests per single-stream cell, one after another: one workload's speedup ranges 0.97x-3x from prompt to
 # prompt (session 39, edit: 93 / 170 / 294 tok/s for its three samples), so a cell of one request made the
 # median one prompt's luck
@@ -202,7 +207,12 @@ def main() -> None:
         help="the server's default",
     )
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per cell; the median counts")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="interleaved runs per cell (chat: x REPEAT_FACTOR); the median counts",
+    )
     p.add_argument(
         "--max-total-tokens", type=int, default=32768, help="KV pool of each engine (all run at once)"
     )
@@ -254,7 +264,7 @@ def main() -> None:
                 for engine in engines.values():
                     run_cell(engine, chat(wl, range(1000, 1001)), 1, a.max_new_tokens)
                 samples: dict[str, list[dict[str, Any]]] = {alg: [] for alg in algorithms}
-                for r in range(a.repeats):
+                for r in range(a.repeats * REPEAT_FACTOR.get(wl, 1)):
                     prompts = chat(wl, range(next_id, next_id + n))
                     next_id += n
                     order = algorithms[r % len(algorithms) :] + algorithms[: r % len(algorithms)]
