@@ -73,14 +73,14 @@ def test_streaming_and_stop_string_inside_a_copied_run(spec_url):
     assert stopped["meta_info"]["finish_reason"]["matched"] == stop
 
 
+def _chat_body(content: str, max_tokens: int, **fields) -> dict:
+    """A greedy OpenAI chat completion body with one user message."""
+    messages = [{"role": "user", "content": content}]
+    return {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **fields}
+
+
 def test_openai_n2_and_grammar(spec_url):
-    body = {
-        "model": "default",
-        "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta alpha beta gamma"}],
-        "max_tokens": 24,
-        "temperature": 0,
-        "n": 2,
-    }
+    body = _chat_body("Repeat exactly: alpha beta gamma delta alpha beta gamma", 24, n=2)
     r = requests.post(spec_url + "/v1/chat/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
@@ -132,13 +132,7 @@ def test_a_request_turns_its_speculation_off(spec_url):
     off = _gen(spec_url, {"text": COPY, "sampling_params": {**GREEDY, "speculative_num_draft_tokens": 0}})
     assert off["text"] == on["text"]
     assert on["meta_info"]["spec_verify_steps"] > 0 and "spec_verify_steps" not in off["meta_info"]
-    body = {
-        "model": "default",
-        "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}],
-        "max_tokens": 8,
-        "temperature": 0,
-        "speculative_num_draft_tokens": 0,
-    }
+    body = _chat_body("Repeat exactly: alpha beta gamma delta", 8, speculative_num_draft_tokens=0)
     r = requests.post(spec_url + "/v1/chat/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     for url, bad in (

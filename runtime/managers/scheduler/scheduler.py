@@ -8,6 +8,7 @@ it in-process.
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import time
@@ -534,6 +535,7 @@ class Scheduler:
             **self.cm.info(),
             "cache_hit_rate": self.stats["cached_tokens"] / prompt if prompt else 0.0,
             "attention_backend": self.runner.backend_name,
+            "gc_frozen_objects": gc.get_freeze_count(),  # start-up objects the GC no longer walks
             "grammar": self.grammars.stats(),
             **self.sessions.info(),
             **self.stats,
