@@ -16,7 +16,7 @@ serving process; then the measured prompts are prefilled once (max_new_tokens 1)
 The engines of all algorithms run side by side and every cell is measured --repeats times (free chat:
 REPEAT_FACTOR times as many), interleaved across algorithms on new prompts each time; the median counts (the
 samples are kept in the JSON).
-Two engines of one kind differ by 2-4 % on the 2-core machine of sessions 39-43 (a constant of each
+Two engines of one kind differ by up to +-6 % on the 2-core machine of sessions 39-44 (a constant of each
 process), more than drafting costs on free chat at batch 8; `suffix:off` measures the `suffix` engine
 itself with speculation off per request, so `speedup_same_engine` holds what drafting costs or gains
 without that difference.
@@ -271,7 +271,7 @@ def main() -> None:
                     for alg in order:
                         engine = engines[off.get(alg, alg)]
                         extra = {"speculative_num_draft_tokens": 0} if alg in off else {}
-                        run_cell(engine, prompts, bs, 1)  # prefill (cached), so the cell times decoding
+                        run_cell(engine, prompts, bs, 1, **extra)  # prefill (cached): the cell times decoding
                         samples[alg].append(run_cell(engine, prompts, bs, a.max_new_tokens, **extra))
                 for alg, cells in samples.items():
                     cell = sorted(cells, key=lambda c: c["tok_per_s"])[len(cells) // 2]
