@@ -287,10 +287,7 @@ class SpecState:
                 self.shadow = None
             return
         self.shadow = None
-        accepted = 0
-        while accepted < len(seen) and seen[accepted] == draft[accepted]:
-            accepted += 1
-        self._adapt(len(seen), accepted, max_k)
+        self._adapt(len(seen), _matched(draft, seen), max_k)
 
     def judge_sources(self, ids: list[int]) -> None:
         """Score the last disagreement of the two sources against the tokens emitted since: the one whose
