@@ -58,6 +58,13 @@ class ServerArgs:
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (default: from available memory)")
     max_running_requests: int = _opt(64, "most requests decoding at once")
     max_queued_requests: int = _opt(2048, "requests waiting beyond this get HTTP 503 with Retry-After")
+    memory_budget_mb: int = _opt(
+        0,
+        "memory the scheduler process may grow past its start-up footprint (KV pool, weights, libraries) "
+        "before it sheds its evictable structures (the shared speculative index, the grammar cache, the "
+        "cache-miss explainer's records), logging what it shed; 0 = auto (a tenth of the machine's memory, "
+        "at least 1024 MB), -1 = no guard",
+    )
     context_length: int | None = _opt(None, "longest prompt + output (default: the model's)")
     chunked_prefill_size: int = _opt(512, "split prompts longer than this into chunks (<=0 disables)")
     max_prefill_tokens: int = _opt(4096, "token budget of one prefill batch")
@@ -278,6 +285,9 @@ class ServerArgs:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.memory_budget_mb < -1:
+            raise ValueError(f"--memory-budget-mb must be -1 (no guard), 0 (auto) or a size in MB, got "
+                             f"{self.memory_budget_mb}")  # fmt: skip
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
         if self.grammar_workers < 1:

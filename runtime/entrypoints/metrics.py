@@ -75,6 +75,32 @@ class Metrics:
             "radixlm_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", registry=r
         )
 
+        self.scheduler_rss = Gauge(
+            "radixlm_scheduler_rss_bytes", "Resident memory of the scheduler process", registry=r
+        )
+        self.scheduler_heap_free = Gauge(
+            "radixlm_scheduler_heap_free_bytes",
+            "Free memory the scheduler's C heap holds and has not returned to the system",
+            registry=r,
+        )
+        self.memory_entries = Gauge(
+            "radixlm_scheduler_memory_entries",
+            "Entries of each scheduler structure that holds per-request or shared state",
+            ["structure"],
+            registry=r,
+        )
+        self.memory_bytes = Gauge(
+            "radixlm_scheduler_memory_bytes",
+            "Estimated bytes of each scheduler structure that holds per-request or shared state",
+            ["structure"],
+            registry=r,
+        )
+        self.memory_guard_sheds = Gauge(
+            "radixlm_memory_guard_sheds",
+            "Times the scheduler was over --memory-budget-mb and shed evictable structures",
+            registry=r,
+        )
+
     def on_request_start(self) -> None:
         self.in_flight.inc()
 
@@ -106,4 +132,13 @@ class Metrics:
             self.spec_draft_seconds_per_step.set(scheduler_info.get("spec_draft_seconds_per_step", 0.0))
             self.spec_verify_steps.set(scheduler_info.get("spec_verify_steps", 0))
             self.spec_accepted_tokens.set(scheduler_info.get("spec_accepted_tokens", 0))
+            self._set_memory(scheduler_info.get("memory") or {})
         return generate_latest(self.registry)
+
+    def _set_memory(self, memory: dict[str, Any]) -> None:
+        self.scheduler_rss.set(memory.get("rss_bytes", 0))
+        self.scheduler_heap_free.set((memory.get("heap") or {}).get("heap_free_bytes", 0))
+        self.memory_guard_sheds.set(memory.get("guard_sheds", 0))
+        for name, entry in (memory.get("structures") or {}).items():
+            self.memory_entries.labels(structure=name).set(entry.get("entries", 0))
+            self.memory_bytes.labels(structure=name).set(entry.get("bytes", 0))

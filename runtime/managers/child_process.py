@@ -13,6 +13,8 @@ import signal
 
 import setproctitle
 
+from runtime import allocator
+
 TITLE_PREFIX = "radixlm::"
 _PR_SET_PDEATHSIG = 1
 
@@ -45,7 +47,9 @@ def leave_process_group() -> None:
 
 
 def init_child(role: str) -> None:
-    """The first call of a child process's entry function."""
+    """The first call of a child process's entry function. It also fixes glibc's mmap threshold
+    (`allocator.configure`), so tensor buffers freed after a burst go back to the system."""
     die_with_parent()
     leave_process_group()
     set_process_title(role)
+    allocator.configure()

@@ -111,6 +111,10 @@ class KVPool:
         self.k[layer].index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.dtype))
 
+    def nbytes(self) -> int:
+        """Bytes of K and V storage (allocated at construction)."""
+        return sum(t.nbytes for t in self.k) + sum(t.nbytes for t in self.v)
+
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 

@@ -155,6 +155,10 @@ class BasePrefixCache(ABC):
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
 
+    def num_nodes(self) -> int:
+        """Number of non-root nodes."""
+        return 0
+
     @abstractmethod
     def all_slots(self) -> torch.Tensor:
         """Every slot held by the cache (for accounting checks)."""
@@ -176,6 +180,7 @@ class RadixCache(BasePrefixCache):
         self.root = TreeNode()
         self._evictable = 0
         self._protected = 0
+        self._num_nodes = 0  # kept as nodes come and go: the memory report reads it every few seconds
         # Called with (path key, path slots) of each leaf `evict` is about to drop, while its slots still
         # hold its KV: the host tier (`host_tier.HostTier.save`) copies it there first.
         self.on_evict: Callable[[Key, torch.Tensor], None] | None = None
@@ -224,6 +229,7 @@ class RadixCache(BasePrefixCache):
                 leaf.last_access = now
                 node.children[key[pos]] = leaf
                 self._evictable += len(leaf.key)
+                self._num_nodes += 1
                 return pos
             n = _common_prefix_len(key, pos, child.key)
             if n < len(child.key) and pos + n < len(key):
@@ -251,6 +257,7 @@ class RadixCache(BasePrefixCache):
         upper = TreeNode(node.key[:at], node.value[:at].clone(), parent=node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        self._num_nodes += 1
         node.parent.children[node.key[0]] = upper
         node.key = node.key[at:]
         node.value = node.value[at:].clone()
@@ -313,6 +320,7 @@ class RadixCache(BasePrefixCache):
             del parent.children[leaf.key[0]]
             leaf.parent = None  # detached: a stale lock/unlock on it now fails loudly
             self._evictable -= len(leaf.key)
+            self._num_nodes -= 1
             freed.append(leaf.value)
             num_freed += len(leaf.key)
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
@@ -331,8 +339,8 @@ class RadixCache(BasePrefixCache):
         return torch.cat(values) if values else _empty_slots()
 
     def num_nodes(self) -> int:
-        """Number of non-root nodes."""
-        return sum(1 for _ in self._nodes())
+        """Number of non-root nodes (a counter: O(1))."""
+        return self._num_nodes
 
     def reset(self) -> torch.Tensor:
         if self._protected or any(n.lock_ref for n in self._nodes()):
@@ -343,6 +351,7 @@ class RadixCache(BasePrefixCache):
         self.root.children = {}  # keep the root object: requests that matched nothing still hold it
         self._evictable = 0
         self._protected = 0
+        self._num_nodes = 0
         return slots
 
     def _nodes(self) -> Iterator[TreeNode]:
@@ -382,6 +391,7 @@ class RadixCache(BasePrefixCache):
                 assert node.lock_ref >= child_locks, f"{node!r}: lock_ref < sum of children's ({child_locks})"
         assert evictable == self._evictable, f"evictable_size {self._evictable} != recomputed {evictable}"
         assert protected == self._protected, f"protected_size {self._protected} != recomputed {protected}"
+        assert len(seen) - 1 == self._num_nodes, f"num_nodes {self._num_nodes} != counted {len(seen) - 1}"
         slots = self.all_slots()
         assert torch.unique(slots).numel() == slots.numel(), "a KV slot is held by two tree positions"
 

@@ -193,6 +193,11 @@ class GrammarManager:
         if self._compiler is not None:
             self._compiler.shutdown(wait=False)
 
+    def clear_cache(self) -> None:
+        """Drop every compiled grammar (the memory guard sheds them; the next request compiles again)."""
+        if self._compiler is not None:
+            self._compiler.clear()
+
     def stats(self) -> dict:
         """Compile cache and pool counters (``GrammarCompiler.stats``: queued, running, cache_bytes,
         evictions, ``compiled_<backend>`` counts, ...) plus ``expired`` and ``backend`` (--grammar-backend);

@@ -23,6 +23,7 @@ from constrained.errors import GrammarUnavailable
 from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
 from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
 from runtime.managers.scheduler.grammar_manager import GrammarManager
+from runtime.managers.scheduler.memory import MemoryGuard, auto_budget_bytes, memory_report
 from runtime.managers.scheduler.output_stream import (
     OutputStream,
     record_input_logprobs,
@@ -95,6 +96,9 @@ class Scheduler:
         self.outputs = OutputStream(args.stream_interval)  # what each touched request owes its client
         self.stats = new_counters()
         self._log = ThroughputLog(args.log_interval)
+        # what the process may grow past this footprint (--memory-budget-mb); the process entry point takes
+        # the footprint again once start-up is over (`MemoryGuard.start`)
+        self.memory = MemoryGuard(auto_budget_bytes(args.memory_budget_mb))
 
     # ---- messages ---------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
@@ -177,7 +181,10 @@ class Scheduler:
         if self.has_work():
             return False
         self.sessions.release_all()  # an explicit flush empties the cache, pinned sessions included
-        return self.cm.flush()
+        flushed = self.cm.flush()
+        if flushed and self.spec is not None and self.spec.drafter.shared is not None:
+            self.spec.drafter.shared.clear()  # it holds the flushed requests' text too
+        return flushed
 
     # ---- the step ------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -205,6 +212,7 @@ class Scheduler:
         elif self.running:
             self._run_decode()
         self._log.maybe_log(self.stats["generated_tokens"], self.has_work(), self.server_info)
+        self.memory.check(self)
         return self._collect_outputs()
 
     # ---- failure boundary ----------------------------------------------------------------------------------
@@ -540,4 +548,5 @@ class Scheduler:
             **self.sessions.info(),
             **self.stats,
             **spec_info(self.stats, self.spec),
+            "memory": memory_report(self, self.memory),
         }

@@ -14,7 +14,7 @@ import traceback
 
 import zmq
 
-from runtime import ipc
+from runtime import allocator, ipc
 from runtime.messages import BatchTokenIDOut
 from runtime.server_args import ServerArgs
 
@@ -41,6 +41,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         detok_sock = ipc.socket(ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
         reply_sock = ipc.socket(ctx, zmq.PUSH, endpoints.tokenizer, bind=False)
         _freeze_startup_objects()
+        scheduler.memory.start()  # the footprint --memory-budget-mb counts from
         r = scheduler.runner
         ready_conn.send(
             {
@@ -68,6 +69,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         if not scheduler.has_work():
             if was_busy:
                 _check_accounting_or_exit(scheduler, logger)
+                allocator.trim()  # what the burst left free in the heap goes back (a few ms, while idle)
                 was_busy = False
             poller.poll(timeout=1000)
         elif not scheduler.can_run():

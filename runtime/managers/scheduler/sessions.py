@@ -23,6 +23,8 @@ from runtime.mem_cache.host_tier import HostTier
 from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache, TreeNode
 
 MAX_SESSION_RECORDS = 1024  # sessions whose last request is remembered for the cache-miss explainer
+# ... and their tokens in all (int32: 16 MB): a few long agent histories must not hold 1,024 x 128k tokens
+MAX_SESSION_RECORD_TOKENS = 4 << 20
 SNIPPET_TOKENS = 8  # tokens of context either side of a divergence in an explanation
 
 
@@ -55,6 +57,7 @@ class SessionPins:
             pinned=0, expired=0, deleted=0, evicted_for_limit=0, evicted_for_memory=0, demoted_to_host=0
         )
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently finished first
+        self.record_tokens = 0  # tokens held by `_records`, kept under MAX_SESSION_RECORD_TOKENS
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -139,11 +142,26 @@ class SessionPins:
     # ---- the cache-miss explainer ------------------------------------------------------------------------
     def remember(self, session_id: str, tokens: list[int], salt: str | None, pinned: bool) -> None:
         """Record a session's finished request (prompt + output) for explaining its next one."""
-        self._records.pop(session_id, None)
+        old = self._records.pop(session_id, None)
+        if old is not None:
+            self.record_tokens -= len(old.tokens)
         state = "pinned" if pinned else "expired"  # no pin (TTL 0, or over the limit): as good as expired
         self._records[session_id] = SessionRecord(np.asarray(tokens, dtype=np.int32), salt, state)
-        while len(self._records) > MAX_SESSION_RECORDS:
-            self._records.popitem(last=False)
+        self.record_tokens += len(tokens)
+        while len(self._records) > MAX_SESSION_RECORDS or self.record_tokens > MAX_SESSION_RECORD_TOKENS:
+            self.record_tokens -= len(self._records.popitem(last=False)[1].tokens)
+
+    def forget_records(self) -> int:
+        """Drop every explainer record (the memory guard sheds them); returns how many there were. Pins
+        stay: they hold KV, not this process's memory."""
+        n = len(self._records)
+        self._records.clear()
+        self.record_tokens = 0
+        return n
+
+    @property
+    def num_records(self) -> int:
+        return len(self._records)
 
     def explain(
         self, session_id: str, prompt: list[int], salt: str | None, cached: int, decode

@@ -1,0 +1,110 @@
+"""The process's C heap: how large tensor buffers are placed, when freed memory goes back, what RSS is.
+
+Why this exists. glibc's malloc raises its mmap threshold whenever an mmap'ed block is freed (dynamically, up
+to 32 MB), so after the first few steps every tensor buffer below 32 MB (logits rows, sampler
+temporaries: a verify step of 64 requests x 5 rows x 49k vocabulary is 63 MB in several pieces whose sizes
+change every step) comes from the main heap. Long-lived small allocations (radix nodes, drafting indexes,
+queued requests) land between them, so the heap top can never come back down and the freed holes rarely fit
+the next step's sizes: under bursts of 1,000 concurrent requests with speculation on the scheduler grew by
+~1.5 GB per burst (bench/burst.py), all of it free memory glibc kept (`malloc_trim` returned it). A fixed
+threshold of MMAP_THRESHOLD puts every buffer of that size in its own mapping, unmapped when freed; measured
+growth fell to ~8 MB per 1,000 requests at the same throughput. `trim()` returns what the heap still holds
+free (called when the scheduler goes idle).
+
+Standard library only (ctypes); a no-op where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (glibc's malloc.h)
+MMAP_THRESHOLD = 4 << 20  # buffers of 4 MB and more get a mapping of their own (returned when freed)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name or "libc.so.6")
+        lib.gnu_get_libc_version  # noqa: B018 - present in glibc only
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+_LIBC = _glibc()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )  # fmt: skip
+    ]
+
+
+def configure(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold (which also ends its dynamic raising); False where there is no glibc."""
+    if _LIBC is None:
+        return False
+    return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)))
+
+
+def trim() -> bool:
+    """Give the heap's free pages back to the system (`malloc_trim(0)`); True when any were released."""
+    if _LIBC is None:
+        return False
+    return bool(_LIBC.malloc_trim(0))
+
+
+def heap_info() -> dict[str, int]:
+    """The C heap, in bytes: `heap_bytes` obtained with brk/sbrk and arenas, `heap_in_use_bytes`,
+    `heap_free_bytes` (held by malloc, not yet returned), `mmapped_bytes` (blocks with their own mapping).
+    Walks the heap's bins: call it per report, not per step. Empty without mallinfo2 (glibc < 2.33)."""
+    fn = getattr(_LIBC, "mallinfo2", None) if _LIBC is not None else None
+    if fn is None:
+        return {}
+    fn.restype = _MallInfo2
+    m = fn()
+    return {
+        "heap_bytes": m.arena,
+        "heap_in_use_bytes": m.uordblks,
+        "heap_free_bytes": m.fordblks,
+        "mmapped_bytes": m.hblkhd,
+    }
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (one read of /proc/self/statm: a few µs); 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def total_memory_bytes() -> int:
+    """The machine's memory (MemTotal), or 0 where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
