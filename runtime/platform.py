@@ -77,6 +77,41 @@ def auto_num_threads() -> int:
     return max(1, cpus)
 
 
+def usable_cpus() -> list[int]:
+    """The CPU numbers this process may run on (its affinity mask; every CPU where there is none)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_busy_ticks(cpus: list[int]) -> int | None:
+    """Clock ticks (USER_HZ) the CPUs `cpus` spent busy since boot, by any process (/proc/stat: all but
+    idle and iowait); None where there is no /proc/stat."""
+    wanted = {f"cpu{c}" for c in cpus}
+    busy = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if name in wanted:
+                    ticks = [int(x) for x in rest.split()]
+                    busy += sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy
+
+
+def process_cpu_ticks() -> int | None:
+    """Clock ticks (USER_HZ) this process's threads have run (/proc/self/stat utime + stime)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick; another process may still take
     it before it is bound again)."""

@@ -130,7 +130,8 @@ class ServerArgs:
     num_threads: int | None = _opt(
         None,
         "torch intra-op threads per model process (default: auto, see `platform.auto_num_threads`, divided "
-        "among this node's tensor-parallel ranks)",
+        "among this node's tensor-parallel ranks; the scheduler then lowers it while other processes keep "
+        "its CPUs busy, and raises it back when they are free)",
     )
     dp_size: int = _opt(
         1,
@@ -270,6 +271,9 @@ class ServerArgs:
     # ---- measured defaults (--quantization auto) ----
     quantization_reason: str = _opt(
         "", "set by resolve(): why --quantization is what it is (shown in /server_info)", cli=False
+    )
+    num_threads_auto: bool = _opt(
+        False, "set by resolve(): --num-threads was left to auto, so the scheduler adapts it", cli=False
     )
 
     def __post_init__(self) -> None:
@@ -508,7 +512,7 @@ class ServerArgs:
                 f"--kv-cache-dtype {kv_cache_dtype} differs from --dtype {dtype}: only the CPU attention "
                 "backends read a KV cache of another dtype; leave --kv-cache-dtype auto on a GPU"
             )
-        num_threads = self.num_threads
+        num_threads, num_threads_auto = self.num_threads, self.num_threads_auto or self.num_threads is None
         if num_threads is None:  # the CPUs are shared by this node's ranks: never oversubscribe them
             num_threads = max(1, auto_num_threads() // len(self.tp_ranks_here))
         dist_init_addr = self.dist_init_addr
@@ -522,6 +526,7 @@ class ServerArgs:
             quantization=quantization,
             quantization_reason=reason,
             num_threads=num_threads,
+            num_threads_auto=num_threads_auto,
             dist_init_addr=dist_init_addr,
         )
 

@@ -366,6 +366,13 @@ def test_get_server_info_when_idle(server_url, reference):
     assert 0.0 <= info["token_usage"] <= 1.0 and 0.0 <= info["cache_hit_rate"] <= 1.0
     assert info["requests_finished"] > 0 and info["generated_tokens"] > 0  # the reference request at least
     assert info["gc_frozen_objects"] > 10_000  # start-up objects moved out of the GC's full collections
+    # the scheduler's memory: its RSS, what it has grown since start-up, its budget, and each structure
+    mem = info["memory"]
+    assert mem["rss_bytes"] > mem["baseline_rss_bytes"] / 2 > 0 and mem["budget_bytes"] >= 1 << 30
+    assert mem["heap"]["heap_free_bytes"] >= 0 and mem["guard_sheds"] == 0
+    parts = mem["structures"]
+    assert parts["radix_tree"]["entries"] > 0 and parts["radix_tree"]["tokens"] == info["cache_tokens"]
+    assert parts["requests"] == {"entries": 0, "tokens": 0, "bytes": 0}  # idle: no request is held
     # Server args are part of the answer.
     assert info["chunked_prefill_size"] == 512 and info["schedule_policy"] == "lpm"
 
@@ -457,3 +464,6 @@ def test_metrics_count_requests(server_url, reference):
     )
     assert _metric(after, "radixlm_e2e_request_latency_seconds_count") == e2e_count + 1
     assert _metric(after, "radixlm_num_running_reqs") == 0
+    assert _metric(after, "radixlm_scheduler_rss_bytes") > 100e6
+    assert _metric(after, "radixlm_scheduler_memory_entries", '{structure="radix_tree"}') > 0
+    assert _metric(after, "radixlm_scheduler_memory_bytes", '{structure="requests"}') == 0

@@ -22,6 +22,7 @@ import torch
 from constrained.errors import GrammarUnavailable
 from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
 from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
+from runtime.managers.scheduler.cpu_share import ThreadGovernor
 from runtime.managers.scheduler.grammar_manager import GrammarManager
 from runtime.managers.scheduler.memory import MemoryGuard, auto_budget_bytes, memory_report
 from runtime.managers.scheduler.output_stream import (
@@ -99,6 +100,7 @@ class Scheduler:
         # what the process may grow past this footprint (--memory-budget-mb); the process entry point takes
         # the footprint again once start-up is over (`MemoryGuard.start`)
         self.memory = MemoryGuard(auto_budget_bytes(args.memory_budget_mb))
+        self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
 
     # ---- messages ---------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
@@ -213,6 +215,8 @@ class Scheduler:
             self._run_decode()
         self._log.maybe_log(self.stats["generated_tokens"], self.has_work(), self.server_info)
         self.memory.check(self)
+        if self.threads is not None:
+            self.threads.tick()
         return self._collect_outputs()
 
     # ---- failure boundary ----------------------------------------------------------------------------------
@@ -549,4 +553,5 @@ class Scheduler:
             **self.stats,
             **spec_info(self.stats, self.spec),
             "memory": memory_report(self, self.memory),
+            **(self.threads.info() if self.threads is not None else {}),
         }

@@ -36,6 +36,10 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
 
             tp = init_tensor_parallel(args, rank=0)
         scheduler = Scheduler(args, model_dir, tp=tp)
+        if scheduler.args.num_threads_auto and args.tp_size == 1 and scheduler.runner.device.type == "cpu":
+            from runtime.managers.scheduler.cpu_share import ThreadGovernor
+
+            scheduler.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         ctx = zmq.Context()
         recv_sock = ipc.socket(ctx, zmq.PULL, endpoints.scheduler, bind=True)
         detok_sock = ipc.socket(ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
