@@ -57,8 +57,11 @@ def prompts(kind: str, round_no: int, n: int, seed: int) -> list[str]:
     ]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, text: str, args) -> tuple[bool, int, str]:
-    """One streaming chat request: (ok, output tokens from the final usage chunk, error)."""
+async def one_request(
+    client: httpx.AsyncClient, url: str, text: str, args, leave_after: int | None = None
+) -> tuple[bool, int, str]:
+    """One streaming chat request: (ok, output tokens from the final usage chunk, error). With
+    `leave_after` the client disconnects after that many chunks (the server aborts the request)."""
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": text}],
@@ -67,7 +70,7 @@ async def one_request(client: httpx.AsyncClient, url: str, text: str, args) -> t
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    tokens = 0
+    tokens = chunks = 0
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -75,6 +78,9 @@ async def one_request(client: httpx.AsyncClient, url: str, text: str, args) -> t
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                chunks += 1
+                if leave_after is not None and chunks >= leave_after:
+                    return True, 0, ""  # gone mid-stream: the server aborts it
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
@@ -83,16 +89,21 @@ async def one_request(client: httpx.AsyncClient, url: str, text: str, args) -> t
         return False, 0, f"{type(e).__name__}: {e}"
 
 
-async def one_round(url: str, texts: list[str], args) -> dict:
+async def one_round(url: str, texts: list[str], args, abort_share: float = 0.0) -> dict:
+    """All of `texts` at once; every 1/abort_share-th client leaves after its second chunk."""
     limits = httpx.Limits(max_connections=len(texts), max_keepalive_connections=len(texts))
+    every = round(1 / abort_share) if abort_share > 0 else 0
+    leave = [2 if every and i % every == 0 else None for i in range(len(texts))]
     t0 = time.monotonic()
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
-        results = await asyncio.gather(*(one_request(client, url, t, args) for t in texts))
+        jobs = [one_request(client, url, t, args, after) for t, after in zip(texts, leave)]
+        results = await asyncio.gather(*jobs)
     wall = time.monotonic() - t0
     tokens = sum(n for _, n, _ in results)
     errors = [e for ok, _, e in results if not ok]
     return {
         "requests": len(texts),
+        "left_mid_stream": sum(after is not None for after in leave),
         "failed": len(errors),
         "errors": sorted(set(errors))[:5],
         "wall_s": round(wall, 2),
@@ -139,7 +150,7 @@ def run_config(url: str, pid: int | None, kind: str, args) -> dict:
     before = memory_snapshot(pid, wait_idle(url))
     for r in range(args.rounds):
         texts = prompts(kind, r, args.concurrency, args.seed)
-        row = asyncio.run(one_round(url, texts, args))
+        row = asyncio.run(one_round(url, texts, args, args.abort_share))
         row.update(memory_snapshot(pid, wait_idle(url)))
         row["scheduler_rss_mb"] = scheduler_rss(row)
         rows.append(row)
@@ -204,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative", default="on,off", help="on (the default suffix), off, or both")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--abort-share", type=float, default=0.0, help="share of clients that leave mid-stream")
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-args", default="", help="extra args for the servers it starts")

@@ -12,7 +12,8 @@ batch client does.
 
 Prints a table and writes bench/results/<name>.json (+ .png): per workload, CPU ms per step (mean, p50,
 p99) split into extend and decode steps, steps and requests per second, and the share of steps that
-admitted work.
+admitted work. Then the queue-depth check (`--queue-depths`): CPU ms per decode step with 64 requests running
+and 10 or 1,000 waiting behind them (the default speculative decoding on), which must stay within 10 %.
 """
 
 from __future__ import annotations
@@ -110,6 +111,29 @@ def run_workload(kind: str, args: argparse.Namespace, tokenizer) -> dict:
     }
 
 
+def run_queue_depth(depth: int, args: argparse.Namespace, tokenizer, steps: int = 60) -> dict:
+    """CPU ms per step with `args.max_running` requests decoding and `depth` more waiting (none finish)."""
+    sargs = ServerArgs(
+        model="default", device="cpu", dtype="float32", log_interval=0,
+        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running,
+        max_queued_requests=depth + args.max_running, schedule_policy=args.policy,
+    )  # fmt: skip
+    s = Scheduler(sargs, "", runner=NullRunner(args.vocab, args.max_total_tokens, args.max_running, 8192),
+                  tokenizer=tokenizer)  # fmt: skip
+    params = SamplingParams(max_new_tokens=4 * steps, temperature=0.7, ignore_eos=True)
+    for i, ids in enumerate(workload("distinct", depth + args.max_running, args.seed)):
+        s.handle(TokenizedGenerateReq(rid=f"q{depth}-{i}", input_ids=ids, sampling_params=params))
+    while len(s.running) < args.max_running:  # admission: prefill the first max_running
+        s.step()
+    ms = []
+    for _ in range(steps):
+        c0 = time.process_time()
+        s.step()
+        ms.append((time.process_time() - c0) * 1e3)
+    assert len(s.waiting) == depth, "a waiting request was admitted: none may finish while measuring"
+    return {"waiting": depth, "running": len(s.running), "step_ms": summarize(ms)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000)
@@ -120,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="lpm")
     ap.add_argument("--workloads", default="shared,distinct")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--queue-depths", default="10,1000", help="waiting requests behind the running ones")
     ap.add_argument("--name", default="scheduler_overhead")
     ap.add_argument("--results-dir", default=None, help="where the JSON and PNG go (default bench/results)")
     args = ap.parse_args(argv)
@@ -136,7 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['workload']:10s}{a['n']:8d}{a['mean']:10.2f}{a['p50']:10.2f}{a['p99']:10.2f}"
               f"{e['mean']:11.2f}{d['mean']:11.2f}{r['requests_per_cpu_s']:11.1f}"
               f"{r['cache_hit_rate']:10.3f}")  # fmt: skip
-    write_results(args.name, vars(args), {"workloads": rows}, results_dir=args.results_dir)
+    depths = [run_queue_depth(int(d), args, tokenizer) for d in args.queue_depths.split(",") if d]
+    for d in depths:
+        st = d["step_ms"]
+        print(f"{d['running']} running, {d['waiting']:5d} waiting: {st['mean']:.2f} ms per step (p50 "
+              f"{st['p50']:.2f}, p99 {st['p99']:.2f})")  # fmt: skip
+    if len(depths) > 1:
+        ratio = depths[-1]["step_ms"]["p50"] / depths[0]["step_ms"]["p50"]
+        print(f"deepest / shallowest queue, median step: {ratio:.3f} (target <= 1.10)")
+    write_results(
+        args.name, vars(args), {"workloads": rows, "queue_depth": depths}, results_dir=args.results_dir
+    )
     bar_chart(
         plot_path(args.name, args.results_dir),
         [r["workload"] for r in rows],

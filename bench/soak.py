@@ -4,15 +4,18 @@ Load (seeded): native /generate streaming and not, OpenAI chat streaming and not
 (when the server accepts it), prompts sharing prefixes (radix cache), clients that vanish mid-stream or mid-
 request, /abort_request of running requests, and hostile requests (each must get its expected status: bodies
 that once took a server down, oversized fields, a cross-site text/plain abort, a deadline). A sampler records
-the RSS of the server and each child and /get_server_info over time. At the end the server must be idle with
-every KV slot free or cached, and a flush must free them all.
+the RSS of the server and each child and /get_server_info over time. Burst phases (`--bursts`, spread over
+the run) open `--burst-size` streaming chat requests at once beside that load (bench/burst.py's client); the
+scheduler's RSS after the last burst may exceed its RSS after the first by at most BURST_GROWTH_MB_PER_1K per
+1,000 burst requests in between plus BURST_GROWTH_SLACK_MB (the mixed load's own transients). At the end the
+server must be idle with every KV slot free or cached, and a flush must free them all.
 
     python -m bench.soak --minutes 10               # starts its own server on a free port
     python -m bench.soak --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
 
 Prints a summary table and writes bench/results/soak.json and soak.png (a server it starts logs to
-$TMPDIR/radixlm-soak-server-<pid>.log). Exit status 1 if the accounting check fails, the server died, or any
-request got a 5xx other than an overload 503.
+$TMPDIR/radixlm-soak-server-<pid>.log). Exit status 1 if the accounting check fails, the server died, any
+request got a 5xx other than an overload 503, or the bursts' growth bound is missed.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ QUESTIONS = (
     "How many legs does a spider have?",
 )
 REGEX = r"(yes|no), because [a-z ]{5,20}\."
+BURST_GROWTH_MB_PER_1K = 50.0  # bench/burst.py's target, per 1,000 burst requests
+BURST_GROWTH_SLACK_MB = 64.0  # what the soak's own mixed requests hold at any moment
 SCHEMA = {
     "type": "object",
     "required": ["answer", "confidence"],
@@ -336,6 +341,43 @@ class Sampler(threading.Thread):
             self.stop.wait(self.interval)
 
 
+class Bursts(threading.Thread):
+    """`count` bursts of `size` concurrent streaming chat requests, at (i + 0.5) / count of the load phase;
+    after each, the scheduler's RSS (its own memory report)."""
+
+    def __init__(self, url: str, count: int, size: int, seed: int, t0: float, deadline: float):
+        super().__init__(daemon=True)
+        self.url, self.count, self.size, self.seed = url, count, size, seed
+        self.at = [t0 + (i + 0.5) / count * (deadline - t0) for i in range(count)] if count else []
+        self.results: list[dict] = []
+        self.t0 = t0
+
+    def run(self) -> None:
+        import asyncio
+
+        from bench.burst import one_round, prompts
+
+        client = argparse.Namespace(max_new_tokens=16, temperature=0.7, request_timeout=600.0)
+        for i, at in enumerate(self.at):
+            time.sleep(max(0.0, at - time.monotonic()))
+            res = asyncio.run(one_round(self.url, prompts("distinct", i, self.size, self.seed), client))
+            info = requests.get(self.url + "/get_server_info", timeout=60).json()
+            res.update(t=round(time.monotonic() - self.t0, 1), scheduler_rss_mb=info["memory"]["rss_mb"])
+            self.results.append(res)
+
+    def verdict(self) -> dict:
+        """Growth of the scheduler's RSS from the first burst's end to the last's, against its bound."""
+        if len(self.results) < 2:
+            return {"ok": not any(r["failed"] for r in self.results), "bursts": self.results}
+        first, last = self.results[0], self.results[-1]
+        later = sum(r["requests"] for r in self.results[1:])
+        growth = last["scheduler_rss_mb"] - first["scheduler_rss_mb"]
+        bound = BURST_GROWTH_MB_PER_1K * later / 1000 + BURST_GROWTH_SLACK_MB
+        failed = sum(r["failed"] for r in self.results)
+        return {"growth_mb": round(growth, 1), "bound_mb": round(bound, 1), "failed": failed,
+                "ok": growth <= bound and not failed, "bursts": self.results}  # fmt: skip
+
+
 # ---- end-of-run checks and reporting -----------------------------------------------------------------------
 def final_checks(url: str, idle_timeout: float = 300) -> dict:
     """Idle, no KV held by requests, free + cached == pool, and a flush frees everything."""
@@ -469,11 +511,13 @@ def run(args: argparse.Namespace, url: str, pid: int | None, server_alive) -> in
     workers = [
         threading.Thread(target=load.worker, args=(i, deadline), daemon=True) for i in range(args.concurrency)
     ]
-    for t in workers:
+    bursts = Bursts(url, args.bursts, args.burst_size, args.seed, load.t0, deadline)
+    for t in [*workers, bursts]:
         t.start()
-    for t in workers:  # every request has a client timeout, so workers stop soon after the deadline
-        t.join(timeout=max(0.0, deadline - time.monotonic()) + 400)
+    for t in [*workers, bursts]:  # every request has a client timeout: they stop soon after the deadline
+        t.join(timeout=max(0.0, deadline - time.monotonic()) + 600)
     wall = time.monotonic() - load.t0
+    burst = bursts.verdict()
     checks = final_checks(url)
     sampler.stop.set()
     sampler.join(timeout=60)
@@ -481,18 +525,28 @@ def run(args: argparse.Namespace, url: str, pid: int | None, server_alive) -> in
         records = list(load.records)
     summary, trend = summarize(records, wall), rss_trend(sampler.samples, sampler.roles)
     ok = (
-        checks["ok"] and not summary["server_errors"] and not summary["hostile_unexpected"] and server_alive()
+        checks["ok"]
+        and not summary["server_errors"]
+        and not summary["hostile_unexpected"]
+        and burst["ok"]
+        and server_alive()
     )
     out = Path(args.out)
     result = {"name": "soak", "ok": ok, "config": vars(args), "constrained": load.constrained,
               "environment": {"python": platform.python_version(), "machine": platform.machine(),
                               "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
               "wall_s": round(wall, 1), "summary": summary, "rss": trend, "final_checks": checks,
+              "bursts": burst,
               "roles": sampler.roles, "samples": sampler.samples,
               "records": [asdict(r) for r in records]}  # fmt: skip
     out.write_text(json.dumps(result, indent=1))
     plot(sampler.samples, sampler.roles, records, out.with_suffix(".png"))
     print_table(summary, checks, trend, wall)
+    if burst["bursts"]:
+        rows = ", ".join(f"{r['requests'] - r['failed']}/{r['requests']} ok, {r['scheduler_rss_mb']:.0f} MB"
+                         for r in burst["bursts"])  # fmt: skip
+        print(f"bursts: {rows}; growth {burst.get('growth_mb')} MB (bound {burst.get('bound_mb')}): "
+              f"{'OK' if burst['ok'] else 'MISSED'}")  # fmt: skip
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0 if ok else 1
 
@@ -505,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="client threads (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=24, help="upper bound of a normal request's length")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bursts", type=int, default=3, help="burst phases spread over the run (0: none)")
+    ap.add_argument("--burst-size", type=int, default=500, help="concurrent streaming requests per burst")
     ap.add_argument("--no-constrained", action="store_true", help="leave regex / JSON-schema requests out")
     ap.add_argument("--sample-interval", type=float, default=2.0, help="seconds between RSS / info samples")
     ap.add_argument(

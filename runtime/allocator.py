@@ -11,6 +11,7 @@ threshold of MMAP_THRESHOLD puts every buffer of that size in its own mapping, u
 growth fell to ~8 MB per 1,000 requests at the same throughput. `trim()` returns what the heap still holds
 free (called when the scheduler goes idle).
 
+`RADIXLM_MMAP_THRESHOLD` (bytes) overrides the threshold; 0 leaves glibc's dynamic one (for comparisons).
 Standard library only (ctypes); a no-op where the C library is not glibc.
 """
 
@@ -55,9 +56,12 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-def configure(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold (which also ends its dynamic raising); False where there is no glibc."""
-    if _LIBC is None:
+def configure(mmap_threshold: int | None = None) -> bool:
+    """Fix glibc's mmap threshold (which also ends its dynamic raising): `mmap_threshold`, else
+    $RADIXLM_MMAP_THRESHOLD, else MMAP_THRESHOLD. False where there is no glibc or the setting is 0."""
+    if mmap_threshold is None:
+        mmap_threshold = int(os.environ.get("RADIXLM_MMAP_THRESHOLD", MMAP_THRESHOLD))
+    if _LIBC is None or mmap_threshold <= 0:
         return False
     return bool(_LIBC.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)))
 

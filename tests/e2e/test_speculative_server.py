@@ -141,3 +141,26 @@ def test_a_request_turns_its_speculation_off(spec_url):
     ):
         r = requests.post(spec_url + url, json=bad, timeout=600)
         assert r.status_code == 400 and "speculative_num_draft_tokens must be in [0, 32]" in r.text, r.text
+
+
+def test_a_burst_with_clients_leaving_mid_stream_leaves_nothing_per_request(spec_url):
+    """60 streaming chat requests at once (bench/burst.py's client), every third client gone after two
+    chunks: every request is answered, and once idle the scheduler holds no request, no request's drafting
+    state and no KV for one, and reports its memory (RSS, heap, structures within their caps)."""
+    import argparse
+    import asyncio
+
+    from bench.burst import one_round, prompts, wait_idle
+
+    client = argparse.Namespace(max_new_tokens=16, temperature=0.7, request_timeout=600.0)
+    res = asyncio.run(one_round(spec_url, prompts("distinct", 0, 60, seed=3), client, abort_share=1 / 3))
+    assert res["failed"] == 0 and res["left_mid_stream"] == 20, res
+    assert res["output_tokens"] > 0
+    info = wait_idle(spec_url)
+    assert info["num_running_reqs"] == 0 and info["num_queued_reqs"] == 0
+    assert info["request_held_tokens"] == 0, info
+    mem = info["memory"]
+    parts = mem["structures"]
+    assert parts["requests"]["entries"] == 0 and parts["spec_requests"]["entries"] == 0
+    assert 0 < parts["spec_shared_index"]["bytes"] <= parts["spec_shared_index"]["cap_bytes"]
+    assert mem["rss_mb"] > 100 and mem["guard_sheds"] == 0
