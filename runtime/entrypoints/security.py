@@ -85,15 +85,24 @@ def _bearer_matches(authorization: bytes, key: str | None) -> bool:
     return key is not None and hmac.compare_digest(authorization, f"Bearer {key}".encode())
 
 
+def _key_matches(authorization: bytes, x_api_key: bytes, key: str | None) -> bool:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's) carries `key`. Both
+    compared in constant time, both always (no short cut on which header is present)."""
+    if key is None:
+        return False
+    return _bearer_matches(authorization, key) | hmac.compare_digest(x_api_key, key.encode())
+
+
 def require_admin(request: Request, args: ServerArgs, what: str) -> None:
     """403 unless the request carries the admin key (when --admin-api-key is set; else anyone may)."""
     if args.admin_api_key is None:
         return
     authorization = request.headers.get("authorization", "").encode("latin-1")
-    if not _bearer_matches(authorization, args.admin_api_key):
+    x_api_key = request.headers.get("x-api-key", "").encode("latin-1")
+    if not _key_matches(authorization, x_api_key, args.admin_api_key):
         raise RequestError(
-            f"{what} is an admin operation: it needs 'Authorization: Bearer ADMIN_KEY' (--admin-api-key); "
-            "the normal API key does not grant it",
+            f"{what} is an admin operation: it needs 'Authorization: Bearer ADMIN_KEY' or "
+            "'x-api-key: ADMIN_KEY' (--admin-api-key); the normal API key does not grant it",
             403,
         )
 
@@ -119,13 +128,13 @@ class Guard:
                     "with --allowed-hosts"
                 )
         if args.api_key and scope["path"] != "/health":
-            authorization = headers.get(b"authorization", b"")
+            authorization, x_api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
             # The admin key grants everything the normal key does.
             if not (
-                _bearer_matches(authorization, args.api_key)
-                | _bearer_matches(authorization, args.admin_api_key)
+                _key_matches(authorization, x_api_key, args.api_key)
+                | _key_matches(authorization, x_api_key, args.admin_api_key)
             ):
-                return 401, "missing or invalid API key (use 'Authorization: Bearer KEY')"
+                return 401, "missing or invalid API key (use 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
         if scope["method"].encode() not in _SAFE_METHODS:
             content_type = headers.get(b"content-type")
             if content_type is None:

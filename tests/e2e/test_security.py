@@ -151,7 +151,9 @@ def test_api_key_guards_every_route_but_health(srv):
         {"Authorization": f"Bearer {KEY}x"},
         {"Authorization": KEY},
         {"Authorization": f"Bearer {KEY[:-1]}"},
-        {"X-API-Key": KEY},
+        {"X-API-Key": "wrong"},
+        {"X-API-Key": f"Bearer {KEY}"},
+        {"X-API-Key": KEY[:-1]},
     ]
     for method, path in _routes(server):
         body = VALID_BODIES.get(path, {}) if method == "POST" else None
@@ -169,8 +171,14 @@ def test_api_key_guards_every_route_but_health(srv):
         ok = PAST_GUARD_STATUS.get(path, 200)
         r = requests.request(method, server.url + path, json=body, headers=ADMIN, timeout=300)
         assert r.status_code == ok, (method, path, r.status_code, r.text)
-        r = requests.request(method, server.url + path, json=body, headers=AUTH, timeout=300)
-        assert r.status_code == (403 if path in ADMIN_ROUTES else ok), (method, path, r.status_code, r.text)
+        for key_headers in (AUTH, {"x-api-key": KEY}):  # OpenAI's header and Anthropic's
+            r = requests.request(method, server.url + path, json=body, headers=key_headers, timeout=300)
+            assert r.status_code == (403 if path in ADMIN_ROUTES else ok), (
+                method,
+                path,
+                r.status_code,
+                r.text,
+            )
     # Unknown paths and other methods do not reveal anything without the key either.
     for method, path in [
         ("GET", "/nope"),
@@ -201,6 +209,22 @@ def test_openai_client_with_and_without_key(srv):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_anthropic_client_with_and_without_key(srv):
+    """anthropic.Anthropic(api_key=KEY) sends `x-api-key: KEY`: accepted like a bearer token; a wrong one is
+    a 401 the client reports as an authentication error; admin routes need the admin key either way."""
+    anthropic = pytest.importorskip("anthropic")
+    server, _ = srv
+    good = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
+    msg = good.messages.create(model="default", max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
+    assert msg.usage.output_tokens >= 1
+    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.create(model="default", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    flush = server.url + "/flush_cache"
+    assert requests.post(flush, headers={"x-api-key": KEY}, timeout=60).status_code == 403
+    assert requests.post(flush, headers={"x-api-key": ADMIN_KEY}, timeout=60).status_code == 200
 
 
 def test_ipc_directory_is_private(srv):
