@@ -49,6 +49,7 @@ class GetServerInfoReq(Message):
 
 class ReleaseSessionReq(Message):
     session_id: str
+    cache_salt: str | None = None  # a session is its id within its salt
 
 
 # ---- Scheduler -> TokenizerManager (control replies) ------------------------------------------------------

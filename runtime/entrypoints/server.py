@@ -21,7 +21,12 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.entrypoints.generate_input import SESSION_HEADER, check_unicode, parse_generate_body
+from runtime.entrypoints.generate_input import (
+    SESSION_HEADER,
+    check_unicode,
+    parse_cache_salt,
+    parse_generate_body,
+)
 from runtime.entrypoints.http_common import (
     FastJSONResponse,
     error_response,
@@ -110,9 +115,14 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         return FastJSONResponse(results if is_batch or len(results) > 1 else results[0])
 
     @app.delete("/v1/sessions/{session_id}")
-    async def release_session(session_id: str):
-        """Unpin a session's cached tokens now (they stay in the cache as ordinary LRU entries)."""
-        released = await tm.release_session(session_id)
+    async def release_session(session_id: str, cache_salt: str | None = None):
+        """Unpin a session's cached tokens now (they stay in the cache as ordinary LRU entries). A session
+        is its id within its `cache_salt` (query parameter; none for unsalted requests)."""
+        try:
+            salt = parse_cache_salt(cache_salt)
+        except ValueError as e:
+            raise RequestError(str(e), 400) from None
+        released = await tm.release_session(session_id, salt)
         if not released:
             return error_response(404, f"session {session_id!r} holds no pinned tokens")
         return {"session_id": session_id, "released_tokens": released}

@@ -317,3 +317,29 @@ def test_session_cache_miss_explainer(server_url):
     assert details["cached_tokens"] <= miss["index"] < r.json()["usage"]["prompt_tokens"]
     assert "rainbow" in miss["previous_text"] and "rainbov" in miss["new_text"], miss
     requests.delete(f"{server_url}/v1/sessions/{sid}", timeout=HTTP_TIMEOUT_S)
+
+
+def test_session_of_another_salt_reveals_nothing(server_url):
+    """A session is its id within its cache salt: a request of another salt naming a victim's session id
+    gets no explanation (no text of the victim's), does not replace the victim's pin and cannot delete it."""
+    sid = f"victim-{uuid.uuid4().hex[:8]}"
+    url = server_url + "/v1/chat/completions"
+    secret = f"[{sid}] my secret passphrase is purple-otter-42, remember it"
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "session_id": sid}
+    victim = {**body, "messages": [{"role": "user", "content": secret}], "cache_salt": "victim"}
+    r = requests.post(url, json=victim, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    probe = {
+        **body,
+        "messages": [{"role": "user", "content": secret[:20] + " guess"}],
+        "cache_salt": "attacker",
+    }
+    r = requests.post(url, json=probe, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    assert "cache_miss" not in details and "purple" not in r.text, details
+    assert requests.delete(f"{server_url}/v1/sessions/{sid}", timeout=HTTP_TIMEOUT_S).status_code == 404
+    r = requests.delete(f"{server_url}/v1/sessions/{sid}?cache_salt=attacker", timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200  # the attacker's own session (its probe was pinned under its salt)
+    r = requests.delete(f"{server_url}/v1/sessions/{sid}?cache_salt=victim", timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["released_tokens"] > 0, r.text

@@ -45,6 +45,18 @@ def test_new_pin_of_a_session_replaces_its_old_one():
     assert cache.protected_size() == 0
 
 
+def test_a_session_is_its_id_within_its_salt():
+    """Another salt naming the same session id neither replaces nor releases its pin."""
+    cache = cached(list(range(12)))
+    pins = SessionPins(cache, max_pinned_tokens=100)
+    pins.pin("s", list(range(12)), ttl_s=60, salt="victim")
+    pins.pin("s", list(range(4)), ttl_s=60, salt="other")  # a second session, not a replacement
+    assert (len(pins), pins.pinned_tokens) == (2, 16) and cache.protected_size() == 12
+    assert pins.release("s") == 0 and pins.release("s", salt="other") == 4
+    assert cache.protected_size() == 12  # the victim's path is still pinned
+    assert pins.release("s", salt="victim") == 12 and cache.protected_size() == 0
+
+
 def test_ttl_expiry_releases():
     cache = cached(list(range(8)))
     pins = SessionPins(cache, max_pinned_tokens=100)
@@ -162,7 +174,7 @@ def explainer(tokens: list[int], salt=None, state="pinned") -> SessionPins:
     pins = SessionPins(RadixCache(), max_pinned_tokens=100)
     pins.remember("s", tokens, salt, pinned=True)
     if state != "pinned":
-        pins._records["s"].state = state
+        pins._records[(salt, "s")].state = state
     return pins
 
 
@@ -178,14 +190,17 @@ def test_explainer_names_a_diverged_history():
     assert miss["previous_text"].split()[8] == "125" and miss["new_text"].split()[8] == "7"
 
 
-def test_explainer_names_eviction_expiry_and_salt():
+def test_explainer_names_eviction_and_expiry():
     prev = list(range(100, 140))
     prompt = prev + [1, 2]
     assert explainer(prev).explain("s", prompt, None, cached=39, decode=decode) is None  # all reused
     miss = explainer(prev).explain("s", prompt, None, cached=10, decode=decode)
     assert (miss["reason"], miss["index"], miss["expected_cached_tokens"]) == ("evicted", 10, 39)
     assert explainer(prev, state="expired").explain("s", prompt, None, 0, decode)["reason"] == "expired"
-    assert explainer(prev, salt="a").explain("s", prompt, "b", 0, decode)["reason"] == "salt"
+    # another salt's request naming the same session learns nothing of it (no text, no reason)
+    assert explainer(prev, salt="a").explain("s", prompt, "b", 0, decode) is None
+    assert explainer(prev, salt="a").explain("s", prompt, None, 0, decode) is None
+    assert explainer(prev, salt="a").explain("s", prompt, "a", 0, decode)["reason"] == "evicted"
     assert explainer(prev).explain("other", prompt, None, 0, decode) is None  # no history: nothing to say
 
 

@@ -115,7 +115,7 @@ class Scheduler:
         elif isinstance(msg, GetServerInfoReq):
             return ServerInfoResp(info=self.server_info())
         elif isinstance(msg, ReleaseSessionReq):
-            return ReleaseSessionResp(released_tokens=self.sessions.release(msg.session_id))
+            return ReleaseSessionResp(released_tokens=self.sessions.release(msg.session_id, msg.cache_salt))
         else:
             raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         return None
@@ -516,7 +516,7 @@ class Scheduler:
             key = req.cache_key(req.kv_len) if session else None
             self.cm.release(req, cache_tokens=True)
         if session:
-            pinned = bool(key) and self.sessions.pin(session, key, req.cache_ttl_s)
+            pinned = bool(key) and self.sessions.pin(session, key, req.cache_ttl_s, req.cache_salt)
             self.sessions.remember(session, req.all_ids, req.cache_salt, pinned)
         if self.spec is not None:
             self.spec.learn(req, self.stats)

@@ -33,7 +33,6 @@ class SessionRecord:
     """A session's last finished request, for explaining the next one's cache misses."""
 
     tokens: np.ndarray  # int32: its prompt + output
-    salt: str | None
     state: str = "pinned"  # or why its pin ended: expired, deleted, evicted_for_limit, evicted_for_memory
 
 
@@ -45,27 +44,36 @@ class Pin:
     on_host: bool = False  # `node` is in the host tier's tree (demoted past --max-pinned-tokens)
 
 
+SessionKey = tuple[str | None, str]  # (cache salt, session id)
+
+
 class SessionPins:
+    """A session is its id *within its cache salt*: a request of another salt naming the same id has no
+    pin, no record and no explanation of this one, and cannot replace or release its pin. (Keyed by the id
+    alone, another salt's request got the text around the divergence from the session's last request, and
+    walked a victim's prompt 8 tokens at a time.)"""
+
     def __init__(self, cache: BasePrefixCache, max_pinned_tokens: int, host: HostTier | None = None):
         self.cache = cache
         self.host = host
         self.max_pinned_tokens = max_pinned_tokens
-        self._pins: OrderedDict[str, Pin] = OrderedDict()  # oldest first
+        self._pins: OrderedDict[SessionKey, Pin] = OrderedDict()  # oldest first
         self.pinned_tokens = 0  # sum of the device pins' path lengths (an upper bound of what they protect)
         self.host_pinned_tokens = 0  # the same for pins demoted to the host tier
         self.counts = dict(
             pinned=0, expired=0, deleted=0, evicted_for_limit=0, evicted_for_memory=0, demoted_to_host=0
         )
-        self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently finished first
+        self._records: OrderedDict[SessionKey, SessionRecord] = OrderedDict()  # least recently finished first
         self.record_tokens = 0  # tokens held by `_records`, kept under MAX_SESSION_RECORD_TOKENS
 
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, session_id: str, key: list[int], ttl_s: float) -> bool:
+    def pin(self, session_id: str, key: list[int], ttl_s: float, salt: str | None = None) -> bool:
         """Lock the cached path of `key` (a request's cache key, just inserted) for `ttl_s` seconds; False
         when nothing was pinned (TTL 0, no cache, or longer than the limit)."""
-        self.release(session_id, reason=None)
+        sid = (salt, session_id)
+        self._release(sid, reason=None)
         if ttl_s <= 0 or not self.cache.enabled or len(key) > self.max_pinned_tokens:
             return False
         res = self.cache.match_prefix(key)
@@ -76,18 +84,21 @@ class SessionPins:
             if oldest is None:
                 break
             if not self._demote(oldest):
-                self.release(oldest, reason="evicted_for_limit")
+                self._release(oldest, reason="evicted_for_limit")
         node = self.cache.exact_node(res.last_node, res.indices.numel())
         self.cache.lock(node)
-        self._pins[session_id] = Pin(node, res.indices.numel(), time.monotonic() + ttl_s)
+        self._pins[sid] = Pin(node, res.indices.numel(), time.monotonic() + ttl_s)
         self.pinned_tokens += res.indices.numel()
         self.counts["pinned"] += 1
         return True
 
-    def release(self, session_id: str, reason: str | None = "deleted") -> int:
-        """Unlock the session's pin; returns the tokens it pinned (0: it had none). `reason` names the
-        counter to bump (None: replaced by the session's own newer pin)."""
-        pin = self._pins.pop(session_id, None)
+    def release(self, session_id: str, salt: str | None = None, reason: str | None = "deleted") -> int:
+        """Unlock the pin of session `session_id` of salt `salt`; returns the tokens it pinned (0: it had
+        none). `reason` names the counter to bump (None: replaced by the session's own newer pin)."""
+        return self._release((salt, session_id), reason)
+
+    def _release(self, sid: SessionKey, reason: str | None) -> int:
+        pin = self._pins.pop(sid, None)
         if pin is None:
             return 0
         if pin.on_host:
@@ -98,14 +109,14 @@ class SessionPins:
             self.pinned_tokens -= pin.tokens
         if reason:
             self.counts[reason] += 1
-            if session_id in self._records:
-                self._records[session_id].state = reason
+            if sid in self._records:
+                self._records[sid].state = reason
         return pin.tokens
 
-    def _demote(self, session_id: str) -> bool:
+    def _demote(self, sid: SessionKey) -> bool:
         """Move a device pin to the host tier (copy its path there, lock it there, unlock it here). False
         when there is no host tier or it has no room."""
-        pin = self._pins[session_id]
+        pin = self._pins[sid]
         if self.host is None or not isinstance(self.cache, RadixCache):
             return False
         key, slots = self.cache.path(pin.node)
@@ -125,28 +136,29 @@ class SessionPins:
     def expire(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for sid in [s for s, p in self._pins.items() if p.expires_at <= now]:
-            self.release(sid, reason="expired")
+            self._release(sid, reason="expired")
 
     def release_oldest(self) -> bool:
         """Memory is short: drop the oldest pin. False when there is none."""
         oldest = next((s for s, p in self._pins.items() if not p.on_host), None)
         if oldest is None:  # host pins hold no device memory
             return False
-        self.release(oldest, reason="evicted_for_memory")
+        self._release(oldest, reason="evicted_for_memory")
         return True
 
     def release_all(self) -> None:
         for sid in list(self._pins):
-            self.release(sid, reason=None)
+            self._release(sid, reason=None)
 
     # ---- the cache-miss explainer ------------------------------------------------------------------------
     def remember(self, session_id: str, tokens: list[int], salt: str | None, pinned: bool) -> None:
         """Record a session's finished request (prompt + output) for explaining its next one."""
-        old = self._records.pop(session_id, None)
+        sid = (salt, session_id)
+        old = self._records.pop(sid, None)
         if old is not None:
             self.record_tokens -= len(old.tokens)
         state = "pinned" if pinned else "expired"  # no pin (TTL 0, or over the limit): as good as expired
-        self._records[session_id] = SessionRecord(np.asarray(tokens, dtype=np.int32), salt, state)
+        self._records[sid] = SessionRecord(np.asarray(tokens, dtype=np.int32), state)
         self.record_tokens += len(tokens)
         while len(self._records) > MAX_SESSION_RECORDS or self.record_tokens > MAX_SESSION_RECORD_TOKENS:
             self.record_tokens -= len(self._records.popitem(last=False)[1].tokens)
@@ -168,8 +180,8 @@ class SessionPins:
     ) -> dict | None:
         """Why a session's request found fewer cached tokens than its previous request left behind, or where
         its prompt stopped repeating that request's tokens; None when nothing was lost. `decode`: token ids
-        -> text, for the snippets around the divergence."""
-        rec = self._records.get(session_id)
+        -> text, for the snippets around the divergence. Only a record of the request's own salt is read."""
+        rec = self._records.get((salt, session_id))
         if rec is None or not prompt:
             return None
         prev = rec.tokens
@@ -179,11 +191,8 @@ class SessionPins:
         # what the previous request could leave cached: its tokens but the last (never had KV), and never
         # the last prompt token (its logits must be computed)
         reachable = min(common, len(prev) - 1, len(prompt) - 1)
-        if cached < reachable:
-            if rec.salt != salt:
-                reason = "salt"
-            else:  # a pin taken by a limit, a DELETE or a flush, then LRU: evicted
-                reason = "expired" if rec.state == "expired" else "evicted"
+        if cached < reachable:  # a pin taken by a limit, a DELETE or a flush, then LRU: evicted
+            reason = "expired" if rec.state == "expired" else "evicted"
             index = cached
         elif common < min(len(prev), len(prompt)):
             reason, index = "diverged", common

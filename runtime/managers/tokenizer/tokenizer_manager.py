@@ -496,9 +496,10 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheResp:
         return await self._control(FlushCacheReq(), FlushCacheResp)
 
-    async def release_session(self, session_id: str) -> int:
+    async def release_session(self, session_id: str, cache_salt: str | None = None) -> int:
         """Unpin a session's cached tokens (`DELETE /v1/sessions/{id}`); the tokens it pinned (0: none)."""
-        resp = await self._control(ReleaseSessionReq(session_id=session_id), ReleaseSessionResp)
+        msg = ReleaseSessionReq(session_id=session_id, cache_salt=cache_salt)
+        resp = await self._control(msg, ReleaseSessionResp)
         return resp.released_tokens
 
     async def server_info(self) -> dict[str, Any]:
