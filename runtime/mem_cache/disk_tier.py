@@ -12,6 +12,11 @@ long ago cannot keep every new prefix off the disk. Counts live in memory: after
 at 0 and its mtime orders them. On a lookup the longest run of consecutive blocks on disk is loaded; each
 file's header (identity, dtype, shape, tokens) is checked before use, and a file that fails (corrupt, another
 model or dtype, another prefix) is ignored with a warning and deleted, never used.
+
+The files hold every tenant's token ids (salted ids included), and a planted file would be read as KV: the
+directory must be ours and writable by nobody else (`cache_dir.private_dir`, else `UnsafeCacheDir`), files
+are created 0600 under an unpredictable temporary name with O_EXCL | O_NOFOLLOW (a planted symlink is
+never followed), and a file is read only when it is a regular file of ours that no one else can write.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import heapq
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
+from runtime.cache_dir import private_dir, unsafe_reason
 from runtime.mem_cache.memory_pool import KVPool
 
 logger = logging.getLogger("radixlm.disk_tier")
@@ -52,13 +59,14 @@ class DiskTier:
         self.identity = identity
         self.dtype = str(device_pool.dtype).removeprefix("torch.")
         self._salt = f"{identity}|{self.dtype}".encode()
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        private_dir(directory)  # UnsafeCacheDir when another user owns it or could write into it
         self._lock = threading.Lock()
         self._index: dict[str, _File] = {}
         for name in os.listdir(directory):
-            path = os.path.join(directory, name)
-            if name.endswith(SUFFIX) and os.path.isfile(path):
-                st = os.stat(path)
+            if not name.endswith(SUFFIX):
+                continue
+            st = os.lstat(os.path.join(directory, name))
+            if unsafe_reason(st) is None:  # a link, or a file another user could have written: not ours
                 self._index[name[: -len(SUFFIX)]] = _File(st.st_size, st.st_mtime)
         self._used = sum(f.size for f in self._index.values())
         self._age = 0.0  # the score of the last evicted file (LFU-DA's inflation level)
@@ -148,10 +156,12 @@ class DiskTier:
 
     def _write(self, name: str, entry: dict) -> None:
         path = os.path.join(self.dir, name + SUFFIX)
-        tmp = f"{path}.tmp{os.getpid()}"
+        tmp = f"{path}.tmp{secrets.token_hex(8)}"
         try:
-            torch.save(entry, tmp)
-            os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(entry, f)
+            os.replace(tmp, path)  # replaces a planted link itself, never its target
         finally:
             with self._lock:
                 self._pending.discard(name)
@@ -211,28 +221,34 @@ class DiskTier:
         k, v = torch.cat(ks, dim=1)[:, off:], torch.cat(vs, dim=1)[:, off:]
         return k, v, k.shape[1]
 
-    def _load(self, name: str, tokens: list[int]) -> dict | None:
-        path = os.path.join(self.dir, name + SUFFIX)
+    def _entry_problem(self, entry: object, tokens: list[int]) -> str | None:
+        """Why a loaded file is not the KV block of `tokens` for this model and dtype (None: it is)."""
         pool = self.device_pool
         shape = (pool.num_layers, BLOCK, pool.num_kv_heads, pool.head_dim)
+        if not isinstance(entry, dict):
+            return "not a KV block"
+        if entry.get("identity") != self.identity:
+            return f"another model ({str(entry.get('identity'))[:80]!r})"
+        if entry.get("dtype") != self.dtype:
+            return f"dtype {entry.get('dtype')!r}, this server runs {self.dtype!r}"
+        if entry.get("tokens") != [int(t) for t in tokens]:
+            return "another prefix"
+        for x in ("k", "v"):
+            t = entry.get(x)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != pool.dtype:
+                return "wrong KV shape or dtype"
+        return None
+
+    def _load(self, name: str, tokens: list[int]) -> dict | None:
+        path = os.path.join(self.dir, name + SUFFIX)
+        entry = None
         try:
-            entry = torch.load(path, map_location="cpu", weights_only=True)
-            problem = None
-            if not isinstance(entry, dict):
-                problem = "not a KV block"
-            elif entry.get("identity") != self.identity:
-                problem = f"another model ({str(entry.get('identity'))[:80]!r})"
-            elif entry.get("dtype") != self.dtype:
-                problem = f"dtype {entry.get('dtype')!r}, this server runs {self.dtype!r}"
-            elif entry.get("tokens") != [int(t) for t in tokens]:
-                problem = "another prefix"
-            elif any(
-                not isinstance(entry.get(x), torch.Tensor)
-                or tuple(entry[x].shape) != shape
-                or entry[x].dtype != pool.dtype
-                for x in ("k", "v")
-            ):
-                problem = "wrong KV shape or dtype"
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a link is refused (ELOOP)
+            with os.fdopen(fd, "rb") as f:
+                problem = unsafe_reason(os.fstat(f.fileno()))
+                if problem is None:
+                    entry = torch.load(f, map_location="cpu", weights_only=True)
+                    problem = self._entry_problem(entry, tokens)
         except Exception as e:  # unreadable, truncated, not a torch file
             entry, problem = None, f"unreadable ({type(e).__name__}: {str(e)[:120]})"
         if problem is None:

@@ -8,6 +8,7 @@ call here is local-only.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -91,6 +92,33 @@ def load_tokenizer(model_dir: str) -> Any:
     if not tok.chat_template:
         logger.warning("tokenizer in %s has no chat template: chat endpoints will not work", model_dir)
     return tok
+
+
+FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES = 16, 64 << 10
+
+
+def weights_fingerprint(model_dir: str) -> str:
+    """A hash of what makes this folder's KV what it is: config.json, and per safetensors file its name,
+    size, header (tensor names, dtypes, shapes, offsets) and 16 samples of 64 KB spread over its data, so a
+    fine-tune written over the same path (same shapes, other values) hashes differently. Reads ~1 MB per
+    file: cheap at start-up even for large models."""
+    folder = Path(model_dir)
+    h = hashlib.blake2b(digest_size=16, person=b"radixlm-weights")
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"|{path.name}|{size}|".encode())
+        with path.open("rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(f.read(min(header_len, size)))
+            data = 8 + header_len
+            span = max(0, size - data - FINGERPRINT_SAMPLE_BYTES)
+            for i in range(FINGERPRINT_SAMPLES):
+                f.seek(data + span * i // max(1, FINGERPRINT_SAMPLES - 1))
+                h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from runtime.cache_dir import UnsafeCacheDir
 from runtime.managers.scheduler.cache_manager import CacheManager
 from runtime.managers.scheduler.req import Req
 from runtime.mem_cache import disk_tier
@@ -136,6 +137,43 @@ def test_forged_corrupt_and_mismatched_files_are_refused_with_a_warning(tmp_path
     d.check_accounting([req])
 
 
+def test_the_directory_and_files_are_private(tmp_path):
+    """Another user's (here: a world-writable) directory is refused; written blocks are 0600 files and no
+    temporary file is left; a block file others could write, or a link planted under a block's name, is
+    never read even with the right content."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafeCacheDir, match="world-writable"):
+        make_cm(shared)
+    a_dir = tmp_path / "a"
+    a = make_cm(a_dir)
+    prompt = prompt_of(BLOCK + 1)
+    a.release(fill(a, prompt))
+    assert a.disk.flush()
+    (name,) = a.disk.block_names(prompt)
+    files = sorted(a_dir.iterdir())
+    assert [f.name for f in files] == [name + SUFFIX]
+    assert all((f.stat().st_mode & 0o777) == 0o600 for f in files)
+    block = a_dir / (name + SUFFIX)
+
+    def loaded() -> int:
+        cm = make_cm(a_dir)
+        req = Req(rid="r", prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))
+        cm.match(req)
+        assert cm.start(req)
+        return req.disk_loaded_len
+
+    assert loaded() == BLOCK  # the file as written is used
+    os.chmod(block, 0o666)  # another user could have written it
+    assert loaded() == 0
+    os.chmod(block, 0o600)
+    real = tmp_path / "elsewhere.kv"
+    block.rename(real)
+    block.symlink_to(real)  # a link planted under the block's name
+    assert loaded() == 0 and real.exists()
+
+
 def test_the_size_cap_drops_least_recently_used_files(tmp_path):
     one = make_cm(tmp_path)
     one.release(fill(one, prompt_of(BLOCK + 1)))
@@ -229,3 +267,23 @@ def test_server_args_check_the_disk_tier(tmp_path):
         ServerArgs(kv_disk_dir=str(tmp_path / "f"))
     with pytest.raises(ValueError, match="radix cache"):
         ServerArgs(kv_disk_dir=str(tmp_path), disable_radix_cache=True)
+
+
+def test_the_weights_fingerprint_tells_models_at_the_same_path_apart(tmp_path):
+    """The disk tier's identity hashes config.json and the weights' headers and sampled values: a fine-tune
+    (same names, shapes and dtypes) or another RoPE base written over the same folder gets other names."""
+    from safetensors.torch import save_file
+
+    from runtime.models.model_loader import weights_fingerprint
+
+    def write(seed: int, rope_theta: float) -> str:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {f"layer{i}.weight": torch.randn(256, 512, generator=gen) for i in range(3)}
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+        (tmp_path / "config.json").write_text(f'{{"rope_theta": {rope_theta}}}')
+        return weights_fingerprint(str(tmp_path))
+
+    base = write(0, 10000.0)
+    assert write(0, 10000.0) == base  # the same model again: the same identity (a restart reuses its KV)
+    assert write(1, 10000.0) != base  # fine-tuned values, same shapes
+    assert write(0, 500000.0) != base  # another RoPE base

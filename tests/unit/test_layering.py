@@ -81,7 +81,7 @@ ALLOWED = {
     # without the CLI; the options may name what the models offer (`--quantization`'s methods)
     "server_args": {"server_args", "models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
     "models": {"models", "mem_cache", "radixlm_kernels", "shared", "constrained"},
-    "mem_cache": {"mem_cache"},
+    "mem_cache": {"mem_cache", "shared"},  # cache_dir: the disk tier's directory and file checks
     "shared": {"shared"},
     "radixlm_kernels": {"radixlm_kernels"},
     "constrained": {"constrained"},

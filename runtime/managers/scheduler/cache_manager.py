@@ -25,6 +25,7 @@ that on the request (`tier_unloaded_len`) and the prefill adder lets it wait for
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -35,6 +36,7 @@ from runtime.mem_cache.disk_tier import BLOCK, DiskTier
 from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
+from runtime.models.model_loader import weights_fingerprint
 
 DECODE_RUN = 32  # slots a decoding request takes from the pool at a time (~3 pages of one layer's K)
 
@@ -389,11 +391,15 @@ def make_tiers(args, model_dir: str, runner) -> tuple[HostTier | None, DiskTier 
     disk = None
     if args.kv_disk_dir:
         c = runner.config
-        # what makes KV differ: the weights (their folder), quantization, the compute dtype (the pool's own
-        # dtype is DiskTier's: since --kv-cache-dtype they can differ) and the attention geometry
+        # what makes KV differ: the weights (their folder, and a hash of their config, headers and sampled
+        # values: another model written over the same path differs), quantization, the compute dtype (the
+        # pool's own dtype is DiskTier's: since --kv-cache-dtype they can differ), the attention geometry
+        # and RoPE (its frequencies and attention scaling, as the config resolved them)
+        rope = hashlib.blake2b(c.inv_freq.float().numpy().tobytes(), digest_size=8).hexdigest()
         identity = (
-            f"{os.path.realpath(model_dir)}|{args.quantization}|{args.dtype}|{c.architecture}|{c.num_layers}x"
-            f"{pool.num_kv_heads}x{pool.head_dim}|rope={getattr(c, 'rope_theta', '')}"
+            f"{os.path.realpath(model_dir)}|{weights_fingerprint(model_dir)}|{args.quantization}|{args.dtype}|"
+            f"{c.architecture}|{c.num_layers}x{pool.num_kv_heads}x{pool.head_dim}|"
+            f"rope={rope}x{c.rope_attention_scaling}"
         )
         disk = DiskTier(args.kv_disk_dir, int(args.kv_disk_gb * 2**30), pool, identity)
     return host, disk
