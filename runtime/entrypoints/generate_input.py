@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from runtime.errors import RequestError
 from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.sampling_params import SamplingParams
 
@@ -178,6 +179,14 @@ def _int(body: dict, name: str, default: int, low: int, high: int | None = None)
     if v < low or (high is not None and v > high):
         raise ValueError(f"'{name}' must be in [{low}, {high if high is not None else 'inf'}], got {v}")
     return v
+
+
+def check_body_unicode(body: Any) -> None:
+    """`check_unicode` over a pydantic body as the client sent it, as the 400 of every JSON route."""
+    try:
+        check_unicode(body.model_dump(exclude_unset=True))
+    except ValueError as e:
+        raise RequestError(str(e), 400) from None
 
 
 def check_unicode(value: Any) -> None:

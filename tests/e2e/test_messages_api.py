@@ -164,3 +164,16 @@ def test_validation_and_not_found_errors_in_anthropic_shape(client, server_url):
     with pytest.raises(anthropic.NotFoundError) as info:
         ask(client, model="no-such-model")
     assert info.value.body["error"]["type"] == "not_found_error"
+
+
+def test_count_tokens_and_messages_check_bounds_and_unicode_like_chat(server_url):
+    """count_tokens is bounded like a generation (--max-prompt-chars before rendering), and a lone surrogate
+    is a 400 naming its field on both routes (it was a 500 after generating)."""
+    url = server_url + "/v1/messages"
+    huge = {"model": "default", "messages": [{"role": "user", "content": "a" * 1_000_001}]}
+    r = httpx.post(url + "/count_tokens", json=huge, timeout=300)
+    assert r.status_code == 400 and "--max-prompt-chars" in r.text, r.text
+    lone = '{"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    for path in ("", "/count_tokens"):
+        r = httpx.post(url + path, content=lone, headers={"content-type": "application/json"}, timeout=300)
+        assert r.status_code == 400 and "lone surrogate" in r.text and "messages" in r.text, (path, r.text)

@@ -236,3 +236,11 @@ def test_errors_name_the_field(client, kw, field):
         ask(client, **kw)
     assert field in info.value.message
     assert ask(client, input="Hi", max_output_tokens=2).output  # still serving
+
+
+def test_lone_surrogate_is_a_400_naming_its_field(server_url):
+    body = '{"model": "default", "max_output_tokens": 4, "input": "hi \\udc00 there"}'
+    r = httpx.post(
+        server_url + "/v1/responses", content=body, headers={"content-type": "application/json"}, timeout=300
+    )
+    assert r.status_code == 400 and "lone surrogate" in r.text and "input" in r.text, r.text

@@ -12,9 +12,8 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel
 
-from runtime.entrypoints.generate_input import SESSION_HEADER, check_unicode, parse_session
+from runtime.entrypoints.generate_input import SESSION_HEADER, check_body_unicode, parse_session
 from runtime.entrypoints.http_common import FastJSONResponse, run_unless_disconnected
 from runtime.entrypoints.openai.formatters import (
     ChatFormatter,
@@ -188,13 +187,6 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
 
 
 # ---- request translation ---------------------------------------------------------------------------------
-def check_body_unicode(body: BaseModel) -> None:
-    try:
-        check_unicode(body.model_dump(exclude_unset=True))
-    except ValueError as e:
-        raise RequestError(str(e), 400) from None
-
-
 def content_text(content: str | list[dict[str, Any]] | None) -> str:
     if content is None:
         return ""

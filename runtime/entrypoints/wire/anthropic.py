@@ -9,6 +9,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from runtime.entrypoints.generate_input import check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, dumps
 from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.wire.conversation import (
@@ -320,6 +321,7 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesRequest):
         check_model(body.model)
+        check_body_unicode(body)
         conv = conversation_of(body)
         sampling = Sampling(
             body.max_tokens, body.temperature, body.top_p, body.top_k or -1, body.stop_sequences or []
@@ -334,4 +336,5 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         check_model(body.model)
+        check_body_unicode(body)
         return {"input_tokens": await guarded(count_prompt_tokens(conversation_of(body), tm, args))}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,18 +166,25 @@ async def plan_conversation(conv: Conversation, tm: TokenizerManager, args: Serv
     return await plan_tools([f[0] for f in fields], [f[1] for f in fields], conv, tm, args)
 
 
-async def prepare(
-    conv: Conversation, sampling: Sampling, tm: TokenizerManager, args: ServerArgs, stream: bool
-) -> Prepared:
-    """Bounds and admission, then the prompt, the grammar and the request. Every bad field is a 400."""
+def check_bounds(conv: Conversation, tm: TokenizerManager, stop: Sequence[str] = ()) -> None:
+    """What every conversation route checks before rendering or tokenizing anything: a message at least,
+    --max-prompt-chars, the stop strings' bounds, and admission (503 when overloaded or draining), so that
+    counting tokens costs no more than a generation would be allowed to."""
     if not conv.messages:
         raise RequestError("the conversation is empty: give at least one message", 400)
     tm.check_prompt_chars(
         sum(len(m.text) + sum(len(c.arguments) for c in m.tool_calls) for m in conv.messages)
     )
-    tm.check_stop(sampling.stop)
+    tm.check_stop(list(stop))
     tm.check_prompt_count(1)
     tm.check_admission(1)
+
+
+async def prepare(
+    conv: Conversation, sampling: Sampling, tm: TokenizerManager, args: ServerArgs, stream: bool
+) -> Prepared:
+    """Bounds and admission, then the prompt, the grammar and the request. Every bad field is a 400."""
+    check_bounds(conv, tm, sampling.stop)
     try:
         plan = await plan_conversation(conv, tm, args)
     except ToolRequestError as e:
@@ -243,8 +251,7 @@ def reply_of(prepared: Prepared, result: dict[str, Any]) -> Reply:
 
 async def count_prompt_tokens(conv: Conversation, tm: TokenizerManager, args: ServerArgs) -> int:
     """The prompt's length in tokens as `prepare` would render it (tools included)."""
-    if not conv.messages:
-        raise RequestError("the conversation is empty: give at least one message", 400)
+    check_bounds(conv, tm)
     try:
         plan = await plan_conversation(conv, tm, args)
     except ToolRequestError as e:

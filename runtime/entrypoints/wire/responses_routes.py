@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from runtime.entrypoints.generate_input import check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, dumps
 from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.wire.conversation import Message, Reply, ToolCall, TurnStream, prepare, run
@@ -169,6 +170,7 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
     @app.post("/v1/responses")
     async def create_response(request: Request, body: ResponsesRequest):
         check_model(body.model)
+        check_body_unicode(body)
         history: list[Message] = []
         if body.previous_response_id is not None:
             history = list(stored(body.previous_response_id, "previous_response_id").history)
