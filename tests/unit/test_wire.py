@@ -4,15 +4,23 @@ Responses / Messages input conversions. No model, no server."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
+from pydantic import ValidationError
 
 from constrained.spec import validate_spec
 from runtime.entrypoints.wire.anthropic import CountTokensRequest, _messages, conversation_of
 from runtime.entrypoints.wire.conversation import Message, ToolCall
 from runtime.entrypoints.wire.reasoning import ReasoningParser, history_text, resolve
-from runtime.entrypoints.wire.responses import chat_tools, input_messages, output_schema
-from runtime.entrypoints.wire.store import ResponseStore
+from runtime.entrypoints.wire.responses import (
+    ResponsesRequest,
+    TextConfig,
+    chat_tools,
+    input_messages,
+    output_schema,
+)
+from runtime.entrypoints.wire.store import ResponseStore, heap_bytes
 from runtime.errors import RequestError
 
 QWEN = ReasoningParser("qwen3", False)
@@ -81,12 +89,22 @@ def test_store_bounds_count_bytes_and_lru():
     assert store.get("r0") is None and store.get("r1") is not None
     store.put({"id": "r3"}, [])  # r2 is now the least recently used
     assert store.get("r2") is None and store.get("r1") is not None
-    small = ResponseStore(max_count=100, max_bytes=300)
-    assert not small.put({"id": "big"}, [Message("user", "x" * 400)])
+    small = ResponseStore(max_count=100, max_bytes=3000)
+    assert not small.put({"id": "big"}, [Message("user", "x" * 4000)])
     for k in range(10):
         small.put({"id": f"s{k}"}, [Message("user", "y" * 60)])
-    assert small.bytes <= 300 and small.get("s9") is not None and small.get("s0") is None
+    assert small.bytes <= 3000 and small.get("s9") is not None and small.get("s0") is None
     assert small.delete("s9") and not small.delete("s9")
+
+
+def test_store_counts_heap_bytes_not_json():
+    """A response echoing 10,000 nested empty lists (30 KB of JSON) counts what they hold in the heap."""
+    nested = {"id": "r", "text": {"format": {"schema": {"enum": [[] for _ in range(10_000)]}}}}
+    assert heap_bytes(nested) >= 10_000 * sys.getsizeof([])
+    store = ResponseStore(max_count=10, max_bytes=100_000)
+    assert not store.put(nested, [])  # 30 KB of JSON, over 500 KB of lists: refused
+    shared = "z" * 1000
+    assert heap_bytes([shared, shared]) < 2 * sys.getsizeof(shared)  # one object counted once
 
 
 def test_message_json_round_trip():
@@ -119,13 +137,34 @@ def test_responses_input_items():
         ),
         (lambda: input_messages([{"role": "tool", "content": "x"}]), "input[0].role"),
         (lambda: chat_tools([{"type": "function", "name": "f"}, {"type": "file_search"}]), "tools[1].type"),
-        (lambda: output_schema({"format": {"type": "yaml"}}), "text.format.type"),
+        (
+            lambda: output_schema(TextConfig.model_validate({"format": {"type": "json_schema"}})),
+            "text.format.schema",
+        ),
     ],
 )
 def test_responses_errors_name_the_field(call, field):
     with pytest.raises(RequestError) as info:
         call()
     assert info.value.status == 400 and field in info.value.message
+
+
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        ({"text": {"format": {"type": "yaml"}}}, ("text", "format", "type")),
+        ({"text": {"format": {"type": "text"}, "junk": [[], []]}}, ("text", "junk")),
+        ({"metadata": {str(i): "v" for i in range(17)}}, ("metadata",)),
+        ({"metadata": {"k" * 65: "v"}}, ("metadata", "k" * 65, "[key]")),
+        ({"metadata": {"k": "v" * 513}}, ("metadata", "k")),
+    ],
+)
+def test_responses_text_and_metadata_are_validated_as_openai_does(body, where):
+    with pytest.raises(ValidationError) as info:
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", **body})
+    assert info.value.errors()[0]["loc"][: len(where)] == where
+    ok = {"text": {"format": {"type": "json_schema", "name": "n", "schema": {}}, "verbosity": "low"}}
+    assert ResponsesRequest.model_validate({"model": "m", "input": "hi", **ok}).text.verbosity == "low"
 
 
 def test_anthropic_blocks_to_messages():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 from runtime.entrypoints.wire.conversation import Conversation, Message, Reply, Sampling, ToolCall
 from runtime.errors import RequestError
@@ -30,6 +30,30 @@ UNSUPPORTED_TOOLS = {
 }
 
 
+class TextFormat(BaseModel):
+    """`text.format`, as OpenAI's ResponseFormatText / JSONObject / TextConfig spell it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, max_length=64)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: StrictBool | None = None
+
+
+class TextConfig(BaseModel):
+    """`text`: the output's format and verbosity (accepted; the model's own length is what it is)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+# OpenAI's bounds of `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+
+
 class ResponsesRequest(BaseModel):
     """The `POST /v1/responses` body. Fields a client library sends by default are accepted (and say
     nothing radixlm must act on); anything else unknown is a 400 naming it."""
@@ -41,14 +65,14 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
     user: str | None = None
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
@@ -160,19 +184,15 @@ def chat_tool_choice(raw: str | dict[str, Any] | None) -> Any:
     )
 
 
-def output_schema(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+def output_schema(text: TextConfig | None) -> dict[str, Any] | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if fmt.type == "json_object":
         return {"type": "object"}
-    if fmt.get("type") == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise RequestError("'text.format.schema' must be a JSON Schema object", 400)
-        return fmt["schema"]
-    raise RequestError(
-        f"'text.format.type' must be text, json_object or json_schema, got {fmt.get('type')!r}", 400
-    )
+    if fmt.json_schema is None:
+        raise RequestError("'text.format.schema' must be a JSON Schema object", 400)
+    return fmt.json_schema
 
 
 def tool_error(message: str) -> str:
@@ -238,6 +258,7 @@ class ResponseShell:
 
     def object(self, status: str, output: list[dict[str, Any]], reply: Reply | None = None) -> dict[str, Any]:
         b = self.body
+        text = b.text.model_dump(by_alias=True, exclude_none=True) if b.text else {"format": {"type": "text"}}
         incomplete = reply is not None and reply.finish == "length"
         return {
             "id": self.id,
@@ -255,7 +276,7 @@ class ResponseShell:
             "store": b.store,
             "temperature": b.temperature,
             "top_p": b.top_p,
-            "text": b.text or {"format": {"type": "text"}},
+            "text": text,
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
             "tools": b.tools or [],
             "truncation": "disabled",
