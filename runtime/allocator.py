@@ -6,12 +6,16 @@ temporaries: a verify step of 64 requests x 5 rows x 49k vocabulary is 63 MB in 
 change every step) comes from the main heap. Long-lived small allocations (radix nodes, drafting indexes,
 queued requests) land between them, so the heap top can never come back down and the freed holes rarely fit
 the next step's sizes: under bursts of 1,000 concurrent requests with speculation on the scheduler grew by
-~1.5 GB per burst (bench/burst.py), all of it free memory glibc kept (`malloc_trim` returned it). A fixed
-threshold of MMAP_THRESHOLD puts every buffer of that size in its own mapping, unmapped when freed; measured
-growth fell to ~8 MB per 1,000 requests at the same throughput. `trim()` returns what the heap still holds
-free (called when the scheduler goes idle).
+~1.5 GB per burst (bench/burst.py), all of it free memory glibc kept (`malloc_trim` returned it).
 
-`RADIXLM_MMAP_THRESHOLD` (bytes) overrides the threshold; 0 leaves glibc's dynamic one (for comparisons).
+Two cures were measured. A fixed mmap threshold of 4 MB (`configure`) gives every such buffer its own
+mapping, unmapped when freed: growth fell to ~8 MB per 1,000 requests, but every step then faults in fresh
+zeroed pages for its logits and sampler buffers, ~5 % of a batch-64 decode step. Trimming (`trim`, glibc's
+`malloc_trim`: the free pages inside the heap go back, the heap keeps reusing its chunks) costs nothing per
+step; the scheduler trims when it goes idle and whenever its RSS grew by `memory.TRIM_AFTER_BYTES` since the
+last trim (`memory.MemoryGuard`). That is the default; `RADIXLM_MMAP_THRESHOLD` (bytes) fixes the threshold
+as well, for a process whose peaks cannot wait for a trim.
+
 Standard library only (ctypes); a no-op where the C library is not glibc.
 """
 
@@ -22,7 +26,7 @@ import ctypes.util
 import os
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter numbers (glibc's malloc.h)
-MMAP_THRESHOLD = 4 << 20  # buffers of 4 MB and more get a mapping of their own (returned when freed)
+MMAP_THRESHOLD = 0  # bytes; 0: glibc's dynamic threshold (see above), e.g. 4 << 20 for a fixed one
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -57,8 +61,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 def configure(mmap_threshold: int | None = None) -> bool:
-    """Fix glibc's mmap threshold (which also ends its dynamic raising): `mmap_threshold`, else
-    $RADIXLM_MMAP_THRESHOLD, else MMAP_THRESHOLD. False where there is no glibc or the setting is 0."""
+    """Fix glibc's mmap threshold (which also ends its dynamic raising) to `mmap_threshold`, else
+    $RADIXLM_MMAP_THRESHOLD, else MMAP_THRESHOLD. False (nothing done) where there is no glibc or it is 0."""
     if mmap_threshold is None:
         mmap_threshold = int(os.environ.get("RADIXLM_MMAP_THRESHOLD", MMAP_THRESHOLD))
     if _LIBC is None or mmap_threshold <= 0:

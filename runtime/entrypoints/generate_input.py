@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import RequestError
@@ -92,9 +94,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     text_in_lp = _bool(body, "return_text_in_logprobs")
     start = _int(body, "logprob_start_len", -1, low=-1)
     top_n = _int(body, "top_logprobs_num", 0, low=0, high=20)
-    timeout = parse_timeout(body.get("timeout"))
-    salt = parse_cache_salt(body.get("cache_salt"))
-    session_id, ttl = parse_session(body.get("session_id"), body.get("cache_ttl_s"))
+    options = parse_options(body)
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
@@ -104,24 +104,61 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     reqs = []
     auto = uuid.uuid4().hex  # one random id per body (uuid4 per prompt was most of a big batch's parse)
     for k, ((t, i), p, r) in enumerate(zip(prompts, params, rids)):
-        reqs.append(
-            SingleRequest(
-                rid=r or (f"{auto}-{k}" if is_batch else auto),
-                text=t,
-                input_ids=i,
-                params=p,
-                stream=stream,
-                return_logprob=return_logprob,
-                logprob_start_len=start,
-                top_logprobs_num=top_n,
-                return_text_in_logprobs=text_in_lp,
-                timeout_s=timeout,
-                cache_salt=salt,
-                session_id=session_id,
-                cache_ttl_s=ttl,
-            )
+        req = SingleRequest(
+            rid=r or (f"{auto}-{k}" if is_batch else auto),
+            text=t,
+            input_ids=i,
+            params=p,
+            stream=stream,
+            return_logprob=return_logprob,
+            logprob_start_len=start,
+            top_logprobs_num=top_n,
+            return_text_in_logprobs=text_in_lp,
         )
+        reqs.append(options.fill(req))
     return reqs, is_batch
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """The per-request options every front end takes (native, chat, completions, Responses, Messages),
+    parsed once by `parse_options` and carried to the scheduler on each `SingleRequest` (`fill`). A new
+    option is one field here and one line in `parse_options`; tests/e2e/test_request_options.py proves every
+    front end carries each."""
+
+    timeout_s: float | None = None  # the request's own deadline (it can only shorten --request-timeout-s)
+    cache_salt: str | None = None  # shares cached KV only with requests of the same salt
+    session_id: str | None = None  # its finished tokens stay pinned for cache_ttl_s (`sessions`)
+    cache_ttl_s: float | None = None  # None: --session-ttl-s
+
+    def fill(self, req: SingleRequest) -> SingleRequest:
+        req.timeout_s, req.cache_salt = self.timeout_s, self.cache_salt
+        req.session_id, req.cache_ttl_s = self.session_id, self.cache_ttl_s
+        return req
+
+
+def parse_options(fields: dict[str, Any], session_header: str | None = None) -> RequestOptions:
+    """From a body's `timeout`, `cache_salt`, `session_id` (else the X-Session-Id header's value) and
+    `cache_ttl_s`; ValueError naming the field."""
+    return RequestOptions(
+        parse_timeout(fields.get("timeout")),
+        parse_cache_salt(fields.get("cache_salt")),
+        *parse_session(fields.get("session_id") or session_header or None, fields.get("cache_ttl_s")),
+    )
+
+
+def body_options(body: Any, headers: Mapping[str, str]) -> RequestOptions:
+    """`parse_options` for a pydantic body (chat, completions, Responses, Messages): its option fields, the
+    X-Session-Id header, and where neither names a session, `prompt_cache_key` (OpenAI's key for requests
+    that share a prefix: here their session). A RequestError 400 naming the field."""
+    fields = {
+        name: getattr(body, name, None) for name in ("timeout", "cache_salt", "session_id", "cache_ttl_s")
+    }
+    header = headers.get(SESSION_HEADER) or getattr(body, "prompt_cache_key", None)
+    try:
+        return parse_options(fields, header)
+    except ValueError as e:
+        raise RequestError(str(e), 400) from None
 
 
 def parse_timeout(value: Any) -> float | None:

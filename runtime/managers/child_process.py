@@ -47,8 +47,8 @@ def leave_process_group() -> None:
 
 
 def init_child(role: str) -> None:
-    """The first call of a child process's entry function. It also fixes glibc's mmap threshold
-    (`allocator.configure`), so tensor buffers freed after a burst go back to the system."""
+    """The first call of a child process's entry function. It also applies $RADIXLM_MMAP_THRESHOLD, where
+    set (`allocator.configure`)."""
     die_with_parent()
     leave_process_group()
     set_process_title(role)

@@ -145,8 +145,28 @@ def test_the_guard_sheds_evictable_structures_past_its_budget(tiny_model_dir, de
     assert after["structures"]["session_records"]["entries"] == 0
     assert "shed spec_shared_index" in caplog.text and "nothing left to shed" in caplog.text
     guard.check(sched)  # within CHECK_EVERY_S of the last check: no second read
-    assert sched.memory.sheds == 1
+    assert sched.memory.sheds == 1 and after["heap_trims"] >= 2  # after each shed
     sched.check_accounting()  # shedding touched no KV
+
+
+def test_the_guard_trims_the_heap_after_growth(tiny_model_dir, default_tokenizer, monkeypatch):
+    """RSS grown by TRIM_AFTER_BYTES since the last trim: the guard trims the C heap (and times it)."""
+    from runtime.managers.scheduler import memory
+
+    sched = make_scheduler(tiny_model_dir, default_tokenizer)
+    guard = sched.memory
+    rss = [guard._trimmed_rss]
+    monkeypatch.setattr(memory.allocator, "rss_bytes", lambda: rss[0])
+    trims: list[bool] = []
+    monkeypatch.setattr(memory.allocator, "trim", lambda: trims.append(True) or True)
+    rss[0] += memory.TRIM_AFTER_BYTES // 2
+    guard.check(sched, now=guard._next_check)
+    assert not trims
+    rss[0] += memory.TRIM_AFTER_BYTES
+    guard.check(sched, now=guard._next_check)
+    assert trims == [True] and guard.trims == 1 and guard.info()["heap_trims"] == 1
+    guard.check(sched, now=guard._next_check)  # measured from the RSS after that trim: no second one
+    assert trims == [True]
 
 
 def test_flush_cache_forgets_the_shared_drafting_index(tiny_model_dir, default_tokenizer):
@@ -200,7 +220,8 @@ def test_radix_cache_counts_its_nodes_as_they_come_and_go():
 
 @pytest.mark.skipif(allocator._LIBC is None, reason="not glibc")
 def test_allocator_on_glibc():
-    assert allocator.configure()  # mallopt accepts the threshold
+    assert not allocator.configure()  # the default: glibc's dynamic threshold, nothing to set
+    assert allocator.configure(4 << 20)  # mallopt accepts a fixed one (RADIXLM_MMAP_THRESHOLD)
     assert allocator.rss_bytes() > 10 << 20
     assert allocator.total_memory_bytes() > allocator.rss_bytes()
     heap = allocator.heap_info()

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from runtime.entrypoints.generate_input import SESSION_HEADER, check_body_unicode, parse_session
+from runtime.entrypoints.generate_input import RequestOptions, body_options, check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, run_unless_disconnected
 from runtime.entrypoints.openai.formatters import (
     ChatFormatter,
@@ -70,7 +70,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest):
         check_body_unicode(body)
-        session_from_header(body, request)
+        options = body_options(body, request.headers)
         check_model(body.model)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
@@ -104,7 +104,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
         top = body.top_logprobs or 0
-        req = single_request(body, ids, params, body.logprobs or top > 0, top)
+        req = single_request(body, options, ids, params, body.logprobs or top > 0, top)
         rid = "chatcmpl-" + req.rid
         if body.stream:
             fmt = ChatFormatter(rid, args.model_name, tm, body, plan, reasoning)
@@ -135,7 +135,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         check_body_unicode(body)
-        session_from_header(body, request)
+        options = body_options(body, request.headers)
         check_model(body.model)
         if body.suffix:
             raise RequestError("'suffix' is not supported", 400)
@@ -155,7 +155,9 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         params = sampling_params(body, max_tokens, 0, tm.context_length, grammar_of(body))
         # echo + logprobs scores the prompt too (the DSL's `select` over lang's OpenAI backend needs it)
         start = 0 if body.echo and top is not None else -1
-        reqs = [single_request(body, ids, params, top is not None, top or 0, start) for ids in prompts]
+        reqs = [
+            single_request(body, options, ids, params, top is not None, top or 0, start) for ids in prompts
+        ]
         echo_texts = [""] * len(prompts)
         if body.echo:
             echo_texts = await tm.run_in_tokenizer(lambda: [tm.tokenizer.decode(ids) for ids in prompts])
@@ -251,27 +253,18 @@ def sampling_params(
         raise RequestError(str(e), 400) from None
 
 
-def session_from_header(body: CommonRequest, request: Request) -> None:
-    """The X-Session-Id header names the session when the body does not; checked as the native body's
-    fields are (`parse_session`)."""
-    header = request.headers.get(SESSION_HEADER) or None
-    try:
-        body.session_id, body.cache_ttl_s = parse_session(body.session_id or header, body.cache_ttl_s)
-    except ValueError as e:
-        raise RequestError(str(e), 400) from None
-
-
 def single_request(
     body: CommonRequest,
+    options: RequestOptions,
     ids: list[int],
     params: SamplingParams,
     logprobs: bool,
     top: int,
     logprob_start_len: int = -1,
 ) -> SingleRequest:
-    """One request for all n choices: the tokenizer manager expands it (`prepare_choices`). The body gives
-    what every prompt of it shares: streaming, the deadline and the cache salt."""
-    return SingleRequest(
+    """One request for all n choices: the tokenizer manager expands it (`prepare_choices`). The body and
+    its options give what every prompt of it shares: streaming, the deadline, the cache salt, the session."""
+    req = SingleRequest(
         rid=uuid.uuid4().hex,
         text=None,
         input_ids=ids,
@@ -281,11 +274,8 @@ def single_request(
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
         logprob_start_len=logprob_start_len,
-        timeout_s=body.timeout,
-        cache_salt=body.cache_salt,
-        session_id=body.session_id,
-        cache_ttl_s=body.cache_ttl_s,
     )
+    return options.fill(req)
 
 
 def completion_prompts(prompt) -> tuple[list[str], list[list[int]]]:

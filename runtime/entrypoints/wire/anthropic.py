@@ -9,7 +9,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from runtime.entrypoints.generate_input import check_body_unicode
+from runtime.entrypoints.generate_input import body_options, check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, dumps
 from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.wire.conversation import (
@@ -70,6 +70,12 @@ class MessagesRequest(CountTokensRequest):
     service_tier: Literal["auto", "standard_only"] | None = None
     cache_control: dict[str, Any] | None = None  # accepted: radixlm caches every prefix on its own
     output_config: dict[str, Any] | None = None  # `format`: {"type": "json_schema", "schema": ...}
+    # radixlm's extras (`extra_body` with the Anthropic client), as on chat completions
+    speculative_num_draft_tokens: int | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    cache_ttl_s: float | None = None
+    timeout: float | None = None
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -324,9 +330,15 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
         check_body_unicode(body)
         conv = conversation_of(body)
         sampling = Sampling(
-            body.max_tokens, body.temperature, body.top_p, body.top_k or -1, body.stop_sequences or []
+            body.max_tokens,
+            body.temperature,
+            body.top_p,
+            body.top_k or -1,
+            body.stop_sequences or [],
+            speculative_num_draft_tokens=body.speculative_num_draft_tokens,
         )
-        prepared = await guarded(prepare(conv, sampling, tm, args, body.stream))
+        options = body_options(body, request.headers)
+        prepared = await guarded(prepare(conv, sampling, tm, args, body.stream, options))
         mid = new_id("msg")
         if body.stream:
             return await stream_response(tm, [prepared.req], MessagesStream(prepared, mid, args.model_name))

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
+from runtime.entrypoints.generate_input import RequestOptions
 from runtime.entrypoints.http_common import run_unless_disconnected
 from runtime.entrypoints.tool_calls import ToolPlan, ToolRequestError, plan_chat
 from runtime.entrypoints.tool_calls.output import new_call_id
@@ -102,6 +103,7 @@ class Sampling:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    speculative_num_draft_tokens: int | None = None  # the request's own bound (0: no speculation)
 
 
 @dataclass
@@ -166,6 +168,9 @@ async def plan_conversation(conv: Conversation, tm: TokenizerManager, args: Serv
     return await plan_tools([f[0] for f in fields], [f[1] for f in fields], conv, tm, args)
 
 
+NO_OPTIONS = RequestOptions()
+
+
 def check_bounds(conv: Conversation, tm: TokenizerManager, stop: Sequence[str] = ()) -> None:
     """What every conversation route checks before rendering or tokenizing anything: a message at least,
     --max-prompt-chars, the stop strings' bounds, and admission (503 when overloaded or draining), so that
@@ -181,7 +186,12 @@ def check_bounds(conv: Conversation, tm: TokenizerManager, stop: Sequence[str] =
 
 
 async def prepare(
-    conv: Conversation, sampling: Sampling, tm: TokenizerManager, args: ServerArgs, stream: bool
+    conv: Conversation,
+    sampling: Sampling,
+    tm: TokenizerManager,
+    args: ServerArgs,
+    stream: bool,
+    options: RequestOptions = NO_OPTIONS,
 ) -> Prepared:
     """Bounds and admission, then the prompt, the grammar and the request. Every bad field is a 400."""
     check_bounds(conv, tm, sampling.stop)
@@ -214,11 +224,14 @@ async def prepare(
             top_k=sampling.top_k,
             stop=list(sampling.stop),
             seed=sampling.seed,
+            speculative_num_draft_tokens=sampling.speculative_num_draft_tokens,
             **grammar,
         )
     except ValueError as e:
         raise RequestError(str(e), 400) from None
-    req = SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream)
+    req = options.fill(
+        SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream)
+    )
     return Prepared(plan, req, len(ids), reasoning, tm.tokenizer)
 
 

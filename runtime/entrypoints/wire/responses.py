@@ -83,9 +83,14 @@ class ResponsesRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     background: Literal[False] | None = None
     top_logprobs: Literal[0] | None = None
-    # radixlm's extras
+    # radixlm's extras (the same as chat completions'; `prompt_cache_key` is the session when none is named)
     top_k: int = -1
     seed: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    cache_ttl_s: float | None = None
+    timeout: float | None = None
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -214,7 +219,15 @@ def conversation_of(body: ResponsesRequest, history: list[Message]) -> Conversat
 
 
 def sampling_of(body: ResponsesRequest) -> Sampling:
-    return Sampling(body.max_output_tokens, body.temperature, body.top_p, body.top_k, [], body.seed)
+    return Sampling(
+        body.max_output_tokens,
+        body.temperature,
+        body.top_p,
+        body.top_k,
+        [],
+        body.seed,
+        body.speculative_num_draft_tokens,
+    )
 
 
 def new_id(prefix: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from runtime.entrypoints.generate_input import check_body_unicode
+from runtime.entrypoints.generate_input import body_options, check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, dumps
 from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.wire.conversation import Message, Reply, ToolCall, TurnStream, prepare, run
@@ -176,7 +176,8 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
             history = list(stored(body.previous_response_id, "previous_response_id").history)
         conv = conversation_of(body, history)
         try:
-            prepared = await prepare(conv, sampling_of(body), tm, args, body.stream)
+            options = body_options(body, request.headers)
+            prepared = await prepare(conv, sampling_of(body), tm, args, body.stream, options)
         except RequestError as e:
             raise RequestError(tool_error(e.message), e.status) from None
         shell = ResponseShell(body, args.model_name)

@@ -6,8 +6,9 @@ cache-miss explainer's session records, compiled grammars. `memory_report` lists
 estimated bytes (the per-entry sizes below were measured with tracemalloc and RSS on CPython 3.11), beside
 the process's RSS and the C heap (`runtime.allocator`), for `/get_server_info`'s `memory` and /metrics.
 
-`MemoryGuard` gives that growth a budget (`--memory-budget-mb`): RSS past the start-up footprint plus the
-budget first returns the heap's free pages (`allocator.trim`), then sheds the evictable structures in order
+`MemoryGuard` trims the C heap whenever RSS grew by TRIM_AFTER_BYTES since the last trim (`runtime.allocator`
+says why), and gives the growth a budget (`--memory-budget-mb`): RSS past the start-up footprint plus the
+budget sheds the evictable structures in order
 (the shared speculative index, the grammar cache, the session records), logging each with the bytes it
 held. Shedding costs only speed: drafts and compiled grammars are rebuilt, an explanation is not given.
 """
@@ -39,6 +40,9 @@ SESSION_RECORD_BYTES = 200
 STEP_SAMPLE_BYTES = 120
 MB = 1 << 20
 CHECK_EVERY_S = 1.0  # how often the guard reads RSS (one /proc read)
+# RSS growth since the last trim that makes the guard trim the C heap (`allocator.trim`): a burst's freed
+# buffers go back within a second of passing it (see `runtime.allocator`)
+TRIM_AFTER_BYTES = 128 * MB
 AUTO_SHARE, AUTO_MIN_MB = 0.10, 1024  # --memory-budget-mb 0: a tenth of the machine, at least 1 GB
 
 
@@ -111,10 +115,20 @@ class MemoryGuard:
         self.baseline_rss = allocator.rss_bytes()
         self.sheds = 0  # times the guard found the process over budget
         self.shed_counts: dict[str, int] = {}  # structure -> times it was shed
+        self.trims, self.trim_seconds = 0, 0.0
+        self._trimmed_rss = self.baseline_rss  # RSS after the last trim
         self._next_check = 0.0
 
     def start(self) -> None:
-        self.baseline_rss = allocator.rss_bytes()
+        self.baseline_rss = self._trimmed_rss = allocator.rss_bytes()
+
+    def trim(self) -> None:
+        """Give the C heap's free pages back (idle, or grown by TRIM_AFTER_BYTES): a few ms, timed."""
+        t0 = time.perf_counter()
+        allocator.trim()
+        self.trim_seconds += time.perf_counter() - t0
+        self.trims += 1
+        self._trimmed_rss = allocator.rss_bytes()
 
     def over_budget(self) -> int:
         """Bytes of RSS past footprint + budget (<= 0: within it)."""
@@ -124,13 +138,14 @@ class MemoryGuard:
 
     def check(self, s: Scheduler, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        if self.budget_bytes is None or now < self._next_check:
+        if now < self._next_check:
             return
         self._next_check = now + CHECK_EVERY_S
+        if allocator.rss_bytes() - self._trimmed_rss > TRIM_AFTER_BYTES:
+            self.trim()
         if self.over_budget() <= 0:
             return
         self.sheds += 1
-        allocator.trim()
         for name, held, shed in _sheddable(s):
             over = self.over_budget()
             if over <= 0:
@@ -138,7 +153,7 @@ class MemoryGuard:
             if not held:
                 continue
             shed()
-            allocator.trim()
+            self.trim()
             self.shed_counts[name] = self.shed_counts.get(name, 0) + 1
             logger.warning(
                 "memory guard: %.0f MB over --memory-budget-mb (%.0f MB past the start-up footprint): shed "
@@ -162,6 +177,8 @@ class MemoryGuard:
             "budget_bytes": self.budget_bytes,
             "guard_sheds": self.sheds,
             "shed_counts": dict(self.shed_counts),
+            "heap_trims": self.trims,
+            "heap_trim_seconds": round(self.trim_seconds, 4),
         }
 
 

@@ -14,7 +14,7 @@ import traceback
 
 import zmq
 
-from runtime import allocator, ipc
+from runtime import ipc
 from runtime.messages import BatchTokenIDOut
 from runtime.server_args import ServerArgs
 
@@ -73,7 +73,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         if not scheduler.has_work():
             if was_busy:
                 _check_accounting_or_exit(scheduler, logger)
-                allocator.trim()  # what the burst left free in the heap goes back (a few ms, while idle)
+                scheduler.memory.trim()  # what the burst left free in the heap goes back (while idle)
                 was_busy = False
             poller.poll(timeout=1000)
         elif not scheduler.can_run():

@@ -1,0 +1,117 @@
+"""Every front end carries every per-request option to the scheduler (`generate_input.RequestOptions`):
+native /generate, chat completions, completions, Responses and Messages each take `session_id` (or the
+X-Session-Id header; Responses also `prompt_cache_key`), `cache_salt`, `cache_ttl_s`, `timeout` and
+`speculative_num_draft_tokens`, and each is observed where the scheduler acts on it: the session's pin under
+its salt (DELETE /v1/sessions/{id}?cache_salt=...), no pin with a TTL of 0, a 504 past the deadline, and
+the sampling check of the draft bound. A new option added to `RequestOptions` belongs in OPTIONS below."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import pytest
+import requests
+
+from tests.e2e.server_utils import HTTP_TIMEOUT_S
+
+PROMPT = "Name one colour."
+
+
+def native(options: dict) -> tuple[str, dict]:
+    return "/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, **options}
+
+
+def chat(options: dict) -> tuple[str, dict]:
+    return "/v1/chat/completions", {
+        "model": "default",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 2,
+        **options,
+    }
+
+
+def completions(options: dict) -> tuple[str, dict]:
+    return "/v1/completions", {"model": "default", "prompt": PROMPT, "max_tokens": 2, **options}
+
+
+def responses(options: dict) -> tuple[str, dict]:
+    return "/v1/responses", {"model": "default", "input": PROMPT, "max_output_tokens": 2, **options}
+
+
+def messages(options: dict) -> tuple[str, dict]:
+    return "/v1/messages", {
+        "model": "default",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 2,
+        **options,
+    }
+
+
+FRONT_ENDS: dict[str, Callable[[dict], tuple[str, dict]]] = {
+    "native": native,
+    "chat": chat,
+    "completions": completions,
+    "responses": responses,
+    "messages": messages,
+}
+# where the native body puts sampling options
+SAMPLING_IN_PARAMS = {"native"}
+
+
+def post(url: str, front: str, options: dict, headers: dict | None = None) -> requests.Response:
+    path, body = FRONT_ENDS[front]({k: v for k, v in options.items() if k != "speculative_num_draft_tokens"})
+    if "speculative_num_draft_tokens" in options:
+        where = body["sampling_params"] if front in SAMPLING_IN_PARAMS else body
+        where["speculative_num_draft_tokens"] = options["speculative_num_draft_tokens"]
+    return requests.post(url + path, json=body, headers=headers or {}, timeout=HTTP_TIMEOUT_S)
+
+
+def delete_session(url: str, sid: str, salt: str | None = None) -> int:
+    query = f"?cache_salt={salt}" if salt else ""
+    return requests.delete(f"{url}/v1/sessions/{sid}{query}", timeout=HTTP_TIMEOUT_S).status_code
+
+
+@pytest.mark.parametrize("front", list(FRONT_ENDS))
+def test_session_salt_and_ttl_reach_the_scheduler(server_url, front):
+    sid = f"{front}-{uuid.uuid4().hex[:8]}"
+    r = post(server_url, front, {"session_id": sid, "cache_salt": "tenant-a", "cache_ttl_s": 60})
+    assert r.status_code == 200, r.text
+    assert delete_session(server_url, sid) == 404  # not an unsalted session: the salt travelled
+    assert delete_session(server_url, sid, "tenant-a") == 200  # pinned under its salt: the session did
+    r = post(server_url, front, {"session_id": sid, "cache_ttl_s": 0})
+    assert r.status_code == 200 and delete_session(server_url, sid) == 404  # a TTL of 0 pins nothing
+
+
+@pytest.mark.parametrize("front", list(FRONT_ENDS))
+def test_the_session_header_names_the_session(server_url, front):
+    sid = f"{front}-hdr-{uuid.uuid4().hex[:8]}"
+    r = post(server_url, front, {}, headers={"X-Session-Id": sid})
+    assert r.status_code == 200, r.text
+    assert delete_session(server_url, sid) == 200
+
+
+def test_responses_prompt_cache_key_is_the_session(server_url):
+    key = f"pck-{uuid.uuid4().hex[:8]}"
+    r = post(server_url, "responses", {"prompt_cache_key": key})
+    assert r.status_code == 200, r.text
+    assert delete_session(server_url, key) == 200
+
+
+@pytest.mark.parametrize("front", list(FRONT_ENDS))
+def test_timeout_and_draft_bound_reach_the_scheduler(server_url, front):
+    r = post(server_url, front, {"timeout": 1e-6})
+    assert r.status_code == 504 and "timed out" in r.text, (front, r.status_code, r.text)
+    r = post(server_url, front, {"speculative_num_draft_tokens": 33})
+    assert r.status_code == 400 and "speculative_num_draft_tokens" in r.text, (front, r.text)
+    assert post(server_url, front, {"speculative_num_draft_tokens": 0}).status_code == 200
+
+
+@pytest.mark.parametrize("front", list(FRONT_ENDS))
+@pytest.mark.parametrize(
+    "options, field",
+    [({"cache_salt": ""}, "cache_salt"), ({"cache_ttl_s": 5}, "cache_ttl_s"), ({"timeout": -1}, "timeout")],
+)
+def test_bad_options_are_400s_naming_them(server_url, front, options, field):
+    r = post(server_url, front, options)
+    assert r.status_code == 400 and field in r.text, (front, r.status_code, r.text)
