@@ -173,7 +173,8 @@ def test_count_tokens_and_messages_check_bounds_and_unicode_like_chat(server_url
     huge = {"model": "default", "messages": [{"role": "user", "content": "a" * 1_000_001}]}
     r = httpx.post(url + "/count_tokens", json=huge, timeout=300)
     assert r.status_code == 400 and "--max-prompt-chars" in r.text, r.text
-    lone = '{"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi \\ud800"}]}'
-    for path in ("", "/count_tokens"):
-        r = httpx.post(url + path, content=lone, headers={"content-type": "application/json"}, timeout=300)
+    lone = '{"model": "default", %s"messages": [{"role": "user", "content": "hi \\ud800"}]}'
+    for path, extra in (("", '"max_tokens": 4, '), ("/count_tokens", "")):
+        body = lone % extra
+        r = httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=300)
         assert r.status_code == 400 and "lone surrogate" in r.text and "messages" in r.text, (path, r.text)
