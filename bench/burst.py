@@ -23,8 +23,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from bench.harness.common import environment
-from bench.soak import process_roles, process_tree, rss_mb, start_server
+from bench.soak import process_roles, process_tree, rss_mb, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -175,15 +173,6 @@ def run_config(url: str, pid: int | None, kind: str, args) -> dict:
         "failed": failed,
         "ok": failed == 0 and (growth is None or growth <= GROWTH_MB_PER_1K) and worst >= MIN_TPUT_RATIO,
     }
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def plot(results: list[dict], path: Path) -> None:

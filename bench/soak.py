@@ -139,6 +139,16 @@ def start_server(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, st
     raise SystemExit("server did not become healthy in 600 s")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains and stops its children), SIGKILL to its group after 120 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def process_tree(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -577,12 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args, url, proc.pid, lambda: proc.poll() is None)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
 
 
 if __name__ == "__main__":

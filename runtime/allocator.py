@@ -106,13 +106,18 @@ def rss_bytes() -> int:
         return 0
 
 
-def total_memory_bytes() -> int:
-    """The machine's memory (MemTotal), or 0 where /proc/meminfo is missing."""
+def meminfo_bytes(field: str) -> int:
+    """One /proc/meminfo figure (`MemTotal`, `MemAvailable`, ...) in bytes; 0 where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, IndexError, ValueError):
         pass
     return 0
+
+
+def total_memory_bytes() -> int:
+    """The machine's memory (MemTotal), or 0 where /proc/meminfo is missing."""
+    return meminfo_bytes("MemTotal")

@@ -140,10 +140,13 @@ class RequestOptions:
 def parse_options(fields: dict[str, Any], session_header: str | None = None) -> RequestOptions:
     """From a body's `timeout`, `cache_salt`, `session_id` (else the X-Session-Id header's value) and
     `cache_ttl_s`; ValueError naming the field."""
+    session_id = fields.get("session_id")
+    if session_id is None:  # an empty one in the body is the body's (a 400), not a cue for the header
+        session_id = session_header or None
     return RequestOptions(
         parse_timeout(fields.get("timeout")),
         parse_cache_salt(fields.get("cache_salt")),
-        *parse_session(fields.get("session_id") or session_header or None, fields.get("cache_ttl_s")),
+        *parse_session(session_id, fields.get("cache_ttl_s")),
     )
 
 

@@ -13,6 +13,7 @@ import time
 import torch
 
 from radixlm_kernels import create_backend, resolve_backend_name
+from runtime import allocator
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.frozen_modules import freeze_attributes
@@ -245,11 +246,5 @@ def _load_backend_ops(name: str, explicit: bool) -> str:
 
 
 def _available_host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
+    """MemAvailable, or 8 GiB where /proc/meminfo does not say."""
+    return allocator.meminfo_bytes("MemAvailable") or 8 << 30

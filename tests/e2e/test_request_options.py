@@ -110,7 +110,12 @@ def test_timeout_and_draft_bound_reach_the_scheduler(server_url, front):
 @pytest.mark.parametrize("front", list(FRONT_ENDS))
 @pytest.mark.parametrize(
     "options, field",
-    [({"cache_salt": ""}, "cache_salt"), ({"cache_ttl_s": 5}, "cache_ttl_s"), ({"timeout": -1}, "timeout")],
+    [
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"session_id": ""}, "session_id"),
+        ({"cache_ttl_s": 5}, "cache_ttl_s"),
+        ({"timeout": -1}, "timeout"),
+    ],
 )
 def test_bad_options_are_400s_naming_them(server_url, front, options, field):
     r = post(server_url, front, options)
