@@ -45,6 +45,7 @@ class NullRunner:
         self.context_length = context_length
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, context_length + 8, self.device)
         self.allocator = SlotAllocator(max_total_tokens, self.device)
+        self.kv_pool = None  # no KV storage: no host or disk tier either
         self.config = type("Config", (), {"eos_token_ids": ()})()
 
     @property

@@ -417,3 +417,15 @@ def test_decode_rate_of_repeats_is_the_median_sample_not_an_outlier():
     assert run["decode_tok_s"] == 107.0 and run["decode_tok_s_samples"] == [97.0, 922.0, 107.0]
     assert median_run(samples[:2])["decode_tok_s"] == 97.0  # an even count takes the lower middle
     assert median_run([{"decode_tok_s": None}])["decode_tok_s"] is None
+
+
+def test_scheduler_overhead_runs_and_compares_queue_depths(tmp_path, default_model_dir):
+    """The no-model scheduler bench (its runner stand-in must satisfy the Scheduler), both parts."""
+    from bench import scheduler_overhead
+
+    argv = ["--requests", "8", "--workloads", "distinct", "--queue-depths", "2,20", "--max-running", "4",
+            "--max-total-tokens", "4096", "--results-dir", str(tmp_path), "--name", "so"]  # fmt: skip
+    assert scheduler_overhead.main(argv) == 0
+    out = json.loads((tmp_path / "so.json").read_text())
+    depths = out["results"]["queue_depth"]
+    assert [d["waiting"] for d in depths] == [2, 20] and all(d["running"] == 4 for d in depths)
