@@ -146,6 +146,10 @@ def test_the_guard_sheds_evictable_structures_past_its_budget(tiny_model_dir, de
     assert "shed spec_shared_index" in caplog.text and "nothing left to shed" in caplog.text
     guard.check(sched)  # within CHECK_EVERY_S of the last check: no second read
     assert sched.memory.sheds == 1 and after["heap_trims"] >= 2  # after each shed
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="radixlm.scheduler"):
+        guard.check(sched, now=guard._next_check)  # still over, nothing left: not said again every second
+    assert guard.sheds == 2 and "nothing left to shed" not in caplog.text
     sched.check_accounting()  # shedding touched no KV
 
 

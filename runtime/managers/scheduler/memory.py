@@ -118,6 +118,7 @@ class MemoryGuard:
         self.trims, self.trim_seconds = 0, 0.0
         self._trimmed_rss = self.baseline_rss  # RSS after the last trim
         self._next_check = 0.0
+        self._stuck = False  # over budget with nothing left to shed: said once until back within it
 
     def start(self) -> None:
         self.baseline_rss = self._trimmed_rss = allocator.rss_bytes()
@@ -144,6 +145,7 @@ class MemoryGuard:
         if allocator.rss_bytes() - self._trimmed_rss > TRIM_AFTER_BYTES:
             self.trim()
         if self.over_budget() <= 0:
+            self._stuck = False
             return
         self.sheds += 1
         for name, held, shed in _sheddable(s):
@@ -164,7 +166,8 @@ class MemoryGuard:
                 held / MB,
             )
         over = self.over_budget()
-        if over > 0:
+        if over > 0 and not self._stuck:
+            self._stuck = True
             logger.warning(
                 "memory guard: still %.0f MB over budget with nothing left to shed (queued requests and the "
                 "radix tree's nodes are bounded by --max-queued-requests and the KV pool)",
