@@ -54,7 +54,9 @@ class SamplingParams:
     stream_interval: int | None = None  # this request's chunk size in tokens (None: --stream-interval)
     ebnf: str | None = None  # accepted only as null until wired to the grammar backends
     structural_tag: str | None = None  # likewise
-    logit_bias: dict[str, float] | None = None  # accepted only when null or empty
+    # OpenAI's `logit_bias`: token id (its decimal text, as JSON keys are) -> bias in [-100, 100], added to that
+    # token's logit before the grammar mask and the draw, at every sampled row (speculative rows included)
+    logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None  # likewise: radixlm has no custom logit processors
 
     def __post_init__(self) -> None:
@@ -144,6 +146,7 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative 64-bit integers")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ValueError("regex must be a string")
+        self._verify_logit_bias()
         if self.json_schema is not None:
             if not isinstance(self.json_schema, str):
                 raise ValueError("json_schema must be a JSON object or its JSON text")
@@ -170,6 +173,36 @@ class SamplingParams:
                     f"this request), got {self.speculative_num_draft_tokens}"
                 )
         self._verify_sglang()
+
+    def _verify_logit_bias(self) -> None:
+        """OpenAI's rules: keys are token ids (JSON keys are strings: "50256"; ints from Python), values
+        numbers in [-100, 100]. Normalises the keys to canonical decimal text. Whether the ids are inside the
+        vocabulary is checked where the vocabulary is known (`logit_bias_problem`)."""
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases in [-100, 100]")
+        out: dict[str, float] = {}
+        for key, value in bias.items():
+            tok = key if isinstance(key, int) and not isinstance(key, bool) else None
+            if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19:
+                tok = int(key)
+            if tok is None or not 0 <= tok <= INT64_MAX:
+                raise ValueError(f"logit_bias: key {key!r} is not a token id (a non-negative integer)")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}")
+            if str(tok) in out:
+                raise ValueError(f"logit_bias names token {tok} twice")
+            out[str(tok)] = float(value)
+        self.logit_bias = out or None
+
+    def logit_bias_problem(self, vocab_size: int) -> str | None:
+        """Why `logit_bias` does not fit a vocabulary of `vocab_size` ids (the request's 400), or None."""
+        bad = [int(k) for k in self.logit_bias or {} if int(k) >= vocab_size]
+        if bad:
+            return f"logit_bias: token ids must be in [0, {vocab_size}) (the vocabulary), got {sorted(bad)[:5]}"
+        return None
 
     def _verify_sglang(self) -> None:
         """SGLang's parameters: implemented ones are checked, the others are a ValueError naming them when set
@@ -214,7 +247,6 @@ class SamplingParams:
 UNSUPPORTED_SGLANG_PARAMS = {
     "ebnf": "EBNF grammars are not wired yet; use regex or json_schema",
     "structural_tag": "structural tags are not supported; use json_schema or the OpenAI tools API",
-    "logit_bias": "per-token logit biases are not implemented",
     "custom_params": "radixlm has no custom logit processors",
 }
 

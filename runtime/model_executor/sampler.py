@@ -8,6 +8,7 @@ Pipeline, applied row by row (one row = one request) and vectorised over the bat
    - then frequency / presence penalties (OpenAI) over *output* tokens only:
      ``logit -= frequency * count + presence * (count > 0)``.
    Repetition goes first, on the raw logit's sign, as in vLLM.
+   Then **logit bias** (OpenAI's ``logit_bias``, rows that set one): ``logit[id] += bias[id]``.
 2. **Bans and grammar mask**: ``banned_token_ids`` (e.g. EOS / stop ids while the output is shorter than
    ``min_new_tokens``) and ``vocab_mask`` (True = allowed) set disallowed logits to ``-inf``. If that leaves
    *nothing* allowed in a row, the row ignores bans and mask for this step (so no NaN can appear) and
@@ -101,6 +102,7 @@ class SamplingBatchInfo:
     seeded_rows: list[int]  # sampled rows with a seed: they draw from their own generator
     repetition_rows: list[int]  # rows with repetition_penalty != 1
     freq_presence_rows: list[int]  # rows with a non-zero frequency or presence penalty
+    bias_rows: list[int]  # rows with a logit_bias
 
     _tensors: tuple[torch.Tensor, ...] | None = None
 
@@ -163,7 +165,8 @@ class SamplingBatchInfo:
 
     @property
     def need_penalties(self) -> bool:
-        return bool(self.repetition_rows or self.freq_presence_rows)
+        """Whether some row's logits change before the mask (penalties or a logit bias)."""
+        return bool(self.repetition_rows or self.freq_presence_rows or self.bias_rows)
 
     @classmethod
     def from_requests(
@@ -195,6 +198,7 @@ class SamplingBatchInfo:
             freq_presence_rows=[
                 i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
             ],
+            bias_rows=[i for i, p in enumerate(params) if p.logit_bias],
         )
 
 
@@ -336,7 +340,8 @@ def apply_penalties(
     output_ids: Sequence[Sequence[int]],
     prompt_ids: Sequence[Sequence[int]],
 ) -> None:
-    """Repetition, then frequency/presence penalties, in place on contiguous logits [bs, vocab]."""
+    """Repetition, then frequency/presence penalties, then logit biases, in place on contiguous logits
+    [bs, vocab]."""
     vocab = logits.shape[1]
     flat = logits.view(-1)
     if info.repetition_rows:
@@ -353,6 +358,12 @@ def apply_penalties(
         )
         row_of = keys // vocab
         flat[keys] -= info.frequency_penalties[row_of] * counts + info.presence_penalties[row_of]
+    if info.bias_rows:
+        rows = info.bias_rows
+        biases = [info.params[r].logit_bias or {} for r in rows]
+        keys = _flat_keys(rows, [[int(k) for k in b] for b in biases], vocab, logits.device)
+        values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype)
+        flat.index_add_(0, keys, values.to(logits.device))  # keys are unique: a dict per row
 
 
 _NEG_INF: dict[torch.device, torch.Tensor] = {}  # one 0-dim -inf per device, not one per step

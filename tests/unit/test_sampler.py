@@ -502,3 +502,66 @@ def test_logprobs_are_skipped_only_when_not_asked():
         assert torch.equal(full.next_token_ids, lean.next_token_ids)
         assert full.logprobs is not None and lean.logprobs is None
         assert [len(t) for t in lean.top_logprobs] == [2, 0, 1]
+
+
+# ---------------------------------------------------------------- logit bias (OpenAI's logit_bias)
+
+
+def test_logit_bias_moves_greedy_choice_and_leaves_logprobs_raw():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, 0.0, 0.0, 0.0, 0.0]])
+    out = sample(logits, [SamplingParams(temperature=0.0)])
+    assert out.next_token_ids.tolist() == [1]
+    out = sample(logits, [SamplingParams(temperature=0.0, logit_bias={"1": -1.0})])
+    assert out.next_token_ids.tolist() == [3]  # 3.0 - 1.0 < 2.5
+    out = sample(logits, [SamplingParams(temperature=0.0, logit_bias={"6": 100})])
+    assert out.next_token_ids.tolist() == [6]
+    assert out.logprobs.tolist() == pytest.approx(torch.log_softmax(logits, -1)[0, [6]].tolist())
+    # only the row that sets a bias is biased; the other row of the same batch is untouched
+    both = sample(
+        logits.expand(2, -1).contiguous(),
+        [SamplingParams(temperature=0.0, logit_bias={"6": 100}), SamplingParams(temperature=0.0)],
+    )
+    assert both.next_token_ids.tolist() == [6, 1]
+
+
+def test_logit_bias_shifts_the_sampled_distribution_exactly():
+    logits = log_probs([0.1] * 8)
+    bias = {"2": math.log(3.0), "5": -100.0}  # token 2: 3x as likely; token 5: never (e^-100)
+    out = sample(logits, SamplingParams(temperature=1.0, logit_bias=bias), n_rows=20_000)
+    counts = torch.bincount(out.next_token_ids, minlength=8).float() / 20_000
+    expected = torch.tensor([1, 1, 3, 1, 1, 0, 1, 1]) / 9
+    assert counts.tolist() == pytest.approx(expected.tolist(), abs=0.015)
+    assert counts[5] == 0
+
+
+def test_logit_bias_cannot_override_the_grammar_mask():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[False, False, True, True, False, False, False, False]])
+    params = [SamplingParams(temperature=0.0, logit_bias={"0": 100, "7": 100, "2": -100})]
+    out = sample(logits, params, vocab_mask=mask)
+    assert out.next_token_ids.tolist() == [3]  # 2 biased below 3; the biased-up 0 and 7 stay masked
+    assert not bool(out.no_allowed_token.any())
+    sampled = sample(
+        logits, SamplingParams(temperature=1.0, logit_bias={"0": 100}), n_rows=500,
+        vocab_mask=mask.expand(500, -1),
+    )
+    assert set(sampled.next_token_ids.tolist()) <= {2, 3}
+
+
+def test_logit_bias_validation_names_the_field():
+    assert SamplingParams(logit_bias={7: 1, "8": -100.0}).logit_bias == {"7": 1.0, "8": -100.0}
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad, why in (
+        ({"x": 1.0}, "key 'x' is not a token id"),
+        ({"-1": 1.0}, "key '-1' is not a token id"),
+        ({"1": 101}, r"logit_bias\['1'\] must be a number in \[-100, 100\]"),
+        ({"1": True}, r"logit_bias\['1'\] must be a number"),
+        ({"1": 1, "01": 2}, "names token 1 twice"),
+        ([1, 2], "must be an object"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={"8": 1}).logit_bias_problem(8) == (
+        "logit_bias: token ids must be in [0, 8) (the vocabulary), got [8]"
+    )
+    assert SamplingParams(logit_bias={"7": 1}).logit_bias_problem(8) is None

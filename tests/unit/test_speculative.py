@@ -805,3 +805,17 @@ def test_constrained_requests_speculate_with_identical_greedy_outputs(
                 assert st["spec_verified_drafts"] == 0, st
     finally:
         sched.grammars.shutdown()
+
+
+def test_logit_bias_applies_to_every_verified_row(tiny_model_dir, default_tokenizer, tiny_refs):
+    """The oracle drafts the unbiased continuation; a bias that bans its 6th token must win over the draft
+    (the verify rows are biased as the decode step's would be): the same tokens as without speculation."""
+    prompt, out = tiny_refs[0]
+    bias = {str(out[5]): -100.0, str(out[9]): -50.0}
+    msgs = [gen("b", prompt, max_new_tokens=40, ignore_eos=True, logit_bias=bias)]
+    plain = drive(make_scheduler(tiny_model_dir, default_tokenizer), msgs)["b"][0]
+    assert plain[:5] == out[:5] and plain[5] != out[5]
+    sched = spec_sched(tiny_model_dir, default_tokenizer, tiny_refs)
+    assert drive(sched, msgs)["b"][0] == plain
+    assert sched.stats["spec_accepted_tokens"] > 0  # the draft was used up to the banned token
+    assert_all_free(sched)

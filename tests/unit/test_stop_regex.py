@@ -165,7 +165,6 @@ FRONTEND_DEFAULTS = {**SGLANG_DEFAULTS, "stop": [], "stop_token_ids": [], "stop_
 UNSUPPORTED = {
     "ebnf": 'root ::= "a"',
     "structural_tag": '{"type": "structural_tag"}',
-    "logit_bias": {"1": 5.0},
     "custom_params": {"k": 1},
 }
 
@@ -182,6 +181,10 @@ def test_unsupported_sglang_parameter_is_refused_by_name(name):
     with pytest.raises(ValueError, match=f"^{name} is not supported by radixlm"):
         SamplingParams.from_dict({name: UNSUPPORTED[name]})
     SamplingParams.from_dict({name: {} if isinstance(UNSUPPORTED[name], dict) else None})
+
+
+def test_sglang_logit_bias_is_implemented():
+    assert SamplingParams.from_dict({"logit_bias": {"1": 5.0}}).logit_bias == {"1": 5.0}
 
 
 def test_sampling_seed_is_seed():

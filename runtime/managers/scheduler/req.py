@@ -111,7 +111,7 @@ class Req:
         bad_stops = [t for t in self.params.stop_token_ids if t >= vocab_size]
         if bad_stops:
             return f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary), got {bad_stops[:5]}"
-        return None
+        return self.params.logit_bias_problem(vocab_size)
 
     @property
     def all_ids(self) -> list[int]:

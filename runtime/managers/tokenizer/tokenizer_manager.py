@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from runtime.messages import (
 )
 from runtime.sampling_params import INT64_MAX, SamplingParams, TokenBudgetError, check_token_budget
 from runtime.server_args import ServerArgs
+from runtime.tenants import scoped_salt, tenant_name
 
 logger = logging.getLogger("radixlm.tokenizer_manager")
 
@@ -53,6 +55,7 @@ class ReqState:
     prompt_tokens: int
     return_text_in_logprobs: bool
     client_rid: str | None = None  # set on the n choices of one client request: aborting it aborts them
+    tenant: str | None = None  # whose key sent it (--api-keys-file)
     created: float = field(default_factory=time.perf_counter)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -80,6 +83,7 @@ class TokenizerManager:
         self.on_child_death = on_child_death
         self.endpoints = ipc.IpcEndpoints.create()
         self.states: dict[str, ReqState] = {}
+        self.tenant_in_flight: Counter[str] = Counter()  # sequences in `states` per tenant
         self.pending_control: dict[type, list[asyncio.Future]] = {
             FlushCacheResp: [],
             ServerInfoResp: [],
@@ -182,6 +186,8 @@ class TokenizerManager:
         return len(self.states)
 
     def check_admission(self, n: int = 1) -> None:
+        """503 when the server cannot take `n` more sequences; 429 when the requesting tenant (the HTTP
+        request's, `tenants.current_tenant`) is at its --tenant-max-concurrent-requests."""
         if self.dead_reason:
             raise RequestError(f"server is unhealthy: {self.dead_reason}", 503)
         if self.draining:
@@ -191,6 +197,18 @@ class TokenizerManager:
             raise RequestError(
                 f"server overloaded: {len(self.states)} requests in flight (limit {limit})", 503
             )
+        tenant, quota = tenant_name(), self.args.tenant_max_concurrent_requests
+        if tenant is not None and quota and self.tenant_in_flight.get(tenant, 0) + n > quota:
+            raise RequestError(
+                f"tenant quota --tenant-max-concurrent-requests ({quota}) reached: "
+                f"{self.tenant_in_flight.get(tenant, 0)} of your sequences are in flight",
+                429,
+            )
+
+    def scope(self, cache_salt: str | None) -> tuple[str | None, str | None]:
+        """(tenant, the salt the scheduler sees) of a request from the current HTTP request's tenant."""
+        tenant = tenant_name()
+        return tenant, scoped_salt(tenant, cache_salt, self.args.share_cache_across_tenants)
 
     # ---- request bounds (ServerArgs "request bounds"), checked before anything expensive ------------------
     def check_prompt_count(self, sequences: int) -> None:
@@ -302,6 +320,9 @@ class TokenizerManager:
         if req.input_ids is not None and vocab_size and not all(0 <= t < vocab_size for t in ids):
             # Checked here, not only in the scheduler: an id beyond 64 bits could not even be sent there.
             raise RequestError(f"input token ids must be in [0, {vocab_size})", 400)
+        bias_problem = req.params.logit_bias_problem(vocab_size) if vocab_size else None
+        if bias_problem:
+            raise RequestError(bias_problem, 400)
         try:
             check_token_budget(
                 len(ids), req.params.max_new_tokens, self.context_length, self.info.get("max_total_tokens")
@@ -316,6 +337,7 @@ class TokenizerManager:
         ttl = self.session_ttl(req)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}", 400)
+        tenant, salt = self.scope(req.cache_salt)
         msg = TokenizedGenerateReq(
             rid=req.rid,
             input_ids=ids,
@@ -326,14 +348,17 @@ class TokenizerManager:
             top_logprobs_num=req.top_logprobs_num,
             return_text_in_logprobs=req.return_text_in_logprobs,
             timeout_s=req.timeout_s,
-            cache_salt=req.cache_salt,
+            cache_salt=salt,
             session_id=req.session_id,
             cache_ttl_s=ttl,
+            tenant=tenant,
         )
-        st = ReqState(req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid)
+        st = ReqState(req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid, tenant=tenant)
         # Nothing may run between registering the state and entering the try: a state that outlives its
         # request is a permanent in-flight slot (and blocks the SIGTERM drain).
         self.states[req.rid] = st
+        if tenant is not None:
+            self.tenant_in_flight[tenant] += 1
         sent = False
         try:
             if self.metrics:
@@ -356,6 +381,10 @@ class TokenizerManager:
                     yield self._result(st, chunks[-1])
         finally:
             self.states.pop(req.rid, None)
+            if tenant is not None:
+                self.tenant_in_flight[tenant] -= 1
+                if not self.tenant_in_flight[tenant]:
+                    del self.tenant_in_flight[tenant]
             if sent and not st.finished and self.dead_reason is None:
                 self.abort(req.rid)
             if self.metrics:
@@ -476,6 +505,14 @@ class TokenizerManager:
             r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False, client_rid=r.rid
         )
 
+    def abort_own(self, rid: str) -> None:
+        """`abort(rid)` for a client: with tenants, only the requesting tenant's requests of that rid."""
+        tenant = tenant_name()
+        if tenant is None:
+            return self.abort(rid)
+        for st in [s for s in self.states.values() if s.tenant == tenant and rid in (s.rid, s.client_rid)]:
+            ipc.send(self._send_sock, AbortReq(rid=st.rid))
+
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         """Abort request `rid` in the scheduler (with the n choices a client request of that rid became), or
         every request with `abort_all` ("" alone aborts none)."""
@@ -497,8 +534,10 @@ class TokenizerManager:
         return await self._control(FlushCacheReq(), FlushCacheResp)
 
     async def release_session(self, session_id: str, cache_salt: str | None = None) -> int:
-        """Unpin a session's cached tokens (`DELETE /v1/sessions/{id}`); the tokens it pinned (0: none)."""
-        msg = ReleaseSessionReq(session_id=session_id, cache_salt=cache_salt)
+        """Unpin a session of the current tenant (`DELETE /v1/sessions/{id}`); the tokens it pinned (0: none,
+        also for another tenant's session of that id)."""
+        tenant, salt = self.scope(cache_salt)
+        msg = ReleaseSessionReq(session_id=session_id, cache_salt=salt, tenant=tenant)
         resp = await self._control(msg, ReleaseSessionResp)
         return resp.released_tokens
 
