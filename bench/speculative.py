@@ -43,11 +43,11 @@ OFF = ":off"  # ALG:off: ALG's engine, every request with speculation off (the s
 # where one slow step moves the cell by 20-40 % (samples 164-308 tok/s for one side in one run)
 WAVES = {"agent": 4}
 # repeats per cell, as a multiple of --repeats: free chat's target is a ratio within 3 % of 1, where one cell
-# moves by +-3 % from repeat to repeat (its forward alone, in one process: session 44), and a median of 3 put
+# moves by +-3 % from repeat to repeat (its forward alone, in one process), and a median of 3 put
 # batch 8 anywhere in 0.93-0.99 from run to run; its cells are the shortest, so 9 cost ~1.5 minutes more
 REPEAT_FACTOR = {"chat": 3}
 # requests per single-stream cell, one after another: one workload's speedup ranges 0.97x-3x from prompt to
-# prompt (session 39, edit: 93 / 170 / 294 tok/s for its three samples), so a cell of one request made the
+# prompt (edit: 93 / 170 / 294 tok/s for its three samples), so a cell of one request made the
 # median one prompt's luck
 SINGLE_STREAM_REQUESTS = 4
 _SPEC_KEYS = (

@@ -26,11 +26,11 @@ def cpu_flags() -> frozenset[str]:
 def cpu_has_native_bf16() -> bool:
     """True where the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), which oneDNN uses for
     bf16 matmuls; without them bf16 matmul takes slower paths (0.85 against 89 GFLOP/s for fp32
-    in an earlier README run).
+    on a CPU without them).
 
     Why bf16 is then the CPU default where w4a8 is not (runtime/models/quantization.py; SmolLM2-135M,
     `bench.decode_throughput` and `bench/quant_accuracy.py` on a 2-core EPYC with avx512_bf16; figures in
-    README "CPU numerics"): decode at batch 8-32 is 1.5-3.6x
+    docs/numerics.md): decode at batch 8-32 is 1.5-3.6x
     faster (batch 1: 0.8-1.6x, run to run), next-token top-1 agreement with fp32 over 114 positions is 1.000
     (mean KL 0.0018) and MMLU cloze is 31.2% against fp32's 31.1% (930 items).
     """

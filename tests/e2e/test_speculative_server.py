@@ -16,7 +16,7 @@ from tests.e2e.server_utils import ServerProcess
 ITEMS = ["apple_17", "river_42", "stone_88", "cloud_05", "paper_61", "green_33", "delta_90", "omega_12"]
 # The list is written as the model writes it back ("1. apple_17."): a plain one ("apple_17" per line) came
 # back reformatted, so prompt lookup kept drafting the prompt's form and the acceptance checked below sat at
-# 1.5-1.9 tokens per draft, a coin flip against its bound (session 43); copied verbatim it is ~4.75.
+# 1.5-1.9 tokens per draft, a coin flip against its bound; copied verbatim it is ~4.75.
 COPY = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     "<|im_start|>user\nRepeat this list exactly:\n"

@@ -309,7 +309,7 @@ class SpecState:
         first while `lead` <= 0: it is the better source for a copy of the request's own text. But an output
         that writes that text in another form ("apple_17" per line written back as "1. apple_17.") keeps
         drafting the prompt's form, while the shared index, which has seen that output, drafts the right one
-        (a repeated request: 1.4 tokens per draft instead of ~4.7, session 43)."""
+        (a repeated request: 1.4 tokens per draft instead of ~4.7)."""
         if self.rival is None or len(ids) <= self.rival[0]:
             return
         at, own, shared = self.rival
