@@ -1,6 +1,6 @@
 """Every front end carries every per-request option to the scheduler (`generate_input.RequestOptions`):
 native /generate, chat completions, completions, Responses and Messages each take `session_id` (or the
-X-Session-Id header; Responses also `prompt_cache_key`), `cache_salt`, `cache_ttl_s`, `timeout` and
+X-Session-Id header; the OpenAI ones also `prompt_cache_key`), `cache_salt`, `cache_ttl_s`, `timeout` and
 `speculative_num_draft_tokens`, and each is observed where the scheduler acts on it: the session's pin under
 its salt (DELETE /v1/sessions/{id}?cache_salt=...), no pin with a TTL of 0, a 504 past the deadline, and
 the sampling check of the draft bound. A new option added to `RequestOptions` belongs in OPTIONS below."""
@@ -91,11 +91,14 @@ def test_the_session_header_names_the_session(server_url, front):
     assert delete_session(server_url, sid) == 200
 
 
-def test_responses_prompt_cache_key_is_the_session(server_url):
-    key = f"pck-{uuid.uuid4().hex[:8]}"
-    r = post(server_url, "responses", {"prompt_cache_key": key})
+@pytest.mark.parametrize("front", ["chat", "completions", "responses"])
+def test_prompt_cache_key_is_the_session(server_url, front):
+    key = f"pck-{front}-{uuid.uuid4().hex[:8]}"
+    r = post(server_url, front, {"prompt_cache_key": key})
     assert r.status_code == 200, r.text
     assert delete_session(server_url, key) == 200
+    r = post(server_url, front, {"prompt_cache_key": "k" * 257})
+    assert r.status_code == 400 and "prompt_cache_key" in r.text, r.text
 
 
 @pytest.mark.parametrize("front", list(FRONT_ENDS))

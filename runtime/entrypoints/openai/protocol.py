@@ -1,17 +1,31 @@
-"""The OpenAI request bodies radixlm accepts (pydantic): chat completions and completions, OpenAI's fields
-plus radixlm's extras (grammars, top_k, stop_token_ids, ...). Unknown fields are a 400."""
+"""The OpenAI request bodies radixlm accepts (pydantic): chat completions and completions, every field of
+OpenAI's (what each does here: docs/api_fields.md) plus radixlm's extras (grammars, top_k, stop_token_ids,
+...). Unknown fields are a 400; so is a value radixlm cannot honour, naming the field."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from runtime.entrypoints.api_fields import (
+    Metadata,
+    PromptCacheKey,
+    PromptCacheOptions,
+    ReasoningEffort,
+    ServiceTier,
+    Verbosity,
+    template_vars,
+)
 from runtime.entrypoints.generate_input import MAX_CACHE_SALT_CHARS, MAX_SESSION_ID_CHARS, MAX_TIMEOUT_S
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    # OpenAI pads chunks with random `obfuscation` text against length side channels; radixlm sends none,
+    # which is what include_obfuscation=false asks (true is accepted: the padding carries no data)
+    include_obfuscation: StrictBool = True
 
 
 class ResponseFormat(BaseModel):
@@ -39,6 +53,15 @@ class CommonRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # checked by SamplingParams (token ids, values in [-100, 100])
+    # ---- OpenAI's fields: accepted, what each does is in docs/api_fields.md
+    store: StrictBool | None = None  # nothing is stored: there is no stored-completions API here
+    metadata: Metadata | None = Field(default=None, max_length=16)
+    service_tier: ServiceTier | None = None  # one tier here: the answer says "default"
+    safety_identifier: str | None = Field(default=None, max_length=128)
+    prompt_cache_key: PromptCacheKey | None = None  # the session, where session_id / X-Session-Id are unset
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     # extras
     top_k: int = -1
     min_p: float = 0.0
@@ -70,6 +93,24 @@ class CommonRequest(BaseModel):
         return v
 
 
+class Prediction(BaseModel):
+    """Predicted Outputs: a speed hint (OpenAI drafts from it); the answer is the same without it."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+
+class LegacyFunction(BaseModel):
+    """An entry of the deprecated `functions` (Chat Completions' tools before `tools`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -86,6 +127,70 @@ class ChatCompletionRequest(CommonRequest):
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
     continue_final_message: StrictBool = False
+    # ---- OpenAI's fields: accepted, what each does is in docs/api_fields.md
+    reasoning_effort: ReasoningEffort | None = None  # a chat template variable (`template_vars`)
+    verbosity: Verbosity | None = None  # likewise
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: Prediction | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # deprecated spelling of tools / tool_choice: converted to them (`_legacy_functions`)
+    functions: list[LegacyFunction] | None = None
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and "audio" in v:
+            raise ValueError('audio output is not supported by radixlm (a text model): use ["text"]')
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("audio output is not supported by radixlm (a text model); leave it unset")
+        return v
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("radixlm has no web search; leave it unset")
+        return v
+
+    @field_validator("moderation")
+    @classmethod
+    def _no_moderation(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("radixlm has no moderation model; leave it unset")
+        return v
+
+    @model_validator(mode="after")
+    def _legacy_functions(self) -> ChatCompletionRequest:
+        """`functions` / `function_call` as `tools` / `tool_choice` (one call per answer, as they allowed)."""
+        if self.function_call is not None and self.functions is None:
+            raise ValueError("function_call needs functions")
+        if self.functions is None:
+            return self
+        if self.tools is not None or self.tool_choice is not None:
+            raise ValueError("functions (deprecated) cannot be combined with tools or tool_choice")
+        self.tools = [
+            {"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions
+        ]
+        choice = self.function_call
+        if isinstance(choice, dict):
+            if set(choice) != {"name"} or not isinstance(choice["name"], str):
+                raise ValueError('function_call must be "none", "auto" or {"name": ...}')
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        self.tool_choice = choice
+        self.parallel_tool_calls = False
+        return self
+
+    @property
+    def template_vars(self) -> dict[str, Any]:
+        return template_vars(self.reasoning_effort, self.verbosity)
 
 
 class CompletionRequest(CommonRequest):

@@ -116,12 +116,11 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             message = plan.message(split.answer if split else r["text"])
             if split is not None and split.reasoning is not None:
                 message["reasoning_content"] = split.reasoning
-            choice = {
-                "index": i,
-                "message": message,
-                "finish_reason": tool_finish_reason(finish_reason(r), bool(message.get("tool_calls"))),
-                "logprobs": None,
-            }
+            finish = tool_finish_reason(finish_reason(r), bool(message.get("tool_calls")))
+            if body.functions is not None and message.get("tool_calls"):  # the deprecated spelling's answer
+                message["function_call"] = message["tool_calls"][0]["function"]
+                finish = "function_call"
+            choice = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if body.logprobs:
                 choice["logprobs"] = {"content": chat_logprobs(tm, r["meta_info"])}
             choices.append(choice)
@@ -129,6 +128,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             {
                 **envelope(rid, "chat.completion", int(time.time()), args.model_name, choices),
                 "usage": usage_of(results),
+                **served_tier(body),
             }
         )
 
@@ -184,7 +184,11 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             usage["prompt_tokens"] = sum(rs[0]["meta_info"]["prompt_tokens"] for rs in results_per_prompt)
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return FastJSONResponse(
-            {**envelope(rid, "text_completion", int(time.time()), args.model_name, choices), "usage": usage}
+            {
+                **envelope(rid, "text_completion", int(time.time()), args.model_name, choices),
+                "usage": usage,
+                **served_tier(body),
+            }
         )
 
 
@@ -245,6 +249,7 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             no_stop_trim=body.no_stop_trim,
             seed=body.seed,
+            logit_bias=body.logit_bias,
             n=body.n,
             speculative_num_draft_tokens=body.speculative_num_draft_tokens,
             **grammar,
@@ -276,6 +281,11 @@ def single_request(
         logprob_start_len=logprob_start_len,
     )
     return options.fill(req)
+
+
+def served_tier(body: CommonRequest) -> dict[str, str]:
+    """The `service_tier` field of an answer whose request named one: radixlm has one tier, "default"."""
+    return {"service_tier": "default"} if body.service_tier is not None else {}
 
 
 def completion_prompts(prompt) -> tuple[list[str], list[list[int]]]:

@@ -104,6 +104,9 @@ async def plan_chat(
         kwargs["continue_final_message"] = True
     if tool_arg:
         kwargs["tools"] = tool_arg
+    # the request's template variables (reasoning_effort, enable_thinking, verbosity): a template that does
+    # not read one renders as without it
+    kwargs.update(getattr(body, "template_vars", None) or {})
     try:
         # Off the event loop: rendering a long conversation takes a while.
         prompt = await asyncio.to_thread(tokenizer.apply_chat_template, rendered, **kwargs)

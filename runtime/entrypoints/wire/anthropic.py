@@ -7,8 +7,9 @@ import json
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from runtime.entrypoints.api_fields import template_vars
 from runtime.entrypoints.generate_input import body_options, check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, dumps
 from runtime.entrypoints.streaming import stream_response
@@ -39,6 +40,8 @@ ERROR_TYPES = {
     529: "overloaded_error",
 }
 PATH_PREFIX = "/v1/messages"
+THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 def anthropic_error(status: int, message: str) -> FastJSONResponse:
@@ -50,6 +53,9 @@ def anthropic_error(status: int, message: str) -> FastJSONResponse:
 
 
 class CountTokensRequest(BaseModel):
+    """Every field of Anthropic's: what each does here is in docs/api_fields.md; a value radixlm cannot
+    honour is a 400 naming the field."""
+
     model_config = ConfigDict(extra="forbid")
     model: str
     messages: list[dict[str, Any]]
@@ -57,6 +63,18 @@ class CountTokensRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # `format`: {"type": "json_schema", "schema": ...}; `effort`
+    cache_control: dict[str, Any] | None = None  # accepted: radixlm caches every prefix on its own
+
+    @property
+    def template_vars(self) -> dict[str, Any]:
+        """`output_config.effort` as the template's `reasoning_effort`; thinking disabled as
+        `enable_thinking` false (the variables reasoning models' templates read)."""
+        effort = (self.output_config or {}).get("effort")
+        out = template_vars(effort)
+        if (self.thinking or {}).get("type") == "disabled":
+            out["enable_thinking"] = False
+        return out
 
 
 class MessagesRequest(CountTokensRequest):
@@ -66,16 +84,33 @@ class MessagesRequest(CountTokensRequest):
     temperature: float = Field(default=1.0, ge=0, le=1)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)
-    metadata: dict[str, Any] | None = None
+    metadata: MessagesMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
-    cache_control: dict[str, Any] | None = None  # accepted: radixlm caches every prefix on its own
-    output_config: dict[str, Any] | None = None  # `format`: {"type": "json_schema", "schema": ...}
+    speed: Literal["standard", "fast"] | None = None  # one speed here
+    inference_geo: str | None = None  # it runs where this server runs
+    user_profile_id: str | None = None  # attribution only
+    workspace_id: str | None = None  # likewise
+    diagnostics: dict[str, Any] | None = None  # no diagnostics block is returned
+    container: str | dict[str, Any] | None = None
+
+    @field_validator("container")
+    @classmethod
+    def _no_container(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("radixlm has no code-execution containers; leave container unset")
+        return v
+
     # radixlm's extras (`extra_body` with the Anthropic client), as on chat completions
     speculative_num_draft_tokens: int | None = None
     cache_salt: str | None = None
     session_id: str | None = None
     cache_ttl_s: float | None = None
     timeout: float | None = None
+
+
+class MessagesMetadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = Field(default=None, max_length=256)
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -185,13 +220,23 @@ def tool_error(message: str) -> str:
 
 
 def conversation_of(body: CountTokensRequest) -> Conversation:
-    if body.thinking is not None and body.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-        raise RequestError("'thinking.type' must be enabled, disabled or adaptive", 400)
+    if body.thinking is not None and body.thinking.get("type") not in THINKING_TYPES:
+        raise RequestError(f"'thinking.type' must be one of {', '.join(THINKING_TYPES)}", 400)
+    effort = (body.output_config or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise RequestError(f"'output_config.effort' must be one of {', '.join(EFFORTS)}", 400)
     choice, parallel = _tool_choice(body.tool_choice)
     conv = Conversation(
-        _messages(body), tools=_tools(body.tools), tool_choice=choice, parallel_tool_calls=parallel
+        _messages(body),
+        tools=_tools(body.tools),
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        template_vars=body.template_vars,
     )
-    fmt = (getattr(body, "output_config", None) or {}).get("format")
+    extra = set(body.output_config or {}) - {"format", "effort"}
+    if extra:
+        raise RequestError(f"'output_config': unknown field(s) {sorted(extra)}", 400)
+    fmt = (body.output_config or {}).get("format")
     if fmt is not None:
         if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
             raise RequestError(

@@ -93,6 +93,7 @@ class Conversation:
     json_schema: dict[str, Any] | None = None  # the answer's JSON Schema (structured output)
     continue_final_message: bool = False
     separate_reasoning: bool = True  # False: thoughts stay in the answer (no reasoning parser)
+    template_vars: dict[str, Any] = field(default_factory=dict)  # reasoning_effort, ... (plan_chat)
 
 
 @dataclass

@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from runtime.entrypoints.api_fields import (
+    Metadata,
+    PromptCacheKey,
+    PromptCacheOptions,
+    ReasoningEffort,
+    ServiceTier,
+    template_vars,
+)
 from runtime.entrypoints.wire.conversation import Conversation, Message, Reply, Sampling, ToolCall
 from runtime.errors import RequestError
 
@@ -49,9 +57,33 @@ class TextConfig(BaseModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-# OpenAI's bounds of `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512
-MetadataKey = Annotated[str, StringConstraints(max_length=64)]
-MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+class ReasoningConfig(BaseModel):
+    """`reasoning`: `effort` is a chat template variable (`template_vars`); the thoughts come back whole as a
+    reasoning item (there is no summariser, so `summary` / `generate_summary` change nothing)."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None
+
+
+class BackgroundOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    completion_window: Literal["soonest"] | None = None  # "2h" / "8h" need background, which is off here
+    continuation_id: str | None = None
+
+
+def _unset_only(name: str, why: str):
+    """A field radixlm cannot honour: accepted as null, else a 400 naming it and why."""
+
+    def check(v: Any) -> Any:
+        if v is not None:
+            raise ValueError(f"{why}; leave {name} unset")
+        return v
+
+    return field_validator(name)(classmethod(lambda cls, v: check(v)))
 
 
 class ResponsesRequest(BaseModel):
@@ -72,17 +104,33 @@ class ResponsesRequest(BaseModel):
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: str | None = None
-    metadata: dict[MetadataKey, MetadataValue] | None = Field(default=None, max_length=16)
+    metadata: Metadata | None = Field(default=None, max_length=16)
     user: str | None = None
     include: list[str] | None = None
     truncation: Literal["disabled"] | None = None
-    reasoning: dict[str, Any] | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
+    reasoning: ReasoningConfig | None = None
+    service_tier: ServiceTier | None = None  # one tier here: the answer says "default"
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    safety_identifier: str | None = Field(default=None, max_length=128)
     stream_options: dict[str, Any] | None = None
     background: Literal[False] | None = None
+    background_options: BackgroundOptions | None = None
     top_logprobs: Literal[0] | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)  # bounds built-in tool calls: radixlm has none
+    access_programs: dict[Literal["cyber"], Literal["standard"]] | None = None
+    image: dict[Literal["context_compression"], Literal["auto", "enabled", "disabled"]] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    _no_compaction = _unset_only("context_management", "radixlm does not compact a conversation")
+    _no_conversations = _unset_only(
+        "conversation", "radixlm has no Conversations API: chain answers with previous_response_id"
+    )
+    _no_saved_prompts = _unset_only("prompt", "radixlm has no saved prompt templates: send the input itself")
+    _no_moderation = _unset_only("moderation", "radixlm has no moderation model")
     # radixlm's extras (the same as chat completions'; `prompt_cache_key` is the session when none is named)
     top_k: int = -1
     seed: int | None = None
@@ -91,6 +139,11 @@ class ResponsesRequest(BaseModel):
     session_id: str | None = None
     cache_ttl_s: float | None = None
     timeout: float | None = None
+
+    @property
+    def template_vars(self) -> dict[str, Any]:
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        return template_vars(effort, self.text.verbosity if self.text is not None else None)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -215,6 +268,7 @@ def conversation_of(body: ResponsesRequest, history: list[Message]) -> Conversat
         tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls,
         json_schema=output_schema(body.text),
+        template_vars=body.template_vars,
     )
 
 
@@ -296,6 +350,7 @@ class ResponseShell:
             "metadata": b.metadata or {},
             "user": b.user,
             "usage": usage(reply) if reply is not None else None,
+            **({"service_tier": "default"} if b.service_tier is not None else {}),
         }
 
 
