@@ -69,6 +69,18 @@ class ReasoningConfig(BaseModel):
     mode: str | None = None
 
 
+Includable = Literal[
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+]
+
+
 class BackgroundOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     completion_window: Literal["soonest"] | None = None  # "2h" / "8h" need background, which is off here
@@ -106,7 +118,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: Metadata | None = Field(default=None, max_length=16)
     user: str | None = None
-    include: list[str] | None = None
+    include: list[Includable] | None = None  # the parts asked for that radixlm has are always included
     truncation: Literal["disabled"] | None = None
     reasoning: ReasoningConfig | None = None
     service_tier: ServiceTier | None = None  # one tier here: the answer says "default"
@@ -114,7 +126,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = Field(default=None, max_length=128)
-    stream_options: dict[str, Any] | None = None
+    stream_options: dict[Literal["include_obfuscation"], StrictBool] | None = None  # no padding is sent
     background: Literal[False] | None = None
     background_options: BackgroundOptions | None = None
     top_logprobs: Literal[0] | None = None
