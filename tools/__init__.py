@@ -1,0 +1,1 @@
+"""Repository tools (not installed): generators for the documentation."""
