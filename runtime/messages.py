@@ -32,6 +32,7 @@ class TokenizedGenerateReq(Message):
     cache_salt: str | None = None  # the radix cache shares KV only between requests of the same salt
     session_id: str | None = None  # pin the finished request's tokens in the cache for cache_ttl_s
     cache_ttl_s: float = 0.0
+    tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
 
 
 class AbortReq(Message):
@@ -49,7 +50,8 @@ class GetServerInfoReq(Message):
 
 class ReleaseSessionReq(Message):
     session_id: str
-    cache_salt: str | None = None  # a session is its id within its salt
+    cache_salt: str | None = None  # a session is its id within its tenant and salt
+    tenant: str | None = None
 
 
 # ---- Scheduler -> TokenizerManager (control replies) ------------------------------------------------------

@@ -181,6 +181,8 @@ def parse_cache_salt(value: Any) -> str | None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= MAX_CACHE_SALT_CHARS:
         raise ValueError(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} chars")
+    if not value.isprintable():  # control characters separate a tenant from its salts (`tenants.scoped_salt`)
+        raise ValueError("'cache_salt' must contain only printable characters (no control characters)")
     return value
 
 

@@ -20,6 +20,7 @@ from fastapi import Request
 from runtime.entrypoints.http_common import error_response
 from runtime.errors import RequestError
 from runtime.server_args import ServerArgs
+from runtime.tenants import Tenant, current_tenant, key_digest, load_keys_file
 
 API_KEY_ENV = "RADIXLM_API_KEY"
 ADMIN_API_KEY_ENV = "RADIXLM_ADMIN_API_KEY"
@@ -53,6 +54,8 @@ def load_keys(args: ServerArgs, environ: MutableMapping[str, str] | None = None)
         elif value is None and from_env:
             value = from_env.strip()
         found[name] = value
+    if args.api_keys_file is not None:
+        load_keys_file(args.api_keys_file)  # a KeysFileError (ValueError) naming the problem, at start-up
     return dataclasses.replace(args, **found)
 
 
@@ -94,29 +97,58 @@ def _key_matches(authorization: bytes, x_api_key: bytes, key: str | None) -> boo
 
 
 def require_admin(request: Request, args: ServerArgs, what: str) -> None:
-    """403 unless the request carries the admin key (when --admin-api-key is set; else anyone may)."""
-    if args.admin_api_key is None:
+    """403 unless the request carries the admin key or an admin tenant's key (anyone may when neither
+    --admin-api-key nor --api-keys-file is set)."""
+    tenant = current_tenant.get()
+    if tenant is not None and tenant.admin:
+        return
+    if args.admin_api_key is None and args.api_keys_file is None:
         return
     authorization = request.headers.get("authorization", "").encode("latin-1")
     x_api_key = request.headers.get("x-api-key", "").encode("latin-1")
     if not _key_matches(authorization, x_api_key, args.admin_api_key):
         raise RequestError(
             f"{what} is an admin operation: it needs 'Authorization: Bearer ADMIN_KEY' or "
-            "'x-api-key: ADMIN_KEY' (--admin-api-key); the normal API key does not grant it",
+            "'x-api-key: ADMIN_KEY' (--admin-api-key, or a key marked admin in --api-keys-file); the normal "
+            "API key does not grant it",
             403,
         )
 
 
+def presented_key(authorization: bytes, x_api_key: bytes) -> bytes:
+    """The key a request carries: `Authorization: Bearer KEY`, else `x-api-key: KEY`."""
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() == b"bearer" and token:
+        return token.strip()
+    return x_api_key
+
+
 class Guard:
     """Pure ASGI middleware (not BaseHTTPMiddleware, which hides client disconnects from the handlers):
-    Host header, API key, JSON content type, body size limit, in that order."""
+    Host header, API key, JSON content type, body size limit, in that order. A key from --api-keys-file
+    makes its tenant `current_tenant` for the handler."""
 
     def __init__(self, app, args: ServerArgs):
         self.app, self.args = app, args
         self.hosts = allowed_hosts(args)
+        self.tenant_keys = load_keys_file(args.api_keys_file) if args.api_keys_file else {}
+        self.needs_key = bool(args.api_key or self.tenant_keys)
 
-    def _refusal(self, scope, headers: dict[bytes, bytes]) -> tuple[int, str] | None:
+    def _tenant(self, headers: dict[bytes, bytes]) -> tuple[bool, Tenant | None]:
+        """(the request carries a valid key, the tenant of that key: None for --api-key / --admin-api-key)."""
+        authorization, x_api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+        if self.tenant_keys:
+            tenant = self.tenant_keys.get(key_digest(presented_key(authorization, x_api_key)))
+            if tenant is not None:
+                return True, tenant
         args = self.args
+        # The admin key grants everything the normal key does.
+        valid = _key_matches(authorization, x_api_key, args.api_key) | _key_matches(
+            authorization, x_api_key, args.admin_api_key
+        )
+        return valid, None
+
+    def _refusal(self, scope, headers: dict[bytes, bytes], valid_key: bool) -> tuple[int, str] | None:
         if self.hosts is not None:
             host = headers.get(b"host")
             if host is None:
@@ -127,14 +159,8 @@ class Guard:
                     f"Host {name!r} is not served here (DNS-rebinding protection); the operator can allow it "
                     "with --allowed-hosts"
                 )
-        if args.api_key and scope["path"] != "/health":
-            authorization, x_api_key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
-            # The admin key grants everything the normal key does.
-            if not (
-                _key_matches(authorization, x_api_key, args.api_key)
-                | _key_matches(authorization, x_api_key, args.admin_api_key)
-            ):
-                return 401, "missing or invalid API key (use 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
+        if self.needs_key and not valid_key and scope["path"] != "/health":
+            return 401, "missing or invalid API key (use 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
         if scope["method"].encode() not in _SAFE_METHODS:
             content_type = headers.get(b"content-type")
             if content_type is None:
@@ -150,11 +176,19 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        args = self.args
         headers = {k.lower(): v for k, v in scope["headers"]}
-        refusal = self._refusal(scope, headers)
+        valid_key, tenant = self._tenant(headers) if self.needs_key else (True, None)
+        refusal = self._refusal(scope, headers, valid_key)
         if refusal is not None:
             return await error_response(*refusal)(scope, receive, send)
+        token = current_tenant.set(tenant)
+        try:
+            return await self._guarded(scope, receive, send, headers)
+        finally:
+            current_tenant.reset(token)
+
+    async def _guarded(self, scope, receive, send, headers: dict[bytes, bytes]):
+        args = self.args
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():

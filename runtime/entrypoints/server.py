@@ -229,7 +229,7 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
             check_unicode({"rid": body.rid})  # the IPC encoder cannot carry a lone surrogate
         except ValueError as e:
             raise RequestError(str(e), 400) from None
-        tm.abort(body.rid)
+        tm.abort_own(body.rid)
         return {"success": True}
 
     @app.get("/metrics")

@@ -248,9 +248,9 @@ def test_a_pin_past_the_limit_moves_to_the_host_and_comes_back():
     pins = SessionPins(cm.cache, max_pinned_tokens=8, host=cm.host)
     a, b = list(range(100, 106)), list(range(200, 206))
     cache_tokens(cm, a)
-    assert pins.pin("A", a, 60.0)
+    assert pins.pin((None, None, "A"), a, 60.0)
     cache_tokens(cm, b)
-    assert pins.pin("B", b, 60.0)  # over the limit: A is demoted, not dropped
+    assert pins.pin((None, None, "B"), b, 60.0)  # over the limit: A is demoted, not dropped
     assert pins.counts["demoted_to_host"] == 1 and pins.counts["evicted_for_limit"] == 0
     assert (pins.pinned_tokens, pins.host_pinned_tokens) == (6, 6)
     assert cm.cache.protected_size() == 6 and cm.host.tree.protected_size() == 6
@@ -262,7 +262,7 @@ def test_a_pin_past_the_limit_moves_to_the_host_and_comes_back():
     assert cm.start(req) and req.host_loaded_len == 6
     assert_kv_names(cm, cm.req_pool.read(req.req_pool_idx, 6), a)
     cm.release(req, cache_tokens=False)
-    assert pins.release("A") == 6 and pins.host_pinned_tokens == 0
+    assert pins.release((None, None, "A")) == 6 and pins.host_pinned_tokens == 0
     assert not cm.flush()  # B still pinned
     pins.release_all()
     cm.check_accounting([])
@@ -273,9 +273,9 @@ def test_a_pin_is_dropped_when_the_host_has_no_room():
     cm = make_cm(pool=16, host=4)
     pins = SessionPins(cm.cache, max_pinned_tokens=8, host=cm.host)
     cache_tokens(cm, list(range(100, 106)))
-    pins.pin("A", list(range(100, 106)), 60.0)
+    pins.pin((None, None, "A"), list(range(100, 106)), 60.0)
     cache_tokens(cm, list(range(200, 206)))
-    pins.pin("B", list(range(200, 206)), 60.0)
+    pins.pin((None, None, "B"), list(range(200, 206)), 60.0)
     assert pins.counts["evicted_for_limit"] == 1 and pins.counts["demoted_to_host"] == 0
     pins.release_all()
     cm.check_accounting([])

@@ -7,7 +7,8 @@ Layers, top to bottom (a layer may import itself and anything below it, never ab
     runtime.model_executor
     runtime.server_args (the options: it takes `--quantization`'s methods from runtime.models)
     runtime.models, runtime.mem_cache, radixlm_kernels
-    shared top-level runtime modules: platform, sampling_params, messages, ipc, errors, cache_dir, allocator
+    shared top-level runtime modules: platform, sampling_params, messages, ipc, errors, cache_dir, allocator,
+    tenants
 
 plus these package rules: `constrained` imports nothing of ours (any runtime layer may use it);
 `runtime.mem_cache` imports only the standard library and torch; `radixlm_kernels` imports nothing of
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("runtime", "radixlm_kernels", "constrained", "lang")
 OURS = (*PACKAGES, "bench", "tests")
 
-SHARED = ("platform", "sampling_params", "messages", "ipc", "errors", "cache_dir", "allocator")
+SHARED = ("platform", "sampling_params", "messages", "ipc", "errors", "cache_dir", "allocator", "tenants")
 # component of a `runtime` module, by its first name below `runtime`
 LAYER_OF = {
     "entrypoints": "entrypoints",

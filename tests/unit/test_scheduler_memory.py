@@ -202,12 +202,13 @@ def test_session_records_are_capped_in_tokens():
     sessions = SessionPins(RadixCache(), max_pinned_tokens=0)
     big = MAX_SESSION_RECORD_TOKENS // 3
     for i in range(5):
-        sessions.remember(f"s{i}", list(range(big)), None, pinned=False)
+        sessions.remember((None, None, f"s{i}"), list(range(big)), pinned=False)
         assert sessions.record_tokens <= MAX_SESSION_RECORD_TOKENS
     assert sessions.num_records == 3 and sessions.record_tokens == 3 * big
-    sessions.remember("s4", [1, 2, 3], None, pinned=False)  # the same session again replaces its record
+    # the same session again replaces its record
+    sessions.remember((None, None, "s4"), [1, 2, 3], pinned=False)
     assert sessions.num_records == 3 and sessions.record_tokens == 2 * big + 3
-    assert sessions.explain("s4", [1, 2, 9], None, 0, lambda ids: "") is not None
+    assert sessions.explain((None, None, "s4"), [1, 2, 9], 0, lambda ids: "") is not None
     assert sessions.forget_records() == 3 and sessions.record_tokens == 0
 
 

@@ -97,6 +97,23 @@ def test_store_bounds_count_bytes_and_lru():
     assert small.delete("s9") and not small.delete("s9")
 
 
+def test_store_keeps_each_owners_responses_from_the_others():
+    store = ResponseStore(max_count=100, max_bytes=1 << 20, owner_max_count=2, owner_max_bytes=3000)
+    assert store.put({"id": "a1"}, [Message("user", "x")], owner="a")
+    assert store.get("a1") is None and store.get("a1", "b") is None and store.get("a1", "a") is not None
+    assert not store.delete("a1", "b") and store.get("a1", "a") is not None  # b cannot delete it
+    assert store.quota_problem("a") is None
+    store.put({"id": "a2"}, [], owner="a")
+    assert "--tenant-max-stored-responses (2)" in store.quota_problem("a") and store.quota_problem("b") is None
+    assert store.quota_problem(None) is None  # no tenant: only the store's own bounds
+    store.put({"id": "b1"}, [Message("user", "y" * 100)], owner="b")
+    for k in range(6):  # past its bytes, b's own oldest go first; a's stay
+        store.put({"id": f"b-big{k}"}, [Message("user", "y" * 900)], owner="b")
+    assert store.owner_bytes["b"] <= 3000 and store.get("b1", "b") is None
+    assert store.get("a1", "a") is not None and store.get("a2", "a") is not None
+    assert store.delete("a1", "a") and store.delete("a2", "a") and "a" not in store.owner_count
+
+
 def test_store_counts_heap_bytes_not_json():
     """A response echoing 10,000 nested empty lists (30 KB of JSON) counts what they hold in the heap."""
     nested = {"id": "r", "text": {"format": {"schema": {"enum": [[] for _ in range(10_000)]}}}}

@@ -32,6 +32,7 @@ from runtime.entrypoints.wire.store import ResponseStore
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
 from runtime.server_args import ServerArgs
+from runtime.tenants import tenant_name
 
 
 def event(kind: str, data: dict[str, Any]) -> bytes:
@@ -157,10 +158,15 @@ class ResponsesStream(TurnStream):
 
 
 def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, check_model) -> None:
-    store = ResponseStore(args.responses_store_max_count, args.responses_store_max_mb * 2**20)
+    store = ResponseStore(
+        args.responses_store_max_count,
+        args.responses_store_max_mb * 2**20,
+        args.tenant_max_stored_responses,
+        args.tenant_max_stored_mb * 2**20,
+    )
 
     def stored(rid: str, field: str) -> Any:
-        item = store.get(rid)
+        item = store.get(rid, tenant_name())  # another tenant's response is not found, as a missing one
         if item is None:
             raise RequestError(
                 f"'{field}': no stored response with id {rid!r}", 404 if field == "id" else 400
@@ -172,6 +178,8 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
         check_model(body.model)
         check_body_unicode(body)
         history: list[Message] = []
+        if body.store and (problem := store.quota_problem(tenant_name())):
+            raise RequestError(problem, 429)
         if body.previous_response_id is not None:
             history = list(stored(body.previous_response_id, "previous_response_id").history)
         conv = conversation_of(body, history)
@@ -181,11 +189,12 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
         except RequestError as e:
             raise RequestError(tool_error(e.message), e.status) from None
         shell = ResponseShell(body, args.model_name)
+        owner = tenant_name()  # read now: a stream's last chunk may be sent outside this request's context
         lead = 1 if body.instructions is not None else 0
 
         def finished(reply: Reply, response: dict[str, Any]) -> None:
             if body.store:
-                store.put(response, conv.messages[lead:] + [reply.message()])
+                store.put(response, conv.messages[lead:] + [reply.message()], owner)
 
         if body.stream:
             return await stream_response(tm, [prepared.req], ResponsesStream(prepared, shell, finished))
@@ -201,5 +210,5 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         stored(response_id, "id")
-        store.delete(response_id)
+        store.delete(response_id, tenant_name())
         return {"id": response_id, "object": "response", "deleted": True}

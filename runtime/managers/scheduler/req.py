@@ -38,6 +38,7 @@ class Req:
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt (`cache_key`)
     session_id: str | None = None  # when it finishes, its tokens stay pinned for cache_ttl_s (`sessions`)
     cache_ttl_s: float = 0.0
+    tenant: str | None = None  # whose key sent it: a session is (tenant, salt, id); pin quotas per tenant
     cache_miss: dict[str, Any] | None = None  # why it found less cached than its session left (`sessions`)
 
     output_ids: list[int] = field(default_factory=list)
@@ -95,7 +96,14 @@ class Req:
             cache_salt=msg.cache_salt,
             session_id=msg.session_id,
             cache_ttl_s=msg.cache_ttl_s,
+            tenant=msg.tenant,
         )
+
+    @property
+    def session_key(self) -> tuple[str | None, str | None, str]:
+        """(tenant, cache salt, session id): what `sessions.SessionPins` keys a session by."""
+        assert self.session_id is not None
+        return self.tenant, self.cache_salt, self.session_id
 
     def input_problem(self, vocab_size: int, context_length: int, max_total_tokens: int) -> str | None:
         """Why the model cannot run this request as sent (the request's 400), or None."""

@@ -83,7 +83,9 @@ class Scheduler:
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
         pool = self.runner.allocator.size
         max_pinned = args.max_pinned_tokens if args.max_pinned_tokens >= 0 else pool // 4
-        self.sessions = SessionPins(self.cm.cache, max_pinned, host)
+        tenant_tokens = args.tenant_max_pinned_tokens
+        tenant_tokens = max_pinned // 2 if tenant_tokens < 0 else tenant_tokens
+        self.sessions = SessionPins(self.cm.cache, max_pinned, host, args.tenant_max_pins, tenant_tokens)
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
         torch.manual_seed(args.random_seed)
@@ -115,7 +117,8 @@ class Scheduler:
         elif isinstance(msg, GetServerInfoReq):
             return ServerInfoResp(info=self.server_info())
         elif isinstance(msg, ReleaseSessionReq):
-            return ReleaseSessionResp(released_tokens=self.sessions.release(msg.session_id, msg.cache_salt))
+            sid = (msg.tenant, msg.cache_salt, msg.session_id)
+            return ReleaseSessionResp(released_tokens=self.sessions.release(sid))
         else:
             raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         return None
@@ -141,6 +144,11 @@ class Scheduler:
         if problem:
             self._fail(req, problem, 400)
             return
+        if req.session_id is not None and req.cache_ttl_s > 0:
+            problem = self.sessions.quota_problem(req.session_key, len(req.prompt_ids))
+            if problem:
+                self._fail(req, problem, 429)
+                return
         req.generator = make_generator(req.params.seed)
         if req.params.has_grammar:
             # waits at most --grammar-queue-timeout-s (then 503); a full compile queue is a 503 at once
@@ -330,7 +338,7 @@ class Scheduler:
 
     def _explain_cache_miss(self, req: Req) -> None:
         req.cache_miss = self.sessions.explain(
-            req.session_id, req.prompt_ids, req.cache_salt, req.prefix_hit_len, self.tokenizer.decode
+            req.session_key, req.prompt_ids, req.prefix_hit_len, self.tokenizer.decode
         )
         if req.cache_miss is not None:
             logger.debug("cache miss of %s (session %s): %s", req.rid[:256], req.session_id, req.cache_miss)
@@ -516,8 +524,8 @@ class Scheduler:
             key = req.cache_key(req.kv_len) if session else None
             self.cm.release(req, cache_tokens=True)
         if session:
-            pinned = bool(key) and self.sessions.pin(session, key, req.cache_ttl_s, req.cache_salt)
-            self.sessions.remember(session, req.all_ids, req.cache_salt, pinned)
+            pinned = bool(key) and self.sessions.pin(req.session_key, key, req.cache_ttl_s)
+            self.sessions.remember(req.session_key, req.all_ids, pinned)
         if self.spec is not None:
             self.spec.learn(req, self.stats)
         self.outputs.touch(req)

@@ -9,12 +9,17 @@ rather than stall when pinned memory is what keeps a request from being admitted
 unlocks: the tokens stay in the cache as ordinary LRU entries. With a host tier, a pin pushed out by
 --max-pinned-tokens is demoted instead: its path is copied to the host tier and locked there until its TTL
 (its device copy becomes ordinary LRU); it is dropped only when the host tier has no room for it.
+
+A session is its id within its tenant and cache salt (`SessionKey`). Each tenant (--api-keys-file) may hold
+at most --tenant-max-pins pins and --tenant-max-pinned-tokens tokens in them (device and host together):
+past the token quota its own oldest pin goes first, so one tenant cycling new session ids cannot push out
+another's pins beyond its share; a request that would open a pin past the count quota is refused (429).
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,24 +49,44 @@ class Pin:
     on_host: bool = False  # `node` is in the host tier's tree (demoted past --max-pinned-tokens)
 
 
-SessionKey = tuple[str | None, str]  # (cache salt, session id)
+SessionKey = tuple[str | None, str | None, str]  # (tenant, cache salt, session id)
 
 
 class SessionPins:
-    """A session is its id *within its cache salt*: a request of another salt naming the same id has no
-    pin, no record and no explanation of this one, and cannot replace or release its pin. (Keyed by the id
-    alone, another salt's request got the text around the divergence from the session's last request, and
-    walked a victim's prompt 8 tokens at a time.)"""
+    """A session is its id *within its tenant and cache salt*: a request of another tenant or salt naming
+    the same id has no pin, no record and no explanation of this one, and cannot replace or release its pin.
+    (Keyed by the id alone, another salt's request got the text around the divergence from the session's
+    last request, and walked a victim's prompt 8 tokens at a time.)
 
-    def __init__(self, cache: BasePrefixCache, max_pinned_tokens: int, host: HostTier | None = None):
+    `tenant_max_pins` / `tenant_max_tokens` (0: none) bound what one tenant's pins hold; requests without a
+    tenant are not counted against them."""
+
+    def __init__(
+        self,
+        cache: BasePrefixCache,
+        max_pinned_tokens: int,
+        host: HostTier | None = None,
+        tenant_max_pins: int = 0,
+        tenant_max_tokens: int = 0,
+    ):
         self.cache = cache
         self.host = host
         self.max_pinned_tokens = max_pinned_tokens
+        self.tenant_max_pins, self.tenant_max_tokens = tenant_max_pins, tenant_max_tokens
         self._pins: OrderedDict[SessionKey, Pin] = OrderedDict()  # oldest first
+        self.tenant_pins: Counter[str] = Counter()  # pins per tenant
+        self.tenant_tokens: Counter[str] = Counter()  # their path lengths, device and host together
+        self._next_expiry = float("inf")  # no pin expires before this (`expire` skips its scan until then)
         self.pinned_tokens = 0  # sum of the device pins' path lengths (an upper bound of what they protect)
         self.host_pinned_tokens = 0  # the same for pins demoted to the host tier
         self.counts = dict(
-            pinned=0, expired=0, deleted=0, evicted_for_limit=0, evicted_for_memory=0, demoted_to_host=0
+            pinned=0,
+            expired=0,
+            deleted=0,
+            evicted_for_limit=0,
+            evicted_for_memory=0,
+            evicted_for_tenant_quota=0,
+            demoted_to_host=0,
         )
         self._records: OrderedDict[SessionKey, SessionRecord] = OrderedDict()  # least recently finished first
         self.record_tokens = 0  # tokens held by `_records`, kept under MAX_SESSION_RECORD_TOKENS
@@ -69,38 +94,80 @@ class SessionPins:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def pin(self, session_id: str, key: list[int], ttl_s: float, salt: str | None = None) -> bool:
+    def quota_problem(self, sid: SessionKey, prompt_len: int) -> str | None:
+        """Why a request of session `sid` may not start (HTTP 429), or None: its tenant would need a pin past
+        --tenant-max-pins, or its prompt alone is longer than --tenant-max-pinned-tokens."""
+        tenant = sid[0]
+        if tenant is None:
+            return None
+        if (
+            self.tenant_max_pins
+            and sid not in self._pins
+            and self.tenant_pins[tenant] >= self.tenant_max_pins
+        ):
+            return (
+                f"tenant quota --tenant-max-pins ({self.tenant_max_pins}) reached: end a session "
+                "(DELETE /v1/sessions/{id}) or send this request without a session"
+            )
+        if self.tenant_max_tokens and prompt_len > self.tenant_max_tokens:
+            return (
+                f"tenant quota --tenant-max-pinned-tokens ({self.tenant_max_tokens}) is smaller than this "
+                f"session's prompt ({prompt_len} tokens): send it without a session"
+            )
+        return None
+
+    def pin(self, sid: SessionKey, key: list[int], ttl_s: float) -> bool:
         """Lock the cached path of `key` (a request's cache key, just inserted) for `ttl_s` seconds; False
-        when nothing was pinned (TTL 0, no cache, or longer than the limit)."""
-        sid = (salt, session_id)
+        when nothing was pinned (TTL 0, no cache, or longer than a limit)."""
         self._release(sid, reason=None)
+        tenant = sid[0]
         if ttl_s <= 0 or not self.cache.enabled or len(key) > self.max_pinned_tokens:
+            return False
+        if tenant is not None and self.tenant_max_tokens and len(key) > self.tenant_max_tokens:
             return False
         res = self.cache.match_prefix(key)
         if not res.indices.numel():
             return False
+        n = res.indices.numel()
+        if tenant is not None:  # the tenant's own oldest pins make room within its quotas
+            while (self.tenant_max_tokens and self.tenant_tokens[tenant] + n > self.tenant_max_tokens) or (
+                self.tenant_max_pins and self.tenant_pins[tenant] >= self.tenant_max_pins
+            ):
+                own = next(s for s in self._pins if s[0] == tenant)
+                self._release(own, reason="evicted_for_tenant_quota")
         while self.pinned_tokens + res.indices.numel() > self.max_pinned_tokens:
             oldest = next((s for s, p in self._pins.items() if not p.on_host), None)
             if oldest is None:
                 break
             if not self._demote(oldest):
                 self._release(oldest, reason="evicted_for_limit")
-        node = self.cache.exact_node(res.last_node, res.indices.numel())
+        node = self.cache.exact_node(res.last_node, n)
         self.cache.lock(node)
-        self._pins[sid] = Pin(node, res.indices.numel(), time.monotonic() + ttl_s)
-        self.pinned_tokens += res.indices.numel()
+        expires_at = time.monotonic() + ttl_s
+        self._pins[sid] = Pin(node, n, expires_at)
+        self._next_expiry = min(self._next_expiry, expires_at)
+        self.pinned_tokens += n
+        if tenant is not None:
+            self.tenant_pins[tenant] += 1
+            self.tenant_tokens[tenant] += n
         self.counts["pinned"] += 1
         return True
 
-    def release(self, session_id: str, salt: str | None = None, reason: str | None = "deleted") -> int:
-        """Unlock the pin of session `session_id` of salt `salt`; returns the tokens it pinned (0: it had
-        none). `reason` names the counter to bump (None: replaced by the session's own newer pin)."""
-        return self._release((salt, session_id), reason)
+    def release(self, sid: SessionKey, reason: str | None = "deleted") -> int:
+        """Unlock the pin of session `sid`; returns the tokens it pinned (0: it had none). `reason` names
+        the counter to bump (None: replaced by the session's own newer pin)."""
+        return self._release(sid, reason)
 
     def _release(self, sid: SessionKey, reason: str | None) -> int:
         pin = self._pins.pop(sid, None)
         if pin is None:
             return 0
+        tenant = sid[0]
+        if tenant is not None:
+            self.tenant_pins[tenant] -= 1
+            self.tenant_tokens[tenant] -= pin.tokens
+            if not self.tenant_pins[tenant]:
+                del self.tenant_pins[tenant], self.tenant_tokens[tenant]
         if pin.on_host:
             self.host.unlock(pin.node)
             self.host_pinned_tokens -= pin.tokens
@@ -134,9 +201,13 @@ class SessionPins:
         return True
 
     def expire(self, now: float | None = None) -> None:
+        """Release the pins whose TTL has passed (called every step: a scan only once one is due)."""
         now = time.monotonic() if now is None else now
+        if now < self._next_expiry:
+            return
         for sid in [s for s, p in self._pins.items() if p.expires_at <= now]:
             self._release(sid, reason="expired")
+        self._next_expiry = min((p.expires_at for p in self._pins.values()), default=float("inf"))
 
     def release_oldest(self) -> bool:
         """Memory is short: drop the oldest pin. False when there is none."""
@@ -151,9 +222,8 @@ class SessionPins:
             self._release(sid, reason=None)
 
     # ---- the cache-miss explainer ------------------------------------------------------------------------
-    def remember(self, session_id: str, tokens: list[int], salt: str | None, pinned: bool) -> None:
+    def remember(self, sid: SessionKey, tokens: list[int], pinned: bool) -> None:
         """Record a session's finished request (prompt + output) for explaining its next one."""
-        sid = (salt, session_id)
         old = self._records.pop(sid, None)
         if old is not None:
             self.record_tokens -= len(old.tokens)
@@ -175,13 +245,12 @@ class SessionPins:
     def num_records(self) -> int:
         return len(self._records)
 
-    def explain(
-        self, session_id: str, prompt: list[int], salt: str | None, cached: int, decode
-    ) -> dict | None:
+    def explain(self, sid: SessionKey, prompt: list[int], cached: int, decode) -> dict | None:
         """Why a session's request found fewer cached tokens than its previous request left behind, or where
         its prompt stopped repeating that request's tokens; None when nothing was lost. `decode`: token ids
-        -> text, for the snippets around the divergence. Only a record of the request's own salt is read."""
-        rec = self._records.get((salt, session_id))
+        -> text, for the snippets around the divergence. Only the record of the request's own session (its
+        tenant, salt and id) is read."""
+        rec = self._records.get(sid)
         if rec is None or not prompt:
             return None
         prev = rec.tokens
@@ -213,5 +282,6 @@ class SessionPins:
             "session_pinned_tokens": self.pinned_tokens,
             "session_host_pinned_tokens": self.host_pinned_tokens,
             "max_pinned_tokens": self.max_pinned_tokens,
+            "session_pin_tenants": len(self.tenant_pins),
             **{f"session_pins_{k}": v for k, v in self.counts.items()},
         }

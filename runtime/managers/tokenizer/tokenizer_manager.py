@@ -353,7 +353,9 @@ class TokenizerManager:
             cache_ttl_s=ttl,
             tenant=tenant,
         )
-        st = ReqState(req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid, tenant=tenant)
+        st = ReqState(
+            req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid, tenant=tenant
+        )
         # Nothing may run between registering the state and entering the try: a state that outlives its
         # request is a permanent in-flight slot (and blocks the SIGTERM drain).
         self.states[req.rid] = st
