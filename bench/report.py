@@ -226,6 +226,65 @@ def gpu_decode(results_dir: Path) -> str:
     return out + "\n\n" + source("gpu_decode", doc) + "\n"
 
 
+# (result file, workload, the baseline side, the figure compared)
+WORKLOADS = (
+    ("mmlu", "MMLU 5-shot, letter choice", "hf", "programs_per_s"),
+    ("mmlu_cloze", "MMLU zero-shot cloze", "hf", "programs_per_s"),
+    ("gsm8k", "GSM8K 5-shot", "hf", "programs_per_s"),
+    ("tree_of_thought", "tree of thought (fork + select)", "hf", "programs_per_s"),
+    (
+        "multi_turn_chat_sys1024_short",
+        "multi-turn chat, 1,024-token system prompt, 8-token replies",
+        "radixlm-noradix",
+        "programs_per_s",
+    ),
+    ("multi_turn_chat_sys1024_long", "the same, 128-token replies", "radixlm-noradix", "programs_per_s"),
+    (
+        "multi_turn_chat_short",
+        "multi-turn chat, 512-token system prompt, 8-token replies",
+        "radixlm-noradix",
+        "programs_per_s",
+    ),
+    ("json_decode", "JSON extraction", "radixlm-nojf", "programs_per_s"),
+    ("agent_loop", "tool-calling agents, 15-tool catalogue (steps/s)", "radixlm-noradix", "steps_per_s"),
+    ("agent_loop", "the same against transformers", "hf", "steps_per_s"),
+)
+BASELINES = {"hf": "HF `generate`", "radixlm-noradix": "radix cache off", "radixlm-nojf": "jump-forward off"}
+
+
+def workloads(results_dir: Path) -> str:
+    """The programs radixlm is for, each against a baseline in the same run and on the same machine."""
+    rows, sources = [], {}
+    for name, label, base, key in WORKLOADS:
+        doc = load(name, results_dir)
+        sources.setdefault(name, doc)
+        sides = doc["results"]["sides"]
+        ours, ref = sides["radixlm"], sides[base]
+        hit = ours.get("cache_hit_rate")
+        rows.append(
+            [
+                label,
+                f"{ours[key]:.3g}" + (f" (cache hit {hit:.2f})" if hit else ""),
+                f"{BASELINES[base]}: {ref[key]:.3g}",
+                f"**{ours[key] / ref[key]:.1f}×**",
+            ]
+        )
+    out = table(["workload (`bench/results/<file>.json`)", "radixlm, programs/s", "baseline", "ratio"], rows)
+    notes = "\n".join(f"- {source(n, d)}" for n, d in sources.items())
+    return out + "\n\n" + notes + "\n"
+
+
+def step_profile(results_dir: Path) -> str:
+    doc = load("step_profile", results_dir)
+    rows = []
+    for c in doc["cases"]:
+        case = f"{c['bs']} × {c['context']:,}" + (", shared" if c.get("shared_context") else "")
+        ops = ", ".join(f"{o['op'].split('::')[-1]} {100 * o['share']:.0f}%" for o in c["ops"][:3])
+        rows.append([case, num(c["tok_s"]), f"{c['step_ms']:.2f}", ops])
+    out = table(["batch × context", "tok/s", "step ms", "largest ops"], rows)
+    return out + "\n\n" + source("step_profile", doc) + "\n"
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "headline": headline,
     "speculative": speculative,
@@ -234,6 +293,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "burst": burst,
     "decode_w4a8": decode_w4a8,
     "gpu_decode": gpu_decode,
+    "workloads": workloads,
+    "step_profile": step_profile,
 }
 
 
