@@ -48,9 +48,9 @@ CALENDAR = {
     "required": ["title", "start", "end", "organizer", "attendees"],
     "additionalProperties": False,
 }
-# the old path's figures for these (float32, fresh server): SQL "needs more memory than the limit of 2048 MB",
-# the calendar 72.6 s. Speed is bench/json_schema_coverage's and bench/tool_grammar's to measure; this test
-# checks the answers and that llguidance compiled them.
+# On the single-regex path (outlines-core) these are costly (float32, fresh server): SQL "needs more memory
+# than the limit of 2048 MB", the calendar 72.6 s. Speed is bench/json_schema_coverage's and
+# bench/tool_grammar's to measure; this test checks the answers and that llguidance compiled them.
 
 
 @pytest.fixture(scope="module")

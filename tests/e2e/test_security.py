@@ -475,7 +475,7 @@ def test_internal_error_answer_hides_the_exception(caplog):
     assert logged and "secret detail" in str(logged[0].exc_info[1]), caplog.text
 
 
-# ---- the scheduler: rid "" is no longer "everything" -------------------------------------------------------
+# ---- the scheduler: rid "" aborts nothing; only abort_all aborts everything --------------------------------
 def test_scheduler_aborts_all_only_when_asked(default_model_dir, default_tokenizer):
     from runtime.messages import AbortReq, TokenizedGenerateReq
     from runtime.sampling_params import SamplingParams

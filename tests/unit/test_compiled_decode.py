@@ -81,8 +81,8 @@ def test_max_bs_limits_buckets(tiny_model_dir):
 @pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
 def test_compiled_int8_decode_is_one_graph_and_matches_eager(tiny_model_dir, quantization):
     """The int8-activation layers call opaque `radixlm::` ops (w8a8: fbgemm's packed weights by handle;
-    w4a8: the C++ block kernel): the decode forward compiles to one graph without breaks (before, each w8a8
-    layer broke the graph and recompiled until dynamo's limit), and gives the eager tokens."""
+    w4a8: the C++ block kernel): the decode forward compiles to one graph without breaks (a graph
+    break per layer would recompile until dynamo's limit), and gives the eager tokens."""
     from torch._dynamo.utils import counters
 
     kwargs = dict(dtype="float32", max_total_tokens=256, max_running_requests=1, quantization=quantization)

@@ -113,8 +113,7 @@ def test_zero_tokens_to_extend_is_not_admitted():
 
 def test_add_waiting_counts_the_prefix_it_locks():
     """The cached prefix a waiting request locks stops being evictable: the budget sees that at once, so
-    everything admitted can be allocated (before, the adder counted those slots and the scheduler had to
-    back out when the allocation failed)."""
+    everything admitted can be allocated (the scheduler never has to back out of a failed allocation)."""
     cm = cache_manager(pool=100, cached=40)
     a = adder(cm, ratio=0.0)
     r = Req(rid="a", prompt_ids=list(range(1000, 1040)) + [7] * 20, params=SamplingParams(max_new_tokens=1))

@@ -81,7 +81,7 @@ def test_rewritten_output_is_scanned_again(tok):
 
 def test_decode_work_per_token_does_not_grow_with_the_output(tok):
     """2,000 output tokens and a 300-character stop string that never matches: every step decodes a few
-    tokens, the same at the end as at the start (the old check decoded the last 301 tokens each step)."""
+    tokens, the same at the end as at the start (not the last 301 tokens each step)."""
     counting = CountingTokenizer(tok)
     checker = StopChecker(counting)
     ids = (tok.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False) * 300)[:2000]

@@ -171,8 +171,8 @@ def test_quantization_of_each_rank_shard(tiny_model_dir, quantization):
     """int8 per output channel over each rank's shard: the row-parallel layers' scales cover half of the
     input features, so logits differ from TP=1 int8 by quantization noise (measured: <= 0.2 on logits
     of magnitude ~8, while int8 itself moves them up to 0.39 from fp32), never by a missing all_reduce.
-    w8a8 scales each rank's activation shard on its own (before, its row-parallel layers skipped the
-    all_reduce). w4a8's blocks of 32 run along the input dim and the shards split it at block boundaries,
+    w8a8 scales each rank's activation shard on its own, and its row-parallel layers all_reduce like the
+    others. w4a8's blocks of 32 run along the input dim and the shards split it at block boundaries,
     so each rank holds exactly the TP=1 blocks (and quantizes its activations into the same blocks)."""
     ref = _drive(ModelRunner(tiny_model_dir, quantization=quantization, **POOL))
     got, _ = _run_tp2(tiny_model_dir, quantization)
