@@ -17,8 +17,8 @@ radixlm servers' own counters are recorded too.
 
 Bound: a step of agent a at step k re-reads the catalogue (C tokens) and its history; with the cache, only
 the new output and tool result (a few dozen tokens) are prefilled, so the hit rate tends to
-1 - (new tokens) / (C + history) (0.97 after the first step in the README's run), and without it every
-step prefills everything.
+1 - (new tokens) / (C + history) (0.97 after the first step in bench/results/agent_loop.json), and
+without it every step prefills everything.
 
     python -m bench.agent_loop --quick
     python -m bench.agent_loop --num-agents 8 --steps 6 --max-tokens 96

@@ -113,7 +113,7 @@ class ServerArgs:
         "RADIXLM_API_KEY; both keep the key off the command line)",
     )
     tp_size: int = _opt(
-        1, "tensor-parallel ranks (one process each) the model is sharded over; see README 'Scaling out'"
+        1, "tensor-parallel ranks (one process each) the model is sharded over; see docs/scaling.md"
     )
     nnodes: int = _opt(1, "machines the --tp-size ranks span; each runs tp_size / nnodes of them")
     node_rank: int = _opt(0, "this machine's index in 0..nnodes-1; node 0 serves HTTP, the others run ranks")
@@ -373,7 +373,7 @@ class ServerArgs:
             if self.dp_size > 1:
                 raise ValueError(
                     "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
-                    "port and does not check the Host header (see README 'Security')"
+                    "port and does not check the Host header (see docs/security.md)"
                 )
 
     def _check_wire_apis(self) -> None:

@@ -1,6 +1,7 @@
 """OpenAI tool calling: request validation, prompt rendering, wire-format parsers and constrained calls.
 
-`plan.py` is the one entry the HTTP layer uses; README.md ("Tool calling") documents the contract.
+`plan.py` is the one entry the HTTP layer uses; docs/structured-output.md ("Tool calling")
+documents the contract.
 """
 
 from runtime.entrypoints.tool_calls.base import PARSER_NAMES, get_parser

@@ -226,7 +226,7 @@ class ToolCallParser(ABC):
         ]
 
     def instruction(self, tools_json_lines: str) -> str:
-        """System-prompt block for chat templates that do not render tools (documented in the README)."""
+        """System-prompt block for chat templates that do not render tools (docs/structured-output.md)."""
         return (
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
