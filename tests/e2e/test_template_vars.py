@@ -1,4 +1,5 @@
-"""A request's reasoning effort and verbosity reach the chat template as variables (issue 47), on every API.
+"""A request's reasoning effort and verbosity reach the chat template as variables, and an assistant turn's
+thoughts as its `reasoning_content` (issue 47), on every API.
 
 The server runs a tiny random Llama whose chat template writes `reasoning_effort`, `enable_thinking` and
 `verbosity` into the prompt when they are defined (as reasoning models' templates read them); the prompt's
@@ -19,7 +20,9 @@ TEMPLATE = (
     "{%- if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}"
     "{% if enable_thinking is defined %} thinking={{ enable_thinking }}{% endif %}<|im_end|>\n{% endif %}"
     "{%- if verbosity is defined %}<|im_start|>system\nVerbosity: {{ verbosity }}<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 USER = [{"role": "user", "content": "Say hi."}]
@@ -74,8 +77,8 @@ def claude(url):
     c.close()
 
 
-def rendered_len(tokenizer, **variables) -> int:
-    text = tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True, **variables)
+def rendered_len(tokenizer, messages=USER, **variables) -> int:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **variables)
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -99,7 +102,9 @@ def test_responses(oai, tokenizer):
         return out.usage.input_tokens
 
     assert prompt_tokens() == rendered_len(tokenizer)
-    assert prompt_tokens(reasoning={"effort": "minimal"}) == rendered_len(tokenizer, reasoning_effort="minimal")
+    assert prompt_tokens(reasoning={"effort": "minimal"}) == rendered_len(
+        tokenizer, reasoning_effort="minimal"
+    )
     both = rendered_len(tokenizer, reasoning_effort="low", verbosity="high")
     assert prompt_tokens(reasoning={"effort": "low"}, text={"verbosity": "high"}) == both
 
@@ -114,3 +119,34 @@ def test_messages(claude, tokenizer):
     assert prompt_tokens() == rendered_len(tokenizer)
     assert prompt_tokens(output_config={"effort": "max"}) == rendered_len(tokenizer, reasoning_effort="max")
     assert prompt_tokens(thinking={"type": "disabled"}) == rendered_len(tokenizer, enable_thinking=False)
+
+
+THOUGHTFUL = [
+    *USER,
+    {"role": "assistant", "content": "Hi.", "reasoning_content": "A greeting."},
+    {"role": "user", "content": "Again."},
+]
+
+
+def test_thoughts_in_history_reach_the_template(oai, claude, tokenizer):
+    """Thoughts sent back in an assistant turn (chat's reasoning_content, a Responses reasoning item,
+    a Messages thinking block) reach the template, which renders them as it defines."""
+    wanted = rendered_len(tokenizer, THOUGHTFUL)
+    assert wanted > rendered_len(
+        tokenizer, [{k: v for k, v in m.items() if k != "reasoning_content"} for m in THOUGHTFUL]
+    )
+    chat = oai.chat.completions.create(model="default", messages=THOUGHTFUL, max_tokens=1)
+    assert chat.usage.prompt_tokens == wanted
+    thought = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "A greeting."}],
+    }
+    items = [*USER, thought, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again."}]
+    assert (
+        oai.responses.create(model="default", input=items, max_output_tokens=1).usage.input_tokens == wanted
+    )
+    turn = [{"type": "thinking", "thinking": "A greeting.", "signature": ""}, {"type": "text", "text": "Hi."}]
+    history = [*USER, {"role": "assistant", "content": turn}, {"role": "user", "content": "Again."}]
+    assert claude.messages.count_tokens(model="default", messages=history).input_tokens == wanted

@@ -321,6 +321,25 @@ def test_template_that_renders_tools_gets_them_and_the_parsed_history(default_to
     ]
 
 
+def test_history_calls_are_taken_verbatim_json_or_not():
+    """Arguments cut by max_tokens (not JSON), a JSON value instead of its text, and none at all: each is
+    rendered, never refused; a template that renders tools gets the text itself where it is not JSON (so a
+    template that checks `is string` writes it verbatim), the parsed object where it is."""
+    p = get_parser("hermes")
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "2'}},
+        {"id": "c2", "type": "function", "function": {"name": "calc", "arguments": {"expr": "3"}}},
+        {"id": "c3", "type": "function", "function": {"name": "calc"}},
+    ]
+    msgs = [{"role": "user", "content": "2?"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    out, _ = render_messages(msgs, TOOLS, p, native=False)
+    wanted = [Call("calc", '{"expr": "2'), Call("calc", '{"expr": "3"}'), Call("calc", "{}")]
+    assert out[2] == {"role": "assistant", "content": p.format_calls(wanted)}
+    assert '"arguments": {"expr": "2}' in out[2]["content"]  # the cut text as the model wrote it
+    native, _ = render_messages(msgs, TOOLS, p, native=True)
+    assert [c["function"]["arguments"] for c in native[1]["tool_calls"]] == ['{"expr": "2', {"expr": "3"}, {}]
+
+
 class _InProcessValidator:
     """The HTTP-side grammar check without its child process: the same `validate_spec` call."""
 

@@ -114,7 +114,7 @@ class LegacyFunction(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Any = None  # a string, text parts, or (a tool result) any JSON: routes.content_text
 
 
 class ChatCompletionRequest(CommonRequest):

@@ -25,7 +25,12 @@ from runtime.entrypoints.openai.formatters import (
     tool_finish_reason,
     usage_of,
 )
-from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from runtime.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CommonRequest,
+    CompletionRequest,
+)
 from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.tool_calls import ToolRequestError
 from runtime.entrypoints.wire import register_messages_routes, register_responses_routes
@@ -75,20 +80,24 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
         msgs = [
-            {"role": m.role if m.role != "developer" else "system", "content": content_text(m.content)}
-            for m in body.messages
+            {
+                "role": m.role if m.role != "developer" else "system",
+                "content": content_text(m.content, f"messages[{i}].content", m.role),
+            }
+            for i, m in enumerate(body.messages)
         ]
+        extras = [history_extras(m, i) for i, m in enumerate(body.messages)]
         if args.reasoning_in_history:  # thoughts the client sent back stay in the rendered history
-            for msg, m in zip(msgs, body.messages, strict=True):
-                thoughts = (m.model_extra or {}).get("reasoning_content")
-                if msg["role"] == "assistant" and isinstance(thoughts, str):
+            for msg, extra in zip(msgs, extras, strict=True):
+                thoughts = extra.pop("reasoning_content", None)
+                if msg["role"] == "assistant" and thoughts is not None:
                     msg["content"] = history_text(thoughts, msg["content"], None)
         # Bounds and admission before the template is rendered and the prompt tokenized.
         tm.check_prompt_chars(sum(len(m["content"]) for m in msgs))
         check_bounds(tm, body, 1)
         # ---- tool calling (runtime/entrypoints/tool_calls): prompt, grammar, and later the message
         try:
-            plan = await plan_tools(msgs, [m.model_extra or {} for m in body.messages], body, tm, args)
+            plan = await plan_tools(msgs, extras, body, tm, args)
         except ToolRequestError as e:
             raise RequestError(str(e), 400) from None
         grammar = grammar_of(body)
@@ -193,17 +202,44 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
 
 
 # ---- request translation ---------------------------------------------------------------------------------
-def content_text(content: str | list[dict[str, Any]] | None) -> str:
+def content_text(content: Any, where: str = "content", role: str = "user") -> str:
+    """A message's content as text: a string, a list of text parts, nothing (""); a tool result of any other
+    JSON type is its JSON text (the result as the tool gave it)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise RequestError("only text content parts are supported", 400)
-        parts.append(part["text"])
-    return "".join(parts)
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        texts = [p.get("text") for p in content]
+        if all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    if role == "tool":
+        return json.dumps(content, ensure_ascii=False)
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(
+                    f"'{where}[{j}]': only text content parts are supported, got {kind!r}", 400
+                )
+    raise RequestError(f"'{where}' must be a string or a list of text parts", 400)
+
+
+def history_extras(m: ChatMessage, index: int) -> dict[str, Any]:
+    """A message's fields besides role and content, for the template: tool_calls, tool_call_id, name, and an
+    assistant turn's thoughts as `reasoning_content` (also read from `reasoning`, another client's name for
+    it), as the client sent them back."""
+    extra = dict(m.model_extra or {})
+    thoughts = extra.get("reasoning_content")
+    if thoughts is None:
+        thoughts = extra.pop("reasoning", None)
+    if thoughts is not None and not isinstance(thoughts, str):
+        raise RequestError(f"'messages[{index}].reasoning_content' must be a string", 400)
+    if thoughts is None or m.role != "assistant":
+        extra.pop("reasoning_content", None)
+    else:
+        extra["reasoning_content"] = thoughts
+    return extra
 
 
 def grammar_of(body: CommonRequest) -> dict[str, Any]:

@@ -21,8 +21,9 @@ from runtime.entrypoints.tool_calls.schema import (
     parse_tools,
 )
 
-# Message keys besides role and content that reach the chat template.
-_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
+# Message keys besides role and content that reach the chat template (reasoning_content: an assistant turn's
+# thoughts, for templates that render them).
+_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name", "reasoning_content")
 
 
 # The one grammar backend whose tool-call grammar is a regex (one DFA over all tools); every other backend

@@ -26,7 +26,10 @@ def tools_block(parser: ToolCallParser, tools: list[Tool]) -> str:
 
 
 def history_calls(message: dict[str, Any], index: int) -> list[Call]:
-    """The assistant message's `tool_calls` as Calls (arguments kept verbatim when they are JSON)."""
+    """The assistant message's `tool_calls` as Calls, the arguments' text verbatim (outer whitespace aside),
+    valid JSON or not: a call cut by max_tokens comes back as the client was given it, and renders as the
+    model wrote it, so the next turn's prompt extends this one. Arguments sent as a JSON value rather than
+    its text are written as JSON text."""
     raw = message.get("tool_calls") or []
     if not isinstance(raw, list):
         raise ToolRequestError(f"'messages[{index}].tool_calls' must be a list")
@@ -36,15 +39,23 @@ def history_calls(message: dict[str, Any], index: int) -> list[Call]:
         fn = tc.get("function") if isinstance(tc, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ToolRequestError(f"'{where}.function.name' must be a string")
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, str):
-            raise ToolRequestError(f"'{where}.function.arguments' must be a JSON string")
-        try:
-            json.loads(args)
-        except ValueError:
-            raise ToolRequestError(f"'{where}.function.arguments' is not valid JSON") from None
+        args = fn.get("arguments")
+        if args is None:
+            args = "{}"
+        elif not isinstance(args, str):
+            args = json.dumps(args, ensure_ascii=False)
         calls.append(Call(fn["name"], args.strip()))
     return calls
+
+
+def template_arguments(arguments: str) -> Any:
+    """A call's arguments as a template that renders tools reads them: the parsed object when they are JSON
+    (templates write it with `tojson`), else the text itself (a template that checks `is string` writes it
+    verbatim)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def render_messages(
@@ -58,7 +69,10 @@ def render_messages(
             m = dict(m)
             if m["role"] == "assistant" and m.get("tool_calls"):
                 m["tool_calls"] = [
-                    {"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                    {
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": template_arguments(c.arguments)},
+                    }
                     for c in history_calls(m, i)
                 ]
             out.append(m)
@@ -66,9 +80,11 @@ def render_messages(
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content") or ""
+        thoughts = {"reasoning_content": m["reasoning_content"]} if "reasoning_content" in m else {}
         if role == "assistant" and m.get("tool_calls"):
             calls = parser.format_calls(history_calls(m, i))
-            out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+            text = f"{content}\n{calls}" if content else calls
+            out.append({"role": "assistant", "content": text, **thoughts})
         elif role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
             if out and out[-1].get("_tool_results"):  # consecutive results share one user turn
@@ -76,7 +92,7 @@ def render_messages(
             else:
                 out.append({"role": "user", "content": block, "_tool_results": True})
         else:
-            out.append({"role": role, "content": content})
+            out.append({"role": role, "content": content, **thoughts})
     if tools:
         block = tools_block(parser, tools)
         if out and out[0]["role"] == "system":

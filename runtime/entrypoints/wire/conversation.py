@@ -64,6 +64,8 @@ class Message:
             ]
         if self.call_id is not None:
             extra["tool_call_id"] = self.call_id
+        if self.reasoning is not None and not keep_reasoning:  # for templates that render thoughts
+            extra["reasoning_content"] = self.reasoning
         return {"role": self.role, "content": text}, extra
 
     def to_json(self) -> dict[str, Any]:

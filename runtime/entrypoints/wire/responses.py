@@ -3,6 +3,7 @@ converted to a `Conversation`, and a `Reply` converted to the `response` object 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -213,7 +214,10 @@ def input_messages(raw: str | list[dict[str, Any]]) -> list[Message]:
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise RequestError(f"'{where}.call_id' must be a string", 400)
-            out.append(Message("tool", _text_of(item.get("output"), f"{where}.output"), call_id=call_id))
+            output = item.get("output")
+            if output is not None and not isinstance(output, (str, list)):  # a tool result of any JSON type
+                output = json.dumps(output, ensure_ascii=False)
+            out.append(Message("tool", _text_of(output or "", f"{where}.output"), call_id=call_id))
         elif kind == "reasoning":
             parts = item.get("content") or []
             thoughts = "".join(p.get("text", "") for p in parts if isinstance(p, dict)) or None
