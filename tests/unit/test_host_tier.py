@@ -269,6 +269,21 @@ def test_a_pin_past_the_limit_moves_to_the_host_and_comes_back():
     assert cm.flush()
 
 
+def test_host_pins_are_bounded_by_the_pin_limit_too():
+    """Demoted pins do not pile up on the host for their TTL: past --max-pinned-tokens the oldest goes."""
+    cm = make_cm(pool=32, host=64)
+    pins = SessionPins(cm.cache, max_pinned_tokens=8, host=cm.host)
+    paths = [list(range(100 * k, 100 * k + 6)) for k in range(1, 5)]
+    for k, path in enumerate(paths):
+        cache_tokens(cm, path)
+        assert pins.pin((None, None, f"S{k}"), path, 60.0)
+    assert pins.pinned_tokens == 6 and pins.host_pinned_tokens == 6  # S3 on the device, S2 on the host
+    assert pins.counts["demoted_to_host"] == 3 and pins.counts["evicted_for_limit"] == 2
+    assert pins.release((None, None, "S2")) == 6 and pins.release((None, None, "S1")) == 0
+    pins.release_all()
+    cm.check_accounting([])
+
+
 def test_a_pin_is_dropped_when_the_host_has_no_room():
     cm = make_cm(pool=16, host=4)
     pins = SessionPins(cm.cache, max_pinned_tokens=8, host=cm.host)

@@ -8,7 +8,8 @@ total would pass `--max-pinned-tokens` (the oldest goes first); the scheduler al
 rather than stall when pinned memory is what keeps a request from being admitted. A released pin only
 unlocks: the tokens stay in the cache as ordinary LRU entries. With a host tier, a pin pushed out by
 --max-pinned-tokens is demoted instead: its path is copied to the host tier and locked there until its TTL
-(its device copy becomes ordinary LRU); it is dropped only when the host tier has no room for it.
+(its device copy becomes ordinary LRU); host pins are bounded by --max-pinned-tokens too (the oldest host
+pin goes first), and a pin is dropped when the host tier has no room for it.
 
 A session is its id within its tenant and cache salt (`SessionKey`). Each tenant (--api-keys-file) may hold
 at most --tenant-max-pins pins and --tenant-max-pinned-tokens tokens in them (device and host together):
@@ -186,6 +187,12 @@ class SessionPins:
         pin = self._pins[sid]
         if self.host is None or not isinstance(self.cache, RadixCache):
             return False
+        # host pins are bounded by the same limit as device pins: the oldest of them go first
+        while self.host_pinned_tokens + pin.tokens > self.max_pinned_tokens:
+            oldest = next((s for s, p in self._pins.items() if p.on_host), None)
+            if oldest is None:
+                return False
+            self._release(oldest, reason="evicted_for_limit")
         key, slots = self.cache.path(pin.node)
         key, slots = key[: pin.tokens], slots[: pin.tokens]
         self.host.save(key, slots)
