@@ -80,6 +80,8 @@ class Engine:
         cache_salt: str | None = None,
         session_id: str | None = None,
         cache_ttl_s: float | None = None,
+        timeout: float | None = None,
+        priority: int | None = None,
     ):
         """Native response dict (a list for list input); with stream=True an iterator of cumulative dicts."""
         body = self._body(
@@ -95,6 +97,8 @@ class Engine:
             cache_salt=cache_salt,
             session_id=session_id,
             cache_ttl_s=cache_ttl_s,
+            timeout=timeout,
+            priority=priority,
         )
         reqs, is_batch = parse_generate_body(body)
         if stream:

@@ -33,6 +33,7 @@ class TokenizedGenerateReq(Message):
     session_id: str | None = None  # pin the finished request's tokens in the cache for cache_ttl_s
     cache_ttl_s: float = 0.0
     tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
+    priority: int = 0  # waiting requests are admitted lowest value first (the policy's order within one)
 
 
 class AbortReq(Message):

@@ -54,8 +54,9 @@ class SamplingParams:
     stream_interval: int | None = None  # this request's chunk size in tokens (None: --stream-interval)
     ebnf: str | None = None  # accepted only as null until wired to the grammar backends
     structural_tag: str | None = None  # likewise
-    # OpenAI's `logit_bias`: token id (its decimal text, as JSON keys are) -> bias in [-100, 100], added to that
-    # token's logit before the grammar mask and the draw, at every sampled row (speculative rows included)
+    # OpenAI's `logit_bias`: token id (its decimal text, as JSON keys are) -> bias in [-100, 100], added to
+    # that token's logit before the grammar mask and the draw, at every sampled row (speculative rows
+    # included)
     logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None  # likewise: radixlm has no custom logit processors
 
@@ -201,7 +202,8 @@ class SamplingParams:
         """Why `logit_bias` does not fit a vocabulary of `vocab_size` ids (the request's 400), or None."""
         bad = [int(k) for k in self.logit_bias or {} if int(k) >= vocab_size]
         if bad:
-            return f"logit_bias: token ids must be in [0, {vocab_size}) (the vocabulary), got {sorted(bad)[:5]}"
+            shown = sorted(bad)[:5]
+            return f"logit_bias: token ids must be in [0, {vocab_size}) (the vocabulary), got {shown}"
         return None
 
     def _verify_sglang(self) -> None:

@@ -15,6 +15,20 @@ from typing import Any
 
 from lang.chat_template import ChatTemplate
 
+# The per-request options a backend may send with every request of the programs it runs: the server's
+# `generate_input.OPTION_FIELDS` (tests/e2e/test_request_options.py keeps the two lists equal).
+REQUEST_OPTIONS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority")
+
+
+def request_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """`options` checked for names: ValueError naming one the server does not take (values are the
+    server's to check, and its 400 names the field)."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown request option(s) {unknown}; the options are {list(REQUEST_OPTIONS)}")
+    return options
+
 
 @dataclass(frozen=True)
 class Prompt:

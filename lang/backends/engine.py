@@ -5,19 +5,27 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from lang.backends.base import REQUEST_OPTIONS
 from lang.backends.native import NativeBackend
 from lang.errors import BackendError
 
 # Request-body keys that Engine.generate takes as keyword arguments (the rest of its signature is defaults).
-_ENGINE_KWARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+_ENGINE_KWARGS = (
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    *REQUEST_OPTIONS,
+)
 
 
 class EngineBackend(NativeBackend):
     """Backend over `engine.generate(prompt_or_list, sampling_params, ...)`, which returns the native response
-    dicts (an iterator of cumulative chunks with `stream=True`). Engine errors become `BackendError`s."""
+    dicts (an iterator of cumulative chunks with `stream=True`). Engine errors become `BackendError`s.
+    `options` go with every request (see `NativeBackend`)."""
 
-    def __init__(self, engine: Any) -> None:
-        super().__init__()
+    def __init__(self, engine: Any, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
         self.engine = engine
 
     def __repr__(self) -> str:

@@ -21,7 +21,7 @@ from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
-from lang.backends.base import Backend, GenResult, Prompt, SelectResult, pick
+from lang.backends.base import Backend, GenResult, Prompt, SelectResult, pick, request_options
 from lang.chat_template import ChatTemplate
 from lang.errors import BackendError
 
@@ -31,9 +31,16 @@ BOUNDARY_TOKENS = 2
 
 
 class NativeBackend(Backend):
-    def __init__(self) -> None:
+    """`options`: per-request options (`base.REQUEST_OPTIONS`: a session, a cache salt, a deadline, a
+    priority) sent with every request of the programs this backend runs."""
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
         self._template: ChatTemplate | None = None
         self._lock = threading.Lock()
+        self.options = request_options(options)
+
+    def _body(self, text: str | list[str], sampling: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        return {**self.options, "text": text, "sampling_params": sampling, **extra}
 
     # ---------------------------------------------------------------------------------------------- transport
     @abstractmethod
@@ -56,34 +63,27 @@ class NativeBackend(Backend):
             return self._template
 
     def generate(self, prompt: Prompt, sampling: dict[str, Any]) -> GenResult:
-        out = self.request({"text": prompt.text, "sampling_params": sampling})
+        out = self.request(self._body(prompt.text, sampling))
         return GenResult(_field(out, "text"), out.get("meta_info", {}))
 
     def generate_stream(self, prompt: Prompt, sampling: dict[str, Any]) -> Iterator[GenResult]:
-        for chunk in self.request_stream({"text": prompt.text, "sampling_params": sampling, "stream": True}):
+        for chunk in self.request_stream(self._body(prompt.text, sampling, stream=True)):
             yield GenResult(_field(chunk, "text"), chunk.get("meta_info", {}))
 
     def cache_prefix(self, prompt: Prompt) -> None:
         if prompt.text:
-            self.request({"text": prompt.text, "sampling_params": PREFILL_ONLY})
+            self.request(self._body(prompt.text, PREFILL_ONLY))
 
     def select(self, prompt: Prompt, choices: list[str]) -> SelectResult:
         if not choices:
             raise ValueError("select needs at least one choice")
-        head = self.request({"text": prompt.text, "sampling_params": PREFILL_ONLY})
+        head = self.request(self._body(prompt.text, PREFILL_ONLY))
         n_prompt = int(_field(head.get("meta_info", {}), "prompt_tokens"))
         if n_prompt < 1:
             raise ValueError("select needs prompt text before it")
         start = max(n_prompt - BOUNDARY_TOKENS, 0)
         texts = [prompt.text] + [prompt.text + c for c in choices]
-        outs = self.request(
-            {
-                "text": texts,
-                "sampling_params": PREFILL_ONLY,
-                "return_logprob": True,
-                "logprob_start_len": start,
-            }
-        )
+        outs = self.request(self._body(texts, PREFILL_ONLY, return_logprob=True, logprob_start_len=start))
         if not isinstance(outs, list) or len(outs) != len(texts):
             raise BackendError(f"expected {len(texts)} results for a batch request, got {str(outs)[:200]}")
         prompt_tail = [e[1] for e in _entries(outs[0])]  # token ids of positions start .. n_prompt-1

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from lang.backends.base import Backend, GenResult, Prompt, SelectResult, pick
+from lang.backends.base import Backend, GenResult, Prompt, SelectResult, pick, request_options
 from lang.chat_template import CHATML_TEMPLATE, ChatTemplate
 from lang.errors import BackendError
 
@@ -31,12 +31,21 @@ _OPENAI_NAMES = {
 
 
 class OpenAI(Backend):
+    """`options`: radixlm's per-request options (`base.REQUEST_OPTIONS`), sent in `extra_body` of every
+    request (for radixlm or SGLang behind its OpenAI API; a hosted OpenAI model refuses them)."""
+
     def __init__(
-        self, model: str, base_url: str | None = None, api_key: str | None = None, **client_kwargs: Any
+        self,
+        model: str,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        options: dict[str, Any] | None = None,
+        **client_kwargs: Any,
     ) -> None:
         import openai
 
         self.model = model
+        self.options = request_options(options)
         self._openai = openai
         key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # local servers accept any key
         self.client = openai.OpenAI(base_url=base_url, api_key=key, **client_kwargs)
@@ -53,7 +62,7 @@ class OpenAI(Backend):
         """(use_chat, create() kwargs)."""
         use_chat = prompt.open_role == "assistant" and prompt.open_content == ""
         args: dict[str, Any] = {"model": self.model}
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(self.options)
         for name, value in sampling.items():
             if name == "json_schema":
                 fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json.loads(value)}}
@@ -133,7 +142,13 @@ class OpenAI(Backend):
         """
         with self._errors():
             resp = self.client.completions.create(
-                model=self.model, prompt=texts, max_tokens=0, echo=True, logprobs=0, temperature=0
+                model=self.model,
+                prompt=texts,
+                max_tokens=0,
+                echo=True,
+                logprobs=0,
+                temperature=0,
+                **({"extra_body": dict(self.options)} if self.options else {}),
             )
         out: list[list[tuple[str, float | None]]] = [[] for _ in texts]
         for choice in resp.choices:

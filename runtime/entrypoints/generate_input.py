@@ -30,12 +30,17 @@ ALLOWED_FIELDS = {
     "cache_salt",
     "session_id",
     "cache_ttl_s",
+    "priority",
 }
+# The per-request options' body fields, on every front end (`RequestOptions`; lang.backends.REQUEST_OPTIONS
+# names the same ones for DSL programs)
+OPTION_FIELDS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority")
 MAX_CACHE_SALT_CHARS = 1024
 MAX_SESSION_ID_CHARS = 256
 SESSION_HEADER = "x-session-id"  # names the session when the body does not (`session_id`)
 # A request's own deadline, in seconds: positive and finite (it can only shorten --request-timeout-s).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_PRIORITY = 2**31 - 1  # |priority|: it travels as a msgpack integer
 # Fields sglang-router (`--dp-size`) adds to every /generate body it forwards, with its defaults. Logging
 # hints are accepted and change nothing; features radixlm does not have are accepted only when off.
 ROUTER_LOG_HINTS = {"log_metrics", "no_logs"}
@@ -130,16 +135,18 @@ class RequestOptions:
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt
     session_id: str | None = None  # its finished tokens stay pinned for cache_ttl_s (`sessions`)
     cache_ttl_s: float | None = None  # None: --session-ttl-s
+    priority: int = 0  # a lower value is admitted first (vLLM's); the policy's order within a priority
 
     def fill(self, req: SingleRequest) -> SingleRequest:
         req.timeout_s, req.cache_salt = self.timeout_s, self.cache_salt
         req.session_id, req.cache_ttl_s = self.session_id, self.cache_ttl_s
+        req.priority = self.priority
         return req
 
 
 def parse_options(fields: dict[str, Any], session_header: str | None = None) -> RequestOptions:
-    """From a body's `timeout`, `cache_salt`, `session_id` (else the X-Session-Id header's value) and
-    `cache_ttl_s`; ValueError naming the field."""
+    """From a body's OPTION_FIELDS (`session_id` else the X-Session-Id header's value); ValueError naming
+    the field."""
     session_id = fields.get("session_id")
     if session_id is None:  # an empty one in the body is the body's (a 400), not a cue for the header
         session_id = session_header or None
@@ -147,6 +154,7 @@ def parse_options(fields: dict[str, Any], session_header: str | None = None) -> 
         parse_timeout(fields.get("timeout")),
         parse_cache_salt(fields.get("cache_salt")),
         *parse_session(session_id, fields.get("cache_ttl_s")),
+        parse_priority(fields.get("priority")),
     )
 
 
@@ -154,14 +162,21 @@ def body_options(body: Any, headers: Mapping[str, str]) -> RequestOptions:
     """`parse_options` for a pydantic body (chat, completions, Responses, Messages): its option fields, the
     X-Session-Id header, and where neither names a session, `prompt_cache_key` (OpenAI's key for requests
     that share a prefix: here their session). A RequestError 400 naming the field."""
-    fields = {
-        name: getattr(body, name, None) for name in ("timeout", "cache_salt", "session_id", "cache_ttl_s")
-    }
+    fields = {name: getattr(body, name, None) for name in OPTION_FIELDS}
     header = headers.get(SESSION_HEADER) or getattr(body, "prompt_cache_key", None)
     try:
         return parse_options(fields, header)
     except ValueError as e:
         raise RequestError(str(e), 400) from None
+
+
+def parse_priority(value: Any) -> int:
+    """A request's `priority` (vLLM's field): waiting requests are admitted lowest value first."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
+        raise ValueError(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    return value
 
 
 def parse_timeout(value: Any) -> float | None:

@@ -64,3 +64,16 @@ def test_fork_and_errors_on_engine(backend):
 
     with pytest.raises(lang.BackendError):
         bad.run(backend=backend)
+
+
+def test_engine_backend_sends_its_request_options(backend):
+    """`EngineBackend(engine, options=...)` carries the options to the scheduler like a body does."""
+    engine = backend.engine
+    before = engine.server_info()
+    with_options = lang.EngineBackend(engine, options={"session_id": "dsl-engine", "priority": -2})
+    chat.run(question="Name a colour.", backend=with_options)
+    after = engine.server_info()
+    assert after["requests_prioritized"] > before["requests_prioritized"]
+    assert after["sessions_pinned"] == before["sessions_pinned"] + 1
+    with pytest.raises(ValueError, match="unknown request option"):
+        lang.EngineBackend(engine, options={"sesion_id": "typo"})

@@ -13,6 +13,9 @@ from collections.abc import Callable
 import pytest
 import requests
 
+import lang
+from lang.backends.base import REQUEST_OPTIONS
+from runtime.entrypoints.generate_input import OPTION_FIELDS, RequestOptions
 from tests.e2e.server_utils import HTTP_TIMEOUT_S
 
 PROMPT = "Name one colour."
@@ -111,6 +114,20 @@ def test_timeout_and_draft_bound_reach_the_scheduler(server_url, front):
 
 
 @pytest.mark.parametrize("front", list(FRONT_ENDS))
+def test_priority_reaches_the_scheduler(server_url, front):
+    def prioritized() -> int:
+        return requests.get(server_url + "/get_server_info", timeout=HTTP_TIMEOUT_S).json()[
+            "requests_prioritized"
+        ]
+
+    before = prioritized()
+    assert post(server_url, front, {"priority": -3}).status_code == 200
+    assert prioritized() == before + 1
+    r = post(server_url, front, {"priority": "high"})
+    assert r.status_code == 400 and "priority" in r.text, (front, r.text)
+
+
+@pytest.mark.parametrize("front", list(FRONT_ENDS))
 @pytest.mark.parametrize(
     "options, field",
     [
@@ -118,8 +135,41 @@ def test_timeout_and_draft_bound_reach_the_scheduler(server_url, front):
         ({"session_id": ""}, "session_id"),
         ({"cache_ttl_s": 5}, "cache_ttl_s"),
         ({"timeout": -1}, "timeout"),
+        ({"priority": 1.5}, "priority"),
     ],
 )
 def test_bad_options_are_400s_naming_them(server_url, front, options, field):
     r = post(server_url, front, options)
     assert r.status_code == 400 and field in r.text, (front, r.status_code, r.text)
+
+
+def test_every_option_is_named_for_the_dsl_and_the_server_alike():
+    assert set(REQUEST_OPTIONS) == set(OPTION_FIELDS)
+    assert len(RequestOptions.__dataclass_fields__) == len(OPTION_FIELDS)  # timeout_s is `timeout`
+
+
+@lang.function
+def one_turn(s):
+    s += lang.user("Name a colour.")
+    s += lang.assistant(lang.gen("answer", max_tokens=2, temperature=0))
+
+
+@pytest.mark.parametrize("backend", ["runtime_endpoint", "openai"])
+def test_dsl_backends_carry_the_options(server_url, backend):
+    sid = f"dsl-{backend}-{uuid.uuid4().hex[:8]}"
+    options = {"session_id": sid, "cache_salt": "dsl", "priority": -1, "timeout": 60}
+    if backend == "openai":
+        be = lang.OpenAI("default", base_url=server_url + "/v1", options=options)
+    else:
+        be = lang.RuntimeEndpoint(server_url, options=options)
+
+    def prioritized() -> int:
+        return requests.get(server_url + "/get_server_info", timeout=HTTP_TIMEOUT_S).json()[
+            "requests_prioritized"
+        ]
+
+    before = prioritized()
+    one_turn.run(backend=be)
+    assert prioritized() > before
+    assert delete_session(server_url, sid) == 404  # pinned under its salt ...
+    assert delete_session(server_url, sid, "dsl") == 200  # ... where the options put it

@@ -104,7 +104,8 @@ def test_store_keeps_each_owners_responses_from_the_others():
     assert not store.delete("a1", "b") and store.get("a1", "a") is not None  # b cannot delete it
     assert store.quota_problem("a") is None
     store.put({"id": "a2"}, [], owner="a")
-    assert "--tenant-max-stored-responses (2)" in store.quota_problem("a") and store.quota_problem("b") is None
+    assert "--tenant-max-stored-responses (2)" in store.quota_problem("a")
+    assert store.quota_problem("b") is None
     assert store.quota_problem(None) is None  # no tenant: only the store's own bounds
     store.put({"id": "b1"}, [Message("user", "y" * 100)], owner="b")
     for k in range(6):  # past its bytes, b's own oldest go first; a's stay

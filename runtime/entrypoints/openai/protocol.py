@@ -78,6 +78,7 @@ class CommonRequest(BaseModel):
     session_id: str | None = Field(default=None, min_length=1, max_length=MAX_SESSION_ID_CHARS)
     cache_ttl_s: float | None = Field(default=None, ge=0)
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # seconds; shortens the server's
+    priority: int | None = None  # vLLM's: a lower value is admitted first (`generate_input.parse_priority`)
     # sglang-router (`--dp-size`) sends these with every request it forwards. separate_reasoning=False keeps
     # the thoughts in `content` (see --reasoning-parser); thoughts always stream as they come, so
     # stream_reasoning changes nothing; hidden states only off.

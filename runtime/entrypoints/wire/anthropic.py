@@ -106,6 +106,7 @@ class MessagesRequest(CountTokensRequest):
     session_id: str | None = None
     cache_ttl_s: float | None = None
     timeout: float | None = None
+    priority: int | None = None
 
 
 class MessagesMetadata(BaseModel):

@@ -152,6 +152,7 @@ class ResponsesRequest(BaseModel):
     session_id: str | None = None
     cache_ttl_s: float | None = None
     timeout: float | None = None
+    priority: int | None = None
 
     @property
     def template_vars(self) -> dict[str, Any]:

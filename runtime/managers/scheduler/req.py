@@ -39,6 +39,7 @@ class Req:
     session_id: str | None = None  # when it finishes, its tokens stay pinned for cache_ttl_s (`sessions`)
     cache_ttl_s: float = 0.0
     tenant: str | None = None  # whose key sent it: a session is (tenant, salt, id); pin quotas per tenant
+    priority: int = 0  # waiting requests are admitted lowest value first (`schedule_policy.order_waiting`)
     cache_miss: dict[str, Any] | None = None  # why it found less cached than its session left (`sessions`)
 
     output_ids: list[int] = field(default_factory=list)
@@ -97,6 +98,7 @@ class Req:
             session_id=msg.session_id,
             cache_ttl_s=msg.cache_ttl_s,
             tenant=msg.tenant,
+            priority=msg.priority,
         )
 
     @property

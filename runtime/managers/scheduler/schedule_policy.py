@@ -40,7 +40,26 @@ def order_waiting(
     others `PrefillAdder.add_waiting` matches just the requests it is offered. `lpm` ranks by the prefix
     the request will not compute, on the device or in a lower tier (a tie goes to the longer device match,
     which needs no load); the oldest request goes first once it has waited OVERDUE_AFTER_S, so none starves
-    behind cache hits."""
+    behind cache hits. Requests of a lower `priority` come before the others (the policy's order within a
+    priority; the starvation bound holds across priorities)."""
+    if not any(r.priority for r in waiting):
+        return _order(policy, waiting, cm, rng)
+    by_priority: dict[int, list[Req]] = defaultdict(list)
+    for r in waiting:
+        by_priority[r.priority].append(r)
+    ordered, matched = [], True
+    for p in sorted(by_priority):
+        part, part_matched = _order(policy, by_priority[p], cm, rng)
+        ordered += part
+        matched &= part_matched
+    if policy == "lpm":
+        _overdue_first(ordered)
+    return ordered, matched
+
+
+def _order(
+    policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None
+) -> tuple[list[Req], bool]:
     if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
         policy = "fcfs"
     if policy in ("lpm", "dfs-weight"):
@@ -49,9 +68,7 @@ def order_waiting(
             cm.match(req, tiers)
     if policy == "lpm":
         ordered = sorted(waiting, key=lambda r: (-(r.match_len + r.tier_match_len), -r.match_len, r.arrival))
-        oldest = min(range(len(ordered)), key=lambda i: ordered[i].arrival, default=None)
-        if oldest is not None and _overdue(ordered[oldest]):
-            ordered.insert(0, ordered.pop(oldest))
+        _overdue_first(ordered)
         return ordered, True
     if policy == "dfs-weight":
         return _dfs_weight_order(waiting, cm), True
@@ -62,6 +79,13 @@ def order_waiting(
         (rng or random).shuffle(out)
         return out, False
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _overdue_first(ordered: list[Req]) -> None:
+    """Move the oldest request to the front when it has waited past the starvation bound."""
+    oldest = min(range(len(ordered)), key=lambda i: ordered[i].arrival, default=None)
+    if oldest is not None and _overdue(ordered[oldest]):
+        ordered.insert(0, ordered.pop(oldest))
 
 
 def _overdue(req: Req) -> bool:

@@ -149,6 +149,8 @@ class Scheduler:
             if problem:
                 self._fail(req, problem, 429)
                 return
+        if req.priority:
+            self.stats["requests_prioritized"] += 1
         req.generator = make_generator(req.params.seed)
         if req.params.has_grammar:
             # waits at most --grammar-queue-timeout-s (then 503); a full compile queue is a 503 at once

@@ -26,6 +26,7 @@ class SingleRequest:
     cache_salt: str | None = None  # shares cached KV only with requests of the same salt
     session_id: str | None = None  # when it finishes, its tokens stay pinned in the cache for cache_ttl_s
     cache_ttl_s: float | None = None  # None: the server's --session-ttl-s
+    priority: int = 0  # waiting requests are admitted lowest value first
     client_rid: str | None = (
         None  # the rid the client gave, when this is one of its n choices (or their prefill)
     )

@@ -352,6 +352,7 @@ class TokenizerManager:
             session_id=req.session_id,
             cache_ttl_s=ttl,
             tenant=tenant,
+            priority=req.priority,
         )
         st = ReqState(
             req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid, tenant=tenant
