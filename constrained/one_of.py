@@ -44,7 +44,8 @@ from constrained.schema_keywords import KEYWORDS, accepts_nothing
 from constrained.siblings import UNMERGEABLE, Unsatisfiable, exact_siblings, merge
 
 MAX_TERMS = 64  # branches a oneOf may expand to (each one is a copy of the merged object schema)
-MAX_REWRITTEN_CHARS = 400_000  # the rewritten schema's JSON (4x constrained.spec.MAX_SCHEMA_CHARS)
+# the rewritten schema's JSON: at least this, and up to 4x the schema's own (branch copies are what grows)
+MAX_REWRITTEN_CHARS = 400_000
 _MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
@@ -68,10 +69,11 @@ def resolve_one_of(schema: Any) -> Any:
         if top and top not in KEYWORDS and top not in _MAP_KEYS and isinstance(out.get(top), (dict, list)):
             out[top] = _walk_data(out[top], schema)
     size = len(json.dumps(out))
-    if size > MAX_REWRITTEN_CHARS:
+    limit = max(MAX_REWRITTEN_CHARS, 4 * len(text))
+    if size > limit:
         key = "oneOf" if '"oneOf"' in text else "anyOf"
         raise GrammarError(
-            f"`{key}` expands the schema to {size} characters (the limit is {MAX_REWRITTEN_CHARS}): its "
+            f"`{key}` expands the schema to {size} characters (the limit is {limit}): its "
             "branches, each with the keywords beside it, are too large to enforce"
         )
     return out

@@ -42,14 +42,24 @@ GRAMMAR_KINDS = ("regex", "json_schema", "json_object")
 #          copies the wrong numbers (population and year right 1 and 0 times of 16);
 #   this:  accuracy 0.91 / 0.83, passes 67 / 90, x1.51.
 DEFAULT_WHITESPACE = DUMPS_LAYOUT
-# Size limits, checked before any automaton is built: compile time grows with them (over a 49k vocabulary,
-# 1000 regex alternatives or enum values take ~2-3 s; 20000 alternatives, minutes). Every schema of
-# jsonschemabench that compiles stays far below them (at most 22.5k characters, 463 enum values, 130
-# properties); patterns in real schemas are a few hundred characters.
+# Size limits, checked before any automaton is built.
+#
+# Every engine: a spec's length is bounded by the HTTP body that carries it (--max-request-bytes, 8 MiB by
+# default), so the shared limit on a schema's characters is that default body size, which only binds where
+# no body does (the offline Engine, the DSL); what a schema of that size costs to compile is the capped
+# compile pool's to decide (--grammar-timeout-s, --grammar-memory-mb), as llguidance compiles even very
+# large schemas in milliseconds (measured, check or build over the default model's vocabulary: 450 string
+# properties, 22k characters, ~12 ms; 160k characters, 470 object properties, ~50 ms).
 MAX_REGEX_CHARS = 10_000
-MAX_SCHEMA_CHARS = 100_000
-MAX_SCHEMA_ENUM_VALUES = 1_000  # summed over every enum of a schema
-MAX_SCHEMA_PROPERTIES = 200  # summed over every properties map of a schema
+MAX_SCHEMA_CHARS = 8 << 20
+# outlines-core only: its whole-schema regex becomes one DFA, whose construction grows with these (over a
+# 49k vocabulary, 1000 regex alternatives or enum values take ~2-3 s; 20000 alternatives, minutes; optional
+# properties expand quadratically). jsonschemabench's schemas that outlines-core compiles stay below them
+# (at most 22.5k characters, 463 enum values, 130 properties).
+OUTLINES_ENGINE = "outlines-core"
+OUTLINES_MAX_SCHEMA_CHARS = 100_000
+OUTLINES_MAX_SCHEMA_ENUM_VALUES = 1_000  # summed over every enum of a schema
+OUTLINES_MAX_SCHEMA_PROPERTIES = 200  # summed over every properties map of a schema
 # Nesting of the schema's JSON (objects and arrays): the deepest jsonschemabench schema has 21 levels. The
 # schema compiler recurses per level, so far deeper schemas would end in a RecursionError; Python's json
 # parser itself gives up near 1000 levels.
@@ -71,8 +81,11 @@ def validate_spec(kind: str, spec: str | dict, whitespace_pattern: str = DEFAULT
     return _validate_cached(kind, spec if kind != "json_object" else "", whitespace_pattern)
 
 
-def check_size_limits(kind: str, spec: str) -> None:
-    """Refuse specs too big to compile in reasonable time, naming the limit. Raises GrammarError.
+def check_size_limits(kind: str, spec: str, engine: str | None = None) -> None:
+    """Refuse specs too big to compile in reasonable time, naming the limit (and the engine whose limit it
+    is). Raises GrammarError. Every engine shares the length and nesting bounds; `engine` ==
+    OUTLINES_ENGINE adds outlines-core's own (characters, properties, enum values), which its automaton
+    needs and the other engines do not.
 
     Cheap (one JSON parse, no automaton), so an enormous grammar is a quick 400 instead of minutes of compile.
     """
@@ -81,6 +94,13 @@ def check_size_limits(kind: str, spec: str) -> None:
         raise GrammarError(f"{kind} is too long ({len(spec)} characters; the limit is {limit})")
     if kind != "json_schema":
         return
+    outlines = engine == OUTLINES_ENGINE
+    if outlines and len(spec) > OUTLINES_MAX_SCHEMA_CHARS:
+        raise GrammarError(
+            f"json_schema is too long for the {OUTLINES_ENGINE} engine ({len(spec)} characters; its limit is "
+            f"{OUTLINES_MAX_SCHEMA_CHARS}, as its automaton grows with the schema); "
+            "the other engines have no such limit"
+        )
     try:
         schema = json.loads(spec)
     except RecursionError:
@@ -110,14 +130,17 @@ def check_size_limits(kind: str, spec: str) -> None:
         # Data (default, examples) is walked too: skipping keys by name would let a property named "default"
         # hide its subschema from the count.
         todo.extend((value, depth + 1) for value in node.values())
-    if enum_values > MAX_SCHEMA_ENUM_VALUES:
-        raise GrammarError(
-            f"json_schema has too many enum values ({enum_values}; the limit is {MAX_SCHEMA_ENUM_VALUES})"
-        )
-    if properties > MAX_SCHEMA_PROPERTIES:
-        raise GrammarError(
-            f"json_schema has too many properties ({properties}; the limit is {MAX_SCHEMA_PROPERTIES})"
-        )
+    if not outlines:
+        return
+    for what, count, most in (
+        ("enum values", enum_values, OUTLINES_MAX_SCHEMA_ENUM_VALUES),
+        ("properties", properties, OUTLINES_MAX_SCHEMA_PROPERTIES),
+    ):
+        if count > most:
+            raise GrammarError(
+                f"json_schema has too many {what} for the {OUTLINES_ENGINE} engine ({count}; its limit is "
+                f"{most}, as its automaton grows with them); the other engines have no such limit"
+            )
 
 
 def depth_message(how: str = "deeper than") -> str:
@@ -132,7 +155,8 @@ def depth_message(how: str = "deeper than") -> str:
 def _validate_cached(kind: str, spec: str, whitespace_pattern: str) -> str:
     if kind == "json_object":
         return json_object_regex(whitespace_pattern, JSON_OBJECT_DEPTH)
-    check_size_limits(kind, spec)  # inside the cache: a spec seen before is not parsed and walked again
+    # inside the cache: a spec seen before is not parsed and walked again
+    check_size_limits(kind, spec, OUTLINES_ENGINE)
     if kind == "regex":
         regex = strip_anchors(spec)
         check_regex(regex, what="regex")

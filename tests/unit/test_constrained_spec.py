@@ -258,3 +258,43 @@ def test_served_semantics_agree_with_python_re():
     for regex, texts in cases:
         for text in texts:
             assert regex_accepts(regex, text) == bool(re.fullmatch(regex, text)), (regex, text)
+
+
+def test_static_size_limits_are_outlines_cores_alone():
+    """Schemas of real size (450 properties; 160k characters) pass every engine's shared bounds and compile
+    on llguidance; outlines-core, whose automaton grows with them, refuses them naming its limit and
+    itself."""
+    from constrained.backends import get_backend
+    from constrained.spec import (
+        MAX_SCHEMA_CHARS,
+        OUTLINES_MAX_SCHEMA_CHARS,
+        OUTLINES_MAX_SCHEMA_PROPERTIES,
+        check_size_limits,
+    )
+    from tests.big_schemas import long_schema, wide_schema
+
+    wide, long = json.dumps(wide_schema(450)), json.dumps(long_schema(160_000))
+    assert len(long) >= 160_000
+    llguidance = get_backend("llguidance")
+    for spec in (wide, long):
+        check_size_limits("json_schema", spec)
+        assert llguidance.check("json_schema", spec, "json.dumps")
+    with pytest.raises(GrammarError) as e:
+        validate_spec("json_schema", wide)
+    assert str(e.value) == (
+        f"json_schema has too many properties for the outlines-core engine (450; its limit is "
+        f"{OUTLINES_MAX_SCHEMA_PROPERTIES}, as its automaton grows with them); the other engines have no "
+        "such limit"
+    )
+    with pytest.raises(
+        GrammarError,
+        match=f"too long for the outlines-core engine .*its limit is {OUTLINES_MAX_SCHEMA_CHARS}",
+    ):
+        validate_spec("json_schema", long)
+    validate_spec(
+        "json_schema", json.dumps(wide_schema(OUTLINES_MAX_SCHEMA_PROPERTIES))
+    )  # at the limit: taken
+    # the shared bound is the default body size: only a spec no HTTP body could carry reaches it
+    huge = json.dumps({"type": "string", "description": "x" * MAX_SCHEMA_CHARS})
+    with pytest.raises(GrammarError, match=f"json_schema is too long .*the limit is {MAX_SCHEMA_CHARS}"):
+        llguidance.check("json_schema", huge, "json.dumps")

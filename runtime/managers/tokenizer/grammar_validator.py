@@ -16,7 +16,7 @@ from constrained.errors import GrammarError, GrammarUnavailable
 from runtime.errors import RequestError
 from runtime.server_args import ServerArgs
 
-VERDICT_CACHE_ENTRIES = 1024  # a verdict is the spec and a short message: ~100 KB at most (MAX_SCHEMA_CHARS)
+VERDICT_CACHE_ENTRIES = 1024  # a verdict is the spec and a short message; the bytes are --grammar-cache-mb's
 
 
 class GrammarValidator:
