@@ -330,3 +330,38 @@ def test_functions_are_tools_and_answer_as_function_call(oai):
     assert choice.finish_reason == "function_call"
     assert choice.message.function_call.name == "get_weather"
     assert "city" in choice.message.function_call.arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, why",
+    [
+        ({"truncation": "auto"}, "truncation", "does not drop input items"),
+        ({"background": True}, "background", "no background mode"),
+        ({"top_logprobs": 3}, "top_logprobs", "no logprobs yet"),
+        ({"include": ["message.unknown"]}, "include", ""),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort", ""),
+        ({"background_options": {"completion_window": "2h"}}, "completion_window", ""),
+        ({"service_tier": "gold"}, "service_tier", ""),
+        ({"prompt_cache_key": ""}, "prompt_cache_key", ""),
+    ],
+)
+def test_responses_values_it_cannot_honour_are_400s_naming_them(oai, kwargs, field, why):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="default", input="Hi", max_output_tokens=2, **kwargs)
+    assert field in str(e.value) and why in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+        ({"output_config": {"colour": "red"}}, "output_config"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"metadata": {"team": "x"}}, "metadata"),
+        ({"speed": "warp"}, "speed"),
+    ],
+)
+def test_messages_bad_values_are_400s_naming_them(claude, kwargs, field):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="default", messages=USER, max_tokens=2, **kwargs)
+    assert field in str(e.value), str(e.value)

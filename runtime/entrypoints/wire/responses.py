@@ -99,6 +99,18 @@ def _unset_only(name: str, why: str):
     return field_validator(name)(classmethod(lambda cls, v: check(v)))
 
 
+def _only(name: str, allowed: tuple[Any, ...], why: str):
+    """A field radixlm honours only at these values: another is a 400 naming it and why."""
+
+    def check(v: Any) -> Any:
+        if v not in allowed:
+            shown = ", ".join(json.dumps(a) for a in allowed)
+            raise ValueError(f"{why}; {name} may only be {shown}, got {json.dumps(v)}")
+        return v
+
+    return field_validator(name)(classmethod(lambda cls, v: check(v)))
+
+
 class ResponsesRequest(BaseModel):
     """The `POST /v1/responses` body. Fields a client library sends by default are accepted (and say
     nothing radixlm must act on); anything else unknown is a 400 naming it."""
@@ -120,7 +132,7 @@ class ResponsesRequest(BaseModel):
     metadata: Metadata | None = Field(default=None, max_length=16)
     user: str | None = None
     include: list[Includable] | None = None  # the parts asked for that radixlm has are always included
-    truncation: Literal["disabled"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     reasoning: ReasoningConfig | None = None
     service_tier: ServiceTier | None = None  # one tier here: the answer says "default"
     prompt_cache_key: PromptCacheKey | None = None
@@ -128,9 +140,9 @@ class ResponsesRequest(BaseModel):
     prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = Field(default=None, max_length=128)
     stream_options: dict[Literal["include_obfuscation"], StrictBool] | None = None  # no padding is sent
-    background: Literal[False] | None = None
+    background: StrictBool | None = None
     background_options: BackgroundOptions | None = None
-    top_logprobs: Literal[0] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tool_calls: int | None = Field(default=None, ge=1)  # bounds built-in tool calls: radixlm has none
     access_programs: dict[Literal["cyber"], Literal["standard"]] | None = None
     image: dict[Literal["context_compression"], Literal["auto", "enabled", "disabled"]] | None = None
@@ -138,6 +150,17 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
+    _no_truncation = _only(
+        "truncation",
+        ("disabled", None),
+        "radixlm does not drop input items: an input past the context is a 400",
+    )
+    _no_background = _only(
+        "background", (False, None), "radixlm runs a response while its request waits: no background mode"
+    )
+    _no_logprobs = _only(
+        "top_logprobs", (0, None), "Responses answers carry no logprobs yet: chat completions' logprobs do"
+    )
     _no_compaction = _unset_only("context_management", "radixlm does not compact a conversation")
     _no_conversations = _unset_only(
         "conversation", "radixlm has no Conversations API: chain answers with previous_response_id"
