@@ -34,6 +34,7 @@ class TokenizedGenerateReq(Message):
     cache_ttl_s: float = 0.0
     tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
     priority: int = 0  # waiting requests are admitted lowest value first (the policy's order within one)
+    pin_prefix_len: int = 0  # > 0: the session pins only this prefix (Anthropic's cache_control breakpoint)
 
 
 class AbortReq(Message):

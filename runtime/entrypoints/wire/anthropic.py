@@ -64,7 +64,7 @@ class CountTokensRequest(BaseModel):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # `format`: {"type": "json_schema", "schema": ...}; `effort`
-    cache_control: dict[str, Any] | None = None  # accepted: radixlm caches every prefix on its own
+    cache_control: dict[str, Any] | None = None  # automatic caching: a breakpoint at the prompt's end
 
     @property
     def template_vars(self) -> dict[str, Any]:
@@ -114,6 +114,35 @@ class MessagesMetadata(BaseModel):
     user_id: str | None = Field(default=None, max_length=256)
 
 
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}  # cache_control.ttl (Anthropic's two) -> seconds pinned
+
+
+class Breakpoints:
+    """The `cache_control` breakpoints of a request: through which message the last one reaches, and the
+    longest TTL asked (the last breakpoint's prefix holds every earlier one's)."""
+
+    def __init__(self) -> None:
+        self.through: int | None = None  # messages[:through] hold the last breakpoint
+        self.ttl_s = 0.0
+
+    def note(self, block: Any, where: str, through: int) -> None:
+        """Record `block`'s cache_control (if any) as reaching through message `through`."""
+        if not isinstance(block, dict) or block.get("cache_control") is None:
+            return
+        cc = block["cache_control"]
+        if not isinstance(cc, dict) or cc.get("type") != "ephemeral" or set(cc) - {"type", "ttl"}:
+            raise RequestError(
+                f'\'{where}.cache_control\' must be {{"type": "ephemeral"}} with an optional ttl', 400
+            )
+        ttl = cc.get("ttl", "5m")
+        if ttl not in CACHE_TTLS:
+            raise RequestError(
+                f"'{where}.cache_control.ttl' must be one of {sorted(CACHE_TTLS)}, got {ttl!r}", 400
+            )
+        self.ttl_s = max(self.ttl_s, CACHE_TTLS[ttl])
+        self.through = max(self.through or 0, through)
+
+
 def _text_blocks(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -128,10 +157,15 @@ def _text_blocks(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def _messages(body: CountTokensRequest) -> list[Message]:
+def _messages(body: CountTokensRequest, marks: Breakpoints) -> list[Message]:
     out: list[Message] = []
     if body.system is not None:
         out.append(Message("system", _text_blocks(body.system, "system")))
+        if isinstance(body.system, list):
+            for j, b in enumerate(body.system):
+                marks.note(b, f"system[{j}]", 1)
+    for j, t in enumerate(body.tools or []):  # tools render before the first message
+        marks.note(t, f"tools[{j}]", 1)
     for i, m in enumerate(body.messages):
         role, content = m.get("role"), m.get("content")
         if role not in ("user", "assistant"):
@@ -142,9 +176,15 @@ def _messages(body: CountTokensRequest) -> list[Message]:
         if not isinstance(content, list):
             raise RequestError(f"'messages[{i}].content' must be a string or a list of content blocks", 400)
         current = Message(role)
+        marked = False  # a block of `current` carries a breakpoint
         for j, b in enumerate(content):
             where = f"messages[{i}].content[{j}]"
             kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "tool_result":
+                marks.note(b, where, len(out) + 1)  # its own tool message, appended just below
+            elif isinstance(b, dict) and b.get("cache_control") is not None:
+                marks.note(b, where, 0)
+                marked = True
             if kind == "text" and isinstance(b.get("text"), str):
                 current.text += b["text"]  # after this message's tool results (a user turn of its own)
             elif kind == "tool_use" and role == "assistant":
@@ -170,6 +210,10 @@ def _messages(body: CountTokensRequest) -> list[Message]:
                 raise RequestError(f"'{where}.type' {kind!r} is not supported in a {role} message", 400)
         if current.text or current.tool_calls or not content:
             out.append(current)
+        if marked:
+            marks.through = max(marks.through or 0, len(out))
+    if body.cache_control is not None:  # automatic caching: the whole prompt
+        marks.note({"cache_control": body.cache_control}, "cache_control", len(out))
     return out
 
 
@@ -227,12 +271,15 @@ def conversation_of(body: CountTokensRequest) -> Conversation:
     if effort is not None and effort not in EFFORTS:
         raise RequestError(f"'output_config.effort' must be one of {', '.join(EFFORTS)}", 400)
     choice, parallel = _tool_choice(body.tool_choice)
+    marks = Breakpoints()
     conv = Conversation(
-        _messages(body),
+        _messages(body, marks),
         tools=_tools(body.tools),
         tool_choice=choice,
         parallel_tool_calls=parallel,
         template_vars=body.template_vars,
+        cache_breakpoint=marks.through,
+        cache_ttl_s=marks.ttl_s,
     )
     extra = set(body.output_config or {}) - {"format", "effort"}
     if extra:
@@ -263,16 +310,19 @@ def call_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+def usage(prompt: int, cached: int, output: int, breakpoint_prefix: int = 0) -> dict[str, Any]:
+    """Anthropic's usage: read = the prompt tokens found cached; created = those of the `cache_control`
+    breakpoint's prefix that were not (computed now, and pinned); input = the rest."""
+    created = max(0, breakpoint_prefix - cached)
     return {
-        "input_tokens": prompt - cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": prompt - cached - created,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": cached,
         "output_tokens": output,
     }
 
 
-def message_object(mid: str, model: str, reply: Reply) -> dict[str, Any]:
+def message_object(mid: str, model: str, reply: Reply, breakpoint_prefix: int = 0) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     if reply.reasoning is not None:
         content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
@@ -290,7 +340,7 @@ def message_object(mid: str, model: str, reply: Reply) -> dict[str, Any]:
         "content": content,
         "stop_reason": stop_reason(reply),
         "stop_sequence": reply.stop_sequence,
-        "usage": usage(reply.prompt_tokens, reply.cached_tokens, reply.output_tokens),
+        "usage": usage(reply.prompt_tokens, reply.cached_tokens, reply.output_tokens, breakpoint_prefix),
     }
 
 
@@ -317,7 +367,9 @@ class MessagesStream(TurnStream):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage(meta["prompt_tokens"], meta.get("cached_tokens", 0), 0),
+            "usage": usage(
+                meta["prompt_tokens"], meta.get("cached_tokens", 0), 0, self.prepared.cache_prefix_tokens
+            ),
         }
         return [event("message_start", {"message": msg})]
 
@@ -358,7 +410,9 @@ class MessagesStream(TurnStream):
         out = self._stop()
         if not reply.text and not reply.calls:  # an empty answer is one empty text block, as the plain one
             out += self._begin({"type": "text", "text": ""}) + self._stop()
-        u = usage(reply.prompt_tokens, reply.cached_tokens, reply.output_tokens)
+        u = usage(
+            reply.prompt_tokens, reply.cached_tokens, reply.output_tokens, self.prepared.cache_prefix_tokens
+        )
         delta = {"stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence}
         return out + [event("message_delta", {"delta": delta, "usage": u}), event("message_stop", {})]
 
@@ -389,7 +443,7 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
         if body.stream:
             return await stream_response(tm, [prepared.req], MessagesStream(prepared, mid, args.model_name))
         reply = await run(prepared, tm, request)
-        return FastJSONResponse(message_object(mid, args.model_name, reply))
+        return FastJSONResponse(message_object(mid, args.model_name, reply, prepared.cache_prefix_tokens))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):

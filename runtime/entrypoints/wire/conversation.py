@@ -10,12 +10,15 @@ answers agree and a stored answer re-renders to the bytes the model produced (th
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from fastapi import Request
 
 from runtime.entrypoints.generate_input import RequestOptions
@@ -96,6 +99,10 @@ class Conversation:
     continue_final_message: bool = False
     separate_reasoning: bool = True  # False: thoughts stay in the answer (no reasoning parser)
     template_vars: dict[str, Any] = field(default_factory=dict)  # reasoning_effort, ... (plan_chat)
+    # Anthropic's `cache_control`: the prompt's prefix through messages[:cache_breakpoint] stays pinned in the
+    # cache for cache_ttl_s (`prepare`); None: no breakpoint
+    cache_breakpoint: int | None = None
+    cache_ttl_s: float = 0.0
 
 
 @dataclass
@@ -137,6 +144,7 @@ class Prepared:
     prompt_tokens: int
     reasoning: ReasoningParser | None
     tokenizer: Any = None
+    cache_prefix_tokens: int = 0  # tokens of a `cache_control` breakpoint's prefix (0: none)
 
     def split(self, text: str, final: bool = True) -> Split:
         return self.reasoning.split(text, final) if self.reasoning else Split(None, text, "")
@@ -232,10 +240,38 @@ async def prepare(
         )
     except ValueError as e:
         raise RequestError(str(e), 400) from None
+    prefix = await _cache_prefix_tokens(conv, ids, tm, args)
+    if prefix and options.session_id is None:
+        # the breakpoint's prefix is pinned as a session of its own, named by the prefix: every request
+        # that repeats it renews the pin (a session's own pin is replaced, never counted twice)
+        digest = hashlib.sha256(np.asarray(ids[:prefix], dtype=np.int64).tobytes()).hexdigest()[:32]
+        options = dataclasses.replace(
+            options, session_id=f"cache_control:{digest}", cache_ttl_s=conv.cache_ttl_s
+        )
     req = options.fill(
         SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream)
     )
-    return Prepared(plan, req, len(ids), reasoning, tm.tokenizer)
+    if prefix and req.session_id.startswith("cache_control:"):
+        req.pin_prefix_len = prefix
+    return Prepared(plan, req, len(ids), reasoning, tm.tokenizer, prefix)
+
+
+async def _cache_prefix_tokens(conv: Conversation, ids: list[int], tm: TokenizerManager, args) -> int:
+    """Tokens of `ids` that the rendering of messages[:cache_breakpoint] shares: the prefix a `cache_control`
+    breakpoint names (0: no breakpoint). Rendered, not guessed: a template may put anything between turns."""
+    k = conv.cache_breakpoint
+    if k is None:
+        return 0
+    head = dataclasses.replace(conv, messages=conv.messages[: max(k, 1)], json_schema=None)
+    try:
+        plan = await plan_conversation(head, tm, args)
+    except ToolRequestError as e:
+        raise tool_request_error(e) from None
+    head_ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
+    n = min(len(head_ids), len(ids) - 1)  # the last prompt token is never cached (its logits are needed)
+    a, b = np.asarray(head_ids[:n]), np.asarray(ids[:n])
+    differ = np.flatnonzero(a != b)
+    return int(differ[0]) if differ.size else n
 
 
 def _finish(meta: dict[str, Any], has_calls: bool) -> tuple[str, str | None]:

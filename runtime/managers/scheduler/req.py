@@ -40,6 +40,7 @@ class Req:
     cache_ttl_s: float = 0.0
     tenant: str | None = None  # whose key sent it: a session is (tenant, salt, id); pin quotas per tenant
     priority: int = 0  # waiting requests are admitted lowest value first (`schedule_policy.order_waiting`)
+    pin_prefix_len: int = 0  # > 0: its session pins only this prefix (a cache_control breakpoint's)
     cache_miss: dict[str, Any] | None = None  # why it found less cached than its session left (`sessions`)
 
     output_ids: list[int] = field(default_factory=list)
@@ -99,6 +100,7 @@ class Req:
             cache_ttl_s=msg.cache_ttl_s,
             tenant=msg.tenant,
             priority=msg.priority,
+            pin_prefix_len=msg.pin_prefix_len,
         )
 
     @property

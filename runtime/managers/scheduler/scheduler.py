@@ -144,7 +144,9 @@ class Scheduler:
         if problem:
             self._fail(req, problem, 400)
             return
-        if req.session_id is not None and req.cache_ttl_s > 0:
+        if req.session_id is not None and req.cache_ttl_s > 0 and not req.pin_prefix_len:
+            # (a breakpoint's pin is the server's idea, not the client's: past the quota the tenant's own
+            # oldest pin makes room instead)
             problem = self.sessions.quota_problem(req.session_key, len(req.prompt_ids))
             if problem:
                 self._fail(req, problem, 429)
@@ -524,6 +526,8 @@ class Scheduler:
         key = None
         if req.req_pool_idx is not None:
             key = req.cache_key(req.kv_len) if session else None
+            if key and req.pin_prefix_len:
+                key = key[: req.pin_prefix_len]
             self.cm.release(req, cache_tokens=True)
         if session:
             pinned = bool(key) and self.sessions.pin(req.session_key, key, req.cache_ttl_s)

@@ -27,6 +27,7 @@ class SingleRequest:
     session_id: str | None = None  # when it finishes, its tokens stay pinned in the cache for cache_ttl_s
     cache_ttl_s: float | None = None  # None: the server's --session-ttl-s
     priority: int = 0  # waiting requests are admitted lowest value first
+    pin_prefix_len: int = 0  # > 0: its session pins only this prefix (a `cache_control` breakpoint's)
     client_rid: str | None = (
         None  # the rid the client gave, when this is one of its n choices (or their prefill)
     )

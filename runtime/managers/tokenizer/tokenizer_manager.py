@@ -353,6 +353,7 @@ class TokenizerManager:
             cache_ttl_s=ttl,
             tenant=tenant,
             priority=req.priority,
+            pin_prefix_len=req.pin_prefix_len,
         )
         st = ReqState(
             req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid, tenant=tenant
