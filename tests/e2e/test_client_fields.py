@@ -365,3 +365,27 @@ def test_messages_bad_values_are_400s_naming_them(claude, kwargs, field):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="default", messages=USER, max_tokens=2, **kwargs)
     assert field in str(e.value), str(e.value)
+
+
+def test_functions_stream_as_function_call(oai):
+    kwargs = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "functions": [TOOL["function"]],
+        "function_call": {"name": "get_weather"},
+    }
+    plain = oai.chat.completions.create(**kwargs).choices[0]
+    name, arguments, finish = "", "", None
+    for chunk in oai.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            if c.delta.function_call is not None:
+                name += c.delta.function_call.name or ""
+                arguments += c.delta.function_call.arguments or ""
+            finish = c.finish_reason or finish
+    assert (name, arguments, finish) == (
+        plain.message.function_call.name,
+        plain.message.function_call.arguments,
+        "function_call",
+    )

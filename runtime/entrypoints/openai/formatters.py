@@ -138,6 +138,7 @@ class ChatFormatter(OpenAIFormatter):
         self.tool_streams: dict[int, Any] = {}  # choice index -> the parser's stream state
         self.reasoning = reasoning
         self.sent: dict[int, tuple[int, int]] = {}  # choice index -> (reasoning, answer) characters sent
+        self.legacy = body.functions is not None  # the deprecated `functions`: answer in function_call too
 
     def start(self, num_choices: int) -> list[bytes]:
         role = {"role": "assistant", "content": ""}
@@ -192,12 +193,13 @@ class ChatFormatter(OpenAIFormatter):
         events = []
         for k, d in enumerate(deltas):
             last = finish and k == len(deltas) - 1
-            choice = {
-                "index": index,
-                "delta": d,
-                "logprobs": lp if k == 0 else None,
-                "finish_reason": tool_finish_reason(finish_reason(out), ts.has_calls) if last else None,
-            }
+            reason = tool_finish_reason(finish_reason(out), ts.has_calls) if last else None
+            if self.legacy and d.get("tool_calls"):  # one call at most (functions allow no parallel calls)
+                fn = d["tool_calls"][0]["function"]
+                d = {**d, "function_call": {f: v for f, v in fn.items() if f in ("name", "arguments")}}
+            if self.legacy and reason == "tool_calls":
+                reason = "function_call"
+            choice = {"index": index, "delta": d, "logprobs": lp if k == 0 else None, "finish_reason": reason}
             events.append(self._chunk([choice]))
         return b"".join(events) or None
 
