@@ -138,3 +138,14 @@ def test_nothing_dates_itself_by_work_period():
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 150, len(lines)
+
+
+def test_result_files_the_docs_name_exist():
+    named = {
+        m.group(1)
+        for p in report.doc_files()
+        for m in re.finditer(r"bench/results/([A-Za-z0-9_*]+\.(?:json|png))", p.read_text())
+    }
+    assert named, "the docs name no result file"
+    missing = sorted(n for n in named if not list(RESULTS.glob(n)))
+    assert missing == [], f"docs name result files that do not exist: {missing}"
