@@ -87,13 +87,16 @@ async def one_request(
         return False, 0, f"{type(e).__name__}: {e}"
 
 
-async def one_round(url: str, texts: list[str], args, abort_share: float = 0.0) -> dict:
-    """All of `texts` at once; every 1/abort_share-th client leaves after its second chunk."""
+async def one_round(
+    url: str, texts: list[str], args, abort_share: float = 0.0, headers: dict[str, str] | None = None
+) -> dict:
+    """All of `texts` at once; every 1/abort_share-th client leaves after its second chunk. `headers`: sent
+    with every request (an API key)."""
     limits = httpx.Limits(max_connections=len(texts), max_keepalive_connections=len(texts))
     every = round(1 / abort_share) if abort_share > 0 else 0
     leave = [2 if every and i % every == 0 else None for i in range(len(texts))]
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits, headers=headers) as client:
         jobs = [one_request(client, url, t, args, after) for t, after in zip(texts, leave)]
         results = await asyncio.gather(*jobs)
     wall = time.monotonic() - t0

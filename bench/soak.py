@@ -10,12 +10,19 @@ scheduler's RSS after the last burst may exceed its RSS after the first by at mo
 1,000 burst requests in between plus BURST_GROWTH_SLACK_MB (the mixed load's own transients). At the end the
 server must be idle with every KV slot free or cached, and a flush must free them all.
 
+With `--tenants N` the server it starts takes an --api-keys-file of N tenants: each client thread and each
+burst sends one tenant's key, and a `tenant_probe` request kind looks for cross-tenant observations: a
+tenant caches a fresh prompt under a session, then another tenant sends the same prompt naming the same
+session, and must find none of it cached and get no cache-miss explanation. Any observation fails the run.
+
     python -m bench.soak --minutes 10               # starts its own server on a free port
     python -m bench.soak --minutes 2 --url http://127.0.0.1:30000 --server-pid 1234
+    python -m bench.soak --minutes 10 --tenants 2 --out bench/results/soak_two_tenants.json
 
-Prints a summary table and writes bench/results/soak.json and soak.png (a server it starts logs to
+Prints a summary table and writes bench/results/soak.json and soak.png (or --out) (a server it starts logs to
 $TMPDIR/radixlm-soak-server-<pid>.log). Exit status 1 if the accounting check fails, the server died, any
-request got a 5xx other than an overload 503, or the bursts' growth bound is missed.
+request got a 5xx other than an overload 503, the bursts' growth bound is missed, or a tenant observed
+another's data.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import requests
+
+from bench.harness import common
+from runtime.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -66,7 +76,31 @@ SCHEMA = {
 }
 # request kind -> weight in the mix
 MIX = {"plain": 4, "stream": 3, "chat": 2, "chat_stream": 2, "n_choices": 1, "constrained": 2}
-MIX.update({"drop_stream": 1, "drop_plain": 1, "abort": 1, "hostile": 2})
+MIX.update({"drop_stream": 1, "drop_plain": 1, "abort": 1, "hostile": 2, "tenant_probe": 1})
+# A probe's prompt is ~200 tokens of random words after "Repeat: ": the other tenant may find the head its
+# own earlier probes share with it cached (a few tokens), never the words (a leak shows as ~200).
+PROBE_CACHED_MAX = 16
+
+
+class CrossTenant(Exception):
+    """A tenant's request observed another tenant's data."""
+
+
+class Tenants:
+    """--tenants N: the keys file the started server reads, and each tenant's key (plus an admin's)."""
+
+    def __init__(self, count: int, directory: Path):
+        self.names = [f"tenant{i}" for i in range(count)]
+        self.keys = {name: f"soak-{name}-{os.urandom(8).hex()}" for name in [*self.names, "ops"]}
+        self.path = directory / "soak-api-keys"
+        lines = [f"{key} {name}{' admin' if name == 'ops' else ''}" for name, key in self.keys.items()]
+        self.path.write_text("\n".join(lines) + "\n")
+        self.path.chmod(0o600)
+
+    def headers(self, name: str = "ops") -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[name]}"}
+
+
 NULLABLE = {"type": ["string", "null"]}
 ROLE_REF = {"type": "object", "properties": {"apiGroup": NULLABLE, "kind": NULLABLE, "name": NULLABLE},
             "required": ["apiGroup", "kind", "name"]}  # fmt: skip
@@ -110,6 +144,7 @@ class Record:
     tokens: int
     error: str = ""
     expected: int = 0  # hostile requests: the status they must get (0: any success)
+    tenant: str = ""  # whose key sent it (--tenants)
 
 
 # ---- the server process ----------------------------------------------------------------------------------
@@ -204,15 +239,30 @@ def rss_mb(pid: int) -> float:
 class Load:
     """Request kinds are `do_<kind>` methods returning (HTTP status or 0, completion tokens)."""
 
-    def __init__(self, url: str, seed: int, max_new: int, constrained: bool):
+    def __init__(self, url: str, seed: int, max_new: int, constrained: bool, tenants: Tenants | None = None):
         self.url, self.seed, self.max_new, self.constrained = url, seed, max_new, constrained
+        self.tenants = tenants
         self.records: list[Record] = []
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
+        self.local = threading.local()  # the worker thread's tenant
+
+    @property
+    def tenant(self) -> str:
+        return getattr(self.local, "tenant", "")
+
+    def headers(self, tenant: str | None = None) -> dict[str, str]:
+        if self.tenants is None:
+            return {}
+        return self.tenants.headers(tenant or self.tenant)
 
     def worker(self, wid: int, deadline: float) -> None:
         rng = random.Random(self.seed * 1000 + wid)
+        if self.tenants is not None:
+            self.local.tenant = self.tenants.names[wid % len(self.tenants.names)]
         kinds = [k for k in MIX if k != "constrained" or self.constrained]
+        if self.tenants is None or len(self.tenants.names) < 2:
+            kinds.remove("tenant_probe")
         first_pass = kinds[wid % len(kinds) :] + kinds[: wid % len(kinds)]  # every kind early, then the mix
         while time.monotonic() < deadline:
             kind = first_pass.pop(0) if first_pass else rng.choices(kinds, [MIX[k] for k in kinds])[0]
@@ -225,10 +275,13 @@ class Load:
                     (status, tokens), err = getattr(self, "do_" + kind)(rng), ""
             except requests.RequestException as e:
                 status, tokens, err = 0, 0, f"{type(e).__name__}: {e}"[:200]
+            except CrossTenant as e:
+                status, tokens, err = 200, 0, f"cross_tenant: {e}"[:400]
             with self.lock:
                 self.records.append(
-                    Record(start - self.t0, kind, time.monotonic() - start, status, tokens, err, expected)
-                )
+                    Record(start - self.t0, kind, time.monotonic() - start, status, tokens, err, expected,
+                           self.tenant)
+                )  # fmt: skip
 
     # -- building blocks
     def prompt(self, rng: random.Random) -> str:
@@ -248,11 +301,12 @@ class Load:
                 "messages": messages}  # fmt: skip
 
     def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict | list | None]:
-        r = requests.post(self.url + path, json=body, timeout=timeout)
+        r = requests.post(self.url + path, json=body, timeout=timeout, headers=self.headers())
         return r.status_code, r.json() if r.status_code == 200 else None
 
     def stream(self, path: str, body: dict, stop_after: int | None = None) -> tuple[int, int]:
-        with requests.post(self.url + path, json={**body, "stream": True}, stream=True, timeout=300) as r:
+        body = {**body, "stream": True}
+        with requests.post(self.url + path, json=body, stream=True, timeout=300, headers=self.headers()) as r:
             if r.status_code != 200:
                 return r.status_code, 0
             events, last = 0, None
@@ -310,7 +364,8 @@ class Load:
     def do_abort(self, rng):
         rid = f"soak-abort-{rng.getrandbits(64):x}"
         timer = threading.Timer(rng.uniform(0.2, 2.0), requests.post, args=(self.url + "/abort_request",),
-                                kwargs={"json": {"rid": rid}, "timeout": 30})  # fmt: skip
+                                kwargs={"json": {"rid": rid}, "timeout": 30,
+                                        "headers": self.headers()})  # fmt: skip
         timer.start()
         try:
             status, out = self.post("/generate", self.long_body(rng, rid=rid))
@@ -321,16 +376,39 @@ class Load:
     def do_hostile(self, rng) -> tuple[int, int, int]:
         name, path, body, ctype, expected = rng.choice(HOSTILE)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        r = requests.post(self.url + path, data=data, headers={"Content-Type": ctype}, timeout=300)
+        r = requests.post(self.url + path, data=data, headers={**self.headers(), "Content-Type": ctype},
+                          timeout=300)  # fmt: skip
         return r.status_code, 0, expected
+
+    def do_tenant_probe(self, rng):
+        """This tenant caches a fresh prompt under a session; the next tenant sends it naming that session.
+        Its status is the other tenant's; an observation is recorded as an error (`cross_tenant`)."""
+        names = self.tenants.names
+        other = names[(names.index(self.tenant) + 1) % len(names)]
+        canary = " ".join(f"c{rng.getrandbits(32):x}" for _ in range(48))
+        body = {"text": f"Repeat: {canary}", "session_id": f"probe-{rng.getrandbits(64):x}",
+                "cache_ttl_s": 30, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}  # fmt: skip
+        for _ in range(2):
+            status, _ = self.post("/generate", body)
+            if status != 200:
+                return status, 0
+        r = requests.post(self.url + "/generate", json=body, timeout=300, headers=self.headers(other))
+        if r.status_code != 200:
+            return r.status_code, 0
+        meta = r.json()["meta_info"]
+        if meta["cached_tokens"] > PROBE_CACHED_MAX or "cache_miss" in meta:
+            raise CrossTenant(f"{other} saw {self.tenant}'s prompt: cached {meta['cached_tokens']}, "
+                              f"cache_miss {meta.get('cache_miss')}")  # fmt: skip
+        return 200, meta["completion_tokens"]
 
 
 class Sampler(threading.Thread):
     """Every `interval` s: RSS of the server and its children (when we know its pid), /get_server_info."""
 
-    def __init__(self, url: str, pid: int | None, interval: float, t0: float):
+    def __init__(self, url: str, pid: int | None, interval: float, t0: float, headers: dict[str, str]):
         super().__init__(daemon=True)
         self.url, self.pid, self.interval, self.t0 = url, pid, interval, t0
+        self.headers = headers
         self.samples: list[dict] = []
         self.roles: dict[str, str] = {}
         self.stop = threading.Event()
@@ -343,7 +421,7 @@ class Sampler(threading.Thread):
                 if not self.roles:
                     self.roles = process_roles(self.pid)
             try:
-                info = requests.get(self.url + "/get_server_info", timeout=30).json()
+                info = requests.get(self.url + "/get_server_info", timeout=30, headers=self.headers).json()
                 s.update({k: info.get(k) for k in INFO_KEYS})
             except (requests.RequestException, ValueError) as e:
                 s["error"] = str(e)[:100]
@@ -355,9 +433,12 @@ class Bursts(threading.Thread):
     """`count` bursts of `size` concurrent streaming chat requests, at (i + 0.5) / count of the load phase;
     after each, the scheduler's RSS (its own memory report)."""
 
-    def __init__(self, url: str, count: int, size: int, seed: int, t0: float, deadline: float):
+    def __init__(
+        self, url: str, count: int, size: int, seed: int, t0: float, deadline: float, tenants: Tenants | None
+    ):
         super().__init__(daemon=True)
         self.url, self.count, self.size, self.seed = url, count, size, seed
+        self.tenants = tenants
         self.at = [t0 + (i + 0.5) / count * (deadline - t0) for i in range(count)] if count else []
         self.results: list[dict] = []
         self.t0 = t0
@@ -370,8 +451,13 @@ class Bursts(threading.Thread):
         client = argparse.Namespace(max_new_tokens=16, temperature=0.7, request_timeout=600.0)
         for i, at in enumerate(self.at):
             time.sleep(max(0.0, at - time.monotonic()))
-            res = asyncio.run(one_round(self.url, prompts("distinct", i, self.size, self.seed), client))
-            info = requests.get(self.url + "/get_server_info", timeout=60).json()
+            headers = {}
+            if self.tenants is not None:  # each burst one tenant's
+                headers = self.tenants.headers(self.tenants.names[i % len(self.tenants.names)])
+            texts = prompts("distinct", i, self.size, self.seed)
+            res = asyncio.run(one_round(self.url, texts, client, headers=headers))
+            admin = self.tenants.headers() if self.tenants is not None else {}
+            info = requests.get(self.url + "/get_server_info", timeout=60, headers=admin).json()
             res.update(t=round(time.monotonic() - self.t0, 1), scheduler_rss_mb=info["memory"]["rss_mb"])
             self.results.append(res)
 
@@ -389,11 +475,12 @@ class Bursts(threading.Thread):
 
 
 # ---- end-of-run checks and reporting -----------------------------------------------------------------------
-def final_checks(url: str, idle_timeout: float = 300) -> dict:
-    """Idle, no KV held by requests, free + cached == pool, and a flush frees everything."""
+def final_checks(url: str, headers: dict[str, str], idle_timeout: float = 300) -> dict:
+    """Idle, no KV held by requests, free + cached == pool, and a flush frees everything. `headers`: an
+    admin's key, when the server needs one."""
     t0 = time.monotonic()
     while True:
-        info = requests.get(url + "/get_server_info", timeout=60).json()
+        info = requests.get(url + "/get_server_info", timeout=60, headers=headers).json()
         idle = (
             info["requests_in_flight"] == 0 and info["num_running_reqs"] == 0 and info["num_queued_reqs"] == 0
         )
@@ -404,8 +491,8 @@ def final_checks(url: str, idle_timeout: float = 300) -> dict:
     out["before_flush"] = {k: info.get(k) for k in FINAL_KEYS}
     out["no_kv_held_by_requests"] = info["request_held_tokens"] == 0
     out["free_plus_cache_is_pool"] = info["free_slots"] + info["cache_tokens"] == info["max_total_tokens"]
-    out["flush_status"] = requests.post(url + "/flush_cache", timeout=60).status_code
-    after = requests.get(url + "/get_server_info", timeout=60).json()
+    out["flush_status"] = requests.post(url + "/flush_cache", timeout=60, headers=headers).status_code
+    after = requests.get(url + "/get_server_info", timeout=60, headers=headers).json()
     out["all_free_after_flush"] = after["free_slots"] == after["max_total_tokens"]
     out["kv_slots_leaked"] = after["max_total_tokens"] - after["free_slots"]
     out["healthy"] = requests.get(url + "/health", timeout=30).status_code == 200
@@ -440,6 +527,7 @@ def summarize(records: list[Record], wall: float) -> dict:
             "tokens_per_s": round(tokens / wall, 2), "by_status": by_status,
             "hostile_unexpected": [asdict(r) for r in hostile if r.status != r.expected][:20],
             "server_errors": [asdict(r) for r in errors][:20],
+            "cross_tenant_observations": [asdict(r) for r in records if r.error.startswith("cross_tenant")],
             "transport_errors": [asdict(r) for r in records if r.status == 0 and r.error][:20]}  # fmt: skip
 
 
@@ -504,31 +592,35 @@ def print_table(summary: dict, checks: dict, trend: dict, wall: float) -> None:
         print(f"scheduler RSS: {trend['scheduler_mb_start']:.0f} -> {trend['scheduler_mb_end']:.0f} MiB")
     unexpected = len(summary["hostile_unexpected"])
     print(f"by status: {json.dumps(summary['by_status'])}; hostile requests with an unexpected status: "
-          f"{unexpected}; KV slots leaked: {checks.get('kv_slots_leaked')}")  # fmt: skip
+          f"{unexpected}; KV slots leaked: {checks.get('kv_slots_leaked')}; cross-tenant observations: "
+          f"{len(summary['cross_tenant_observations'])}")  # fmt: skip
     print(f"KV accounting and health: {'OK' if checks.get('ok') else 'FAILED'} {json.dumps(checks)}")
 
 
-def run(args: argparse.Namespace, url: str, pid: int | None, server_alive) -> int:
+def run(
+    args: argparse.Namespace, url: str, pid: int | None, server_alive, tenants: Tenants | None = None
+) -> int:
+    admin = tenants.headers() if tenants is not None else {}
     constrained = False
     if not args.no_constrained:  # only if this server supports it
-        probe = requests.post(url + "/generate", timeout=300, json={
+        probe = requests.post(url + "/generate", timeout=300, headers=admin, json={
             "text": "Answer:", "sampling_params": {"max_new_tokens": 2, "regex": "(yes|no)"}})  # fmt: skip
         constrained = probe.status_code == 200
-    load = Load(url, args.seed, args.max_new_tokens, constrained)
-    sampler = Sampler(url, pid, args.sample_interval, load.t0)
+    load = Load(url, args.seed, args.max_new_tokens, constrained, tenants)
+    sampler = Sampler(url, pid, args.sample_interval, load.t0, admin)
     sampler.start()
     deadline = load.t0 + args.minutes * 60
     workers = [
         threading.Thread(target=load.worker, args=(i, deadline), daemon=True) for i in range(args.concurrency)
     ]
-    bursts = Bursts(url, args.bursts, args.burst_size, args.seed, load.t0, deadline)
+    bursts = Bursts(url, args.bursts, args.burst_size, args.seed, load.t0, deadline, tenants)
     for t in [*workers, bursts]:
         t.start()
     for t in [*workers, bursts]:  # every request has a client timeout: they stop soon after the deadline
         t.join(timeout=max(0.0, deadline - time.monotonic()) + 600)
     wall = time.monotonic() - load.t0
     burst = bursts.verdict()
-    checks = final_checks(url)
+    checks = final_checks(url, admin)
     sampler.stop.set()
     sampler.join(timeout=60)
     with load.lock:
@@ -538,13 +630,18 @@ def run(args: argparse.Namespace, url: str, pid: int | None, server_alive) -> in
         checks["ok"]
         and not summary["server_errors"]
         and not summary["hostile_unexpected"]
+        and not summary["cross_tenant_observations"]
         and burst["ok"]
         and server_alive()
     )
     out = Path(args.out)
-    result = {"name": "soak", "ok": ok, "config": vars(args), "constrained": load.constrained,
+    config = {**vars(args), "command": common.command_line()}
+    result = {"name": out.stem, "ok": ok, "config": config, "constrained": load.constrained,
+              "tenants": tenants.names if tenants is not None else [],
               "environment": {"python": platform.python_version(), "machine": platform.machine(),
-                              "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+                              "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
+                              "cpu_model": common.cpu_model(), "cpu_cores": common.usable_cores(),
+                              "cpu_flags": sorted(f for f in cpu_flags() if f in common.REPORTED_CPU_FLAGS)},
               "wall_s": round(wall, 1), "summary": summary, "rss": trend, "final_checks": checks,
               "bursts": burst,
               "roles": sampler.roles, "samples": sampler.samples,
@@ -576,18 +673,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--server-args", default="--max-total-tokens 16384", help="extra args for the started server"
     )
+    ap.add_argument(
+        "--tenants", type=int, default=0, help="serve N tenants from an --api-keys-file (0: no keys)"
+    )
     ap.add_argument("--out", default=str(RESULTS / "soak.json"))
     args = ap.parse_args(argv)
+    if args.tenants and args.url:
+        ap.error("--tenants needs a server the soak starts (it writes the keys file): leave out --url")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.url:
         return run(args, args.url.rstrip("/"), args.server_pid, lambda: True)
     log = Path(tempfile.gettempdir()) / f"radixlm-soak-server-{os.getpid()}.log"
-    proc, url = start_server(args.server_args.split(), log)
-    print(f"server pid {proc.pid} at {url}, log {log}")
-    try:
-        return run(args, url, proc.pid, lambda: proc.poll() is None)
-    finally:
-        stop_server(proc)
+    extra = args.server_args.split()
+    with tempfile.TemporaryDirectory() as keys_dir:
+        tenants = Tenants(args.tenants, Path(keys_dir)) if args.tenants else None
+        if tenants is not None:
+            extra += ["--api-keys-file", str(tenants.path)]
+        proc, url = start_server(extra, log)
+        print(f"server pid {proc.pid} at {url}, log {log}")
+        try:
+            return run(args, url, proc.pid, lambda: proc.poll() is None, tenants)
+        finally:
+            stop_server(proc)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def setup_env() -> None:
 
 
 # ------------------------------------------------------------------------------------------ environment
+# the ISA flags a result states with its machine: they decide which kernels ran (AVX-512 or AVX2 loops,
+# w4a8's VNNI path, native bf16, AMX tiles)
+REPORTED_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -80,9 +85,12 @@ def git_commit() -> dict[str, Any]:
 def environment() -> dict[str, Any]:
     import torch
 
+    from runtime.platform import cpu_flags
+
     env: dict[str, Any] = {
         "cpu_model": cpu_model(),
         "cpu_cores": usable_cores(),
+        "cpu_flags": sorted(f for f in cpu_flags() if f in REPORTED_CPU_FLAGS),  # which kernels ran
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
