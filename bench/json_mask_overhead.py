@@ -33,11 +33,11 @@ def run_requests(
     Returns (output ids per request, [(batch size, seconds)] of every decode step). Grammar compiles finish
     before the first step is timed.
     """
-    from runtime.messages import TokenizedGenerateReq
+    from runtime.messages import GenerateReq
     from runtime.sampling_params import SamplingParams
 
     for i, (ids, p) in enumerate(zip(prompts, params)):
-        sched.handle(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=SamplingParams(**p)))
+        sched.handle(GenerateReq(rid=f"r{i}", input_ids=ids, params=SamplingParams(**p)))
     while sched.grammar_wait and not all(r.grammar_future.done() for r in sched.grammar_wait):
         time.sleep(0.02)
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}

@@ -27,7 +27,7 @@ import torch
 from bench.harness.common import bar_chart, plot_path, summarize, write_results
 from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -85,7 +85,7 @@ def run_workload(kind: str, args: argparse.Namespace, tokenizer) -> dict:
     s = Scheduler(sargs, "", runner=runner, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(workload(kind, args.requests, args.seed)):
-        s.handle(TokenizedGenerateReq(rid=f"{kind}-{i}", input_ids=ids, sampling_params=params))
+        s.handle(GenerateReq(rid=f"{kind}-{i}", input_ids=ids, params=params))
     extend_ms, decode_ms = [], []
     finished = 0
     t0 = time.process_time()
@@ -123,7 +123,7 @@ def run_queue_depth(depth: int, args: argparse.Namespace, tokenizer, steps: int 
                   tokenizer=tokenizer)  # fmt: skip
     params = SamplingParams(max_new_tokens=4 * steps, temperature=0.7, ignore_eos=True)
     for i, ids in enumerate(workload("distinct", depth + args.max_running, args.seed)):
-        s.handle(TokenizedGenerateReq(rid=f"q{depth}-{i}", input_ids=ids, sampling_params=params))
+        s.handle(GenerateReq(rid=f"q{depth}-{i}", input_ids=ids, params=params))
     while len(s.running) < args.max_running:  # admission: prefill the first max_running
         s.step()
     ms = []

@@ -19,22 +19,39 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 
 
 # ---- TokenizerManager -> Scheduler -------------------------------------------------------------------
-class TokenizedGenerateReq(Message):
+class RequestOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's per-request options, one record from every front end to the scheduler's `Req`, which
+    holds it as it came: a new option is one field here and one line in `generate_input.parse_options`
+    (tests/e2e/test_request_options.py proves every front end carries each to the scheduler).
+
+    The client's (`generate_input.OPTION_FIELDS`): timeout_s, cache_salt, session_id, cache_ttl_s,
+    priority. The tokenizer manager fills in tenant, puts the tenant's scope into cache_salt and resolves
+    cache_ttl_s; the Messages API sets pin_prefix_len."""
+
+    timeout_s: float | None = None  # the request's own deadline in seconds (it can only shorten the server's)
+    cache_salt: str | None = None  # the radix cache shares KV only between requests of the same salt
+    session_id: str | None = None  # pin the finished request's tokens in the cache for cache_ttl_s
+    cache_ttl_s: float | None = None  # None: --session-ttl-s (the scheduler always gets a number)
+    priority: int = 0  # waiting requests are admitted lowest value first (the policy's order within one)
+    tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
+    pin_prefix_len: int = 0  # > 0: the session pins only this prefix (Anthropic's cache_control breakpoint)
+
+
+class GenerateReq(Message):
+    """One sequence to generate: what a front end parses a body into, and, once the tokenizer manager has
+    put its token ids in (`text` None), the message the scheduler receives."""
+
     rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
+    params: SamplingParams
+    text: str | None = None  # exactly one of text / input_ids is set (input_ids only, when sent)
+    input_ids: list[int] | None = None
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no prompt logprobs
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
-    timeout_s: float | None = None  # the request's own deadline in seconds (None: the server's)
-    cache_salt: str | None = None  # the radix cache shares KV only between requests of the same salt
-    session_id: str | None = None  # pin the finished request's tokens in the cache for cache_ttl_s
-    cache_ttl_s: float = 0.0
-    tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
-    priority: int = 0  # waiting requests are admitted lowest value first (the policy's order within one)
-    pin_prefix_len: int = 0  # > 0: the session pins only this prefix (Anthropic's cache_control breakpoint)
+    options: RequestOptions = msgspec.field(default_factory=RequestOptions)
+    client_rid: str | None = None  # the rid the client gave, when this is one of its n choices
 
 
 class AbortReq(Message):
@@ -127,7 +144,7 @@ class BatchStrOut(Message):
 
 
 AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged structs
-    TokenizedGenerateReq,
+    GenerateReq,
     AbortReq,
     FlushCacheReq,
     GetServerInfoReq,

@@ -1,18 +1,17 @@
 """The native /generate request body, validated once for HTTP and the Engine alike.
 
 `parse_generate_body` turns SGLang-style input (single or batch, text or input_ids, n) into a list of
-`SingleRequest`s, raising ValueError with a message that names the offending field.
+`GenerateReq`s, raising ValueError with a message that names the offending field.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import RequestError
-from runtime.managers.tokenizer.generate_request import SingleRequest
+from runtime.messages import GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams
 
 ALLOWED_FIELDS = {
@@ -47,7 +46,7 @@ ROUTER_LOG_HINTS = {"log_metrics", "no_logs"}
 ROUTER_OFF_ONLY = {"return_hidden_states", "background", "return_bytes", "return_entropy"}
 
 
-def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list[SingleRequest], bool]:
+def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list[GenerateReq], bool]:
     """Returns (requests, is_batch).
 
     `max_prompts` (the server's --max-prompts-per-request) is checked before any per-prompt work; the
@@ -109,7 +108,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     reqs = []
     auto = uuid.uuid4().hex  # one random id per body (uuid4 per prompt was most of a big batch's parse)
     for k, ((t, i), p, r) in enumerate(zip(prompts, params, rids)):
-        req = SingleRequest(
+        req = GenerateReq(
             rid=r or (f"{auto}-{k}" if is_batch else auto),
             text=t,
             input_ids=i,
@@ -119,29 +118,10 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
             logprob_start_len=start,
             top_logprobs_num=top_n,
             return_text_in_logprobs=text_in_lp,
+            options=options,
         )
-        reqs.append(options.fill(req))
+        reqs.append(req)
     return reqs, is_batch
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    """The per-request options every front end takes (native, chat, completions, Responses, Messages),
-    parsed once by `parse_options` and carried to the scheduler on each `SingleRequest` (`fill`). A new
-    option is one field here and one line in `parse_options`; tests/e2e/test_request_options.py proves every
-    front end carries each."""
-
-    timeout_s: float | None = None  # the request's own deadline (it can only shorten --request-timeout-s)
-    cache_salt: str | None = None  # shares cached KV only with requests of the same salt
-    session_id: str | None = None  # its finished tokens stay pinned for cache_ttl_s (`sessions`)
-    cache_ttl_s: float | None = None  # None: --session-ttl-s
-    priority: int = 0  # a lower value is admitted first (vLLM's); the policy's order within a priority
-
-    def fill(self, req: SingleRequest) -> SingleRequest:
-        req.timeout_s, req.cache_salt = self.timeout_s, self.cache_salt
-        req.session_id, req.cache_ttl_s = self.session_id, self.cache_ttl_s
-        req.priority = self.priority
-        return req
 
 
 def parse_options(fields: dict[str, Any], session_header: str | None = None) -> RequestOptions:
@@ -150,11 +130,13 @@ def parse_options(fields: dict[str, Any], session_header: str | None = None) -> 
     session_id = fields.get("session_id")
     if session_id is None:  # an empty one in the body is the body's (a 400), not a cue for the header
         session_id = session_header or None
+    session_id, ttl = parse_session(session_id, fields.get("cache_ttl_s"))
     return RequestOptions(
-        parse_timeout(fields.get("timeout")),
-        parse_cache_salt(fields.get("cache_salt")),
-        *parse_session(session_id, fields.get("cache_ttl_s")),
-        parse_priority(fields.get("priority")),
+        timeout_s=parse_timeout(fields.get("timeout")),
+        cache_salt=parse_cache_salt(fields.get("cache_salt")),
+        session_id=session_id,
+        cache_ttl_s=ttl,
+        priority=parse_priority(fields.get("priority")),
     )
 
 

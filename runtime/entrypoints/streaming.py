@@ -15,8 +15,8 @@ from typing import Any, Protocol
 from fastapi.responses import StreamingResponse
 
 from runtime.entrypoints.http_common import SSE_DONE, sse_stream
-from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
+from runtime.messages import GenerateReq
 
 
 class StreamFormatter(Protocol):
@@ -40,7 +40,7 @@ class StreamFormatter(Protocol):
 
 
 async def stream_events(
-    tm: TokenizerManager, reqs: list[SingleRequest], fmt: StreamFormatter
+    tm: TokenizerManager, reqs: list[GenerateReq], fmt: StreamFormatter
 ) -> AsyncIterator[bytes]:
     """Run `reqs` (n > 1 expanded into choices, the shared prompt prefilled once) and yield their events."""
     choices = await tm.prepare_choices(reqs)
@@ -68,7 +68,7 @@ async def stream_events(
 
 
 async def stream_response(
-    tm: TokenizerManager, reqs: list[SingleRequest], fmt: StreamFormatter
+    tm: TokenizerManager, reqs: list[GenerateReq], fmt: StreamFormatter
 ) -> StreamingResponse:
     """A text/event-stream response; errors up to the first event raise here (the handler answers 4xx/5xx),
     later ones become an error event (`sse_stream`). Closing the response aborts every choice."""
@@ -91,13 +91,13 @@ async def stream_response(
 
 
 async def merge_outputs(
-    tm: TokenizerManager, reqs: list[SingleRequest]
+    tm: TokenizerManager, reqs: list[GenerateReq]
 ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """Interleave the cumulative outputs of several streams as (choice index, output), in arrival order."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, req: SingleRequest) -> None:
+    async def pump(i: int, req: GenerateReq) -> None:
         try:
             async for out in tm.generate(req):
                 await queue.put((i, out))

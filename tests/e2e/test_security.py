@@ -477,14 +477,14 @@ def test_internal_error_answer_hides_the_exception(caplog):
 
 # ---- the scheduler: rid "" aborts nothing; only abort_all aborts everything --------------------------------
 def test_scheduler_aborts_all_only_when_asked(default_model_dir, default_tokenizer):
-    from runtime.messages import AbortReq, TokenizedGenerateReq
+    from runtime.messages import AbortReq, GenerateReq
     from runtime.sampling_params import SamplingParams
     from tests.scheduler_utils import make_scheduler
 
     sched = make_scheduler(default_model_dir, default_tokenizer, max_total_tokens=2048, num_threads=1)
     params = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
     for i in range(3):
-        sched.handle(TokenizedGenerateReq(rid=f"r{i}", input_ids=[5 + i, 6, 7], sampling_params=params))
+        sched.handle(GenerateReq(rid=f"r{i}", input_ids=[5 + i, 6, 7], params=params))
     sched.step()
     sched.handle(AbortReq(rid=""))
     finished = {o.rid: o.finished_reason["type"] for o in sched.step() if o.finished_reason}

@@ -10,6 +10,7 @@ from runtime.managers.scheduler.cache_manager import CacheManager
 from runtime.managers.scheduler.req import Req
 from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
+from runtime.messages import RequestOptions
 from runtime.sampling_params import SamplingParams
 
 
@@ -199,7 +200,7 @@ def test_cache_salt_isolates_prefixes():
 
     def salted(salt):
         r = make_req(prompt)
-        r.cache_salt = salt
+        r.options = RequestOptions(cache_salt=salt)
         return r
 
     _finish_and_cache(cm, make_req(prompt))  # unsalted: cached
@@ -214,11 +215,11 @@ def test_cache_salt_isolates_prefixes():
 
 def test_salted_keys_never_collide_with_token_ids():
     r = make_req([0, 1, 2**31])
-    r.cache_salt = "s"
+    r.options = RequestOptions(cache_salt="s")
     key = r.cache_key(3)
     assert min(key) >= 2**32 and [k - key[0] for k in key] == [0, 1, 2**31]
     r2 = make_req([0, 1, 2**31])
-    r2.cache_salt = "t"
+    r2.options = RequestOptions(cache_salt="t")
     assert not set(key) & set(r2.cache_key(3))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -45,10 +45,10 @@ def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenize
     ids = [default_tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     for i, toks in enumerate(ids):  # one batch: mixed prompt lengths decode together
         sched.handle(
-            TokenizedGenerateReq(
+            GenerateReq(
                 rid=str(i),
                 input_ids=toks,
-                sampling_params=SamplingParams(max_new_tokens=32, min_new_tokens=32, temperature=0.0),
+                params=SamplingParams(max_new_tokens=32, min_new_tokens=32, temperature=0.0),
             )
         )  # EOS banned, as HF min_new_tokens
     outs: dict[str, list[int]] = {}

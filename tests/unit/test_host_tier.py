@@ -15,7 +15,7 @@ from runtime.managers.scheduler.sessions import SessionPins
 from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.mem_cache.radix_cache import RadixCache
-from runtime.messages import AbortReq, TokenizedGenerateReq
+from runtime.messages import AbortReq, GenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 from tests.scheduler_utils import make_scheduler
@@ -310,12 +310,12 @@ def test_server_args_check_the_host_tier():
 # ---- with the default model (fp32) -------------------------------------------------------------------
 
 
-def gen(rid: str, prompt: list[int], max_new: int = 1) -> TokenizedGenerateReq:
+def gen(rid: str, prompt: list[int], max_new: int = 1) -> GenerateReq:
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
-    return TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=params)
+    return GenerateReq(rid=rid, input_ids=prompt, params=params)
 
 
-def run_one(sched, m: TokenizedGenerateReq, logits: list) -> dict:
+def run_one(sched, m: GenerateReq, logits: list) -> dict:
     """Run one request to its end; returns its last output. `logits` collects every forward's output."""
     logits.clear()
     sched.handle(m)

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -71,7 +71,7 @@ def test_kv_accounting_holds_after_every_step(default_model_dir, default_tokeniz
         rid = f"r{i}"
         specs[rid] = (kind, spec)
         ids = default_tokenizer.encode(rng.choice(PROMPTS) * rng.randint(1, 3))
-        pending.append(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params))
+        pending.append(GenerateReq(rid=rid, input_ids=ids, params=params))
     outputs: dict[str, list[int]] = {}
     finish: dict[str, dict] = {}
     steps = 0

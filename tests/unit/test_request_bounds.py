@@ -8,8 +8,8 @@ import time
 import pytest
 
 from runtime.entrypoints.generate_input import parse_generate_body
-from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager, choice_seed
+from runtime.messages import GenerateReq
 from runtime.sampling_params import INT64_MAX, SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -38,7 +38,7 @@ def test_native_prompt_count_is_checked_before_per_prompt_work():
 def test_choice_seeds_stay_int64_and_distinct():
     seeds = [choice_seed(INT64_MAX - 1, i) for i in range(4)]
     assert seeds == [INT64_MAX - 1, INT64_MAX, 0, 1]
-    req = SingleRequest(rid="r", text=None, input_ids=[1], params=SamplingParams(n=4, seed=INT64_MAX))
+    req = GenerateReq(rid="r", text=None, input_ids=[1], params=SamplingParams(n=4, seed=INT64_MAX))
     expanded = TokenizerManager.expand_n([req])
     assert [r.params.seed for r in expanded] == [INT64_MAX, 0, 1, 2]
     assert [r.rid for r in expanded] == ["r-0", "r-1", "r-2", "r-3"]

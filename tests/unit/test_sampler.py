@@ -542,7 +542,9 @@ def test_logit_bias_cannot_override_the_grammar_mask():
     assert out.next_token_ids.tolist() == [3]  # 2 biased below 3; the biased-up 0 and 7 stay masked
     assert not bool(out.no_allowed_token.any())
     sampled = sample(
-        logits, SamplingParams(temperature=1.0, logit_bias={"0": 100}), n_rows=500,
+        logits,
+        SamplingParams(temperature=1.0, logit_bias={"0": 100}),
+        n_rows=500,
         vocab_mask=mask.expand(500, -1),
     )
     assert set(sampled.next_token_ids.tolist()) <= {2, 3}

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from runtime.managers.scheduler.schedule_policy import OVERDUE_AFTER_S, order_waiting
+from runtime.messages import RequestOptions
 from tests.unit.test_host_tier import cache_tokens, make_cm, make_req
 
 
@@ -25,7 +26,7 @@ def test_lower_priority_values_come_first_in_the_policys_order(policy):
     now = time.monotonic()
     for k, r in enumerate((hit, cold, urgent_cold, urgent_hit)):
         r.arrival = now + k
-    urgent_cold.priority = urgent_hit.priority = -1
+    urgent_cold.options = urgent_hit.options = RequestOptions(priority=-1)
     ordered, _ = order_waiting(policy, [hit, cold, urgent_cold, urgent_hit], cm)
     ids = [id(r) for r in ordered]
     assert set(ids[:2]) == {id(urgent_cold), id(urgent_hit)} and set(ids[2:]) == {id(hit), id(cold)}
@@ -39,6 +40,6 @@ def test_an_overdue_request_goes_first_whatever_its_priority():
     cm = make_cm(pool=64, host=32)
     old, urgent = make_req([1, 2, 3]), make_req([4, 5, 6])
     old.arrival, urgent.arrival = time.monotonic() - OVERDUE_AFTER_S - 1, time.monotonic()
-    old.priority, urgent.priority = 5, -5
+    old.options, urgent.options = RequestOptions(priority=5), RequestOptions(priority=-5)
     assert order_waiting("lpm", [urgent, old], cm)[0] == [old, urgent]
     assert order_waiting("fcfs", [urgent, old], cm)[0] == [urgent, old]  # fcfs has no starvation rule

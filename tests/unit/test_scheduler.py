@@ -8,7 +8,7 @@ import random
 import pytest
 
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import AbortReq, TokenizedGenerateReq
+from runtime.messages import AbortReq, GenerateReq
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -28,12 +28,10 @@ def run(sched: Scheduler, reqs: list[list[int]], max_new: int = 12, arrive_every
     outs: dict[str, list[int]] = {}
     finish: dict[str, dict] = {}
     pending = [
-        TokenizedGenerateReq(
+        GenerateReq(
             rid=f"r{i}",
             input_ids=p,
-            sampling_params=SamplingParams(
-                max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **params
-            ),
+            params=SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **params),
         )
         for i, p in enumerate(reqs)
     ]
@@ -146,10 +144,10 @@ def test_abort_waiting_and_running(tiny_model_dir, default_tokenizer):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=2)
     for i, p in enumerate(prompts(6)):
         sched.handle(
-            TokenizedGenerateReq(
+            GenerateReq(
                 rid=f"a{i}",
                 input_ids=p,
-                sampling_params=SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True),
+                params=SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True),
             )
         )
     sched.step()
@@ -173,24 +171,16 @@ def test_abort_waiting_and_running(tiny_model_dir, default_tokenizer):
 def test_finish_reasons_and_validation(tiny_model_dir, default_tokenizer):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, context_length=128)
     p = prompts(1)[0]
-    sched.handle(
-        TokenizedGenerateReq(rid="long", input_ids=p, sampling_params=SamplingParams(max_new_tokens=500))
-    )
-    sched.handle(
-        TokenizedGenerateReq(
-            rid="badtok", input_ids=[1, 99999], sampling_params=SamplingParams(max_new_tokens=4)
-        )
-    )
-    sched.handle(
-        TokenizedGenerateReq(rid="prefill", input_ids=p, sampling_params=SamplingParams(max_new_tokens=0))
-    )
+    sched.handle(GenerateReq(rid="long", input_ids=p, params=SamplingParams(max_new_tokens=500)))
+    sched.handle(GenerateReq(rid="badtok", input_ids=[1, 99999], params=SamplingParams(max_new_tokens=4)))
+    sched.handle(GenerateReq(rid="prefill", input_ids=p, params=SamplingParams(max_new_tokens=0)))
     ref = run(make_scheduler(tiny_model_dir, default_tokenizer), [p], max_new=8)["outs"]["r0"]
     stop_tok = ref[3]
     sched.handle(
-        TokenizedGenerateReq(
+        GenerateReq(
             rid="stoptok",
             input_ids=p,
-            sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[stop_tok]),
+            params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=[stop_tok]),
         )
     )
     outs = {}

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -92,11 +92,7 @@ def run_ids(sched: Scheduler, tok, cases: dict[str, tuple[str, dict]]) -> tuple[
     """Like `run`, with output token ids (as the client sees them) instead of texts."""
     before = sched.stats["extend_steps"] + sched.stats["decode_steps"]
     for rid, (prompt, params) in cases.items():
-        sched.handle(
-            TokenizedGenerateReq(
-                rid=rid, input_ids=chat(tok, prompt), sampling_params=SamplingParams(**params)
-            )
-        )
+        sched.handle(GenerateReq(rid=rid, input_ids=chat(tok, prompt), params=SamplingParams(**params)))
     ids: dict[str, list[int]] = {rid: [] for rid in cases}
     finish = {}
     while sched.has_work():

@@ -13,7 +13,7 @@ import pytest
 
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -26,12 +26,12 @@ def sched(tiny_model_dir, default_tokenizer) -> Scheduler:
     return make_scheduler(tiny_model_dir, default_tokenizer, max_total_tokens=4096)
 
 
-def msg(rid: str, prompt: list[int], **params) -> TokenizedGenerateReq:
+def msg(rid: str, prompt: list[int], **params) -> GenerateReq:
     p = dict(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    return TokenizedGenerateReq(rid=rid, input_ids=prompt, sampling_params=SamplingParams(**{**p, **params}))
+    return GenerateReq(rid=rid, input_ids=prompt, params=SamplingParams(**{**p, **params}))
 
 
-def drive(s: Scheduler, msgs: list[TokenizedGenerateReq], max_steps: int = 500) -> dict[str, dict]:
+def drive(s: Scheduler, msgs: list[GenerateReq], max_steps: int = 500) -> dict[str, dict]:
     """Submit all, step until idle; per rid: tokens, finish reason, error, status. Accounting checked at the
     end of every step."""
     res: dict[str, dict] = {}

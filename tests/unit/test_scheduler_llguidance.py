@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
 
@@ -63,7 +63,7 @@ def test_llguidance_requests_with_jump_forward_keep_kv_accounting(default_model_
     for rid, (prompt, grammar) in cases.items():
         params = SamplingParams(**{"max_new_tokens": 160, "temperature": 0.0, "seed": 5, **grammar})
         ids = default_tokenizer.encode(prompt)
-        s.handle(TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params))
+        s.handle(GenerateReq(rid=rid, input_ids=ids, params=params))
     outputs: dict[str, list[int]] = {rid: [] for rid in cases}
     finish: dict[str, dict] = {}
     steps = 0

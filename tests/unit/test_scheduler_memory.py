@@ -18,7 +18,7 @@ from runtime.managers.scheduler.drafting import SequenceIndex
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.sessions import MAX_SESSION_RECORD_TOKENS, SessionPins
 from runtime.mem_cache.radix_cache import RadixCache
-from runtime.messages import AbortReq, TokenizedGenerateReq
+from runtime.messages import AbortReq, GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -74,12 +74,11 @@ def test_every_request_structure_is_released_after_hundreds_of_requests(
             session = f"s{i % 5}" if i % 6 == 0 else None
             params = SamplingParams(max_new_tokens=rng.randrange(6, 40), temperature=0.8, ignore_eos=True)
             sched.handle(
-                TokenizedGenerateReq(
+                GenerateReq(
                     rid=rid,
                     input_ids=_prompt(rng),
-                    sampling_params=params,
-                    session_id=session,
-                    cache_ttl_s=30,
+                    params=params,
+                    options=RequestOptions(session_id=session, cache_ttl_s=30),
                 )
             )
             rids.append(rid)
@@ -121,11 +120,11 @@ def test_the_guard_sheds_evictable_structures_past_its_budget(tiny_model_dir, de
     )
     for i in range(6):
         sched.handle(
-            TokenizedGenerateReq(
+            GenerateReq(
                 rid=f"r{i}",
                 input_ids=[30 + i, 40, 41, 42, 40, 41, 42],
-                sampling_params=SamplingParams(max_new_tokens=8, ignore_eos=True),
-                session_id=f"s{i}",
+                params=SamplingParams(max_new_tokens=8, ignore_eos=True),
+                options=RequestOptions(session_id=f"s{i}"),
             )
         )
     while sched.has_work():
@@ -176,9 +175,7 @@ def test_the_guard_trims_the_heap_after_growth(tiny_model_dir, default_tokenizer
 def test_flush_cache_forgets_the_shared_drafting_index(tiny_model_dir, default_tokenizer):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, speculative_algorithm="suffix")
     sched.handle(
-        TokenizedGenerateReq(
-            rid="a", input_ids=[50, 51, 52, 53, 54], sampling_params=SamplingParams(max_new_tokens=6)
-        )
+        GenerateReq(rid="a", input_ids=[50, 51, 52, 53, 54], params=SamplingParams(max_new_tokens=6))
     )
     while sched.has_work():
         sched.step()

@@ -13,7 +13,7 @@ import torch
 from runtime.managers.scheduler.scheduler import Scheduler
 from runtime.managers.scheduler.sessions import SessionPins
 from runtime.mem_cache.radix_cache import RadixCache
-from runtime.messages import ReleaseSessionReq, TokenizedGenerateReq
+from runtime.messages import GenerateReq, ReleaseSessionReq, RequestOptions
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -154,18 +154,16 @@ def sched(tiny_model_dir, default_tokenizer) -> Scheduler:
 
 def msg(
     rid: str, prompt: list[int], session: str | None = None, ttl: float = 60.0, tenant: str | None = None
-) -> TokenizedGenerateReq:
-    return TokenizedGenerateReq(
+) -> GenerateReq:
+    return GenerateReq(
         rid=rid,
         input_ids=prompt,
-        sampling_params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
-        session_id=session,
-        cache_ttl_s=ttl if session else 0.0,
-        tenant=tenant,
+        params=SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),
+        options=RequestOptions(session_id=session, cache_ttl_s=ttl if session else 0.0, tenant=tenant),
     )
 
 
-def run(s: Scheduler, msgs: list[TokenizedGenerateReq]) -> dict[str, list[int]]:
+def run(s: Scheduler, msgs: list[GenerateReq]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for m in msgs:
         s.handle(m)

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 from runtime.managers.scheduler.drafting import LocalIndex, SequenceIndex, SpecState
-from runtime.messages import AbortReq, TokenizedGenerateReq
+from runtime.messages import AbortReq, GenerateReq
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -280,11 +280,9 @@ def drive(sched, msgs, abort_at: dict[int, str] | None = None) -> dict:
     return res
 
 
-def gen(rid: str, ids: list[int], return_logprob: bool = False, **params) -> TokenizedGenerateReq:
+def gen(rid: str, ids: list[int], return_logprob: bool = False, **params) -> GenerateReq:
     params = {"max_new_tokens": 24, "temperature": 0.0, **params}
-    return TokenizedGenerateReq(
-        rid=rid, input_ids=ids, sampling_params=SamplingParams(**params), return_logprob=return_logprob
-    )
+    return GenerateReq(rid=rid, input_ids=ids, params=SamplingParams(**params), return_logprob=return_logprob)
 
 
 def assert_all_free(sched) -> None:

@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-Requests are translated into the native `SingleRequest` (one per choice, sharing the prompt's KV through
+Requests are translated into the native `GenerateReq` (one per choice, sharing the prompt's KV through
 the radix cache) and answers back into OpenAI's objects (`formatters`), streaming included.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from runtime.entrypoints.generate_input import RequestOptions, body_options, check_body_unicode
+from runtime.entrypoints.generate_input import body_options, check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, run_unless_disconnected
 from runtime.entrypoints.openai.formatters import (
     ChatFormatter,
@@ -38,8 +38,8 @@ from runtime.entrypoints.wire.conversation import plan_tools
 from runtime.entrypoints.wire.reasoning import grammar_after_thoughts, history_text
 from runtime.entrypoints.wire.reasoning import resolve as resolve_reasoning
 from runtime.errors import RequestError
-from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
+from runtime.messages import GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 
@@ -302,12 +302,11 @@ def single_request(
     logprobs: bool,
     top: int,
     logprob_start_len: int = -1,
-) -> SingleRequest:
+) -> GenerateReq:
     """One request for all n choices: the tokenizer manager expands it (`prepare_choices`). The body and
     its options give what every prompt of it shares: streaming, the deadline, the cache salt, the session."""
-    req = SingleRequest(
+    return GenerateReq(
         rid=uuid.uuid4().hex,
-        text=None,
         input_ids=ids,
         params=params,
         stream=body.stream,
@@ -315,8 +314,8 @@ def single_request(
         top_logprobs_num=top,
         return_text_in_logprobs=logprobs,
         logprob_start_len=logprob_start_len,
+        options=options,
     )
-    return options.fill(req)
 
 
 def served_tier(body: CommonRequest) -> dict[str, str]:

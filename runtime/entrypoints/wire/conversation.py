@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 from fastapi import Request
 
-from runtime.entrypoints.generate_input import RequestOptions
 from runtime.entrypoints.http_common import run_unless_disconnected
 from runtime.entrypoints.tool_calls import ToolPlan, ToolRequestError, plan_chat
 from runtime.entrypoints.tool_calls.output import new_call_id
@@ -33,8 +33,8 @@ from runtime.entrypoints.wire.reasoning import (
     resolve,
 )
 from runtime.errors import RequestError
-from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
+from runtime.messages import GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 
@@ -140,7 +140,7 @@ class Reply:
 @dataclass
 class Prepared:
     plan: ToolPlan
-    req: SingleRequest
+    req: GenerateReq
     prompt_tokens: int
     reasoning: ReasoningParser | None
     tokenizer: Any = None
@@ -245,14 +245,11 @@ async def prepare(
         # the breakpoint's prefix is pinned as a session of its own, named by the prefix: every request
         # that repeats it renews the pin (a session's own pin is replaced, never counted twice)
         digest = hashlib.sha256(np.asarray(ids[:prefix], dtype=np.int64).tobytes()).hexdigest()[:32]
-        options = dataclasses.replace(
-            options, session_id=f"cache_control:{digest}", cache_ttl_s=conv.cache_ttl_s
+        session_id = f"cache_control:{digest}"
+        options = msgspec.structs.replace(
+            options, session_id=session_id, cache_ttl_s=conv.cache_ttl_s, pin_prefix_len=prefix
         )
-    req = options.fill(
-        SingleRequest(rid=uuid.uuid4().hex, text=None, input_ids=ids, params=params, stream=stream)
-    )
-    if prefix and req.session_id.startswith("cache_control:"):
-        req.pin_prefix_len = prefix
+    req = GenerateReq(rid=uuid.uuid4().hex, input_ids=ids, params=params, stream=stream, options=options)
     return Prepared(plan, req, len(ids), reasoning, tm.tokenizer, prefix)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from runtime.managers.scheduler.output_stream import SendState
 from runtime.mem_cache.radix_cache import TreeNode
-from runtime.messages import TokenizedGenerateReq
+from runtime.messages import GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams, TokenBudgetError, check_token_budget
 
 
@@ -35,12 +35,7 @@ class Req:
     top_logprobs_num: int = 0
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() past which the request is aborted (504)
-    cache_salt: str | None = None  # shares cached KV only with requests of the same salt (`cache_key`)
-    session_id: str | None = None  # when it finishes, its tokens stay pinned for cache_ttl_s (`sessions`)
-    cache_ttl_s: float = 0.0
-    tenant: str | None = None  # whose key sent it: a session is (tenant, salt, id); pin quotas per tenant
-    priority: int = 0  # waiting requests are admitted lowest value first (`schedule_policy.order_waiting`)
-    pin_prefix_len: int = 0  # > 0: its session pins only this prefix (a cache_control breakpoint's)
+    options: RequestOptions = field(default_factory=RequestOptions)  # as the request came (properties below)
     cache_miss: dict[str, Any] | None = None  # why it found less cached than its session left (`sessions`)
 
     output_ids: list[int] = field(default_factory=list)
@@ -81,27 +76,52 @@ class Req:
     spec: Any = None  # drafting.SpecState: speculative decoding's index and counters (None: never drafted)
 
     @classmethod
-    def from_message(cls, msg: TokenizedGenerateReq, timeout_s: float | None = None) -> Req:
+    def from_message(cls, msg: GenerateReq, timeout_s: float | None = None) -> Req:
         """`timeout_s`: the server's --request-timeout-s; the message's `timeout_s` can only shorten it."""
-        limits = [t for t in (timeout_s, msg.timeout_s) if t is not None]
+        limits = [t for t in (timeout_s, msg.options.timeout_s) if t is not None]
         arrival = time.monotonic()
         return cls(
             arrival=arrival,
             deadline=arrival + min(limits) if limits else None,
             rid=msg.rid,
             prompt_ids=list(msg.input_ids),
-            params=msg.sampling_params,
+            params=msg.params,
             stream=msg.stream,
             return_logprob=msg.return_logprob,
             logprob_start_len=msg.logprob_start_len,
             top_logprobs_num=msg.top_logprobs_num,
-            cache_salt=msg.cache_salt,
-            session_id=msg.session_id,
-            cache_ttl_s=msg.cache_ttl_s,
-            tenant=msg.tenant,
-            priority=msg.priority,
-            pin_prefix_len=msg.pin_prefix_len,
+            options=msg.options,
         )
+
+    # ---- the request's options (`messages.RequestOptions`) ----
+    @property
+    def cache_salt(self) -> str | None:
+        """Shares cached KV only with requests of the same salt (`cache_key`)."""
+        return self.options.cache_salt
+
+    @property
+    def session_id(self) -> str | None:
+        """When it finishes, its tokens stay pinned for cache_ttl_s (`sessions`)."""
+        return self.options.session_id
+
+    @property
+    def cache_ttl_s(self) -> float:
+        return self.options.cache_ttl_s or 0.0
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose key sent it: a session is (tenant, salt, id); pin quotas are per tenant."""
+        return self.options.tenant
+
+    @property
+    def priority(self) -> int:
+        """Waiting requests are admitted lowest value first (`schedule_policy.order_waiting`)."""
+        return self.options.priority
+
+    @property
+    def pin_prefix_len(self) -> int:
+        """> 0: its session pins only this prefix (a cache_control breakpoint's)."""
+        return self.options.pin_prefix_len
 
     @property
     def session_key(self) -> tuple[str | None, str | None, str]:

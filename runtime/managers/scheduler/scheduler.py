@@ -41,13 +41,13 @@ from runtime.messages import (
     AbortReq,
     FlushCacheReq,
     FlushCacheResp,
+    GenerateReq,
     GetServerInfoReq,
     Message,
     ReleaseSessionReq,
     ReleaseSessionResp,
     ReqOutput,
     ServerInfoResp,
-    TokenizedGenerateReq,
 )
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
@@ -107,7 +107,7 @@ class Scheduler:
     # ---- messages ---------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
         """Apply one incoming message; returns a control reply when the message asks for one."""
-        if isinstance(msg, TokenizedGenerateReq):
+        if isinstance(msg, GenerateReq):
             self._add_isolated(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid, abort_all=msg.abort_all)
@@ -123,7 +123,7 @@ class Scheduler:
             raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         return None
 
-    def _add_isolated(self, msg: TokenizedGenerateReq) -> None:
+    def _add_isolated(self, msg: GenerateReq) -> None:
         """`add_request`, except that a failure fails this request alone (500 with an error id) instead of
         escaping into the receive loop, where the client would wait for an answer forever."""
         try:
@@ -131,12 +131,12 @@ class Scheduler:
         except Exception:
             req = next((r for r in self._all_queued() if r.rid == msg.rid), None)
             if req is None:
-                req = Req(rid=msg.rid, prompt_ids=[], params=msg.sampling_params)
+                req = Req(rid=msg.rid, prompt_ids=[], params=msg.params)
             else:
                 self._dequeue(req)
             self._fail_internal(req, "admitting")
 
-    def add_request(self, msg: TokenizedGenerateReq) -> None:
+    def add_request(self, msg: GenerateReq) -> None:
         timeout = self.args.request_timeout_s
         req = Req.from_message(msg, timeout if timeout and timeout > 0 else None)
         r = self.runner

@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from runtime import ipc
 from runtime.errors import RequestError
-from runtime.managers.tokenizer.generate_request import SingleRequest
 from runtime.managers.tokenizer.grammar_validator import GrammarValidator
 from runtime.managers.tokenizer.supervisor import Supervisor
 from runtime.messages import (
@@ -30,12 +30,12 @@ from runtime.messages import (
     BatchStrOut,
     FlushCacheReq,
     FlushCacheResp,
+    GenerateReq,
     GetServerInfoReq,
     ReleaseSessionReq,
     ReleaseSessionResp,
     ReqTextOutput,
     ServerInfoResp,
-    TokenizedGenerateReq,
     decode,
 )
 from runtime.sampling_params import INT64_MAX, SamplingParams, TokenBudgetError, check_token_budget
@@ -252,17 +252,18 @@ class TokenizerManager:
         if not rid.isprintable():
             raise RequestError("'rid' must contain only printable characters (no control characters)", 400)
 
-    def session_ttl(self, req: SingleRequest) -> float:
+    def session_ttl(self, req: GenerateReq) -> float:
         """Seconds the request's tokens stay pinned after it finishes (0: it names no session)."""
-        if req.session_id is None:
+        if req.options.session_id is None:
             return 0.0
-        ttl = req.cache_ttl_s if req.cache_ttl_s is not None else self.args.session_ttl_s
+        ttl = req.options.cache_ttl_s
+        ttl = ttl if ttl is not None else self.args.session_ttl_s
         if ttl > self.args.max_session_ttl_s:
             limit = self.args.max_session_ttl_s
             raise RequestError(f"'cache_ttl_s' ({ttl:g}) is more than --max-session-ttl-s ({limit:g})", 400)
         return ttl
 
-    def check_bounds(self, reqs: list[SingleRequest]) -> None:
+    def check_bounds(self, reqs: list[GenerateReq]) -> None:
         self.check_prompt_count(sum(r.params.n for r in reqs))
         self.check_prompt_chars(sum(len(r.text) for r in reqs if r.text is not None))
         for r in reqs:
@@ -290,14 +291,14 @@ class TokenizerManager:
         """Run other tokenizer work (e.g. decoding echoed prompts) on the tokenization thread."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
-    async def tokenize_texts(self, reqs: list[SingleRequest]) -> list[SingleRequest]:
+    async def tokenize_texts(self, reqs: list[GenerateReq]) -> list[GenerateReq]:
         """`reqs` with every text prompt replaced by its token ids (one tokenizer pass per prompt)."""
         texts = [r.text for r in reqs if r.input_ids is None]
         if not texts:
             return reqs
         ids = iter(await self.encode(texts))
         return [
-            r if r.input_ids is not None else dataclasses.replace(r, text=None, input_ids=next(ids))
+            r if r.input_ids is not None else msgspec.structs.replace(r, text=None, input_ids=next(ids))
             for r in reqs
         ]
 
@@ -309,7 +310,7 @@ class TokenizerManager:
         if problem:
             raise RequestError(f"invalid {kind}: {problem}", 400)
 
-    async def generate(self, req: SingleRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, req: GenerateReq) -> AsyncIterator[dict[str, Any]]:
         """Yield the cumulative output dict after every chunk (streaming) or once at the end.
 
         Closing the iterator early (client disconnect) aborts the request in the scheduler at once.
@@ -337,24 +338,9 @@ class TokenizerManager:
         ttl = self.session_ttl(req)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}", 400)
-        tenant, salt = self.scope(req.cache_salt)
-        msg = TokenizedGenerateReq(
-            rid=req.rid,
-            input_ids=ids,
-            sampling_params=req.params,
-            stream=req.stream,
-            return_logprob=req.return_logprob,
-            logprob_start_len=req.logprob_start_len,
-            top_logprobs_num=req.top_logprobs_num,
-            return_text_in_logprobs=req.return_text_in_logprobs,
-            timeout_s=req.timeout_s,
-            cache_salt=salt,
-            session_id=req.session_id,
-            cache_ttl_s=ttl,
-            tenant=tenant,
-            priority=req.priority,
-            pin_prefix_len=req.pin_prefix_len,
-        )
+        tenant, salt = self.scope(req.options.cache_salt)
+        options = msgspec.structs.replace(req.options, cache_salt=salt, cache_ttl_s=ttl, tenant=tenant)
+        msg = msgspec.structs.replace(req, text=None, input_ids=ids, options=options)
         st = ReqState(
             req.rid, len(ids), req.return_text_in_logprobs, client_rid=req.client_rid, tenant=tenant
         )
@@ -459,7 +445,7 @@ class TokenizerManager:
             meta["output_top_logprobs"] = [top for *_, top in st.output_logprobs]
         return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
 
-    async def prepare_choices(self, reqs: list[SingleRequest]) -> list[SingleRequest]:
+    async def prepare_choices(self, reqs: list[GenerateReq]) -> list[GenerateReq]:
         """Expand `n > 1` into n choices and prefill each such prompt once first, so the n choices share its
         KV through the radix cache instead of computing it n times. Admission counts every choice. The one
         place this rule lives: `generate_all` and the streaming loop both start here.
@@ -475,19 +461,19 @@ class TokenizerManager:
             await gather_or_cancel(*(self.final(w) for w in warm))
         return expanded
 
-    async def generate_all(self, reqs: list[SingleRequest]) -> list[dict[str, Any]]:
+    async def generate_all(self, reqs: list[GenerateReq]) -> list[dict[str, Any]]:
         """Run non-streaming requests to completion (see `prepare_choices`); results flattened in order."""
         expanded = await self.prepare_choices(reqs)
         return await gather_or_cancel(*(self.final(r) for r in expanded))
 
-    async def final(self, req: SingleRequest) -> dict[str, Any]:
+    async def final(self, req: GenerateReq) -> dict[str, Any]:
         last = None
         async for chunk in self.generate(req):
             last = chunk
         return last
 
     @staticmethod
-    def expand_n(reqs: list[SingleRequest]) -> list[SingleRequest]:
+    def expand_n(reqs: list[GenerateReq]) -> list[GenerateReq]:
         out = []
         for r in reqs:
             if r.params.n == 1:
@@ -497,15 +483,15 @@ class TokenizerManager:
                 p = dataclasses.replace(r.params, n=1)
                 if p.seed is not None:  # distinct samples, still reproducible
                     p = dataclasses.replace(p, seed=choice_seed(p.seed, i))
-                out.append(dataclasses.replace(r, rid=f"{r.rid}-{i}", params=p, client_rid=r.rid))
+                out.append(msgspec.structs.replace(r, rid=f"{r.rid}-{i}", params=p, client_rid=r.rid))
         return out
 
     @staticmethod
-    def prefill_only(r: SingleRequest) -> SingleRequest:
+    def prefill_only(r: GenerateReq) -> GenerateReq:
         p = dataclasses.replace(
             r.params, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None, lark=None
         )
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             r, rid=f"{r.rid}-prefill", params=p, stream=False, return_logprob=False, client_rid=r.rid
         )
 
