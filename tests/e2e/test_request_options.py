@@ -1,9 +1,10 @@
-"""Every front end carries every per-request option to the scheduler (`generate_input.RequestOptions`):
+"""Every front end carries every per-request option to the scheduler (`messages.RequestOptions`):
 native /generate, chat completions, completions, Responses and Messages each take `session_id` (or the
 X-Session-Id header; the OpenAI ones also `prompt_cache_key`), `cache_salt`, `cache_ttl_s`, `timeout` and
 `speculative_num_draft_tokens`, and each is observed where the scheduler acts on it: the session's pin under
 its salt (DELETE /v1/sessions/{id}?cache_salt=...), no pin with a TTL of 0, a 504 past the deadline, and
-the sampling check of the draft bound. A new option added to `RequestOptions` belongs in OPTIONS below."""
+the sampling check of the draft bound, the scheduler's count of prioritized requests; the DSL backends carry
+them too. A new option added to `RequestOptions` gets a test here."""
 
 from __future__ import annotations
 

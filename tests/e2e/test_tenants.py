@@ -119,6 +119,37 @@ def test_sessions_pins_and_explanations_are_a_tenants_own(srv):
     assert released_a.status_code == 200 and released_a.json()["released_tokens"] > 100
 
 
+def test_cache_salts_subdivide_a_tenant(srv):
+    body = {"text": long_prompt(), "sampling_params": {"max_new_tokens": 1}}
+
+    def cached(salt: str | None) -> int:
+        r = post(srv, "A", "/generate", {**body, **({"cache_salt": salt} if salt else {})})
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    cached("x")
+    assert cached("x") > 150  # its own salt's prefix
+    assert cached("y") < 40 and cached(None) < 40  # another salt, or none, of the same tenant
+    assert post(srv, "B", "/generate", {**body, "cache_salt": "x"}).json()["meta_info"]["cached_tokens"] < 40
+
+
+def test_the_chat_explainer_is_a_tenants_own(srv):
+    sid = f"chat-{uuid.uuid4().hex[:6]}"
+    text = long_prompt()
+
+    def turn(who: str, content: str) -> dict:
+        body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+        r = post(srv, who, "/v1/chat/completions", {**body, "session_id": sid, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]
+
+    turn("A", text)
+    assert turn("A", text.replace("notes", "memos")).get("cache_miss", {}).get("reason") == "diverged"
+    assert "cache_miss" not in turn("B", text.replace("notes", "memos"))  # nothing of A's session
+    for who in ("A", "B"):
+        requests.delete(f"{srv.url}/v1/sessions/{sid}", headers=auth(who), timeout=HTTP_TIMEOUT_S)
+
+
 def test_a_tenants_requests_never_teach_the_shared_draft_index(srv):
     def shared_entries() -> int:
         info = requests.get(srv.url + "/get_server_info", headers=auth("OPS"), timeout=HTTP_TIMEOUT_S).json()
