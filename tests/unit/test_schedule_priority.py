@@ -1,5 +1,6 @@
 """`priority` (vLLM's field): waiting requests of a lower value are admitted first, in the policy's order
-within a priority, and the starvation bound still puts an overdue request first."""
+within a priority, and the starvation bound still puts an overdue request first; a waiting request that
+cannot start preempts a running one of a higher value."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 import pytest
 
 from runtime.managers.scheduler.schedule_policy import OVERDUE_AFTER_S, order_waiting
-from runtime.messages import RequestOptions
+from runtime.messages import GenerateReq, RequestOptions
+from runtime.sampling_params import SamplingParams
+from tests.scheduler_utils import make_scheduler
 from tests.unit.test_host_tier import cache_tokens, make_cm, make_req
 
 
@@ -43,3 +46,46 @@ def test_an_overdue_request_goes_first_whatever_its_priority():
     old.options, urgent.options = RequestOptions(priority=5), RequestOptions(priority=-5)
     assert order_waiting("lpm", [urgent, old], cm)[0] == [old, urgent]
     assert order_waiting("fcfs", [urgent, old], cm)[0] == [urgent, old]  # fcfs has no starvation rule
+
+
+# ---- the scheduler, tiny model -----------------------------------------------------------------------------
+def _msg(rid: str, prompt: list[int], max_new: int, priority: int) -> GenerateReq:
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    return GenerateReq(rid=rid, input_ids=prompt, params=params, options=RequestOptions(priority=priority))
+
+
+def test_a_waiting_request_of_lower_priority_value_preempts_running_ones(tiny_model_dir, default_tokenizer):
+    """Two background requests fill the running rows; an urgent one arrives: one background request is
+    retracted (its output kept), the urgent one finishes first, and both background ones still finish."""
+    s = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=2, max_total_tokens=1024)
+    for i in range(2):
+        s.handle(_msg(f"bg{i}", [10 + i, 11, 12, 13], max_new=40, priority=5))
+    for _ in range(3):
+        s.step()
+    assert len(s.running) == 2
+    s.handle(_msg("urgent", [20, 21, 22], max_new=4, priority=-1))
+    finished: list[str] = []
+    tokens: dict[str, int] = {}
+    for _ in range(500):
+        if not s.has_work():
+            break
+        for o in s.step():
+            assert o.error is None, o.error
+            tokens[o.rid] = tokens.get(o.rid, 0) + len(o.new_token_ids)
+            if o.finished_reason is not None:
+                finished.append(o.rid)
+        s.check_accounting()
+    assert finished[0] == "urgent" and sorted(finished) == ["bg0", "bg1", "urgent"]
+    assert tokens == {"bg0": 40, "bg1": 40, "urgent": 4}  # the retracted one lost no output
+    info = s.server_info()
+    assert info["priority_preemptions"] == 1 and info["retractions"] >= 1
+
+
+def test_equal_priorities_never_preempt(tiny_model_dir, default_tokenizer):
+    s = make_scheduler(tiny_model_dir, default_tokenizer, max_running_requests=1, max_total_tokens=1024)
+    s.handle(_msg("first", [10, 11, 12], max_new=20, priority=0))
+    s.step()
+    s.handle(_msg("second", [20, 21, 22], max_new=2, priority=0))
+    while s.has_work():
+        s.step()
+    assert s.server_info()["priority_preemptions"] == 0

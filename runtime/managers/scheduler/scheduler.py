@@ -31,7 +31,13 @@ from runtime.managers.scheduler.output_stream import (
     record_output_logprob,
 )
 from runtime.managers.scheduler.req import Req
-from runtime.managers.scheduler.schedule_policy import AddOutcome, AddResult, PrefillAdder, admit
+from runtime.managers.scheduler.schedule_policy import (
+    OVERDUE_AFTER_S,
+    AddOutcome,
+    AddResult,
+    PrefillAdder,
+    admit,
+)
 from runtime.managers.scheduler.sessions import SessionPins
 from runtime.managers.scheduler.speculative import SpeculativeDecoder, spec_info
 from runtime.managers.scheduler.stats import ThroughputLog, new_counters
@@ -299,6 +305,7 @@ class Scheduler:
             return []
         a = self.args
         if not self.reextend and len(self.running) >= a.max_running_requests:
+            self._preempt_for_priority()
             return []
         # Requests that already hold KV go first: they pin memory until they finish. A request mid chunked
         # prefill is first of those (see below).
@@ -325,7 +332,24 @@ class Scheduler:
             # Nothing runs and nothing fits: pinned sessions must not stall the server. Unpin the oldest
             # (its tokens become evictable); the next step tries again.
             self.sessions.release_oldest()
+        elif not admitted and self.waiting:
+            self._preempt_for_priority()
         return admitted
+
+    def _preempt_for_priority(self) -> None:
+        """Nothing waiting could start (no request row or no KV): when a waiting request outranks a running
+        one (a lower `priority` value), retract the lowest-ranked running request, output and cache kept;
+        the next step admits the waiting one. A request that has waited past the starvation bound
+        (schedule_policy.OVERDUE_AFTER_S) is never preempted, so the lowest priority still finishes."""
+        if not self.waiting or not self.running:
+            return
+        best = min(r.priority for r in self.waiting)
+        now = time.monotonic()
+        victims = [r for r in self.running if r.priority > best and now - r.arrival <= OVERDUE_AFTER_S]
+        if victims:
+            victim = max(victims, key=lambda r: (r.priority, -len(r.output_ids), r.arrival))
+            self._retract(victim, f"a waiting request of priority {best} outranks it")
+            self.stats["priority_preemptions"] += 1
 
     def _offer(self, adder: PrefillAdder, req: Req, matched: bool) -> AddOutcome | None:
         try:
@@ -444,18 +468,18 @@ class Scheduler:
             self.reextend.append(req)
 
     def _retract_one(self) -> None:
-        """Decode ran out of KV: give the least-progressed request's memory back;
-        it re-queues, output kept.
-        """
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+        """Decode ran out of KV: give the memory of the lowest-ranked request (the highest `priority`
+        value), the least progressed among those, back; it re-queues, output kept."""
+        self._retract(min(self.running, key=lambda r: (-r.priority, len(r.output_ids), -r.arrival)))
+
+    def _retract(self, victim: Req, why: str = "KV pool exhausted") -> None:
+        """Give a running request's KV back (its tokens stay cached) and queue it again, output kept."""
         self.running.remove(victim)
         self.cm.release(victim, cache_tokens=True)
         victim.retractions += 1
         self.stats["retractions"] += 1
         self.waiting.append(victim)
-        logger.info(
-            "KV pool exhausted: retracted %s after %d output tokens", victim.rid, len(victim.output_ids)
-        )
+        logger.info("%s: retracted %s after %d output tokens", why, victim.rid, len(victim.output_ids))
 
     # ---- sampling and per-token bookkeeping ----------------------------------------------------------------
     def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ COUNTERS = (
     "requests_timed_out",
     "requests_failed_internal",
     "requests_prioritized",  # requests that named a `priority` other than 0
+    "priority_preemptions",  # running requests retracted for a waiting one of a lower `priority` value
     # host / disk tier: admissions put off because the pool had no room to load what a tier held past the
     # device match, and tokens a tier held that were recomputed anyway (no room would come: nothing else ran)
     "tier_load_waits",
