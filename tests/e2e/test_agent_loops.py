@@ -2,7 +2,9 @@
 model, at random max_tokens and temperature 0.8, replaying exactly what the server returned (calls cut by
 max_tokens included) and answering every call with a tool result of some JSON type. Every request must be
 a 200; every call that was finished (all calls of an answer that ended by itself, every call but the last
-of one cut by max_tokens) has arguments that validate against its tool's schema.
+of one cut by max_tokens: a budget below the shortest call, 16 of [16, 28]) has arguments that validate
+against its tool's schema. Strict tools: calls are enforced under tool_choice auto as under required, and
+steered to close before the budget ends (`constrained.closing`).
 
 RADIXLM_AGENT_LOOP_TURNS and RADIXLM_AGENT_LOOP_MAX_TOKENS raise the loop to the issue's 30 turns at up to
 256 tokens (about 10 minutes on 2 CPUs); the default is a shorter loop of the same shape.
@@ -46,8 +48,9 @@ SCHEMAS = {
         "required": ["path", "text"],
     },
 }
-TOOLS = [{"type": "function", "function": {"name": n, "description": n.replace("_", " "), "parameters": s}}
-         for n, s in SCHEMAS.items()]  # fmt: skip
+# strict: under tool_choice auto the calls are enforced too (a grammar gated by the call's start)
+TOOLS = [{"type": "function", "function": {"name": n, "description": n.replace("_", " "), "parameters": s,
+          "strict": True}} for n, s in SCHEMAS.items()]  # fmt: skip
 RESULTS = ["done", {"ok": True, "value": 12}, [1, 2, 3], 7.5, "error: not found"]
 TASK = "Plan a trip to Oslo: check the weather, search for hotels, add up costs and save a note."
 
@@ -107,7 +110,7 @@ def test_chat_completions_loop(oai):
 
 def test_responses_loop(oai):
     rng = random.Random(2)
-    tools = [{"type": "function", **t["function"], "strict": False} for t in TOOLS]
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
     items: list = [{"role": "user", "content": TASK}]
     calls = 0
     for _ in range(TURNS):
@@ -137,7 +140,7 @@ def test_responses_loop(oai):
 def test_messages_loop(claude):
     rng = random.Random(3)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+              "input_schema": t["function"]["parameters"], "strict": True} for t in TOOLS]  # fmt: skip
     messages: list = [{"role": "user", "content": TASK}]
     calls = 0
     for _ in range(TURNS):

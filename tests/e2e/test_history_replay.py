@@ -52,7 +52,8 @@ def is_json(text: str) -> bool:
 
 
 def cut_call(oai: openai.OpenAI):
-    """A forced call cut by max_tokens: its arguments are a JSON prefix."""
+    """A forced call cut by max_tokens (24 tokens: less than the shortest whole call, 29, so not even
+    steering can close it): its arguments are a JSON prefix."""
     out = oai.chat.completions.create(
         model="default", messages=ASK, tools=[TOOL], tool_choice="required", max_tokens=24, temperature=0
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,25 @@ from runtime.managers.scheduler.output_stream import take_back
 from runtime.managers.scheduler.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.server_args import ServerArgs
+
+# Steering starts when the remaining budget is this many tokens more than the closing path: jump-forward
+# (off while steering, on before) may re-tokenize forced text a token or two longer than the path walks it
+# (` "` then the string's end where the path took ` ","`).
+CLOSE_MARGIN = 3
+
+
+@dataclass
+class ClosingState:
+    """A request's closing bookkeeping (`GrammarManager.closing_token`): the path computed at output length
+    `pos`, the next output length to compute it again, and whether its grammar was ever inside a structure."""
+
+    pos: int = 0
+    path: list[int] | None = None
+    need: int = 0  # len(path) at the last check
+    first_need: int = 0  # the first path's length + a little: what one more structure costs, roughly
+    next_check: int = 0
+    entered: bool = False
+    steering: bool = False  # following `path`: jump-forward is off, so the path's count holds exactly
 
 
 class GrammarManager:
@@ -35,6 +55,7 @@ class GrammarManager:
         self.expired = 0  # requests failed for waiting past wait_s
         self._compiler = None  # built on first use: the vocabulary takes a moment
         self._mask_buf: torch.Tensor | None = None  # [rows, vocab] bool, reused by every step's mask
+        self._ranks = None  # constrained.closing.ClosingRanks of the vocabulary, built on first use
 
     @property
     def compiler(self):
@@ -95,9 +116,74 @@ class GrammarManager:
         for i, req in enumerate(reqs):
             if req.grammar is None:
                 mask[i] = True
+            elif (tok := self.closing_token(req)) is not None:
+                mask[i, tok] = True
             else:
                 req.grammar.fill_vocab_mask(mask[i])
         return mask.to(device)
+
+    # ---- closing before the budget ends (constrained.closing) ---------------------------------------------
+    def closing_token(self, req: Req) -> int | None:
+        """The token `req` must take now for its grammar to end inside its max_new_tokens, or None while the
+        model may choose. Steering starts once the remaining budget is no more than the greedy closing path
+        (+ CLOSE_MARGIN) and follows that path, unless the path does not fit (the output is cut either way,
+        and the model's own text is worth more). A grammar that may end where it is (free text before a tool
+        call, or after a whole call) is left alone, except that after a structure the model has closed, EOS
+        is taken once the budget could not hold another."""
+        remaining = req.params.max_new_tokens - len(req.output_ids)
+        g = req.grammar
+        state: ClosingState = req.__dict__.setdefault("closing", ClosingState())
+        pos = len(req.output_ids)
+        if state.path is not None and req.output_ids[state.pos : pos] == state.path[: pos - state.pos]:
+            rest = state.path[pos - state.pos :]
+            if rest and len(rest) <= remaining <= len(rest) + CLOSE_MARGIN:
+                state.steering = True
+                return rest[0]
+        state.steering = False
+        if pos < state.next_check and remaining > state.need + CLOSE_MARGIN:
+            return None
+        from constrained.closing import closing_path
+
+        ranks = self._closing_ranks()
+        if g.can_finish():
+            if not state.entered or g.is_terminated():
+                state.next_check = pos + 1
+                return None
+            # after a closed structure: EOS unless the budget still holds a minimal one more
+            if remaining <= state.first_need + CLOSE_MARGIN and g.is_allowed(ranks.eos_token_id):
+                state.steering = True
+                return ranks.eos_token_id
+            state.next_check = pos + max(1, (remaining - state.first_need - CLOSE_MARGIN) // 4)
+            return None
+        state.entered = True
+        path = closing_path(g, ranks, remaining + 64)
+        if path is None:  # no greedy way out within reach: leave it to the model
+            state.path, state.need, state.next_check = None, 0, pos + 16
+            return None
+        if state.first_need == 0:
+            state.first_need = len(path) + 8  # a rough size of one more structure (tool call, value)
+        state.pos, state.path, state.need = pos, path, len(path)
+        slack = remaining - len(path) - CLOSE_MARGIN
+        state.next_check = pos + max(1, slack // 4)
+        # a budget the path does not fit is cut whatever is chosen: then the model writes on as it would
+        state.steering = slack <= 0 and len(path) <= remaining
+        return path[0] if state.steering else None
+
+    @staticmethod
+    def near_closing(req: Req, draft_len: int) -> bool:
+        """Whether steering would start within a draft of `draft_len` tokens (by the last closing path)."""
+        state = req.__dict__.get("closing")
+        if state is None or state.path is None:
+            return False
+        return req.params.max_new_tokens - len(req.output_ids) - draft_len <= state.need + CLOSE_MARGIN
+
+    def _closing_ranks(self):
+        if self._ranks is None:
+            from constrained.closing import ClosingRanks
+
+            vocab = self.compiler.vocab
+            self._ranks = ClosingRanks(vocab.token_bytes, vocab.eos_token_id)
+        return self._ranks
 
     def _rows(self, n: int, vocab: int) -> torch.Tensor:
         """[n, vocab] bool rows of the reused buffer; contents undefined: every user writes every row."""
@@ -106,8 +192,13 @@ class GrammarManager:
         return self._mask_buf[:n]
 
     def jumps(self, req: Req) -> bool:
-        """Jump-forward applies to `req`: it has a grammar and asks no logprobs (forced tokens have none)."""
-        return req.grammar is not None and self.jump_forward_enabled and not req.return_logprob
+        """Jump-forward applies to `req`: it has a grammar, asks no logprobs (forced tokens have none) and is
+        not being steered to close (`closing_token`: the path's tokens are counted, a jump's are not)."""
+        closing = req.__dict__.get("closing")
+        steering = closing is not None and closing.steering
+        return (
+            req.grammar is not None and self.jump_forward_enabled and not req.return_logprob and not steering
+        )
 
     def verify_masks(
         self, reqs: list[Req], drafts: list[list[int]], fail: Callable[[Req], None]
@@ -133,6 +224,16 @@ class GrammarManager:
                 mask[at : at + 1 + len(draft)] = True
             else:
                 try:
+                    tok = self.closing_token(req)
+                    if tok is not None or self.near_closing(req, len(draft)):
+                        draft = []  # steering now, or it would start within the draft: no draft
+                    if tok is not None:
+                        mask[at].zero_()
+                        mask[at, tok] = True
+                        kept_reqs.append(req)
+                        kept.append(draft)
+                        at += 1
+                        continue
                     draft = self._walk(req, draft, mask[at:])
                 except Exception:  # its rows are rewritten by the next request's
                     fail(req)
