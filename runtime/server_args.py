@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -238,6 +239,15 @@ class ServerArgs:
         "-1: a quarter of the pool; 0 disables pinning",
     )
 
+    # ---- KV cache events (for cluster routers) ----
+    kv_events_config: str | None = _opt(
+        None,
+        "publish KV cache events for cluster routers: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+        "(see docs/sessions.md)",
+    )
+    kv_events_block_size: int = _opt(16, "tokens per block in the KV cache events (routers' block size)")
+
     # ---- grammar backends ----
     grammar_backend: str = _opt(
         "auto",
@@ -336,6 +346,7 @@ class ServerArgs:
             raise ValueError("--new-token-ratio must be in [0, 1]")
         self._check_data_parallel()
         self._check_request_bounds()
+        self._check_kv_events()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -374,6 +385,22 @@ class ServerArgs:
                 raise ValueError(
                     "--allowed-hosts cannot be enforced with --dp-size > 1: sglang-router serves the public "
                     "port and does not check the Host header (see docs/security.md)"
+                )
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_block_size < 1:
+            raise ValueError(f"--kv-events-block-size must be >= 1, got {self.kv_events_block_size}")
+        if self.kv_events_config is not None:
+            try:
+                ok = isinstance(json.loads(self.kv_events_config), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError("--kv-events-config must be a JSON object (vLLM's KVEventsConfig)")
+            if self.dp_size > 1:
+                raise ValueError(
+                    "--kv-events-config with --dp-size > 1 is not supported yet: every replica would bind "
+                    "the same endpoint"
                 )
 
     def _check_wire_apis(self) -> None:

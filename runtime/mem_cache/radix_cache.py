@@ -31,6 +31,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -184,6 +185,9 @@ class RadixCache(BasePrefixCache):
         # Called with (path key, path slots) of each leaf `evict` is about to drop, while its slots still
         # hold its KV: the host tier (`host_tier.HostTier.save`) copies it there first.
         self.on_evict: Callable[[Key, torch.Tensor], None] | None = None
+        # Told what the tree caches and drops, as (path key, where the change starts on it), and of resets:
+        # `stored(key, start)`, `removed(key, start)`, `cleared()` (the scheduler's KV events, `kv_events`)
+        self.events: Any = None
 
     # ---- lookup / insert -------------------------------------------------------------------------
     def _descend(self, key: Key) -> list[tuple[TreeNode, int]]:
@@ -230,6 +234,8 @@ class RadixCache(BasePrefixCache):
                 node.children[key[pos]] = leaf
                 self._evictable += len(leaf.key)
                 self._num_nodes += 1
+                if self.events is not None:
+                    self.events.stored(key, pos)
                 return pos
             n = _common_prefix_len(key, pos, child.key)
             if n < len(child.key) and pos + n < len(key):
@@ -292,6 +298,10 @@ class RadixCache(BasePrefixCache):
         key = tuple(t for n in nodes for t in n.key)
         return key, torch.cat([n.value for n in nodes]) if nodes else _empty_slots()
 
+    def path_key(self, node: TreeNode) -> Key:
+        """The whole key from the root to the end of `node` (`path` without gathering the slots)."""
+        return tuple(t for n in self._path_to_root(node)[::-1] for t in n.key)
+
     def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
         """`node` and its ancestors, root excluded; raises ValueError for a node not in this tree."""
         path = []
@@ -317,6 +327,9 @@ class RadixCache(BasePrefixCache):
             assert parent is not None
             if self.on_evict is not None:
                 self.on_evict(*self.path(leaf))
+            if self.events is not None:
+                key = self.path_key(leaf)
+                self.events.removed(key, len(key) - len(leaf.key))
             del parent.children[leaf.key[0]]
             leaf.parent = None  # detached: a stale lock/unlock on it now fails loudly
             self._evictable -= len(leaf.key)
@@ -352,6 +365,8 @@ class RadixCache(BasePrefixCache):
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
+        if self.events is not None:
+            self.events.cleared()
         return slots
 
     def _nodes(self) -> Iterator[TreeNode]:

@@ -24,6 +24,7 @@ from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_ba
 from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
 from runtime.managers.scheduler.cpu_share import ThreadGovernor
 from runtime.managers.scheduler.grammar_manager import GrammarManager
+from runtime.managers.scheduler.kv_events import BlockEvents, KVEventsConfig, ZmqEventPublisher
 from runtime.managers.scheduler.memory import MemoryGuard, auto_budget_bytes, memory_report
 from runtime.managers.scheduler.output_stream import (
     OutputStream,
@@ -108,6 +109,15 @@ class Scheduler:
         # what the process may grow past this footprint (--memory-budget-mb); the process entry point takes
         # the footprint again once start-up is over (`MemoryGuard.start`)
         self.memory = MemoryGuard(auto_budget_bytes(args.memory_budget_mb))
+        # KV cache events for cluster routers (--kv-events-config): the tree reports, the publisher sends
+        events_config = KVEventsConfig.parse(args.kv_events_config)
+        self.kv_events: BlockEvents | None = None
+        self.kv_publisher: ZmqEventPublisher | None = None
+        if events_config is not None:
+            medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
+            self.kv_events = BlockEvents(args.kv_events_block_size, medium)
+            self.cm.cache.events = self.kv_events
+            self.kv_publisher = ZmqEventPublisher(events_config)
         self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
 
     # ---- messages ---------------------------------------------------------------------------------------
@@ -236,6 +246,13 @@ class Scheduler:
         if self.threads is not None:
             self.threads.tick()
         return self._collect_outputs()
+
+    def publish_events(self) -> None:
+        """Send what the cache did since the last call as one event batch, and answer replay requests (the
+        process loop calls it after every step and every message)."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_events.take())
+            self.kv_publisher.serve_replay()
 
     # ---- failure boundary ----------------------------------------------------------------------------------
     @contextmanager
@@ -592,4 +609,5 @@ class Scheduler:
             **spec_info(self.stats, self.spec),
             "memory": memory_report(self, self.memory),
             **(self.threads.info() if self.threads is not None else {}),
+            **(self.kv_publisher.info() if self.kv_publisher is not None else {}),
         }

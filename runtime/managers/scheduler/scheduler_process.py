@@ -64,6 +64,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
         return
     poller = zmq.Poller()
     poller.register(recv_sock, zmq.POLLIN)
+    if scheduler.kv_publisher is not None and scheduler.kv_publisher.replay is not None:
+        poller.register(scheduler.kv_publisher.replay, zmq.POLLIN)  # an idle scheduler still answers replays
     was_busy = False
     stopping: list[int] = []
     if args.kv_disk_dir:  # SIGTERM (the supervisor's graceful stop): write the cache to disk, then exit
@@ -96,6 +98,7 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
                 _check_accounting_or_exit(scheduler, logger)
             if outputs:
                 ipc.send(detok_sock, BatchTokenIDOut(outputs=outputs))
+        scheduler.publish_events()
     logger.info("SIGTERM: writing the prefix cache to %s", args.kv_disk_dir)
     scheduler.cm.save_to_disk()
     logger.info("prefix cache written: %s", scheduler.cm.disk.info())

@@ -1,0 +1,152 @@
+"""KV cache events (`kv_events`): the radix tree's inserts, evictions and resets become vLLM's BlockStored /
+BlockRemoved / AllBlocksCleared over fixed blocks with chained hashes; the ZMQ publisher's batches decode
+with the documented schema, sequence numbers count up, and the replay socket resends what a subscriber
+missed; a scheduler with events on reports a request's prompt blocks."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from runtime.managers.scheduler.kv_events import (
+    AllBlocksCleared,
+    BlockEvents,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+    ZmqEventPublisher,
+    path_hashes,
+)
+from runtime.mem_cache.radix_cache import RadixCache
+from runtime.messages import GenerateReq
+from runtime.sampling_params import SamplingParams
+from tests.e2e.server_utils import free_port
+from tests.scheduler_utils import make_scheduler
+
+
+def tree(block_size: int = 4) -> tuple[RadixCache, BlockEvents]:
+    cache, events = RadixCache(), BlockEvents(block_size, "CPU")
+    cache.events = events
+    return cache, events
+
+
+def test_stored_blocks_are_the_complete_blocks_a_new_leaf_finishes():
+    cache, events = tree()
+    cache.insert(list(range(10)), torch.arange(10))  # blocks 0, 1 complete; 2 tokens left over
+    (first,) = events.take()
+    assert (
+        isinstance(first, BlockStored)
+        and first.token_ids == list(range(8))
+        and first.parent_block_hash is None
+    )
+    assert first.block_hashes == path_hashes(tuple(range(10)), 2, 4)
+    cache.insert(list(range(14)), torch.arange(14))  # extends the path: block 2 is now complete
+    (second,) = events.take()
+    assert second.token_ids == [8, 9, 10, 11] and second.parent_block_hash == first.block_hashes[-1]
+    cache.insert(list(range(6)) + [99, 98, 97], torch.arange(100, 109))  # branches inside block 1
+    (third,) = events.take()
+    assert third.token_ids == [4, 5, 99, 98] and third.parent_block_hash == first.block_hashes[0]
+    assert third.block_hashes[0] != first.block_hashes[1]  # the same position, other tokens
+    cache.insert(list(range(3)), torch.arange(3))  # already cached: nothing new
+    assert events.take() == []
+
+
+def test_eviction_removes_the_blocks_it_cuts_and_reset_clears():
+    cache, events = tree()
+    cache.insert(list(range(8)), torch.arange(8))
+    cache.insert(list(range(4)) + [50, 51, 52, 53, 54], torch.arange(10, 19))
+    first, _branch = events.take()
+    cache.evict(4)  # the least recently used leaf: tokens 4..7, the first path's second block
+    (removed,) = events.take()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == first.block_hashes[1:]
+    cache.reset()
+    assert [type(e) for e in events.take()] == [AllBlocksCleared]
+
+
+def test_salted_paths_hash_apart_and_report_token_ids():
+    cache, events = tree()
+    salt = (7 + 1) << 32
+    cache.insert(list(range(8)), torch.arange(8))
+    cache.insert([t + salt for t in range(8)], torch.arange(8, 16))
+    plain, salted = events.take()
+    assert salted.token_ids == plain.token_ids == list(range(8))
+    assert set(salted.block_hashes).isdisjoint(plain.block_hashes)
+    assert plain.extra_keys is None and salted.extra_keys == ["salt:8"]
+
+
+def test_publisher_batches_decode_and_replay_resends_what_was_missed():
+    port, replay_port = free_port(), free_port()
+    config = KVEventsConfig.parse(
+        json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "endpoint": f"tcp://127.0.0.1:{port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                "topic": "kv",
+            }
+        )
+    )
+    pub = ZmqEventPublisher(config)
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        got = []
+        for _attempt in range(50):  # a PUB drops messages until the subscription has arrived
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(100):
+                topic, seq, payload = sub.recv_multipart()
+                got.append(int.from_bytes(seq, "big"))
+                assert topic == b"kv" and isinstance(decoder.decode(payload).events[0], AllBlocksCleared)
+                break
+        assert got, "no batch arrived"
+        pub.publish([BlockRemoved(block_hashes=[1, 2], medium="CPU")])
+        _, seq, payload = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == got[0] + 1
+        req = ctx.socket(zmq.DEALER)
+        req.connect(f"tcp://127.0.0.1:{replay_port}")
+        req.send_multipart([b"", (0).to_bytes(8, "big")])
+        frames = []
+        for _ in range(100):
+            pub.serve_replay()
+            if req.poll(50):
+                _, seq_b, body = req.recv_multipart()
+                if not body:
+                    break
+                frames.append(int.from_bytes(seq_b, "big"))
+        assert frames == list(range(pub.seq))  # every batch kept, in order, then the end marker
+        req.close(0)
+    finally:
+        sub.close(0)
+        pub.close()
+
+
+@pytest.mark.parametrize("text", ['{"enable_kv_cache_events": true, "publisher": "kafka"}', "[1]", "{"])
+def test_a_bad_config_names_the_problem(text):
+    with pytest.raises(ValueError, match="kv-events-config"):
+        KVEventsConfig.parse(text)
+
+
+def test_disabled_config_is_off():
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": false}') is None
+
+
+def test_the_scheduler_reports_a_requests_prompt_blocks(tiny_model_dir, default_tokenizer):
+    config = '{"enable_kv_cache_events": true, "publisher": "null"}'
+    s = make_scheduler(tiny_model_dir, default_tokenizer, kv_events_config=config, kv_events_block_size=4)
+    prompt = list(range(20, 38))  # 18 tokens
+    s.handle(GenerateReq(rid="r", input_ids=prompt, params=SamplingParams(max_new_tokens=3, ignore_eos=True)))
+    while s.has_work():
+        s.step()
+    events = s.kv_events.take()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    tokens = [t for e in stored for t in e.token_ids]
+    assert tokens[:16] == prompt[:16]  # the prompt's complete blocks, in order
+    assert s.flush_cache() and isinstance(s.kv_events.take()[-1], AllBlocksCleared)
