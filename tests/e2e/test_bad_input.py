@@ -369,7 +369,9 @@ ENORMOUS = [
 
 
 @needs_grammar
-def test_enormous_grammars_are_refused_quickly(srv):
+def test_enormous_grammars_are_served_or_refused_quickly(srv):
+    """Each either compiles within the capped pool (llguidance takes a 300-property schema in
+    milliseconds) or is refused up front by a limit the message names; never a 5xx or a hang."""
     slow = []
     for name, grammar in ENORMOUS:
         rid = f"enormous-{uuid.uuid4().hex}"
@@ -382,7 +384,7 @@ def test_enormous_grammars_are_refused_quickly(srv):
             )
             if r.status_code >= 500:
                 slow.append(f"{name}: {r.status_code}")
-            else:  # refused up front by a size limit that the message names
+            elif r.status_code != 200:  # refused up front by a size limit that the message names
                 assert r.status_code == 400 and "limit" in r.json()["error"]["message"], (name, r.text[:300])
         except requests.Timeout:
             slow.append(f"{name}: no answer in {time.monotonic() - t0:.0f}s")
