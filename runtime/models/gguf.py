@@ -1,10 +1,12 @@
 """GGUF files: where a file's conversion is cached, the conversion itself, and the raw block readers.
 
 Everything downstream reads one format, a Hugging Face folder, so a GGUF file is converted once into such a
-folder -- dequantized to float32, Q/K rows restored to Hugging Face's RoPE layout, tokenizer and chat template
-taken from the same file -- and cached, so only the first start pays for dequantization. The quantized modes
-that reuse the file's own Q4_1 / Q8_0 blocks (`--quantization gguf`, `w4a8`) read them here, from the source
-file a converted folder records. Nothing is ever downloaded: every transformers call here is local-only.
+folder -- dequantized to float32, Q/K rows restored to Hugging Face's RoPE layout where llama.cpp permuted
+them, tokenizer and chat template taken from the same file -- and cached, so only the first start pays for
+dequantization. Architectures and the checks every file passes first live in `runtime.models.gguf_arch`.
+The quantized modes that reuse the file's own Q4_1 / Q8_0 blocks (`--quantization gguf`, `w4a8`) read them
+here, from the source file a converted folder records. Nothing is ever downloaded: every transformers call
+here is local-only.
 
 (The third-party `gguf` package is imported inside functions as `gguf`: absolute imports never mean this
 module.)
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from runtime.cache_dir import CACHE_ENV, cache_root, private_dir
+from runtime.models.gguf_arch import ARCHS, check_tensors, check_types, expected_shapes, open_reader
 
 logger = logging.getLogger("radixlm.gguf")
 
@@ -41,10 +44,6 @@ SOURCE_MARKER = "radixlm_source.json"
 MAX_SHARD_BYTES = 2 << 30
 
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
-
-# GGUF general.architecture -> (HF architecture class, HF model_type). llama.cpp permutes the Q/K rows of
-# these architectures at convert time (its RoPE rotates adjacent pairs, HF's rotates half-split pairs).
-_SUPPORTED_ARCHS = {"llama": ("LlamaForCausalLM", "llama")}
 
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -61,6 +60,8 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -152,22 +153,28 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 # ----------------------------------------------------------------------------------------------- conversion
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write a Hugging Face folder for a llama-architecture GGUF into the existing empty folder `out_dir`:
-    float32 safetensors, config.json, generation_config.json, tokenizer files (with chat template)."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_path)
+    """Write a Hugging Face folder for a GGUF of a supported architecture (`ARCHS`) into the existing empty
+    folder `out_dir`: float32 safetensors, config.json, generation_config.json, tokenizer files (with chat
+    template). Whatever makes the file unservable is a ValueError naming the file, raised before any write."""
+    reader = open_reader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
+    if arch not in ARCHS:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {gguf_path} (supported: {sorted(_SUPPORTED_ARCHS)}); "
+            f"unsupported GGUF architecture {arch!r} in {gguf_path} (supported: {sorted(ARCHS)}); "
             "convert the model to a Hugging Face folder and pass that instead"
         )
     tensors = {t.name: t for t in reader.tensors}
-    config = gguf_config(meta, tensors)
+    try:
+        check_types(tensors)
+        config = gguf_config(meta, tensors)
+        plan = [(name, hf) for name, t in tensors.items() if (hf := hf_tensor_name(name)) is not None]
+        qkv_bias = ARCHS[arch].qkv_bias or "blk.0.attn_q.bias" in tensors
+        check_tensors(plan, tensors, expected_shapes(config, ARCHS[arch], qkv_bias))
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: {e}") from None
     out = Path(out_dir)
-    _write_weights(tensors, config, out)
+    _write_weights(tensors, plan, config, ARCHS[arch].rope_permuted, out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_generation_config(config, out)
     _write_tokenizer(gguf_path, meta.get("tokenizer.chat_template"), out)
@@ -176,9 +183,16 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
 
 
 def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """Build an HF config.json dict from GGUF metadata (`tensors`: GGUF name -> ReaderTensor)."""
+    """Build an HF config.json dict from GGUF metadata (`tensors`: GGUF name -> ReaderTensor).
+
+    Keys read, as llama.cpp writes them for every architecture here: `{arch}.block_count`, `.context_length`,
+    `.embedding_length`, `.feed_forward_length`, `.attention.head_count`, `.attention.head_count_kv`,
+    `.attention.key_length` / `.value_length` (when head_dim is not hidden / heads: Qwen3),
+    `.attention.layer_norm_rms_epsilon`, `.rope.freq_base`, `.rope.dimension_count`, `.rope.scaling.*`,
+    `.vocab_size` (else the token list's length); tied embeddings when `output.weight` is absent.
+    """
     arch = meta["general.architecture"]
-    architecture, model_type = _SUPPORTED_ARCHS[arch]
+    spec = ARCHS[arch]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -186,6 +200,8 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
             raise ValueError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
+    if "token_embd.weight" not in tensors:
+        raise ValueError("the file has no token_embd.weight tensor")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
@@ -194,6 +210,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
             raise ValueError(f"per-layer KV head counts {sorted(set(kv_heads))} are not supported")
         kv_heads = kv_heads[0]
     head_dim = int(get("attention.key_length", hidden // heads))
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ValueError(f"value head dim {value_dim} != key head dim {head_dim} is not supported")
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(
@@ -204,13 +223,14 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
     embd_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are [cols, rows]
     if embd_rows != vocab_size:
         raise ValueError(f"vocab size {vocab_size} disagrees with token_embd rows {embd_rows}")
+    layers = int(get("block_count"))
 
     config: dict[str, Any] = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [spec.hf_class],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
@@ -227,6 +247,8 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
         "torch_dtype": "float32",
         "dtype": "float32",
     }
+    if spec.model_type in ("qwen2", "qwen3"):  # llama.cpp serves them with full attention: so do we
+        config |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": layers}
     for key in ("bos", "eos", "padding"):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
@@ -286,8 +308,8 @@ def _infer_llama3_rope(tensor: Any, base: float, head_dim: int) -> dict:
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF Llama parameter name for a GGUF tensor name; None for tensors that are not parameters
-    (rope_freqs).
+    """HF parameter name (Llama / Mistral / Qwen2 / Qwen3 layout) for a GGUF tensor name; None for tensors
+    that are not parameters (rope_freqs).
     """
     if gguf_name == "rope_freqs.weight":
         return None
@@ -297,7 +319,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama equivalent (unsupported model variant)")
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} has no equivalent in radixlm's decoder (unsupported model variant)"
+    )
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -313,27 +337,33 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor: Any, config: dict[str, Any]) -> np.ndarray:
-    """Float32 numpy array in HF layout ([out, in] for matrices) for one GGUF tensor."""
+def _dequantize(tensor: Any, config: dict[str, Any], rope_permuted: bool) -> np.ndarray:
+    """Float32 numpy array in HF layout ([out, in] for matrices) for one GGUF tensor (type and shape already
+    checked by `check_types` / `check_tensors`)."""
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-    if ".attn_q." in tensor.name:
+    if rope_permuted and ".attn_q." in tensor.name:
         w = unpermute_rope_rows(w, config["num_attention_heads"])
-    elif ".attn_k." in tensor.name:
+    elif rope_permuted and ".attn_k." in tensor.name:
         w = unpermute_rope_rows(w, config["num_key_value_heads"])
     w = np.ascontiguousarray(w)
     return w if w.flags.writeable else w.copy()  # F32 tensors are read-only views of the memory-mapped file
 
 
-def _write_weights(tensors: dict[str, Any], config: dict[str, Any], out: Path) -> None:
+def _write_weights(
+    tensors: dict[str, Any],
+    plan: list[tuple[str, str]],
+    config: dict[str, Any],
+    rope_permuted: bool,
+    out: Path,
+) -> None:
     """Dequantize shard by shard (peak memory ~ one shard) into model.safetensors or numbered shards +
-    index.
+    index; `plan` lists (GGUF name, HF name) of every parameter.
     """
     from safetensors.torch import save_file
 
-    plan = [(name, hf) for name, t in tensors.items() if (hf := hf_tensor_name(name)) is not None]
     shards: list[list[tuple[str, str]]] = [[]]
     shard_bytes = 0
     for name, hf in plan:
@@ -350,7 +380,9 @@ def _write_weights(tensors: dict[str, Any], config: dict[str, Any], out: Path) -
     weight_map: dict[str, str] = {}
     total = 0
     for shard, fname in zip(shards, files, strict=True):
-        state = {hf: torch.from_numpy(_dequantize(tensors[name], config)) for name, hf in shard}
+        state = {
+            hf: torch.from_numpy(_dequantize(tensors[name], config, rope_permuted)) for name, hf in shard
+        }
         total += sum(t.numel() * 4 for t in state.values())
         save_file(state, str(out / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(state, fname))
@@ -425,7 +457,8 @@ def fused_blocks(
     Q4_1 -> [q uint8 0..15, d fp32, m fp32], Q8_0 -> [q int8, d fp32] (d and m exact fp16 values).
 
     Blocks run along the input dim, so fusing parts along the output dim keeps every block intact; q/k rows
-    are un-permuted back to HF's RoPE layout exactly as the fp32 conversion does.
+    are un-permuted back to HF's RoPE layout exactly as the fp32 conversion does, when the file's architecture
+    was permuted (`tensors` from `source_tensors` knows; a plain dict is taken as llama's).
     """
     if not stored_as(tensors, names, kind):
         return None
@@ -435,7 +468,7 @@ def fused_blocks(
     for t, n_heads in zip(parts, heads, strict=True):
         cols, rows = (int(v) for v in t.shape)  # GGUF lists dims innermost first
         arrays = unpack(t.data, rows, cols)
-        if n_heads is not None:
+        if n_heads is not None and getattr(tensors, "rope_permuted", True):
             arrays = tuple(unpermute_rope_rows(a, n_heads) for a in arrays)
         per_part.append(arrays)
     return [torch.from_numpy(np.concatenate(a)) for a in zip(*per_part, strict=True)]
@@ -453,11 +486,19 @@ def is_gguf_conversion(model_dir: str) -> bool:
     return (Path(model_dir) / SOURCE_MARKER).is_file()
 
 
-def source_tensors(model_dir: str) -> dict[str, Any]:
-    """GGUF tensor name -> the reader's tensor (raw blocks) of the file `model_dir` was converted from."""
-    import gguf
+class SourceTensors(dict):
+    """GGUF tensor name -> the reader's tensor (raw blocks), and whether the file's Q/K rows are permuted."""
 
-    return {t.name: t for t in gguf.GGUFReader(gguf_source(model_dir)).tensors}
+    rope_permuted: bool = True
+
+
+def source_tensors(model_dir: str) -> SourceTensors:
+    """The tensors of the GGUF file `model_dir` was converted from."""
+    reader = open_reader(gguf_source(model_dir))
+    tensors = SourceTensors((t.name, t) for t in reader.tensors)
+    arch = reader.fields["general.architecture"].contents()
+    tensors.rope_permuted = ARCHS[arch].rope_permuted
+    return tensors
 
 
 def check_names(tensors: dict[str, Any], names: list[str]) -> None:
