@@ -25,6 +25,9 @@ from runtime.server_args import ServerArgs
 # (off while steering, on before) may re-tokenize forced text a token or two longer than the path walks it
 # (` "` then the string's end where the path took ` ","`).
 CLOSE_MARGIN = 3
+# The longest closing path walked (one mask per token: ~0.1-1 ms each): a grammar that needs more to close
+# (hundreds of required properties) is not steered.
+CLOSE_WALK_LIMIT = 256
 
 
 @dataclass
@@ -134,7 +137,12 @@ class GrammarManager:
         g = req.grammar
         state: ClosingState = req.__dict__.setdefault("closing", ClosingState())
         pos = len(req.output_ids)
-        if state.path is not None and req.output_ids[state.pos : pos] == state.path[: pos - state.pos]:
+        k = pos - state.pos  # the path's tokens taken since it was walked, if the output followed it
+        if (
+            state.path is not None
+            and 0 <= k <= len(state.path)
+            and req.output_ids[state.pos : pos] == state.path[:k]
+        ):
             rest = state.path[pos - state.pos :]
             if rest and len(rest) <= remaining <= len(rest) + CLOSE_MARGIN:
                 state.steering = True
@@ -156,9 +164,9 @@ class GrammarManager:
             state.next_check = pos + max(1, (remaining - state.first_need - CLOSE_MARGIN) // 4)
             return None
         state.entered = True
-        path = closing_path(g, ranks, remaining + 64)
-        if path is None:  # no greedy way out within reach: leave it to the model
-            state.path, state.need, state.next_check = None, 0, pos + 16
+        path = closing_path(g, ranks, min(remaining + 1, CLOSE_WALK_LIMIT))
+        if path is None:  # no greedy way out within reach (or the budget): leave it to the model
+            state.path, state.need, state.next_check = None, 0, pos + CLOSE_WALK_LIMIT // 8
             return None
         if state.first_need == 0:
             state.first_need = len(path) + 8  # a rough size of one more structure (tool call, value)
