@@ -98,6 +98,9 @@ class ModelRunner:
         if tp.size > 1 and (enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)):
             logger.info("tensor parallel: decode runs eagerly (no CUDA graphs or torch.compile across ranks)")
             disable_cuda_graph, enable_torch_compile = True, False
+        if cfg.moe is not None and self.device.type == "cuda" and not disable_cuda_graph:
+            logger.info("mixture of experts: decode runs eagerly (the grouped expert op syncs with the host)")
+            disable_cuda_graph = True
         if self.device.type == "cuda" and not disable_cuda_graph:
             from runtime.model_executor.cuda_graph_runner import CudaGraphRunner, supports_cuda_graph
 

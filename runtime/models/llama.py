@@ -1,8 +1,10 @@
-"""One Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over the paged KV pool.
+"""One Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over the paged KV
+pool.
 
 Projections are fused (q|k|v and gate|up) so each layer runs four matmuls; attention goes through the
 `AttentionBackend`, which owns the KV pool reads and writes. Numerics follow transformers: RMSNorm in fp32
-then cast, rotate-half rope with fp32 angles.
+then cast, rotate-half rope with fp32 angles. A mixture-of-experts layer's MLP is
+`runtime.models.moe.SparseMoeBlock`: its eager grouped expert op, on the fused CPU path too.
 
 Under tensor parallelism (`runtime.models.parallel`) each rank holds its heads, its slice of the MLP and of
 the vocabulary; norms and rope are replicated. Weights are loaded from the full checkpoint, each layer
@@ -20,6 +22,7 @@ from torch import nn
 
 from radixlm_kernels.base import AttentionBackend, AttentionLayer
 from runtime.models.model_config import ModelConfig
+from runtime.models.moe import SparseMoeBlock, expert_weight_target
 from runtime.models.parallel import (
     ColumnParallelLinear,
     HeadShard,
@@ -140,7 +143,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, tp)
-        self.mlp = MLP(cfg, tp)
+        moe = cfg.moe
+        self.mlp: MLP | SparseMoeBlock
+        if moe is not None and layer_id in moe.sparse_layers:
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, tp
+            )
+        else:
+            self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -211,6 +221,10 @@ class LlamaForCausalLM(nn.Module):
                 (m.num_heads, m.num_kv_heads, m.num_kv_heads),
             )
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            if isinstance(mlp, SparseMoeBlock):  # (its forward, None): the eager grouped op, no C++ kernel
+                mlp_calls = ((mlp.forward, ()), None)
+            else:
+                mlp_calls = (linear_call(mlp.gate_up_proj), linear_call(mlp.down_proj))
             plan.append(
                 (
                     (norm1.weight, norm1.eps),
@@ -220,8 +234,7 @@ class LlamaForCausalLM(nn.Module):
                     m,
                     linear_call(a.o_proj),
                     (norm2.weight, norm2.eps),
-                    linear_call(mlp.gate_up_proj),
-                    linear_call(mlp.down_proj),
+                    *mlp_calls,
                 )
             )
         return plan
@@ -255,7 +268,10 @@ class LlamaForCausalLM(nn.Module):
             out = attend(q, k, v, meta, batch).flatten(1)  # [T, H * D]
             h = o[0](out if out.is_contiguous() else out.contiguous(), *o[1])
             add_rms_norm_(h, residual, *norm2)
-            h = down[0](silu_mul(gate_up[0](h, *gate_up[1])), *down[1])
+            if down is None:  # a mixture-of-experts block: gate_up is its whole forward
+                h = gate_up[0](h)
+            else:
+                h = down[0](silu_mul(gate_up[0](h, *gate_up[1])), *down[1])
         if batch.logits_indices is not None:
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]
         torch.ops.radixlm.fused_add_rms_norm_(h, residual, self.norm.weight, self.norm.eps)
@@ -283,7 +299,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding serves as the output projection
             parts = name.split(".")
             part = 0
-            if len(parts) >= 2 and parts[-2] in fused:
+            if (moe_target := expert_weight_target(parts)) is not None:
+                parts, part = moe_target
+            elif len(parts) >= 2 and parts[-2] in fused:
                 target, part = fused[parts[-2]]
                 parts = [*parts[:-2], target, parts[-1]]
             pname = ".".join(parts)
@@ -306,7 +324,10 @@ class LlamaForCausalLM(nn.Module):
         missing = []
         for pname in params:
             module = modules[pname.rpartition(".")[0]]
-            n = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
+            if isinstance(module, SparseMoeBlock):
+                n = module.load_parts(pname.rpartition(".")[2])
+            else:
+                n = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
             missing += [f"{pname}#{i}" for i in range(n) if f"{pname}#{i}" not in loaded]
         if missing:
             raise ValueError(

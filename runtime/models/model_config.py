@@ -1,7 +1,8 @@
 """The decoder's view of a Hugging Face config: one place that knows the Llama-family variations.
 
 Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) differ only in the
-fields below, so one decoder implementation serves them all.
+fields below, so one decoder implementation serves them all. Qwen3-MoE (Qwen3's attention) and Mixtral
+(Mistral's) swap some or all MLPs for a mixture of experts (`MoeConfig`, `runtime.models.moe`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,50 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # Rope variants whose frequencies do not depend on the sequence length (dynamic NTK would).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts MLP: `num_experts` SiLU-gated experts of `intermediate_size`, softmax top-k
+    routing, the k weights renormalised to sum to 1 when `renormalize`; `sparse_layers` lists the layers
+    that have it (the others keep the dense MLP of `ModelConfig.intermediate_size`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    sparse_layers: frozenset[int]
+
+    @classmethod
+    def from_hf(cls, cfg: Any, kind: str) -> MoeConfig | None:
+        if kind == "mixtral":  # every layer sparse, top-k always renormalised
+            return cls(
+                cfg.num_local_experts,
+                cfg.num_experts_per_tok,
+                cfg.intermediate_size,
+                True,
+                frozenset(range(cfg.num_hidden_layers)),
+            )
+        if kind == "qwen3_moe":  # transformers' Qwen3MoeDecoderLayer picks sparse layers this way
+            dense, step = set(getattr(cfg, "mlp_only_layers", None) or ()), cfg.decoder_sparse_step
+            sparse = frozenset(
+                i
+                for i in range(cfg.num_hidden_layers)
+                if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0
+            )
+            return cls(
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.norm_topk_prob,
+                sparse,
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -40,6 +82,7 @@ class ModelConfig:
     rope_attention_scaling: float
     eos_token_ids: tuple[int, ...]
     hf_config: Any  # the source transformers config, for anything model-specific
+    moe: MoeConfig | None = None  # set for mixture-of-experts architectures
 
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelConfig:
@@ -52,7 +95,9 @@ class ModelConfig:
             )
         kind = SUPPORTED_ARCHITECTURES[arch]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", kind == "mistral"):
+        if getattr(cfg, "sliding_window", None) and getattr(
+            cfg, "use_sliding_window", kind in ("mistral", "mixtral")
+        ):
             if cfg.sliding_window < cfg.max_position_embeddings:
                 raise ValueError("sliding-window attention is not supported (config.sliding_window is set)")
         inv_freq, scaling = _rope_frequencies(cfg, head_dim)
@@ -71,11 +116,12 @@ class ModelConfig:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             inv_freq=inv_freq,
             rope_attention_scaling=scaling,
             eos_token_ids=eos_ids,
             hf_config=cfg,
+            moe=MoeConfig.from_hf(cfg, kind),
         )
 
 

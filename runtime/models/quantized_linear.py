@@ -290,6 +290,8 @@ def _targets(model: nn.Module) -> list[tuple[nn.Module, str, list[str], list[int
         qkv = [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]
         out.append((attn, "qkv_proj", qkv, [cfg.num_heads, cfg.num_kv_heads, None]))
         out.append((attn, "o_proj", [b + "attn_output.weight"], [None]))
+        if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts (runtime.models.moe): experts stay float
+            continue
         out.append((mlp, "gate_up_proj", [b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None]))
         out.append((mlp, "down_proj", [b + "ffn_down.weight"], [None]))
     return out
@@ -297,6 +299,8 @@ def _targets(model: nn.Module) -> list[tuple[nn.Module, str, list[str], list[int
 
 def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) -> dict[str, int]:
     """Replace every linear layer of a loaded `LlamaForCausalLM` (and give it a quantized LM head) in place.
+    A mixture-of-experts layer's experts and router stay in float (no quantized MoE kernel yet): its
+    attention projections are quantized, and a warning names how many such layers there are.
 
     Returns how many layers ended up in each storage ("int8", "int4", "fp32") for the start-up log.
     `model_dir` is needed for "gguf" (its source GGUF file is read again for the raw blocks).
@@ -359,6 +363,16 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
             new.reduce_tp = lin.tp  # the replaced layer summed the ranks' partial products: keep doing so
         return new
 
+    moe_layers = sum(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers)
+    if moe_layers:
+        counts["moe_float"] = moe_layers
+        logger.warning(
+            "quantization %s: the experts of %d mixture-of-experts layers stay in %s (no quantized MoE "
+            "kernel yet); their attention projections and the LM head are quantized",
+            method,
+            moe_layers,
+            _dtype_name(model),
+        )
     for parent, attr, names, heads in _targets(model):
         new = replace(getattr(parent, attr), names, heads)
         setattr(parent, attr, new)

@@ -1,0 +1,168 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): softmax top-k routing and the grouped expert op.
+
+The router's logits are float32 (its weight is kept float32 whatever the model's dtype). `grouped_moe`
+groups the batch's (token, choice) rows by expert and runs one gate|up and one down matmul per expert hit
+(index_select in, index_add_ out), so a step reads only the routed experts' weights: at decode batch 1, top-k
+of them. This is the eager path on every device and dtype; no fused C++ or quantized kernel exists yet, and
+`quantize_model` leaves the experts in float (it quantizes the attention projections and the LM head).
+
+Under tensor parallelism each rank holds rows [start, stop) of every expert's intermediate features (like
+the dense MLP), the router is replicated (so every rank routes alike), and the partial outputs are summed
+with one all_reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.models.parallel import TensorParallel, split_range
+
+# HF checkpoint names of an expert's projections -> (our parameter, part within an expert)
+EXPERT_PROJECTIONS = {
+    "gate_proj": ("w13", 0),  # Qwen3-MoE
+    "up_proj": ("w13", 1),
+    "down_proj": ("w2", 0),
+    "w1": ("w13", 0),  # Mixtral
+    "w3": ("w13", 1),
+    "w2": ("w2", 0),
+}
+
+
+def route(
+    x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing in float32: x [T, H], router_weight [E, H] -> (weights [T, k] float32,
+    expert ids [T, k] int64). `renormalize` scales each row's k weights to sum to 1."""
+    logits = F.linear(x.float(), router_weight.float())  # [T, E]
+    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t, a SiLU-gated expert being
+    down(silu(gate(x)) * up(x)).
+
+    x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights [T, k] (float32);
+    topk_ids [T, k] int64 in [0, E). Returns [T, H] in x's dtype, summed in float32. One host sync (the
+    per-expert counts); Python work per call is one iteration per expert hit, none per token.
+    """
+    t, k = topk_ids.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, choice) rows grouped by expert, tokens ascending
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k  # [T * k] the token of each grouped row
+    weights = topk_weights.reshape(-1).index_select(0, order).float()[:, None]  # [T * k, 1]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        gate_up = F.linear(x.index_select(0, rows), w13[e])  # [n, 2I]
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, rows, F.linear(h, w2[e]).float() * weights[start : start + n])
+        start += n
+    return out.to(x.dtype)
+
+
+def reference_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_moe` one token and one choice at a time: the test oracle (slow)."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            gate_up = w13[e].float() @ x[t].float()
+            h = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(topk_weights[t, j]) * (w2[e].float() @ h)
+    return out.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP of one decoder layer: the router (`gate_weight` [E, H], float32) and the experts' fused
+    gate|up (`w13` [E, 2 * I_rank, H]) and down (`w2` [E, H, I_rank]) of this rank's intermediate slice."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TensorParallel,
+    ):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        self.inter_full = intermediate_size
+        self.start, self.stop = split_range(intermediate_size, tp.size, tp.rank)
+        inter = self.stop - self.start
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(x, self.gate_weight, self.top_k, self.renormalize)
+        return self.tp.all_reduce(grouped_moe(x, self.w13, self.w2, weights, ids))
+
+    def load_parts(self, attr: str) -> int:
+        """How many checkpoint tensors make up parameter `attr` (for the loader's missing-weight check)."""
+        return {"gate_weight": 1, "w13": 2 * self.num_experts, "w2": self.num_experts}[attr]
+
+    def load_shard(self, attr: str, full: torch.Tensor, part: int = 0) -> None:
+        """Take this rank's slice of one full checkpoint tensor. `part` numbers the tensors of `attr`:
+        expert e's gate is w13 part 2e, its up 2e + 1; its down is w2 part e."""
+        hidden = self.w13.shape[2]
+        if attr == "gate_weight":
+            _check_shape(full, (self.num_experts, hidden))
+            # float32 whatever the model's dtype: the routing decision is made on these logits
+            self.gate_weight.data = full.to(device=self.gate_weight.device, dtype=torch.float32).contiguous()
+            return
+        inter = self.stop - self.start
+        if attr == "w13":
+            e, half = divmod(part, 2)
+            _check_shape(full, (self.inter_full, hidden))
+            self.w13.data[e, half * inter : (half + 1) * inter].copy_(full[self.start : self.stop])
+        elif attr == "w2":
+            _check_shape(full, (hidden, self.inter_full))
+            self.w2.data[part].copy_(full[:, self.start : self.stop])
+        else:
+            raise ValueError(f"no parameter {attr!r}")
+
+
+def _check_shape(full: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(full.shape) != want:
+        raise ValueError(f"has shape {tuple(full.shape)}, expected {want}")
+
+
+def expert_weight_target(parts: list[str]) -> tuple[list[str], int] | None:
+    """Map an HF MoE weight name (split on dots, "model." removed) to (our parameter's name parts, part), or
+    None when it is not one:
+    layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight (Qwen3-MoE),
+    layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight (Mixtral) -> layers.L.mlp.{w13,w2};
+    layers.L.{mlp,block_sparse_moe}.gate.weight -> layers.L.mlp.gate_weight."""
+    if len(parts) < 4 or parts[0] != "layers" or parts[2] not in ("mlp", "block_sparse_moe"):
+        return None
+    base = parts[:2] + ["mlp"]
+    rest = parts[3:]
+    if rest == ["gate", "weight"]:
+        return [*base, "gate_weight"], 0
+    if len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit() and rest[3] == "weight":
+        target = EXPERT_PROJECTIONS.get(rest[2])
+        if target is not None:
+            attr, half = target
+            e = int(rest[1])
+            return [*base, attr], (2 * e + half if attr == "w13" else e)
+    return None

@@ -1,0 +1,216 @@
+"""Mixture of experts (runtime/models/moe.py): the grouped expert op against a per-token, per-choice loop;
+Qwen3-MoE and Mixtral logits against transformers through the model runner (fused and eager CPU paths), and
+greedy-equal to transformers through the scheduler with the radix cache and chunked prefill; quantization
+leaves the experts in float."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.models.moe import grouped_moe, reference_moe, route
+from tests.random_moe import save_random_moe
+from tests.scheduler_utils import make_scheduler
+from tests.unit.test_model_parity import Harness, hf_logits
+from tests.unit.test_scheduler import assert_all_free, prompts, run
+
+ARCHS = ("qwen3_moe", "mixtral")
+E, H, INTER, K = 8, 48, 24, 2
+
+
+def experts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * INTER, H, generator=g), torch.randn(E, H, INTER, generator=g)
+
+
+def routing(t: int, case: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [t, K] float32, ids [t, K]), K distinct experts per row. `every`: the first rows cover all
+    E experts; `unhit`: experts 3 and 6 are nobody's choice; `random`: any."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(E) if case != "unhit" or e not in (3, 6)])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(t)])
+    if case == "every":
+        assert t * K >= E
+        ids[: E // K] = torch.randperm(E, generator=g).view(E // K, K)
+    return torch.rand(t, K, generator=g), ids
+
+
+@pytest.mark.parametrize("t", [1, 4, 64])
+@pytest.mark.parametrize("case", ["every", "unhit", "random"])
+def test_grouped_op_equals_per_expert_loop(t, case):
+    if case == "every" and t * K < E:
+        pytest.skip("a batch this small cannot route to every expert")
+    w13, w2 = experts(t)
+    x = torch.randn(t, H, generator=torch.Generator().manual_seed(100 + t))
+    weights, ids = routing(t, case, seed=t)
+    hit = set(ids.flatten().tolist())
+    assert (hit == set(range(E))) if case == "every" else (not hit & {3, 6} if case == "unhit" else True)
+    # an expert no row chose is never read: poison its weights
+    for e in set(range(E)) - hit:
+        w13[e], w2[e] = float("nan"), float("nan")
+    got = grouped_moe(x, w13, w2, weights, ids)
+    assert got.shape == (t, H) and got.dtype == x.dtype
+    torch.testing.assert_close(got, reference_moe(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-5)
+
+
+def test_grouped_op_in_bfloat16_sums_in_float32():
+    w13, w2 = (w.bfloat16() for w in experts(0))
+    x = torch.randn(16, H).bfloat16()
+    weights, ids = routing(16, "every", seed=1)
+    got = grouped_moe(x, w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16
+    ref = reference_moe(x, w13, w2, weights, ids).float()  # float32 arithmetic on the bf16 inputs
+    # bf16 intermediates: within a few bf16 roundings of the output's scale
+    torch.testing.assert_close(got.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_softmax_top_k(renormalize):
+    x, w = torch.randn(10, H), torch.randn(E, H)
+    weights, ids = route(x.bfloat16(), w.bfloat16(), K, renormalize)
+    assert weights.dtype == torch.float32 and ids.shape == (10, K)
+    probs = torch.softmax(x.bfloat16().float() @ w.bfloat16().float().T, dim=-1)
+    ref_w, ref_ids = probs.topk(K, dim=-1)
+    assert torch.equal(ids, ref_ids)
+    if renormalize:
+        ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(10))
+    torch.testing.assert_close(weights, ref_w)
+
+
+# ---- whole models --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=ARCHS)
+def moe_model(request, tmp_path_factory, default_tokenizer):
+    """(arch, folder, transformers model) of a tiny random Qwen3-MoE or Mixtral with the default tokenizer."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_random_moe(path, request.param, default_tokenizer)
+    return request.param, str(path), hf
+
+
+def test_config_maps_sparse_layers(moe_model):
+    from runtime.models.model_config import ModelConfig
+
+    arch, _, hf = moe_model
+    moe = ModelConfig.from_hf(hf.config).moe
+    assert moe is not None and (moe.num_experts, moe.top_k) == (8, 2)
+    if arch == "qwen3_moe":  # mlp_only_layers=[1]; norm_topk_prob=False
+        assert moe.sparse_layers == {0, 2} and not moe.renormalize and moe.intermediate_size == 32
+    else:
+        assert moe.sparse_layers == {0, 1, 2} and moe.renormalize
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_logits_match_transformers(moe_model, fused):
+    """Extend over cached prefixes, then mixed-length decode steps: every logit row equals transformers'.
+    fused=True is the float32 CPU path (C++ layer ops around the eager MoE block) when its library loads."""
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.models.moe import SparseMoeBlock
+
+    arch, path, hf = moe_model
+    runner = ModelRunner(
+        path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        max_running_requests=8,
+        attention_backend="torch_native",
+    )
+    if fused and not runner.model.fused_cpu_ops:
+        pytest.skip("the fused CPU layer library did not load")
+    runner.model.use_fused_cpu_ops(fused)
+    kinds = [type(layer.mlp).__name__ for layer in runner.model.layers]
+    want = ["SparseMoeBlock", "MLP", "SparseMoeBlock"] if arch == "qwen3_moe" else ["SparseMoeBlock"] * 3
+    assert kinds == want
+    assert all(
+        layer.mlp.gate_weight.dtype == torch.float32
+        for layer in runner.model.layers
+        if isinstance(layer.mlp, SparseMoeBlock)
+    )
+    g = torch.Generator().manual_seed(1)
+    seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate([9, 17, 1, 30])}
+    h = Harness(runner)
+    prefix = {0: 0, 1: 6, 2: 0, 3: 21}
+    h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
+    logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
+    off = 0
+    for k in seqs:
+        ref = hf_logits(hf, seqs[k])[prefix[k] :]
+        torch.testing.assert_close(logits[off : off + len(ref)], ref, atol=3e-4, rtol=1e-4)
+        off += len(ref)
+    nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
+    for _ in range(3):
+        logits = h.decode(nxt)
+        for i, k in enumerate(seqs):
+            seqs[k].append(nxt[k])
+            torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], atol=3e-4, rtol=1e-4)
+        nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_scheduler_greedy_equals_transformers(moe_model, default_tokenizer, chunk):
+    """12 requests sharing prefixes, 4 running at a time, the radix cache on (and chunked prefill): every
+    output equals transformers' greedy continuation, cached prefixes were used, and every slot comes back."""
+    _, path, hf = moe_model
+    reqs = prompts(12)
+    sched = make_scheduler(path, default_tokenizer, chunked_prefill_size=chunk, max_running_requests=4)
+    res = run(sched, reqs, max_new=8, arrive_every=2)
+    for i, p in enumerate(reqs):
+        assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 8), f"request {i}"
+    assert res["stats"]["cached_tokens"] > 0
+    assert_all_free(sched)
+
+
+def test_quantization_leaves_experts_in_float(moe_model, caplog):
+    """w8a8 quantizes the attention projections, the dense MLP and the LM head; the experts stay float32
+    (no quantized MoE kernel yet), the log says so, and the logits stay close to float32's."""
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.models.moe import SparseMoeBlock
+    from runtime.models.quantized_linear import DynamicInt8Linear
+
+    arch, path, hf = moe_model
+    with caplog.at_level("WARNING", logger="radixlm.quantization"):
+        runner = ModelRunner(
+            path,
+            dtype="float32",
+            device="cpu",
+            max_total_tokens=512,
+            max_running_requests=2,
+            attention_backend="torch_native",
+            quantization="w8a8",
+        )
+    assert "mixture-of-experts layers stay in float32" in caplog.text
+    for layer in runner.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, DynamicInt8Linear)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            assert layer.mlp.w13.dtype == layer.mlp.w2.dtype == torch.float32
+        else:
+            assert isinstance(layer.mlp.gate_up_proj, DynamicInt8Linear)
+    seq = list(range(5, 25))
+    logits = Harness(runner).extend({0: seq}, all_logits=True)
+    ref = hf_logits(hf, seq)
+    assert torch.isfinite(logits).all()
+    cosine = torch.nn.functional.cosine_similarity(logits, ref, dim=-1)
+    # int8 attention can flip a near-tie routing choice on a random model: close on average, no row far off
+    assert cosine.mean() > 0.95 and cosine.min() > 0.8, cosine
+
+
+def test_two_tensor_parallel_ranks_equal_one_process(moe_model):
+    """--tp-size 2 on gloo: each rank holds half of every expert's intermediate features (the router whole);
+    the logits of a prefix extend, an extend and decode steps equal one process's."""
+    from runtime.model_executor.model_runner import ModelRunner
+    from tests.unit.test_tensor_parallel import POOL, TOL, _drive, _run_tp2
+
+    _, path, _ = moe_model
+    ref = _drive(ModelRunner(path, **POOL))
+    got, _ = _run_tp2(path)
+    assert len(got) == len(ref)
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
