@@ -272,6 +272,20 @@ def _rope_scaling(meta: dict[str, Any], arch: str, tensors: dict[str, Any], head
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(factor)}
+    if kind == "yarn":  # Qwen2.5 / Qwen3 long-context files: factor and the context trained without it
+        rope: dict[str, Any] = {"rope_type": "yarn", "factor": _f32(factor)}
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if orig:
+            rope["original_max_position_embeddings"] = int(orig)
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (value := meta.get(f"{arch}.rope.scaling.{key}")) is not None:
+                rope[hf] = _f32(value)
+        # settings that would make llama.cpp's YaRN differ from transformers' default one
+        for key, neutral in (("yarn_log_multiplier", (0.0,)), ("attn_factor", (1.0,)),
+                             ("yarn_attn_factor", (1.0,)), ("yarn_ext_factor", (1.0, -1.0))):  # fmt: skip
+            if meta.get(f"{arch}.rope.scaling.{key}") not in (None, *neutral):
+                raise ValueError(f"GGUF YaRN setting {arch}.rope.scaling.{key} is not supported")
+        return rope
     raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
 
 

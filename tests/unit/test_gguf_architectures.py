@@ -37,9 +37,9 @@ COMMON = dict(
     bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
 CONFIGS = {
-    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False),  # head_dim != 256 / 4
-    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False),
+    "qwen2": lambda **kw: Qwen2Config(**(COMMON | kw), tie_word_embeddings=True),
+    "qwen3": lambda **kw: Qwen3Config(**(COMMON | kw), head_dim=32, tie_word_embeddings=False),  # != 256 / 4
+    "mistral": lambda **kw: MistralConfig(**(COMMON | kw), sliding_window=None, tie_word_embeddings=False),
 }
 GGUF_ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}  # llama.cpp writes Mistral as llama
 PERMUTED = {"qwen2": False, "qwen3": False, "mistral": True}
@@ -70,10 +70,10 @@ PROMPTS = [[1, 40, 90, 7, 200, 3], list(range(5, 40, 3)), [9, 120, 121, 122, 30,
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def tiny_model(kind: str, seed: int = 0) -> Any:
+def tiny_model(kind: str, seed: int = 0, **config: Any) -> Any:
     """A seeded random transformers model; biases and norms perturbed so their code paths matter."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind](**config), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -135,7 +135,9 @@ def write_gguf(
         keys |= {"vocab_size": cfg.vocab_size, "rope.dimension_count": cfg.hidden_size // heads}
     keys |= meta or {}
     for key, value in keys.items():
-        if isinstance(value, float):
+        if isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
             w.add_float32(f"{arch}.{key}", value)
         else:
             w.add_uint32(f"{arch}.{key}", int(value))
@@ -243,6 +245,29 @@ def test_f32_gguf_serves_like_transformers(tmp_path: Path, kind: str) -> None:
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+def test_yarn_rope_scaling_is_carried_over(tmp_path: Path) -> None:
+    """Long-context Qwen files carry YaRN as rope.scaling.{type,factor,original_context_length}."""
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
+    model = tiny_model("qwen3", rope_theta=None, rope_parameters=rope)
+    yarn = {
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": 4.0,
+        "rope.scaling.original_context_length": 128,
+    }
+    write_gguf(tmp_path / "y.gguf", model, "qwen3", meta=yarn)
+    folder, runner = serve_gguf(tmp_path, "y.gguf")
+    assert ml.load_hf_config(folder).rope_parameters["rope_type"] == "yarn"
+    for got, want in zip(served_logits(runner), hf_logits(model), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    write_gguf(tmp_path / "y2.gguf", model, "qwen3", meta=yarn | {"rope.scaling.yarn_log_multiplier": 0.1})
+    assert_refused(tmp_path, "y2.gguf", "yarn_log_multiplier is not supported")
+
+
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
 
 
@@ -282,9 +307,9 @@ def test_qwen2_q4_1_blocks_served_in_place_without_unpermuting(tmp_path: Path) -
 # ------------------------------------------------------------------------------------------------ refusals
 def assert_refused(tmp_path: Path, name: str, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
-        ml.resolve_model_path(str(tmp_path / name), str(tmp_path / "cache"))
+        ml.resolve_model_path(str(tmp_path / name), str(tmp_path / "refused"))
     assert str(tmp_path / name) in str(info.value)  # the message names the file
-    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+    assert [p.name for p in (tmp_path / "refused").iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_unreadable_type_is_refused_naming_tensor_and_type(tmp_path: Path) -> None:
