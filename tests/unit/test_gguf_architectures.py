@@ -64,7 +64,14 @@ _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_
 _FP16_AT = {
     Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
     Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
 }  # fmt: skip
+# fp16 scale so weights come out ~0.05 at most: 1 / (largest 6-bit sub-scale x largest quant value)
+_SCALE = {Q.Q2_K: 1 / (15 * 3), Q.Q3_K: 1 / (31 * 4), Q.Q4_K: 1 / (63 * 15), Q.Q5_K: 1 / (63 * 31),
+          Q.Q6_K: 1 / (127 * 32), Q.IQ4_NL: 1 / 127, Q.IQ4_XS: 1 / (32 * 127)}  # fmt: skip
+# dmin / d making a block's mean weight ~0 (the mean quant value): without it every row shares one large
+# positive mean, q and k rows look alike, and attention would not notice rows in the wrong order
+_MIN_RATIO = {Q.Q2_K: 1.5, Q.Q4_K: 7.5, Q.Q5_K: 15.5}
 QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # gguf-py's quantize() implements these
 PROMPTS = [[1, 40, 90, 7, 200, 3], list(range(5, 40, 3)), [9, 120, 121, 122, 30, 31, 250, 4, 4, 4]]
 
@@ -83,23 +90,24 @@ def tiny_model(kind: str, seed: int = 0, **config: Any) -> Any:
     return model
 
 
-def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
     """Random bytes of `rows` x `cols` elements of `qtype` with small positive fp16 scales: a valid block
     of any type."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scale = 0.6 / (15 * 63) if qtype.name.endswith("_K") else 0.01  # K-quants: d * 6-bit scale * quant
-    for at in _FP16_AT[qtype]:
-        d = (rng.uniform(0.5, 1.5, size=raw.shape[:2]) * scale).astype(np.float16)
+    scale = 0.05 * gain * _SCALE.get(qtype, 1 / 16)
+    for at, ratio in zip(_FP16_AT[qtype], (1.0, _MIN_RATIO.get(qtype, 1.0))):
+        d = (rng.uniform(0.5, 1.5, size=raw.shape[:2]) * scale * ratio).astype(np.float16)
         raw[..., at : at + 2] = d[..., None].view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
 
 
-def encode(a: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """`a` ([rows, cols] float32) stored as `qtype`: quantized where gguf-py can, else random blocks."""
+def encode(a: np.ndarray, qtype: Q, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
+    """`a` ([rows, cols] float32) stored as `qtype`: quantized where gguf-py can, else random blocks
+    (`gain` scales them)."""
     if qtype in (Q.F32, Q.F16, Q.BF16) or qtype in QUANTIZABLE:
         return quantize(a, qtype)
-    return random_blocks(qtype, *a.shape, rng)
+    return random_blocks(qtype, *a.shape, rng, gain)
 
 
 def write_gguf(
@@ -169,7 +177,9 @@ def write_gguf(
         t_type = Q.F32
         if a.ndim == 2 and qtype != Q.F32 and gname not in keep_f32:
             t_type = qtype if a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else Q.Q8_0
-        data = np.ascontiguousarray(encode(a, t_type, rng)) if t_type != Q.F32 else np.ascontiguousarray(a)
+        gain = 6.0 if gname.endswith(("attn_q.weight", "attn_k.weight")) else 1.0  # sharp attention: a wrong
+        # q/k row order must change the logits
+        data = np.ascontiguousarray(encode(a, t_type, rng, gain) if t_type != Q.F32 else a)
         w.add_tensor(gname, data, raw_dtype=None if data.dtype in (np.float32, np.float16) else t_type)
         back = np.asarray(dequantize(data, t_type), dtype=np.float32).reshape(a.shape)
         if PERMUTED[kind] and gname.endswith(
@@ -268,7 +278,8 @@ def test_yarn_rope_scaling_is_carried_over(tmp_path: Path) -> None:
     assert_refused(tmp_path, "y2.gguf", "yarn_log_multiplier is not supported")
 
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16,
+         Q.IQ4_NL, Q.IQ4_XS]  # fmt: skip
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
