@@ -1,12 +1,13 @@
 """GGUFs of every supported architecture and tensor type, served through radixlm's loader (issue 49).
 
-Each test builds a tiny seeded transformers model (Qwen2 / Qwen3 / Mistral / Llama), writes it as a GGUF with
-gguf-py's writer following llama.cpp's convert_hf_to_gguf.py rules (Llama and Mistral as arch "llama" with
-Q/K rows permuted; Qwen2 with q/k/v biases and Qwen3 with q/k norms, rows as HF has them; tied embeddings by
-leaving output.weight out), loads it through `resolve_model_path` + `ModelRunner` and compares logits with
-transformers in float32: against the model itself for F32 files, against the model holding gguf-py's own
-dequantization of the file's blocks for quantized ones (plus top-1 agreement with the unquantized model).
-Bad files must be start-up ValueErrors naming the file and the problem.
+Each test builds a tiny seeded transformers model (Qwen2 / Qwen3 / Mistral; Llama itself is
+tests/unit/test_model_loader.py's), writes it as a GGUF with gguf-py's writer following llama.cpp's
+convert_hf_to_gguf.py rules (Mistral as arch "llama" with Q/K rows permuted; Qwen2 with q/k/v biases and
+Qwen3 with q/k norms, rows as HF has them; tied embeddings by leaving output.weight out), loads it through
+`resolve_model_path` + `ModelRunner` and compares logits with transformers in float32: against the model
+itself for F32 files, against the model holding gguf-py's own dequantization of the file's blocks for
+quantized ones (plus top-1 agreement with the unquantized model). Bad files must be start-up ValueErrors
+naming the file and the problem.
 """
 
 from __future__ import annotations
