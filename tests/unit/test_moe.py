@@ -16,6 +16,9 @@ from tests.unit.test_scheduler import assert_all_free, prompts, run
 
 ARCHS = ("qwen3_moe", "mixtral")
 E, H, INTER, K = 8, 48, 24, 2
+POOL_SMALL = dict(
+    device="cpu", max_total_tokens=512, max_running_requests=2, attention_backend="torch_native"
+)
 
 
 def experts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,3 +217,21 @@ def test_two_tensor_parallel_ranks_equal_one_process(moe_model):
     for step, (a, b) in enumerate(zip(got, ref, strict=True)):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+
+
+def test_bfloat16_keeps_the_router_in_float32(moe_model):
+    """Under --dtype bfloat16 the experts are bf16 and the router's weight stays float32 (routing decided on
+    float32 logits); the logits stay close to transformers' float32 ones."""
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.models.moe import SparseMoeBlock
+
+    _, path, hf = moe_model
+    runner = ModelRunner(path, dtype="bfloat16", kv_cache_dtype="float32", **POOL_SMALL)
+    blocks = [layer.mlp for layer in runner.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(
+        b.gate_weight.dtype == torch.float32 and b.w13.dtype == torch.bfloat16 for b in blocks
+    )
+    seq = list(range(40, 60))
+    logits = Harness(runner).extend({0: seq}, all_logits=True)
+    cosine = torch.nn.functional.cosine_similarity(logits, hf_logits(hf, seq), dim=-1)
+    assert cosine.mean() > 0.95 and cosine.min() > 0.8, cosine
