@@ -230,6 +230,7 @@ def serve_gguf(tmp_path: Path, name: str) -> tuple[str, ModelRunner]:
     return folder, runner_for(folder)
 
 
+@pytest.mark.slow  # builds and compares whole models: the full suite, not test-fast
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_f32_gguf_serves_like_transformers(tmp_path: Path, kind: str) -> None:
     model = tiny_model(kind)
@@ -256,6 +257,7 @@ def test_f32_gguf_serves_like_transformers(tmp_path: Path, kind: str) -> None:
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # builds and compares whole models: the full suite, not test-fast
 def test_yarn_rope_scaling_is_carried_over(tmp_path: Path) -> None:
     """Long-context Qwen files carry YaRN as rope.scaling.{type,factor,original_context_length}."""
     rope = {
@@ -283,6 +285,7 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
          Q.IQ4_NL, Q.IQ4_XS]  # fmt: skip
 
 
+@pytest.mark.slow  # builds and compares whole models: the full suite, not test-fast
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_every_type_loads_as_ggufpy_dequantizes_it(tmp_path: Path, qtype: Q) -> None:
     """Architectures rotate over the types, so each sees block types with and without Q/K permutation."""
@@ -294,6 +297,7 @@ def test_every_type_loads_as_ggufpy_dequantizes_it(tmp_path: Path, qtype: Q) -> 
         torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # builds and compares whole models: the full suite, not test-fast
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_q8_0_gguf_agrees_with_float_model(tmp_path: Path, kind: str) -> None:
     model = tiny_model(kind)
@@ -304,6 +308,7 @@ def test_q8_0_gguf_agrees_with_float_model(tmp_path: Path, kind: str) -> None:
     assert agree >= 0.9, f"top-1 agreement {agree:.3f} of Q8_0 with float32"
 
 
+@pytest.mark.slow  # builds and compares whole models: the full suite, not test-fast
 def test_qwen2_q4_1_blocks_served_in_place_without_unpermuting(tmp_path: Path) -> None:
     """--quantization gguf reuses the file's Q4_1 blocks: for Qwen2 (rows never permuted) they must be used
     as stored, giving the same logits as the dequantized float32 model (the tied head stays F32: the int4
@@ -316,6 +321,7 @@ def test_qwen2_q4_1_blocks_served_in_place_without_unpermuting(tmp_path: Path) -
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.slow  # builds and compares whole models: the full suite, not test-fast
 def test_qwen2_q4_k_file_starts_and_decodes_greedy_through_the_scheduler(tmp_path: Path) -> None:
     """What `radixlm serve --model qwen2.5-...-q4_k_m.gguf` does, with this test's qwen2 file standing in:
     resolve the arguments as the CLI does, convert, and decode greedily through the real scheduler
