@@ -3,8 +3,10 @@
 The router's logits are float32 (its weight is kept float32 whatever the model's dtype). `grouped_moe`
 groups the batch's (token, choice) rows by expert and runs one gate|up and one down matmul per expert hit
 (index_select in, index_add_ out), so a step reads only the routed experts' weights: at decode batch 1, top-k
-of them. This is the eager path on every device and dtype; no fused C++ or quantized kernel exists yet, and
-`quantize_model` leaves the experts in float (it quantizes the attention projections and the LM head).
+of them. This is the eager path on every device and dtype; no fused C++ MoE kernel exists yet. Under a
+quantization `quantize_model` replaces each expert's gate|up and down by two quantized linear layers
+(`SparseMoeBlock.quantize_experts`), which `grouped_moe_layers` runs with the same grouping; the router
+stays float32.
 
 Under tensor parallelism each rank holds rows [start, stop) of every expert's intermediate features (like
 the dense MLP), the router is replicated (so every rank routes alike), and the partial outputs are summed
@@ -12,6 +14,8 @@ with one all_reduce.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,24 +60,48 @@ def grouped_moe(
     topk_ids [T, k] int64 in [0, E). Returns [T, H] in x's dtype, summed in float32. One host sync (the
     per-expert counts); Python work per call is one iteration per expert hit, none per token.
     """
-    t, k = topk_ids.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, rows, weights in _expert_groups(topk_weights, topk_ids, w13.shape[0]):
+        gate_up = F.linear(x.index_select(0, rows), w13[e])  # [n, 2I]
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, rows, F.linear(h, w2[e]).float() * weights)
+    return out.to(x.dtype)
+
+
+def grouped_moe_layers(
+    x: torch.Tensor,
+    experts: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`grouped_moe` over layers instead of stacked weights: experts[e] = (gate|up layer [*, H] -> [*, 2I],
+    down layer [*, I] -> [*, H]), e.g. quantized linear layers (float32 activations)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e, rows, weights in _expert_groups(topk_weights, topk_ids, len(experts)):
+        gate_up, down = experts[e]
+        y = gate_up(x.index_select(0, rows))  # [n, 2I]
+        inter = y.shape[1] // 2
+        out.index_add_(0, rows, down(F.silu(y[:, :inter]) * y[:, inter:]).float() * weights)
+    return out.to(x.dtype)
+
+
+def _expert_groups(
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, its token rows [n] int64, their routing weights [n, 1] float32) for each expert hit, in
+    expert order; tokens ascending within an expert. One host sync (the per-expert counts)."""
+    k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, choice) rows grouped by expert, tokens ascending
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     tokens = order // k  # [T * k] the token of each grouped row
     weights = topk_weights.reshape(-1).index_select(0, order).float()[:, None]  # [T * k, 1]
-    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
-        gate_up = F.linear(x.index_select(0, rows), w13[e])  # [n, 2I]
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, rows, F.linear(h, w2[e]).float() * weights[start : start + n])
-        start += n
-    return out.to(x.dtype)
+        if n:
+            yield e, tokens[start : start + n], weights[start : start + n]
+            start += n
 
 
 def reference_moe(
@@ -112,10 +140,25 @@ class SparseMoeBlock(nn.Module):
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.experts: nn.ModuleList | None = None  # set by `quantize_experts` (w13 and w2 then go)
+        self._expert_calls: list[tuple] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.gate_weight, self.top_k, self.renormalize)
+        if self.experts is not None:
+            return self.tp.all_reduce(grouped_moe_layers(x, self._expert_calls, weights, ids))
         return self.tp.all_reduce(grouped_moe(x, self.w13, self.w2, weights, ids))
+
+    def quantize_experts(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
+        """Replace the stacked expert weights by `make(weight [N, K])` layers, two per expert (gate|up, down);
+        the router stays float32. Raises what `make` raises (a shape its blocks cannot take), changing
+        nothing."""
+        layers = nn.ModuleList(
+            nn.ModuleList([make(self.w13.data[e]), make(self.w2.data[e])]) for e in range(self.num_experts)
+        )
+        del self.w13, self.w2
+        self.experts = layers
+        self._expert_calls = [(gate_up.forward, down.forward) for gate_up, down in layers]
 
     def load_parts(self, attr: str) -> int:
         """How many checkpoint tensors make up parameter `attr` (for the loader's missing-weight check)."""

@@ -13,6 +13,9 @@ model (what each method means, and where it may run: `runtime.models.quantizatio
   embedding / LM head) are dequantized exactly and re-quantized per channel like `int8`. Other GGUF types
   stay fp32 (dequantized as for `none`).
 
+A mixture-of-experts layer's experts (`runtime.models.moe`) become two such layers each, quantized from
+their float weights (not under gguf: they stay float); its router stays float32.
+
 The embedding lookup always reads the fp32 (dequantized) table; with tied embeddings the LM head, which
 shares the embedding's weight, is replaced by its own quantized copy of it.
 
@@ -299,8 +302,9 @@ def _targets(model: nn.Module) -> list[tuple[nn.Module, str, list[str], list[int
 
 def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) -> dict[str, int]:
     """Replace every linear layer of a loaded `LlamaForCausalLM` (and give it a quantized LM head) in place.
-    A mixture-of-experts layer's experts and router stay in float (no quantized MoE kernel yet): its
-    attention projections are quantized, and a warning names how many such layers there are.
+    A mixture-of-experts layer's experts become two quantized layers each, from their float weights
+    (`_expert_layer`; under gguf, or where a shape does not fit the blocks, they stay float with a warning);
+    its router stays float32.
 
     Returns how many layers ended up in each storage ("int8", "int4", "fp32") for the start-up log.
     `model_dir` is needed for "gguf" (its source GGUF file is read again for the raw blocks).
@@ -363,16 +367,7 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
             new.reduce_tp = lin.tp  # the replaced layer summed the ranks' partial products: keep doing so
         return new
 
-    moe_layers = sum(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers)
-    if moe_layers:
-        counts["moe_float"] = moe_layers
-        logger.warning(
-            "quantization %s: the experts of %d mixture-of-experts layers stay in %s (no quantized MoE "
-            "kernel yet); their attention projections and the LM head are quantized",
-            method,
-            moe_layers,
-            _dtype_name(model),
-        )
+    _quantize_experts(model, method, counts)
     for parent, attr, names, heads in _targets(model):
         new = replace(getattr(parent, attr), names, heads)
         setattr(parent, attr, new)
@@ -386,6 +381,47 @@ def quantize_model(model: nn.Module, method: str, model_dir: str | None = None) 
 
 
 _QUANTIZED = (QuantizedLinear, DynamicInt8Linear, W4A8Linear)
+
+
+def _expert_layer(method: str) -> Callable[[torch.Tensor], nn.Module] | None:
+    """weight [N, K] -> a quantized layer for one expert projection under `method`, from float weights;
+    None for gguf (a conversion's expert blocks are not read yet: the experts stay float)."""
+    if method == "w4a8":
+        return lambda w: W4A8Linear.from_float("q4_1", w)
+    if method == "w8a8":
+        return lambda w: DynamicInt8Linear(w, None)
+    if method in ("int8", "int4"):
+        return lambda w: QuantizedLinear.from_float(method, w, None)
+    return None
+
+
+def _quantize_experts(model: nn.Module, method: str, counts: dict[str, int]) -> None:
+    """Quantize the experts of every mixture-of-experts layer (`SparseMoeBlock.quantize_experts`), counting
+    them under counts[kind]; layers left float are counted under "fp32" and named in one warning."""
+    make = _expert_layer(method)
+    kept = []
+    for i, layer in enumerate(model.layers):
+        block = layer.mlp
+        if not hasattr(block, "quantize_experts"):
+            continue
+        try:
+            if make is None:
+                raise ValueError(f"--quantization {method} has no expert layer")
+            block.quantize_experts(make)
+        except ValueError as e:
+            kept.append((i, str(e)))
+            counts["fp32"] += 2 * block.num_experts
+            continue
+        kind = block.experts[0][0].kind
+        counts[kind] = counts.get(kind, 0) + 2 * block.num_experts
+    if kept:
+        logger.warning(
+            "quantization %s: the experts of %d mixture-of-experts layers stay in %s (layer %d: %s)",
+            method,
+            len(kept),
+            _dtype_name(model),
+            *kept[0],
+        )
 
 
 _HEAD_NAMES = ("output.weight", "token_embd.weight")

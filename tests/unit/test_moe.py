@@ -1,14 +1,14 @@
 """Mixture of experts (runtime/models/moe.py): the grouped expert op against a per-token, per-choice loop;
 Qwen3-MoE and Mixtral logits against transformers through the model runner (fused and eager CPU paths), and
-greedy-equal to transformers through the scheduler with the radix cache and chunked prefill; quantization
-leaves the experts in float."""
+greedy-equal to transformers through the scheduler with the radix cache and chunked prefill; quantized
+experts; tensor parallelism; bfloat16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.models.moe import grouped_moe, reference_moe, route
+from runtime.models.moe import grouped_moe, grouped_moe_layers, reference_moe, route
 from tests.random_moe import save_random_moe
 from tests.scheduler_utils import make_scheduler
 from tests.unit.test_model_parity import Harness, hf_logits
@@ -170,35 +170,65 @@ def test_scheduler_greedy_equals_transformers(moe_model, default_tokenizer, chun
     assert_all_free(sched)
 
 
-@pytest.mark.parametrize("method", ["w8a8", "w4a8"])
-def test_quantization_leaves_experts_in_float(moe_model, caplog, method):
-    """w8a8 / w4a8 quantize the attention projections, the dense MLP and the LM head; the experts and the
-    router stay float32 (no quantized MoE kernel yet), the log says so, the model runs (on the fused path),
-    and w8a8's logits stay close to float32's."""
+@pytest.mark.parametrize("method", ["w8a8", "w4a8", "int8"])
+def test_quantization_of_the_experts(moe_model, method):
+    """Every expert becomes two quantized layers (gate|up, down) of the method's kind, the router stays
+    float32, the model runs (fused path), and each MoE block equals the grouped op over its layers'
+    dequantized weights within the activations' quantization noise (w4a8: exactly those weights, int8
+    activations per block of 32); w8a8's logits stay close to float32's."""
     from runtime.model_executor.model_runner import ModelRunner
     from runtime.models.moe import SparseMoeBlock
-    from runtime.models.quantized_linear import DynamicInt8Linear
+    from runtime.models.quantized_linear import DynamicInt8Linear, QuantizedLinear
     from runtime.models.w4a8 import W4A8Linear
 
     arch, path, hf = moe_model
-    with caplog.at_level("WARNING", logger="radixlm.quantization"):
-        runner = ModelRunner(path, dtype="float32", quantization=method, **POOL_SMALL)
-    assert "mixture-of-experts layers stay in float32" in caplog.text
-    kind = DynamicInt8Linear if method == "w8a8" else W4A8Linear
+    runner = ModelRunner(path, dtype="float32", quantization=method, **POOL_SMALL)
+    kind = {"w8a8": DynamicInt8Linear, "w4a8": W4A8Linear, "int8": QuantizedLinear}[method]
     for layer in runner.model.layers:
         assert isinstance(layer.self_attn.qkv_proj, kind)
         if isinstance(layer.mlp, SparseMoeBlock):
-            assert layer.mlp.w13.dtype == layer.mlp.w2.dtype == layer.mlp.gate_weight.dtype == torch.float32
+            block = layer.mlp
+            assert block.gate_weight.dtype == torch.float32 and not hasattr(block, "w13")
+            assert len(block.experts) == 8 and all(
+                isinstance(m, kind) for pair in block.experts for m in pair
+            )
         else:
             assert isinstance(layer.mlp.gate_up_proj, kind)
+    if method == "w4a8":
+        block = runner.model.layers[0].mlp
+        w13 = torch.stack([gate_up.dequantized_weight() for gate_up, _ in block.experts])
+        w2 = torch.stack([down.dequantized_weight() for _, down in block.experts])
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+        weights, ids = route(x, block.gate_weight, block.top_k, block.renormalize)
+        ref = grouped_moe(x, w13, w2, weights, ids)
+        torch.testing.assert_close(block(x), ref, atol=0.03 * ref.abs().max().item(), rtol=0)
     seq = list(range(5, 25))
     logits = Harness(runner).extend({0: seq}, all_logits=True)
-    ref = hf_logits(hf, seq)
     assert torch.isfinite(logits).all()
     if method == "w8a8":  # 4-bit blocks of these N(0, 0.3) random matrices are too coarse for a bound
-        cosine = torch.nn.functional.cosine_similarity(logits, ref, dim=-1)
-        # int8 attention can flip a near-tie routing choice on a random model: close on average, none far
+        cosine = torch.nn.functional.cosine_similarity(logits, hf_logits(hf, seq), dim=-1)
+        # int8 can flip a near-tie routing choice on a random model: close on average, none far off
         assert cosine.mean() > 0.95 and cosine.min() > 0.8, cosine
+
+
+def test_grouped_op_over_layers_equals_stacked_weights():
+    """`grouped_moe_layers` (what quantized experts run) with plain linear layers of the same weights."""
+    w13, w2 = experts(5)
+    x = torch.randn(12, H, generator=torch.Generator().manual_seed(6))
+    weights, ids = routing(12, "unhit", seed=7)
+    layers = [
+        (
+            lambda v, e=e: torch.nn.functional.linear(v, w13[e]),
+            lambda v, e=e: torch.nn.functional.linear(v, w2[e]),
+        )
+        for e in range(E)
+    ]
+    torch.testing.assert_close(
+        grouped_moe_layers(x, layers, weights, ids),
+        grouped_moe(x, w13, w2, weights, ids),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_two_tensor_parallel_ranks_equal_one_process(moe_model):
