@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from constrained.spec import validate_spec
-from runtime.entrypoints.wire.anthropic import CountTokensRequest, _messages, conversation_of
+from runtime.entrypoints.wire.anthropic import Breakpoints, CountTokensRequest, _messages, conversation_of
 from runtime.entrypoints.wire.conversation import Message, ToolCall
 from runtime.entrypoints.wire.reasoning import ReasoningParser, history_text, resolve
 from runtime.entrypoints.wire.responses import (
@@ -210,7 +210,7 @@ def test_anthropic_blocks_to_messages():
         tool_choice={"type": "any", "disable_parallel_tool_use": True},
         tools=[{"name": "f", "input_schema": {"type": "object"}}],
     )
-    msgs = _messages(body)
+    msgs = _messages(body, Breakpoints())
     assert [(m.role, m.text) for m in msgs] == [
         ("system", "S"),
         ("user", "Q"),

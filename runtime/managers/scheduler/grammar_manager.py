@@ -135,7 +135,9 @@ class GrammarManager:
         is taken once the budget could not hold another."""
         remaining = req.params.max_new_tokens - len(req.output_ids)
         g = req.grammar
-        state: ClosingState = req.__dict__.setdefault("closing", ClosingState())
+        if req.closing is None:
+            req.closing = ClosingState()
+        state: ClosingState = req.closing
         pos = len(req.output_ids)
         k = pos - state.pos  # the path's tokens taken since it was walked, if the output followed it
         if (
@@ -180,7 +182,7 @@ class GrammarManager:
     @staticmethod
     def near_closing(req: Req, draft_len: int) -> bool:
         """Whether steering would start within a draft of `draft_len` tokens (by the last closing path)."""
-        state = req.__dict__.get("closing")
+        state = req.closing
         if state is None or state.path is None:
             return False
         return req.params.max_new_tokens - len(req.output_ids) - draft_len <= state.need + CLOSE_MARGIN
@@ -202,7 +204,7 @@ class GrammarManager:
     def jumps(self, req: Req) -> bool:
         """Jump-forward applies to `req`: it has a grammar, asks no logprobs (forced tokens have none) and is
         not being steered to close (`closing_token`: the path's tokens are counted, a jump's are not)."""
-        closing = req.__dict__.get("closing")
+        closing = req.closing
         steering = closing is not None and closing.steering
         return (
             req.grammar is not None and self.jump_forward_enabled and not req.return_logprob and not steering

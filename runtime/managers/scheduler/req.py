@@ -69,6 +69,7 @@ class Req:
     sent: SendState = field(default_factory=SendState)  # what the client has been sent (output_stream)
 
     grammar: Any = None  # constrained.GrammarMatcher
+    closing: Any = None  # grammar_manager.ClosingState: steering the grammar to close within max_new_tokens
     grammar_future: Any = None
     generator: torch.Generator | None = None
     retractions: int = 0
