@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import anthropic
+import openai
 import pytest
 
 from tests.e2e.server_utils import ServerProcess
@@ -38,3 +40,19 @@ def server_url(request: pytest.FixtureRequest) -> str:
     if EXTERNAL_URL:
         return EXTERNAL_URL.rstrip("/")
     return request.getfixturevalue("server").url
+
+
+# The official clients on the shared server (tests that must not retry or wait less than a slow 2-core
+# decode take these): module-scoped, closed after the module.
+@pytest.fixture(scope="module")
+def oai(server_url: str) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def claude(server_url: str) -> Iterator[anthropic.Anthropic]:
+    c = anthropic.Anthropic(base_url=server_url, api_key="unused", timeout=600, max_retries=0)
+    yield c
+    c.close()

@@ -16,10 +16,7 @@ import json
 import os
 import random
 
-import anthropic
 import jsonschema
-import openai
-import pytest
 
 TURNS = int(os.environ.get("RADIXLM_AGENT_LOOP_TURNS", "10"))
 MAX_TOKENS = int(os.environ.get("RADIXLM_AGENT_LOOP_MAX_TOKENS", "96"))
@@ -66,20 +63,6 @@ def finished_calls(calls: list, cut: bool) -> list:
 
 def check_finished_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
-
-
-@pytest.fixture(scope="module")
-def oai(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=600, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def claude(server_url: str) -> anthropic.Anthropic:
-    c = anthropic.Anthropic(base_url=server_url, api_key="unused", timeout=600, max_retries=0)
-    yield c
-    c.close()
 
 
 def test_chat_completions_loop(oai):

@@ -9,17 +9,9 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 
 from tests.big_schemas import long_schema, wide_schema
-
-
-@pytest.fixture(scope="module")
-def oai(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize(

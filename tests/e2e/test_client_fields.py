@@ -204,20 +204,6 @@ APIS = {
 CASES = [(api, f) for api, (params, _, _) in APIS.items() for f in client_fields(params)]
 
 
-@pytest.fixture(scope="module")
-def oai(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def claude(server_url: str) -> anthropic.Anthropic:
-    c = anthropic.Anthropic(base_url=server_url, api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
 def send(api: str, oai: openai.OpenAI, claude: anthropic.Anthropic, kwargs: dict[str, Any]) -> Any:
     create = {
         "chat": oai.chat.completions.create,

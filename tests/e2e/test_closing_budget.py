@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import jsonschema
-import openai
 import pytest
 
 PARAMS = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
@@ -25,20 +23,6 @@ SCHEMA = {
 }
 SHORTEST_CALL = 29  # tokens of the shortest whole call: `<tool_call>\n{"name": "write_note", ...}` + EOS
 BUDGETS = [SHORTEST_CALL, SHORTEST_CALL + 3, 40, 64]
-
-
-@pytest.fixture(scope="module")
-def oai(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def claude(server_url: str) -> anthropic.Anthropic:
-    c = anthropic.Anthropic(base_url=server_url, api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
 
@@ -27,20 +26,6 @@ TOOL = {
     },
 }
 ASK = [{"role": "user", "content": "Write a long note about the history of Rome."}]
-
-
-@pytest.fixture(scope="module")
-def oai(server_url: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=server_url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def claude(server_url: str) -> anthropic.Anthropic:
-    c = anthropic.Anthropic(base_url=server_url, api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 def is_json(text: str) -> bool:
