@@ -7,6 +7,7 @@ each quota answers 429 naming it while the other tenant's requests go on."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -213,13 +214,14 @@ def test_the_concurrency_quota_is_per_tenant(srv):
     for t in threads:
         t.start()
     try:
-        refused = None
-        for _ in range(200):  # until both of A's requests are in flight
-            r = post(srv, "A", "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
-            if r.status_code == 429:
-                refused = r
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until both of A's requests are in flight (no probe meanwhile:
+            info = requests.get(srv.url + "/get_server_info", headers=auth("OPS"), timeout=HTTP_TIMEOUT_S)
+            if info.json()["requests_in_flight"] >= MAX_CONCURRENT:  # it would take one of A's places)
                 break
-        assert refused is not None, "A was never refused past its quota"
+            time.sleep(0.05)
+        refused = post(srv, "A", "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
+        assert refused.status_code == 429, refused.text
         assert "--tenant-max-concurrent-requests (2)" in refused.json()["error"]["message"]
         other = post(srv, "B", "/generate", {"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
         assert other.status_code == 200, other.text

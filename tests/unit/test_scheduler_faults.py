@@ -13,7 +13,7 @@ import pytest
 
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.scheduler import Scheduler
-from runtime.messages import GenerateReq
+from runtime.messages import GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams
 from tests.scheduler_utils import make_scheduler
 
@@ -148,7 +148,7 @@ def test_out_of_vocabulary_stop_token_ids_with_min_new_tokens_is_a_400(sched):
 
 def test_request_past_its_deadline_is_aborted_with_504(sched):
     m = msg("slow", PROMPTS["a"], max_new_tokens=200)
-    m.timeout_s = 0.05
+    m.options = RequestOptions(timeout_s=0.05)
     sched.handle(m)
     sched.step()
     time.sleep(0.1)
@@ -161,7 +161,7 @@ def test_request_past_its_deadline_is_aborted_with_504(sched):
 def test_server_deadline_applies_and_a_request_can_only_shorten_it(tiny_model_dir, default_tokenizer):
     s = make_scheduler(tiny_model_dir, default_tokenizer, request_timeout_s=30.0)
     m = msg("r", PROMPTS["a"])
-    m.timeout_s = 3600.0
+    m.options = RequestOptions(timeout_s=3600.0)
     s.handle(m)
     req = s.waiting[0]
     assert req.deadline == pytest.approx(req.arrival + 30.0)
