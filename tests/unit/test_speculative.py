@@ -602,7 +602,8 @@ def _grammar_manager(tokenizer, backend: str = "outlines"):
 def _constrained_req(manager, rid: str, regex: str, return_logprob: bool = False):
     from runtime.managers.scheduler.req import Req
 
-    params = SamplingParams(regex=regex, max_new_tokens=64)  # far from closing (grammar_manager.closing_token)
+    # max_new_tokens far from closing (grammar_manager.closing_token)
+    params = SamplingParams(regex=regex, max_new_tokens=64)
     req = Req(rid=rid, prompt_ids=[5, 6], params=params, return_logprob=return_logprob)
     req.grammar = manager.compile_async(params).result(timeout=300).new_matcher()
     return req
