@@ -20,6 +20,19 @@ ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
 PromptCacheKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SESSION_ID_CHARS)]
 
 
+class RequestOptionFields(BaseModel):
+    """radixlm's extras beside an API's own fields (`extra_body` with the official clients), for the bodies
+    that leave their checks to `generate_input.body_options` (Responses, Messages): the per-request options
+    (`generate_input.OPTION_FIELDS`) and the request's draft bound."""
+
+    speculative_num_draft_tokens: int | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    cache_ttl_s: float | None = None
+    timeout: float | None = None
+    priority: int | None = None
+
+
 class PromptCacheOptions(BaseModel):
     """OpenAI's cache breakpoints and lifetime: radixlm caches every prefix (radix cache, LRU), so both are
     accepted and change nothing; a lifetime is what a session's `cache_ttl_s` gives."""

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from runtime.entrypoints.api_fields import template_vars
+from runtime.entrypoints.api_fields import RequestOptionFields, template_vars
 from runtime.entrypoints.generate_input import body_options, check_body_unicode
 from runtime.entrypoints.http_common import FastJSONResponse, dumps
 from runtime.entrypoints.streaming import stream_response
@@ -77,7 +77,7 @@ class CountTokensRequest(BaseModel):
         return out
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, RequestOptionFields):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     stream: StrictBool = False
@@ -99,14 +99,6 @@ class MessagesRequest(CountTokensRequest):
         if v is not None:
             raise ValueError("radixlm has no code-execution containers; leave container unset")
         return v
-
-    # radixlm's extras (`extra_body` with the Anthropic client), as on chat completions
-    speculative_num_draft_tokens: int | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    cache_ttl_s: float | None = None
-    timeout: float | None = None
-    priority: int | None = None
 
 
 class MessagesMetadata(BaseModel):

@@ -15,6 +15,7 @@ from runtime.entrypoints.api_fields import (
     PromptCacheKey,
     PromptCacheOptions,
     ReasoningEffort,
+    RequestOptionFields,
     ServiceTier,
     template_vars,
 )
@@ -111,7 +112,7 @@ def _only(name: str, allowed: tuple[Any, ...], why: str):
     return field_validator(name)(classmethod(lambda cls, v: check(v)))
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestOptionFields):
     """The `POST /v1/responses` body. Fields a client library sends by default are accepted (and say
     nothing radixlm must act on); anything else unknown is a 400 naming it."""
 
@@ -167,15 +168,9 @@ class ResponsesRequest(BaseModel):
     )
     _no_saved_prompts = _unset_only("prompt", "radixlm has no saved prompt templates: send the input itself")
     _no_moderation = _unset_only("moderation", "radixlm has no moderation model")
-    # radixlm's extras (the same as chat completions'; `prompt_cache_key` is the session when none is named)
+    # radixlm's extras beside RequestOptionFields' (`prompt_cache_key` is the session when none is named)
     top_k: int = -1
     seed: int | None = None
-    speculative_num_draft_tokens: int | None = None
-    cache_salt: str | None = None
-    session_id: str | None = None
-    cache_ttl_s: float | None = None
-    timeout: float | None = None
-    priority: int | None = None
 
     @property
     def template_vars(self) -> dict[str, Any]:
