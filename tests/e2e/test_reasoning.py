@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import jsonschema
-import openai
 import pytest
 
 from tests.e2e.conftest import EXTERNAL_URL
@@ -36,7 +34,7 @@ ANSWER = {
 
 
 @pytest.fixture(scope="module")
-def url():
+def server_url():
     if EXTERNAL_URL:
         pytest.skip("needs its own server (--reasoning-parser qwen3)")
     args = ["--max-total-tokens", "8000", "--reasoning-parser", "qwen3", "--reasoning-in-history"]
@@ -45,13 +43,6 @@ def url():
         yield srv.url
     finally:
         assert srv.stop() == 0, srv.log_tail()
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 def chat(oai, **kw):
@@ -99,8 +90,8 @@ def test_responses_reasoning_items_and_cached_continuation(oai):
     assert second.usage.input_tokens_details.cached_tokens >= 0.9 * previous
 
 
-def test_messages_thinking_blocks(url):
-    client = anthropic.Anthropic(base_url=url, api_key="unused", timeout=300, max_retries=0)
+def test_messages_thinking_blocks(claude):
+    client = claude
     args = {
         "model": "default",
         "system": SYSTEM,
@@ -117,4 +108,3 @@ def test_messages_thinking_blocks(url):
     assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
         (b.type, getattr(b, "thinking", None) or b.text) for b in m.content
     ]
-    client.close()

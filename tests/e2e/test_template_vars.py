@@ -8,8 +8,6 @@ token count each API reports must be that of the template rendered here with the
 
 from __future__ import annotations
 
-import anthropic
-import openai
 import pytest
 
 from tests.e2e.conftest import EXTERNAL_URL
@@ -38,7 +36,7 @@ def tokenizer(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory, tokenizer):
+def server_url(tmp_path_factory, tokenizer):
     if EXTERNAL_URL:
         pytest.skip("needs its own server (a model with a template that reads the variables)")
     model = save_random_llama(
@@ -61,20 +59,6 @@ def url(tmp_path_factory, tokenizer):
         yield srv.url
     finally:
         assert srv.stop() == 0, srv.log_tail()
-
-
-@pytest.fixture(scope="module")
-def oai(url):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def claude(url):
-    c = anthropic.Anthropic(base_url=url, api_key="unused", timeout=300, max_retries=0)
-    yield c
-    c.close()
 
 
 def rendered_len(tokenizer, messages=USER, **variables) -> int:
