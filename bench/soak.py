@@ -46,7 +46,6 @@ from pathlib import Path
 import requests
 
 from bench.harness import common
-from runtime.platform import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -638,10 +637,8 @@ def run(
     config = {**vars(args), "command": common.command_line()}
     result = {"name": out.stem, "ok": ok, "config": config, "constrained": load.constrained,
               "tenants": tenants.names if tenants is not None else [],
-              "environment": {"python": platform.python_version(), "machine": platform.machine(),
-                              "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(),
-                              "cpu_model": common.cpu_model(), "cpu_cores": common.usable_cores(),
-                              "cpu_flags": sorted(f for f in cpu_flags() if f in common.REPORTED_CPU_FLAGS)},
+              "environment": {**common.environment(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                              "loadavg_end": os.getloadavg()},
               "wall_s": round(wall, 1), "summary": summary, "rss": trend, "final_checks": checks,
               "bursts": burst,
               "roles": sampler.roles, "samples": sampler.samples,
