@@ -306,6 +306,21 @@ class ServerArgs:
         "most draft tokens per request and step (each request adapts below it to its acceptance; a request's "
         "speculative_num_draft_tokens lowers it, 0 turning speculation off for that request)",
     )
+    # ---- LoRA adapters (many fine-tunes over one base model; docs/lora.md) ----
+    lora_modules: tuple[str, ...] = _opt(
+        (),
+        "LoRA adapters in PEFT's format served at start-up, as NAME=PATH ...; a request picks one by name "
+        "(OpenAI 'model', native 'lora_path'); implies --enable-lora",
+    )
+    enable_lora: bool = _opt(
+        False, "serve LoRA adapters (loaded at run time through POST /v1/load_lora_adapter too)"
+    )
+    max_loras: int = _opt(
+        4,
+        "adapters resident in the model at once (one batch uses at most this many); more are kept in host "
+        "memory and swapped in, least recently used first",
+    )
+    max_lora_rank: int = _opt(16, "highest adapter rank accepted (adapters are padded to it)")
     # ---- measured defaults (--quantization auto) ----
     quantization_reason: str = _opt(
         "", "set by resolve(): why --quantization is what it is (shown in /server_info)", cli=False
@@ -323,6 +338,7 @@ class ServerArgs:
         self._check_security()
         self._check_grammar_sandbox()
         self._check_parallel()
+        self._check_lora()
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_running_requests < 1:
@@ -492,6 +508,25 @@ class ServerArgs:
             queue_size=self.grammar_queue_size,
         )
 
+    def _check_lora(self) -> None:
+        for spec in self.lora_modules:
+            name, sep, path = spec.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"--lora-modules takes NAME=PATH entries, got {spec!r}")
+        names = [s.partition("=")[0] for s in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names an adapter twice: {names}")
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.lora_enabled and self.tp_size > 1:
+            raise ValueError("LoRA adapters need --tp-size 1 (the adapter pool is not sharded)")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
     def _check_data_parallel(self) -> None:
         if self.dp_size < 1:
             raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
@@ -629,6 +664,9 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", help=help_text)
                 continue
             base = _base_type(hints[f.name])
+            if typing.get_origin(hints[f.name]) is tuple:  # tuple[str, ...]: a list of words
+                parser.add_argument(flag, nargs="*", type=str, default=f.default, help=help_text)
+                continue
             parser.add_argument(
                 flag,
                 type=base,
@@ -640,7 +678,8 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
-        return cls(**{f.name: getattr(ns, f.name) for f in fields})
+        values = {f.name: getattr(ns, f.name) for f in fields}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def auto_kv_cache_dtype(device: str, dtype: str, amx_bf16: bool) -> str:

@@ -30,6 +30,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)  # EXTEND only: new tokens per request
     # Token indices (into input_ids) whose logits are wanted; default: the last token of each request.
     logits_indices: torch.Tensor | None = None
+    # LoRA (runtime.models.lora): each request's adapter pool slot, -1 for the base model; None: all base
+    lora_slots: list[int] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -47,6 +47,8 @@ class ModelRunner:
         enable_torch_compile: bool = False,
         torch_compile_max_bs: int = 32,
         tp: TensorParallel | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ):
         from runtime.models.model_loader import iter_weights, load_hf_config
         from runtime.models.quantized_linear import quantize_model
@@ -72,6 +74,15 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         quantize_model(model, quantization, model_dir)
         self.quantization = quantization
+        self.lora = None  # runtime.models.lora.LoraPool when LoRA adapters are served (max_loras > 0)
+        if max_loras > 0:
+            from runtime.models.lora import LoraPool
+
+            self.lora = LoraPool(cfg, max_loras, max_lora_rank, self.device, self.dtype)
+            self.lora.install(model)  # after quantization: the base projections stay quantized
+            if enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph):
+                logger.info("LoRA: decode runs eagerly (no CUDA graphs or torch.compile)")
+                disable_cuda_graph, enable_torch_compile = True, False
         self.model = model.eval()
         # The library also holds the sampler's greedy argmax, so it is loaded for every CPU model.
         fused_loaded = self.device.type == "cpu" and _load_fused_layers()
@@ -153,6 +164,8 @@ class ModelRunner:
             enable_torch_compile=args.enable_torch_compile,
             torch_compile_max_bs=args.torch_compile_max_bs,
             tp=tp,
+            max_loras=args.max_loras if args.lora_enabled else 0,
+            max_lora_rank=args.max_lora_rank,
         )
 
     @property
@@ -182,6 +195,9 @@ class ModelRunner:
         if self.compiled_decode is not None and self.compiled_decode.can_run(batch):
             return self.compiled_decode.run(batch)
         self.backend.init_forward_metadata(batch)
+        if self.lora is not None:
+            tokens = batch.extend_seq_lens_cpu if not batch.is_decode else [1] * batch.batch_size
+            self.lora.begin(batch.lora_slots, tokens)
         return self.model(batch, self.backend)
 
     def _compile_decode(self, max_bs: int):
