@@ -35,6 +35,7 @@ class RequestOptions(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0  # waiting requests are admitted lowest value first (the policy's order within one)
     tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
     pin_prefix_len: int = 0  # > 0: the session pins only this prefix (Anthropic's cache_control breakpoint)
+    lora: str | None = None  # the LoRA adapter's name (None: the base model); its KV is its own
 
 
 class GenerateReq(Message):
@@ -67,6 +68,15 @@ class GetServerInfoReq(Message):
     pass
 
 
+class LoadLoraReq(Message):
+    name: str
+    path: str
+
+
+class UnloadLoraReq(Message):
+    name: str
+
+
 class ReleaseSessionReq(Message):
     session_id: str
     cache_salt: str | None = None  # a session is its id within its tenant and salt
@@ -81,6 +91,13 @@ class FlushCacheResp(Message):
 
 class ServerInfoResp(Message):
     info: dict[str, Any]
+
+
+class LoraResp(Message):
+    """The adapters served after a load or unload, or the 400 that refused it (`error`)."""
+
+    adapters: list[dict[str, Any]]  # name, path, rank, targets, digest
+    error: str | None = None
 
 
 class ReleaseSessionResp(Message):
@@ -149,9 +166,12 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged stru
     FlushCacheReq,
     GetServerInfoReq,
     ReleaseSessionReq,
+    LoadLoraReq,
+    UnloadLoraReq,
     FlushCacheResp,
     ServerInfoResp,
     ReleaseSessionResp,
+    LoraResp,
     BatchTokenIDOut,
     BatchStrOut,
 ]

@@ -75,6 +75,8 @@ class Req:
     retractions: int = 0
     stop_scan: Any = None  # stop_checker.StopScan: the incremental stop-string scan, owned by StopChecker
     spec: Any = None  # drafting.SpecState: speculative decoding's index and counters (None: never drafted)
+    lora_adapter: Any = None  # models.lora.Adapter bound at arrival (`lora_manager`); None: the base model
+    lora_slot: int = -1  # its adapter's pool slot while admitted
 
     @classmethod
     def from_message(cls, msg: GenerateReq, timeout_s: float | None = None) -> Req:

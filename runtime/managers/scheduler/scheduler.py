@@ -25,6 +25,7 @@ from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
 from runtime.managers.scheduler.cpu_share import ThreadGovernor
 from runtime.managers.scheduler.grammar_manager import GrammarManager
 from runtime.managers.scheduler.kv_events import BlockEvents, KVEventsConfig, ZmqEventPublisher
+from runtime.managers.scheduler.lora_manager import LoraManager, lora_control
 from runtime.managers.scheduler.memory import MemoryGuard, auto_budget_bytes, memory_report
 from runtime.managers.scheduler.output_stream import (
     OutputStream,
@@ -50,11 +51,13 @@ from runtime.messages import (
     FlushCacheResp,
     GenerateReq,
     GetServerInfoReq,
+    LoadLoraReq,
     Message,
     ReleaseSessionReq,
     ReleaseSessionResp,
     ReqOutput,
     ServerInfoResp,
+    UnloadLoraReq,
 )
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
@@ -62,6 +65,7 @@ from runtime.models.parallel import TensorParallel
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.scheduler")
+NO_LORA = "this server serves no LoRA adapters (start it with --lora-modules or --enable-lora)"
 
 
 class RequestFailed(Exception):
@@ -119,6 +123,8 @@ class Scheduler:
             self.cm.cache.events = self.kv_events
             self.kv_publisher = ZmqEventPublisher(events_config)
         self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
+        # LoRA adapters (--lora-modules, --enable-lora): the served set and the model's slots; None: off
+        self.lora = LoraManager.from_runner(self.runner, args.lora_modules, args.max_lora_rank)
 
     # ---- messages ---------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> Message | None:
@@ -135,6 +141,8 @@ class Scheduler:
         elif isinstance(msg, ReleaseSessionReq):
             sid = (msg.tenant, msg.cache_salt, msg.session_id)
             return ReleaseSessionResp(released_tokens=self.sessions.release(sid))
+        elif isinstance(msg, (LoadLoraReq, UnloadLoraReq)):
+            return lora_control(self.lora, msg)
         else:
             raise TypeError(f"scheduler cannot handle {type(msg).__name__}")
         return None
@@ -160,6 +168,11 @@ class Scheduler:
         if problem:
             self._fail(req, problem, 400)
             return
+        if req.options.lora is not None:  # its adapter, whose identity joins its cache salt
+            problem = self.lora.bind(req) if self.lora is not None else NO_LORA
+            if problem:
+                self._fail(req, problem, 400)
+                return
         if req.session_id is not None and req.cache_ttl_s > 0 and not req.pin_prefix_len:
             # (a breakpoint's pin is the server's idea, not the client's: past the quota the tenant's own
             # oldest pin makes room instead)
@@ -369,6 +382,13 @@ class Scheduler:
             self.stats["priority_preemptions"] += 1
 
     def _offer(self, adder: PrefillAdder, req: Req, matched: bool) -> AddOutcome | None:
+        if req.lora_adapter is not None and req.lora_slot < 0:  # its adapter's slot first, else it waits
+            if not self.lora.acquire(req):
+                return AddOutcome(AddResult.CONTINUE, 0)
+            out = self._offer(adder, req, matched)
+            if out is None or not out.tokens:
+                self.lora.release(req)
+            return out
         try:
             with self._isolated(req, "scheduling"):
                 out = adder.add_waiting(req, matched)
@@ -393,6 +413,8 @@ class Scheduler:
         fails (500, error id) and None is returned: a failed forward cannot be blamed on one request."""
         try:
             built = build()
+            if self.lora is not None:
+                built.batch.lora_slots = self.lora.slots_of(reqs)
             return built, self.runner.forward(built.batch)
         except Exception:
             for req in reqs:
@@ -578,6 +600,8 @@ class Scheduler:
         self.outputs.touch(req)
         if req.finished_reason and req.finished_reason.get("type") != "abort":
             self.stats["requests_finished"] += 1
+        if self.lora is not None:
+            self.lora.release(req)
 
     def _fail(self, req: Req, message: str, status: int) -> None:
         req.error, req.error_status = message, status
@@ -604,6 +628,7 @@ class Scheduler:
             "attention_backend": self.runner.backend_name,
             "gc_frozen_objects": gc.get_freeze_count(),  # start-up objects the GC no longer walks
             "grammar": self.grammars.stats(),
+            **(self.lora.info() if self.lora is not None else {}),
             **self.sessions.info(),
             **self.stats,
             **spec_info(self.stats, self.spec),
