@@ -64,10 +64,15 @@ class AttentionLayer:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    # 0: global attention. W > 0: the query at position p attends to keys p - W + 1 .. p only (transformers'
+    # `kv_idx > q_idx - sliding_window`). The pool still holds every position's K/V; a backend reads the
+    # window.
+    sliding_window: int = 0
 
 
 class AttentionBackend(ABC):
     name: str = "base"
+    supports_sliding_window: bool = False  # honours AttentionLayer.sliding_window (else the runner refuses)
 
     def __init__(self, kv_pool: PagedKV, req_to_token_pool: ReqToTokenTable):
         self.kv_pool = kv_pool

@@ -14,6 +14,10 @@ tokens' K/V in the pool, cast to its dtype, and takes q, k, v as the strided vie
 gives: one call per layer where the write alone was two casts and two index_copy_. `forward_decode` and
 `forward_extend` (attention over a pool already written) keep calling `paged_attention`.
 
+A sliding-window layer (`AttentionLayer.sliding_window`) runs the same op over a per-batch table with one
+row per query token holding that token's window of slots (`_window_table`), so the op's causal walk reads
+the window and nothing before it; long extends take torch_native's masked path.
+
 The ops are built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
 backend is created; kernels never import the runtime, so `op_available()` only checks that it is there.
 """
@@ -55,8 +59,10 @@ class CpuPagedBackend(TorchNativeBackend):
         super().__init__(kv_pool, req_to_token_pool)
         self._fused = False
         self._ext_lens: torch.Tensor | None = None
+        self._windows: dict[int, tuple] = {}
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
+        self._windows = {}
         if batch.is_decode:
             self._fused = True
             self._ext_lens = torch.ones(batch.batch_size, dtype=torch.int64, device=batch.seq_lens.device)
@@ -80,6 +86,13 @@ class CpuPagedBackend(TorchNativeBackend):
 
     def _op_args(self, layer: AttentionLayer, batch: AttentionBatch) -> tuple:
         """What both ops take after q (and the new k, v): the layer's pool, the slot table, the batch."""
+        if layer.sliding_window:
+            return (
+                self.kv_pool.k[layer.layer_id],
+                self.kv_pool.v[layer.layer_id],
+                *self._window_table(layer.sliding_window, batch),
+                layer.scaling,
+            )
         return (
             self.kv_pool.k[layer.layer_id],
             self.kv_pool.v[layer.layer_id],
@@ -89,6 +102,34 @@ class CpuPagedBackend(TorchNativeBackend):
             self._ext_lens,
             layer.scaling,
         )
+
+    def _window_table(self, window: int, batch: AttentionBatch) -> tuple:
+        """A sliding-window layer's (req_to_token, req_pool_indices, seq_lens, ext_lens) for the op: one
+        pseudo-request per query token, whose row of a per-batch table holds the slots of that token's window
+        (positions max(0, p - window + 1) .. p), so the op's causal walk over a row reads exactly the window.
+        Built once per batch and window, shared by the layers of that window."""
+        meta = self._windows.get(window)
+        if meta is None:
+            ext = self._ext_lens.to(batch.seq_lens.device)
+            n = int(ext.sum())
+            first = torch.cumsum(ext, 0) - ext  # each request's first query index
+            pos = (batch.seq_lens - ext).repeat_interleave(ext, output_size=n) + (
+                torch.arange(n, device=ext.device) - first.repeat_interleave(ext, output_size=n)
+            )
+            start = (pos - window + 1).clamp(min=0)
+            lens = pos + 1 - start
+            table = self.req_to_token_pool.req_to_token
+            cols = (start[:, None] + torch.arange(int(lens.max()), device=ext.device)[None, :]).clamp(
+                max=table.shape[1] - 1
+            )
+            rows = batch.req_pool_indices.repeat_interleave(ext, output_size=n)
+            meta = self._windows[window] = (
+                table[rows[:, None], cols].contiguous(),
+                torch.arange(n, device=ext.device),
+                lens.contiguous(),
+                torch.ones(n, dtype=torch.int64, device=ext.device),
+            )
+        return meta
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         if self._fused:

@@ -97,10 +97,35 @@ def decode_attention_matmul(
     return torch.matmul(probs, v.transpose(1, 2)).view(bs, h, d)  # [bs, Hkv, G, D] -> [bs, H, D]
 
 
+WINDOW_QUERY_BLOCK = 256  # a sliding-window extend's queries per SDPA call: its mask is [block, block + W]
+
+
+def window_mask(q_start: int, n_q: int, k_start: int, n_k: int, window: int, device) -> torch.Tensor:
+    """bool [n_q, n_k], True where the query at position q_start + i sees the key at k_start + j: causal and
+    within the window (0 <= q - k < window)."""
+    d = (torch.arange(n_q, device=device) + q_start)[:, None] - (torch.arange(n_k, device=device) + k_start)
+    return (d >= 0) & (d < window)
+
+
+def window_decode_slots(
+    table: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decoding request's last `window` slots (its window's keys), left-aligned and padded:
+    (slots [bs, L] with 0 in padding, valid [bs, L]), L = the longest window in the batch."""
+    start = (seq_lens - window).clamp(min=0)
+    width = int((seq_lens - start).max())
+    cols = start[:, None] + torch.arange(width, device=seq_lens.device)[None, :]
+    valid = cols < seq_lens[:, None]
+    slots = table[req_pool_indices[:, None], cols.clamp(max=table.shape[1] - 1)]
+    return torch.where(valid, slots, torch.zeros_like(slots)), valid
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    supports_sliding_window = True
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
+        self._window_meta: dict[int, tuple] = {}  # sliding window -> its decode slots, built on first use
         table = self.req_to_token_pool.req_to_token
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
@@ -118,6 +143,8 @@ class TorchNativeBackend(AttentionBackend):
             ]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        if layer.sliding_window:
+            return self._extend_windowed(q, layer, batch)
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         out = torch.empty_like(q)
         start = 0
@@ -137,11 +164,52 @@ class TorchNativeBackend(AttentionBackend):
             start += ext
         return out
 
+    def _extend_windowed(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        """Sliding-window extend: per request and block of queries, only the keys some query of the block
+        sees (from the first query's window start), under an explicit causal-and-window mask."""
+        k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
+        w = layer.sliding_window
+        out = torch.empty_like(q)
+        start = 0
+        for slots, prefix, ext in zip(
+            self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+        ):
+            for a in range(0, ext, WINDOW_QUERY_BLOCK):
+                b = min(ext, a + WINDOW_QUERY_BLOCK)
+                lo, hi = max(0, prefix + a - w + 1), prefix + b  # keys [lo, hi) of this block's windows
+                qi = q[start + a : start + b].transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
+                ki = k_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vi = v_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                mask = window_mask(prefix + a, b - a, lo, hi - lo, w, q.device)
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
+                )
+                out[start + a : start + b] = o.squeeze(0).transpose(0, 1)
+            start += ext
+        return out
+
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
-        shape = (*self._decode_shape, layer.num_kv_heads, layer.head_dim)
-        k = self.kv_pool.k[layer.layer_id].index_select(0, self._decode_slots).view(shape).to(q.dtype)
-        v = self.kv_pool.v[layer.layer_id].index_select(0, self._decode_slots).view(shape).to(q.dtype)
-        mask = None if self._all_same_len else self._decode_mask
+        if layer.sliding_window:  # only each request's last `window` keys
+            meta = self._window_meta.get(layer.sliding_window)
+            if meta is None:
+                slots, valid = window_decode_slots(
+                    self.req_to_token_pool.req_to_token,
+                    batch.req_pool_indices,
+                    batch.seq_lens,
+                    layer.sliding_window,
+                )
+                meta = self._window_meta[layer.sliding_window] = (
+                    slots.flatten(),
+                    tuple(slots.shape),
+                    None if bool(valid.all()) else valid[:, None, None, :],
+                )
+            slots, shape2, mask = meta
+        else:
+            slots, shape2 = self._decode_slots, self._decode_shape
+            mask = None if self._all_same_len else self._decode_mask
+        shape = (*shape2, layer.num_kv_heads, layer.head_dim)
+        k = self.kv_pool.k[layer.layer_id].index_select(0, slots).view(shape).to(q.dtype)
+        v = self.kv_pool.v[layer.layer_id].index_select(0, slots).view(shape).to(q.dtype)
         if q.dtype != torch.float32:
             return decode_attention_matmul(q, k, v, mask, layer.scaling)
         o = F.scaled_dot_product_attention(

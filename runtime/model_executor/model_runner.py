@@ -17,6 +17,7 @@ from runtime import allocator
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.frozen_modules import freeze_attributes
+from runtime.models.gemma3 import Gemma3ForCausalLM
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import HeadShard, TensorParallel
@@ -60,6 +61,7 @@ class ModelRunner:
         self.config = ModelConfig.from_hf(load_hf_config(model_dir))
         cfg = self.config
         self.context_length = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.config = cfg = cfg.for_context_length(self.context_length)  # LongRoPE's set for this context
         self.tp = tp = tp or TensorParallel()
         self.local_kv_heads = HeadShard.of(cfg.num_heads, cfg.num_kv_heads, tp).num_kv_heads
         self.channel = None  # rank 0 of a group: sends every batch to the other ranks
@@ -69,7 +71,8 @@ class ModelRunner:
             self.channel = BatchChannel(tp)
 
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, tp)
+            model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+            model = model_class(cfg, tp)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(iter_weights(model_dir))
         quantize_model(model, quantization, model_dir)
@@ -105,6 +108,16 @@ class ModelRunner:
             resolve_backend_name(attention_backend, self.device.type), explicit=attention_backend != "auto"
         )
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
+        if cfg.sliding_windows and not self.backend.supports_sliding_window:
+            raise ValueError(
+                f"{cfg.architecture} has sliding-window layers, which the {self.backend_name} attention "
+                "backend does not implement: use --attention-backend torch_native or cpu"
+            )
+        if cfg.sliding_windows and (
+            enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)
+        ):
+            logger.info("sliding-window layers: decode runs eagerly (the backend builds each batch's window)")
+            disable_cuda_graph, enable_torch_compile = True, False
         self.graph_runner = None
         if tp.size > 1 and (enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)):
             logger.info("tensor parallel: decode runs eagerly (no CUDA graphs or torch.compile across ranks)")

@@ -22,6 +22,7 @@ from torch import nn
 
 from radixlm_kernels.base import AttentionBackend, AttentionLayer
 from runtime.models.model_config import ModelConfig
+from runtime.models.model_loader import unfuse_weights
 from runtime.models.moe import SparseMoeBlock, expert_weight_target
 from runtime.models.parallel import (
     ColumnParallelLinear,
@@ -83,7 +84,11 @@ class Rotary(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; cos/sin: [T, D]."""
+        """x: [T, H, D]; cos/sin: [T, D], or [T, R < D] for partial rotary (Phi-4-mini): the first R dims
+        rotate, the rest pass through."""
+        if cos.shape[-1] < x.shape[-1]:
+            r = cos.shape[-1]
+            return torch.cat((Rotary.apply(x[..., :r], cos, sin), x[..., r:]), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -100,7 +105,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         s, d = HeadShard.of(cfg.num_heads, cfg.num_kv_heads, tp), cfg.head_dim
-        self.meta = AttentionLayer(layer_id, s.num_heads, s.num_kv_heads, d, d**-0.5)  # this rank's heads
+        window = cfg.sliding_window(layer_id)  # 0: global attention
+        self.meta = AttentionLayer(layer_id, s.num_heads, s.num_kv_heads, d, d**-0.5, window)  # rank's heads
         self.q_size = s.num_heads * d
         self.kv_size = s.num_kv_heads * d
         q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -264,7 +270,10 @@ class LlamaForCausalLM(nn.Module):
             q, k, v = qkv[0](h, *qkv[1]).view(-1, n_heads, d).split_with_sizes(heads, dim=1)
             if qk_norm is not None:
                 q, k = qk_norm[0](q), qk_norm[1](k)
-            rope_(q, k, cos, sin)  # in place, one call for q and k
+            if cos.shape[1] == d:
+                rope_(q, k, cos, sin)  # in place, one call for q and k
+            else:  # partial rotary: the first cos.shape[1] dims, in place through strided views
+                rope_(q[..., : cos.shape[1]], k[..., : cos.shape[1]], cos, sin)
             out = attend(q, k, v, meta, batch).flatten(1)  # [T, H * D]
             h = o[0](out if out.is_contiguous() else out.contiguous(), *o[1])
             add_rms_norm_(h, residual, *norm2)
@@ -291,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", 1),
         }
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in unfuse_weights(weights, self.cfg):
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")

@@ -2,11 +2,18 @@
 
 Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) differ only in the
 fields below, so one decoder implementation serves them all. Qwen3-MoE (Qwen3's attention) and Mixtral
-(Mistral's) swap some or all MLPs for a mixture of experts (`MoeConfig`, `runtime.models.moe`).
+(Mistral's) swap some or all MLPs for a mixture of experts (`MoeConfig`, `runtime.models.moe`). Phi-3 / Phi-4
+is Llama with fused checkpoint tensors (split by the loader), partial rotary and LongRoPE (`LongRope`).
+Gemma 3's layer differs enough to have its own module (`runtime.models.gemma3`); its config is read here too.
+
+Sliding-window layers (Mistral's and Phi-3's `sliding_window`, any `layer_types` entry "sliding_attention")
+are `sliding_windows[layer]` > 0: the attention backends read only the window, while the KV pool still holds
+every position, so a cached prefix is reusable exactly as for global layers (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +26,26 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
-# Rope variants whose frequencies do not depend on the sequence length (dynamic NTK would).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Rope variants whose frequencies do not depend on the sequence length (dynamic NTK would). LongRoPE's two
+# sets are chosen once per server by its context length (`LongRope`).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE (Phi-3 / Phi-4): `ModelConfig.inv_freq` holds the short factors' frequencies, this the long
+    ones'. transformers uses the long set for a whole sequence once it is longer than
+    `original_max_position_embeddings` (Phi-3's `generate` recomputes the cache when it crosses), the short
+    set otherwise. A KV cache shared across requests cannot switch a sequence's past keys, so radixlm
+    chooses once per server, as llama.cpp does: a context length above `original_max` serves every position
+    with the long set (equal to transformers for sequences past it), else the short set (equal to
+    transformers for every sequence the server can hold). `ModelConfig.for_context_length` applies it."""
+
+    long_inv_freq: torch.Tensor
+    original_max: int
 
 
 @dataclass(frozen=True)
@@ -83,6 +107,18 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf_config: Any  # the source transformers config, for anything model-specific
     moe: MoeConfig | None = None  # set for mixture-of-experts architectures
+    sliding_windows: tuple[int, ...] = ()  # per layer: 0 global, W > 0 a window of W keys; (): all global
+    long_rope: LongRope | None = None
+
+    def sliding_window(self, layer_id: int) -> int:
+        return self.sliding_windows[layer_id] if self.sliding_windows else 0
+
+    def for_context_length(self, context_length: int) -> ModelConfig:
+        """This config for a server holding sequences of up to `context_length` tokens: LongRoPE's long set
+        where that passes its original length (see `LongRope`)."""
+        if self.long_rope is None or context_length <= self.long_rope.original_max:
+            return self
+        return dataclasses.replace(self, inv_freq=self.long_rope.long_inv_freq, long_rope=None)
 
     @classmethod
     def from_hf(cls, cfg: Any) -> ModelConfig:
@@ -95,12 +131,19 @@ class ModelConfig:
             )
         kind = SUPPORTED_ARCHITECTURES[arch]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if getattr(cfg, "sliding_window", None) and getattr(
-            cfg, "use_sliding_window", kind in ("mistral", "mixtral")
-        ):
-            if cfg.sliding_window < cfg.max_position_embeddings:
-                raise ValueError("sliding-window attention is not supported (config.sliding_window is set)")
-        inv_freq, scaling = _rope_frequencies(cfg, head_dim)
+        if getattr(cfg, "attn_logit_softcapping", None):
+            raise ValueError("attention logit soft-capping (config.attn_logit_softcapping) is not supported")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("bidirectional attention (an embedding model's config) is not supported")
+        rope_layer_type = "full_attention" if kind == "gemma3_text" else None  # Gemma 3: per layer type
+        inv_freq, scaling = _rope_frequencies(cfg, head_dim, rope_layer_type)
+        long_rope = None
+        if _rope_params(cfg, None).get("rope_type") == "longrope":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            original = _rope_params(cfg, None)["original_max_position_embeddings"]
+            long_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=original + 1)
+            long_rope = LongRope(long_inv.float(), original)
         eos = getattr(cfg, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
@@ -116,18 +159,44 @@ class ModelConfig:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
             inv_freq=inv_freq,
             rope_attention_scaling=scaling,
             eos_token_ids=eos_ids,
             hf_config=cfg,
             moe=MoeConfig.from_hf(cfg, kind),
+            sliding_windows=_sliding_windows(cfg, kind),
+            long_rope=long_rope,
         )
 
 
-def _rope_frequencies(cfg: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies exactly as transformers computes them (same function for scaled variants)."""
+def _sliding_windows(cfg: Any, kind: str) -> tuple[int, ...]:
+    """Per layer, its sliding window (0: global), as transformers applies `sliding_window`: per
+    `layer_types` where the config lists them (Gemma 3, Qwen2/3's `use_sliding_window`), else to every
+    layer for Mistral, Mixtral and Phi-3. A window no shorter than the context is global attention."""
+    window = getattr(cfg, "sliding_window", None) or 0
+    if window <= 0 or window >= cfg.max_position_embeddings:
+        return ()
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif kind in ("mistral", "mixtral", "phi3"):
+        windows = (window,) * cfg.num_hidden_layers
+    else:
+        return ()
+    return windows if any(windows) else ()
+
+
+def _rope_params(cfg: Any, layer_type: str | None) -> dict:
     params = getattr(cfg, "rope_parameters", None) or {}
+    return (params.get(layer_type) or {}) if layer_type is not None else params
+
+
+def _rope_frequencies(cfg: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies exactly as transformers computes them (same function for scaled variants);
+    `layer_type` picks one of per-layer-type parameters (Gemma 3's sliding and full layers). A partial
+    rotary factor gives frequencies for the first `head_dim * factor` dims only."""
+    params = _rope_params(cfg, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(
@@ -135,9 +204,11 @@ def _rope_frequencies(cfg: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         )
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        dim = int(head_dim * params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **kwargs)
     return inv.float(), float(scaling)

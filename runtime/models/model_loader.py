@@ -13,13 +13,16 @@ import importlib.util
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from runtime.models.gguf import GGUF_MAGIC, resolve_gguf
+
+if TYPE_CHECKING:
+    from runtime.models.model_config import ModelConfig
 
 logger = logging.getLogger("radixlm.model_loader")
 
@@ -152,3 +155,25 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         model_dir,
         time.perf_counter() - t0,
     )
+
+
+def unfuse_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoints that store projections fused (Phi-3 / Phi-4: `self_attn.qkv_proj`, rows q | k | v, and
+    `mlp.gate_up_proj`, rows gate | up) as the separate Llama names the decoder's loader fuses by parts, so
+    each tensor-parallel rank still takes its own slice of each. Other names pass through."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, tensor in weights:
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith("self_attn.qkv_proj") and tensor.shape[0] == q + 2 * kv:
+            base = stem.removesuffix("qkv_proj")
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
+                yield f"{base}{part}.{leaf}", chunk
+        elif stem.endswith("mlp.gate_up_proj") and tensor.shape[0] % 2 == 0:
+            base = stem.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{base}gate_proj.{leaf}", gate
+            yield f"{base}up_proj.{leaf}", up
+        else:
+            yield name, tensor

@@ -1,0 +1,95 @@
+"""Tiny random-weight Gemma 3 and Phi-3 checkpoints for tests, saved as HF folders.
+
+Both carry what sets them apart, at sizes where it shows in a few dozen tokens:
+- gemma3: layers sliding (window 8), sliding, global, sliding, the two kinds with their own rope (the global
+  one linearly scaled), query_pre_attn_scalar != head_dim, final logit soft-capping, tied embeddings;
+- phi3: LongRoPE (original length 64, context 256) with partial rotary (0.75 of head_dim), a sliding
+  window of 24 on every layer, fused qkv_proj and gate_up_proj tensors in the checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+GEMMA3_WINDOW = 8
+PHI3_WINDOW = 24
+PHI3_ORIGINAL_MAX = 64
+
+
+def dense_config(arch: str) -> Any:
+    from transformers import Gemma3TextConfig, Phi3Config
+
+    if arch == "gemma3":
+        return Gemma3TextConfig(
+            **COMMON,
+            num_hidden_layers=4,
+            head_dim=16,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            architectures=["Gemma3ForCausalLM"],
+        )
+    if arch == "phi3":
+        rotary_half = int(16 * 0.75) // 2
+        return Phi3Config(
+            **COMMON,
+            num_hidden_layers=3,
+            max_position_embeddings=256,
+            original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+            rms_norm_eps=1e-5,
+            sliding_window=PHI3_WINDOW,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": PHI3_ORIGINAL_MAX,
+                "factor": 256 / PHI3_ORIGINAL_MAX,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                "long_factor": [1.0 + 3.0 * i for i in range(rotary_half)],
+            },
+            tie_word_embeddings=False,
+            architectures=["Phi3ForCausalLM"],
+        )
+    raise ValueError(arch)
+
+
+def save_random_dense(
+    path: Path, arch: str, tokenizer: Any = None, *, seed: int = 0, std: float = 0.3
+) -> Any:
+    """Build `arch`'s tiny config with seeded weights (every matrix from N(0, std), norm weights perturbed,
+    so greedy choices sit far from ties and Gemma's (1 + w) norms matter), save it (and `tokenizer`) to
+    `path`, and return the float32 transformers model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(dense_config(arch), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return model

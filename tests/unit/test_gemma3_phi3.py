@@ -1,0 +1,160 @@
+"""Gemma 3 and Phi-3 (tests/random_dense.py) against transformers in float32: the config's mapping (sliding
+windows per layer, LongRoPE's set per context length), logits of extends over cached prefixes and of
+mixed-length decode steps on both CPU attention backends, the scheduler's greedy output with the radix
+cache and chunked prefill, and sliding-window prefix reuse: a prompt longer than the window, cached, then
+extended, gives what a fresh run gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.random_dense import GEMMA3_WINDOW, PHI3_ORIGINAL_MAX, PHI3_WINDOW, save_random_dense
+from tests.scheduler_utils import make_scheduler
+from tests.unit.test_model_parity import Harness, hf_logits
+from tests.unit.test_scheduler import assert_all_free, run
+
+ARCHS = ["gemma3", "phi3"]
+TOL = dict(atol=3e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def dense_model(request, tmp_path_factory, default_tokenizer):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_random_dense(path, request.param, default_tokenizer)
+    return request.param, str(path), hf
+
+
+def runner_for(path: str, backend: str, context_length: int | None = None):
+    from runtime.model_executor.model_runner import ModelRunner
+
+    if backend == "cpu":
+        from runtime.models.native_kernels import PAGED_ATTENTION
+        from tests.kernels.native import load_native_or_skip
+
+        load_native_or_skip(PAGED_ATTENTION)
+    return ModelRunner(
+        path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=4096,
+        max_running_requests=8,
+        attention_backend=backend,
+        context_length=context_length,
+    )
+
+
+def test_config_windows_and_long_rope(dense_model):
+    from runtime.models.model_config import ModelConfig
+
+    arch, _, hf = dense_model
+    cfg = ModelConfig.from_hf(hf.config)
+    if arch == "gemma3":
+        assert cfg.sliding_windows == (GEMMA3_WINDOW, GEMMA3_WINDOW, 0, GEMMA3_WINDOW)
+        assert cfg.qk_norm and cfg.tie_word_embeddings and cfg.long_rope is None
+    else:
+        assert cfg.sliding_windows == (PHI3_WINDOW,) * 3
+        assert cfg.long_rope is not None and cfg.inv_freq.shape == (6,)  # partial rotary: 12 of 16 dims
+        assert cfg.for_context_length(PHI3_ORIGINAL_MAX) is cfg  # the short set
+        long = cfg.for_context_length(PHI3_ORIGINAL_MAX + 1)
+        assert torch.equal(long.inv_freq, cfg.long_rope.long_inv_freq)
+        assert not torch.equal(long.inv_freq, cfg.inv_freq)
+
+
+def regimes(arch: str) -> list[tuple[int | None, list[int]]]:
+    """(server context length, sequence lengths before decoding): Phi-3 once in each LongRoPE regime, with
+    sequences that stay inside it (transformers switches sets by the sequence's own length)."""
+    if arch == "phi3":
+        return [(PHI3_ORIGINAL_MAX, [9, 30, 1, 50]), (None, [70, 90, 66, 120])]
+    return [(None, [9, 30, 1, 50])]
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+def test_logits_match_transformers(dense_model, backend):
+    """Extends over cached prefixes longer and shorter than the window, then mixed-length decode steps:
+    every logit row equals transformers' (Phi-3: the fused float32 CPU layers when they load, and eager)."""
+    arch, path, hf = dense_model
+    g = torch.Generator().manual_seed(1)
+    for context_length, lens in regimes(arch):
+        runner = runner_for(path, backend, context_length)
+        for fused in (True, False) if runner.model.fused_cpu_ops else (False,):
+            runner.model.use_fused_cpu_ops(fused)
+            seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate(lens)}
+            h = Harness(runner)
+            prefix = {0: 0, 1: n1 - 4 if (n1 := lens[1]) > 4 else 0, 2: 0, 3: lens[3] - 33}
+            h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
+            logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
+            off = 0
+            for k in seqs:
+                ref = hf_logits(hf, seqs[k])[prefix[k] :]
+                torch.testing.assert_close(logits[off : off + len(ref)], ref, **TOL)
+                off += len(ref)
+            nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
+            for _ in range(3):
+                logits = h.decode(nxt)
+                for i, k in enumerate(seqs):
+                    seqs[k].append(nxt[k])
+                    torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], **TOL)
+                nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+            for k, row in h.rows.items():
+                runner.allocator.free(runner.req_to_token_pool.read(row, h.lens[k]).clone())
+                runner.req_to_token_pool.free(row)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def shared_prompts(n: int, system_len: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that share a system part longer than every window, then few-shot parts, then a question."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 512) for _ in range(system_len)]
+    shots = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+    return [
+        system + shots[i % 3] + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 25))] for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_scheduler_greedy_equals_transformers(dense_model, default_tokenizer, chunk):
+    """10 requests sharing prefixes longer than the window, 4 running at a time, the radix cache on (and
+    chunked prefill, whose chunks cut across windows): every output is transformers' greedy continuation."""
+    arch, path, hf = dense_model
+    reqs = shared_prompts(10, 70 if arch == "phi3" else 40)  # Phi-3: every sequence in the long regime
+    sched = make_scheduler(path, default_tokenizer, chunked_prefill_size=chunk, max_running_requests=4)
+    res = run(sched, reqs, max_new=8, arrive_every=2)
+    for i, p in enumerate(reqs):
+        assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 8), f"request {i}"
+    assert res["stats"]["cached_tokens"] > 0
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+def test_sliding_window_prefix_reuse_equals_a_fresh_run(dense_model, default_tokenizer, backend):
+    """A prompt several windows long is served and cached; the same prompt extended is then served from the
+    cache (every cached token reused: the pool holds the whole prefix, so the windows of the new positions
+    are all there) and gives exactly what a fresh scheduler gives it, and what transformers gives."""
+    arch, path, hf = dense_model
+    if backend == "cpu":
+        from runtime.models.native_kernels import PAGED_ATTENTION
+        from tests.kernels.native import load_native_or_skip
+
+        load_native_or_skip(PAGED_ATTENTION)
+    rng = random.Random(7)
+    window = GEMMA3_WINDOW if arch == "gemma3" else PHI3_WINDOW
+    first = [rng.randrange(3, 512) for _ in range(3 * window + 5 if arch == "gemma3" else 80)]
+    extended = first + [rng.randrange(3, 512) for _ in range(window + 3)]
+    kw = dict(attention_backend=backend, chunked_prefill_size=16)
+    warm = make_scheduler(path, default_tokenizer, **kw)
+    run(warm, [first], max_new=4)
+    reused = run(warm, [extended], max_new=8)
+    assert reused["stats"]["cached_tokens"] >= len(first)
+    fresh = run(make_scheduler(path, default_tokenizer, **kw), [extended], max_new=8)
+    assert fresh["stats"]["cached_tokens"] == 0
+    assert reused["outs"]["r0"] == fresh["outs"]["r0"] == hf_greedy(hf, extended, 8)
+    assert_all_free(warm)
