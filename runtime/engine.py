@@ -82,6 +82,7 @@ class Engine:
         cache_ttl_s: float | None = None,
         timeout: float | None = None,
         priority: int | None = None,
+        lora_path: str | list | None = None,
     ):
         """Native response dict (a list for list input); with stream=True an iterator of cumulative dicts."""
         body = self._body(
@@ -99,6 +100,7 @@ class Engine:
             cache_ttl_s=cache_ttl_s,
             timeout=timeout,
             priority=priority,
+            lora_path=lora_path,
         )
         reqs, is_batch = parse_generate_body(body)
         if stream:

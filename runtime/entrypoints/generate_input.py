@@ -10,6 +10,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from runtime.errors import RequestError
 from runtime.messages import GenerateReq, RequestOptions
 from runtime.sampling_params import SamplingParams
@@ -30,12 +32,15 @@ ALLOWED_FIELDS = {
     "session_id",
     "cache_ttl_s",
     "priority",
+    "lora_path",
+    "lora",
 }
 # The per-request options' body fields, on every front end (`RequestOptions`; lang.backends.REQUEST_OPTIONS
 # names the same ones for DSL programs)
 OPTION_FIELDS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority")
 MAX_CACHE_SALT_CHARS = 1024
 MAX_SESSION_ID_CHARS = 256
+MAX_LORA_NAME_CHARS = 256
 SESSION_HEADER = "x-session-id"  # names the session when the body does not (`session_id`)
 # A request's own deadline, in seconds: positive and finite (it can only shorten --request-timeout-s).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -99,6 +104,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     start = _int(body, "logprob_start_len", -1, low=-1)
     top_n = _int(body, "top_logprobs_num", 0, low=0, high=20)
     options = parse_options(body)
+    loras = parse_lora_field(body, len(prompts))
     rid = body.get("rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     if len(rids) != len(prompts) or not all(r is None or isinstance(r, str) for r in rids):
@@ -118,7 +124,7 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
             logprob_start_len=start,
             top_logprobs_num=top_n,
             return_text_in_logprobs=text_in_lp,
-            options=options,
+            options=options if loras is None else msgspec.structs.replace(options, lora=loras[k]),
         )
         reqs.append(req)
     return reqs, is_batch
@@ -150,6 +156,33 @@ def body_options(body: Any, headers: Mapping[str, str]) -> RequestOptions:
         return parse_options(fields, header)
     except ValueError as e:
         raise RequestError(str(e), 400) from None
+
+
+def parse_lora(value: Any, field: str = "lora_path") -> str | None:
+    """A LoRA adapter's name (SGLang's `lora_path`, also `lora`; OpenAI's `model` once the route has told it
+    from the base model's): None for the base model."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_LORA_NAME_CHARS or not value.isprintable():
+        raise ValueError(
+            f"'{field}' must be an adapter's name: a printable string of 1..{MAX_LORA_NAME_CHARS} chars"
+        )
+    return value
+
+
+def parse_lora_field(body: dict[str, Any], prompts: int) -> list[str | None] | None:
+    """A native body's adapter per prompt (`lora_path` or `lora`: one name, or a list with one per prompt)."""
+    if body.get("lora_path") is not None and body.get("lora") is not None:
+        raise ValueError("give either 'lora_path' or 'lora', not both")
+    field = "lora" if body.get("lora") is not None else "lora_path"
+    value = body.get(field)
+    if value is None:
+        return None
+    if isinstance(value, list):
+        if len(value) != prompts:
+            raise ValueError(f"'{field}' list must have one entry per prompt ({prompts})")
+        return [parse_lora(v, field) for v in value]
+    return [parse_lora(value, field)] * prompts
 
 
 def parse_priority(value: Any) -> int:

@@ -65,6 +65,7 @@ class GenerateRequest(BaseModel):
     cache_salt: str | None = None  # cached KV is shared only between requests of the same salt
     session_id: str | None = None  # or the X-Session-Id header: its tokens stay cached for cache_ttl_s
     cache_ttl_s: float | None = None  # seconds; default --session-ttl-s
+    lora_path: str | list[str] | None = None  # a LoRA adapter's name (or one per prompt); also `lora`
 
 
 class ConcatAppendRequest(BaseModel):
@@ -240,8 +241,10 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
             info = None
         return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
 
+    from runtime.entrypoints.lora_routes import register_lora_routes
     from runtime.entrypoints.openai import register_openai_routes
 
+    register_lora_routes(app, tm, args)  # before the OpenAI routes, which read its served names
     register_openai_routes(app, tm, args)
     return app
 

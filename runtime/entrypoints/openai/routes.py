@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 
 from runtime.entrypoints.generate_input import body_options, check_body_unicode
@@ -44,6 +45,11 @@ from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 
 
+def with_adapter(options: RequestOptions, adapter: str | None) -> RequestOptions:
+    """`options` for the LoRA adapter a chat or completion request's `model` names (None: the base model)."""
+    return options if adapter is None else msgspec.structs.replace(options, lora=adapter)
+
+
 def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
     names = {args.model_name, args.model, "default"}
 
@@ -68,7 +74,8 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
                     "created": int(time.time()),
                     "owned_by": "radixlm",
                     "max_model_len": tm.context_length,
-                }
+                },
+                *app.state.loras.models(args.model_name, int(time.time()), tm.context_length),
             ],
         }
 
@@ -76,7 +83,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     async def chat(request: Request, body: ChatCompletionRequest):
         check_body_unicode(body)
         options = body_options(body, request.headers)
-        check_model(body.model)
+        options = with_adapter(options, app.state.loras.adapter_of(body.model))  # `model` may name a LoRA
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
         msgs = [
@@ -145,7 +152,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     async def completions(request: Request, body: CompletionRequest):
         check_body_unicode(body)
         options = body_options(body, request.headers)
-        check_model(body.model)
+        options = with_adapter(options, app.state.loras.adapter_of(body.model))  # `model` may name a LoRA
         if body.suffix:
             raise RequestError("'suffix' is not supported", 400)
         if body.best_of not in (None, 1, body.n):

@@ -32,10 +32,13 @@ from runtime.messages import (
     FlushCacheResp,
     GenerateReq,
     GetServerInfoReq,
+    LoadLoraReq,
+    LoraResp,
     ReleaseSessionReq,
     ReleaseSessionResp,
     ReqTextOutput,
     ServerInfoResp,
+    UnloadLoraReq,
     decode,
 )
 from runtime.sampling_params import INT64_MAX, SamplingParams, TokenBudgetError, check_token_budget
@@ -88,6 +91,7 @@ class TokenizerManager:
             FlushCacheResp: [],
             ServerInfoResp: [],
             ReleaseSessionResp: [],
+            LoraResp: [],
         }
         self.dead_reason: str | None = None
         self.draining = False
@@ -530,6 +534,10 @@ class TokenizerManager:
         msg = ReleaseSessionReq(session_id=session_id, cache_salt=salt, tenant=tenant)
         resp = await self._control(msg, ReleaseSessionResp)
         return resp.released_tokens
+
+    async def lora_control(self, msg: LoadLoraReq | UnloadLoraReq) -> LoraResp:
+        """Load or unload a LoRA adapter in the scheduler; the reply lists the adapters served after."""
+        return await self._control(msg, LoraResp)
 
     async def server_info(self) -> dict[str, Any]:
         resp = await self._control(GetServerInfoReq(), ServerInfoResp)
