@@ -9,6 +9,7 @@ through `functools.singledispatchmethod`: one small method per node kind.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import singledispatchmethod
@@ -79,8 +80,12 @@ class Executor:
     """Runs nodes for one state. Not thread-safe: one thread appends to a state at a time (forks are separate
     executors, so they may run in parallel)."""
 
-    def __init__(self, backend: Backend, defaults: dict[str, Any], stream: bool = False) -> None:
+    def __init__(
+        self, backend: Backend, defaults: dict[str, Any], stream: bool = False, program_id: str | None = None
+    ) -> None:
         self.backend = backend
+        # one id per program run, kept by its forks: every request of the run names it (`Prompt.program_id`)
+        self.program_id = program_id or uuid.uuid4().hex
         self.defaults = defaults  # normalized sampling kwargs applied to every gen unless overridden
         self.stream = stream
         self.text = ""
@@ -105,6 +110,7 @@ class Executor:
             messages=tuple(dict(m) for m in self.messages),
             open_role=role.role if role else None,
             open_content=self.text[role.start :] if role else "",
+            program_id=self.program_id,
         )
 
     def _append(self, text: str, var: str | None = None, emit: bool = True) -> None:
@@ -120,7 +126,7 @@ class Executor:
 
     def copy(self) -> Executor:
         """A synchronous executor with the same conversation (used by fork)."""
-        other = Executor(self.backend, self.defaults, stream=False)
+        other = Executor(self.backend, self.defaults, stream=False, program_id=self.program_id)
         other.text, other.open_role = self.text, self.open_role
         other.messages = [dict(m) for m in self.messages]
         other.variables, other.meta = dict(self.variables), dict(self.meta)

@@ -83,6 +83,7 @@ class Engine:
         timeout: float | None = None,
         priority: int | None = None,
         lora_path: str | list | None = None,
+        program_id: str | None = None,
     ):
         """Native response dict (a list for list input); with stream=True an iterator of cumulative dicts."""
         body = self._body(
@@ -101,6 +102,7 @@ class Engine:
             timeout=timeout,
             priority=priority,
             lora_path=lora_path,
+            program_id=program_id,
         )
         reqs, is_batch = parse_generate_body(body)
         if stream:

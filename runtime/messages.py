@@ -31,11 +31,13 @@ class RequestOptions(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None  # the request's own deadline in seconds (it can only shorten the server's)
     cache_salt: str | None = None  # the radix cache shares KV only between requests of the same salt
     session_id: str | None = None  # pin the finished request's tokens in the cache for cache_ttl_s
-    cache_ttl_s: float | None = None  # None: --session-ttl-s (the scheduler always gets a number)
+    cache_ttl_s: float | None = None  # None: --session-ttl-s (under --kv-retention auto: the server decides)
     priority: int = 0  # waiting requests are admitted lowest value first (the policy's order within one)
     tenant: str | None = None  # whose key sent it (--api-keys-file): sessions and pin quotas are per tenant
     pin_prefix_len: int = 0  # > 0: the session pins only this prefix (Anthropic's cache_control breakpoint)
     lora: str | None = None  # the LoRA adapter's name (None: the base model); its KV is its own
+    # the agent program it is a call of (`managers/scheduler/programs.py`); None: its session, if any
+    program_id: str | None = None
 
 
 class GenerateReq(Message):

@@ -69,7 +69,12 @@ class ServerArgs:
     context_length: int | None = _opt(None, "longest prompt + output (default: the model's)")
     chunked_prefill_size: int = _opt(512, "split prompts longer than this into chunks (<=0 disables)")
     max_prefill_tokens: int = _opt(4096, "token budget of one prefill batch")
-    schedule_policy: str = _opt("lpm", "queue order", ("lpm", "dfs-weight", "fcfs", "random"))
+    schedule_policy: str = _opt(
+        "lpm",
+        "queue order; program: least attained service of the request's agent program first (its "
+        "`program_id` or `session_id`), lpm within a level",
+        ("lpm", "program", "dfs-weight", "fcfs", "random"),
+    )
     new_token_ratio: float = _opt(
         0.4, "share of running requests' remaining max_new_tokens reserved at admission"
     )
@@ -233,6 +238,14 @@ class ServerArgs:
         "when it gives no `cache_ttl_s`",
     )
     max_session_ttl_s: float = _opt(3600.0, "largest `cache_ttl_s` a request may ask for; past it: HTTP 400")
+    kv_retention: str = _opt(
+        "ttl",
+        "what keeps a program's KV between its calls: ttl = a session's request pins its tokens for "
+        "`cache_ttl_s` (else --session-ttl-s); auto = a request of a program (`program_id` or `session_id`) "
+        "that gives no `cache_ttl_s` is pinned for a time learned from its program's gaps while that pays "
+        "against memory pressure, else kept in the host tier and prefetched back (see docs/sessions.md)",
+        ("ttl", "auto"),
+    )
     max_pinned_tokens: int = _opt(
         -1,
         "most tokens session pins may hold in the KV pool together (the oldest pin is released past it); "

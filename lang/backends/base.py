@@ -17,7 +17,7 @@ from lang.chat_template import ChatTemplate
 
 # The per-request options a backend may send with every request of the programs it runs: the server's
 # `generate_input.OPTION_FIELDS` (tests/e2e/test_request_options.py keeps the two lists equal).
-REQUEST_OPTIONS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority")
+REQUEST_OPTIONS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority", "program_id")
 
 
 def request_options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -36,6 +36,9 @@ class Prompt:
     messages: tuple[dict[str, str], ...] = ()  # completed role blocks, in order
     open_role: str | None = None  # role whose block is open (its content so far is `open_content`)
     open_content: str = ""
+    # the program run it belongs to: sent as `program_id` (unless the backend's options name one), so the
+    # server schedules and retains the calls of one run, forks included, together
+    program_id: str | None = None
 
 
 @dataclass

@@ -39,8 +39,11 @@ class NativeBackend(Backend):
         self._lock = threading.Lock()
         self.options = request_options(options)
 
-    def _body(self, text: str | list[str], sampling: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        return {**self.options, "text": text, "sampling_params": sampling, **extra}
+    def _body(
+        self, text: str | list[str], sampling: dict[str, Any], program_id: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        own = {"program_id": program_id} if program_id and "program_id" not in self.options else {}
+        return {**self.options, **own, "text": text, "sampling_params": sampling, **extra}
 
     # ---------------------------------------------------------------------------------------------- transport
     @abstractmethod
@@ -63,27 +66,29 @@ class NativeBackend(Backend):
             return self._template
 
     def generate(self, prompt: Prompt, sampling: dict[str, Any]) -> GenResult:
-        out = self.request(self._body(prompt.text, sampling))
+        out = self.request(self._body(prompt.text, sampling, prompt.program_id))
         return GenResult(_field(out, "text"), out.get("meta_info", {}))
 
     def generate_stream(self, prompt: Prompt, sampling: dict[str, Any]) -> Iterator[GenResult]:
-        for chunk in self.request_stream(self._body(prompt.text, sampling, stream=True)):
+        for chunk in self.request_stream(self._body(prompt.text, sampling, prompt.program_id, stream=True)):
             yield GenResult(_field(chunk, "text"), chunk.get("meta_info", {}))
 
     def cache_prefix(self, prompt: Prompt) -> None:
         if prompt.text:
-            self.request(self._body(prompt.text, PREFILL_ONLY))
+            self.request(self._body(prompt.text, PREFILL_ONLY, prompt.program_id))
 
     def select(self, prompt: Prompt, choices: list[str]) -> SelectResult:
         if not choices:
             raise ValueError("select needs at least one choice")
-        head = self.request(self._body(prompt.text, PREFILL_ONLY))
+        head = self.request(self._body(prompt.text, PREFILL_ONLY, prompt.program_id))
         n_prompt = int(_field(head.get("meta_info", {}), "prompt_tokens"))
         if n_prompt < 1:
             raise ValueError("select needs prompt text before it")
         start = max(n_prompt - BOUNDARY_TOKENS, 0)
         texts = [prompt.text] + [prompt.text + c for c in choices]
-        outs = self.request(self._body(texts, PREFILL_ONLY, return_logprob=True, logprob_start_len=start))
+        outs = self.request(
+            self._body(texts, PREFILL_ONLY, prompt.program_id, return_logprob=True, logprob_start_len=start)
+        )
         if not isinstance(outs, list) or len(outs) != len(texts):
             raise BackendError(f"expected {len(texts)} results for a batch request, got {str(outs)[:200]}")
         prompt_tail = [e[1] for e in _entries(outs[0])]  # token ids of positions start .. n_prompt-1

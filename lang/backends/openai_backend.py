@@ -63,6 +63,8 @@ class OpenAI(Backend):
         use_chat = prompt.open_role == "assistant" and prompt.open_content == ""
         args: dict[str, Any] = {"model": self.model}
         extra: dict[str, Any] = dict(self.options)
+        if prompt.program_id and "program_id" not in extra:
+            extra["program_id"] = prompt.program_id
         for name, value in sampling.items():
             if name == "json_schema":
                 fmt = {"type": "json_schema", "json_schema": {"name": "output", "schema": json.loads(value)}}

@@ -31,6 +31,7 @@ class RequestOptionFields(BaseModel):
     cache_ttl_s: float | None = None
     timeout: float | None = None
     priority: int | None = None
+    program_id: str | None = None
 
 
 class PromptCacheOptions(BaseModel):

@@ -34,14 +34,16 @@ ALLOWED_FIELDS = {
     "priority",
     "lora_path",
     "lora",
+    "program_id",
 }
 # The per-request options' body fields, on every front end (`RequestOptions`; lang.backends.REQUEST_OPTIONS
 # names the same ones for DSL programs)
-OPTION_FIELDS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority")
+OPTION_FIELDS = ("timeout", "cache_salt", "session_id", "cache_ttl_s", "priority", "program_id")
 MAX_CACHE_SALT_CHARS = 1024
 MAX_SESSION_ID_CHARS = 256
 MAX_LORA_NAME_CHARS = 256
 SESSION_HEADER = "x-session-id"  # names the session when the body does not (`session_id`)
+PROGRAM_HEADER = "x-program-id"  # names the program when the body does not (`program_id`)
 # A request's own deadline, in seconds: positive and finite (it can only shorten --request-timeout-s).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_PRIORITY = 2**31 - 1  # |priority|: it travels as a msgpack integer
@@ -130,9 +132,11 @@ def parse_generate_body(body: Any, max_prompts: int | None = None) -> tuple[list
     return reqs, is_batch
 
 
-def parse_options(fields: dict[str, Any], session_header: str | None = None) -> RequestOptions:
-    """From a body's OPTION_FIELDS (`session_id` else the X-Session-Id header's value); ValueError naming
-    the field."""
+def parse_options(
+    fields: dict[str, Any], session_header: str | None = None, program_header: str | None = None
+) -> RequestOptions:
+    """From a body's OPTION_FIELDS (`session_id` else the X-Session-Id header's value, `program_id` else the
+    X-Program-Id header's); ValueError naming the field."""
     session_id = fields.get("session_id")
     if session_id is None:  # an empty one in the body is the body's (a 400), not a cue for the header
         session_id = session_header or None
@@ -143,6 +147,7 @@ def parse_options(fields: dict[str, Any], session_header: str | None = None) -> 
         session_id=session_id,
         cache_ttl_s=ttl,
         priority=parse_priority(fields.get("priority")),
+        program_id=parse_program_id(fields.get("program_id"), program_header),
     )
 
 
@@ -153,7 +158,7 @@ def body_options(body: Any, headers: Mapping[str, str]) -> RequestOptions:
     fields = {name: getattr(body, name, None) for name in OPTION_FIELDS}
     header = headers.get(SESSION_HEADER) or getattr(body, "prompt_cache_key", None)
     try:
-        return parse_options(fields, header)
+        return parse_options(fields, header, headers.get(PROGRAM_HEADER))
     except ValueError as e:
         raise RequestError(str(e), 400) from None
 
@@ -191,6 +196,16 @@ def parse_priority(value: Any) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_PRIORITY:
         raise ValueError(f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    return value
+
+
+def parse_program_id(value: Any, header: str | None = None) -> str | None:
+    """A request's `program_id` (else the X-Program-Id header's value): the agent program it is a call of,
+    scheduled and retained with the program's other calls (`--schedule-policy program`, `--kv-retention`)."""
+    if value is None:
+        value = header or None
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_SESSION_ID_CHARS):
+        raise ValueError(f"'program_id' must be a non-empty string of at most {MAX_SESSION_ID_CHARS} chars")
     return value
 
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.entrypoints.generate_input import (
+    PROGRAM_HEADER,
     SESSION_HEADER,
     check_unicode,
     parse_cache_salt,
@@ -101,6 +102,8 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         data = body.model_dump(exclude_unset=True)
         if data.get("session_id") is None and request.headers.get(SESSION_HEADER):
             data["session_id"] = request.headers[SESSION_HEADER]
+        if data.get("program_id") is None and request.headers.get(PROGRAM_HEADER):
+            data["program_id"] = request.headers[PROGRAM_HEADER]
         try:
             reqs, is_batch = parse_generate_body(data, max_prompts=args.max_prompts_per_request)
         except ValueError as e:

@@ -274,6 +274,7 @@ def test_select_scores_mean_choice_logprob_with_one_prefill(null_first: bool, pr
     assert state["v"] == choices[max(range(3), key=lambda i: expected[i])]
     assert state.text() == prompt + state["v"]
     prefill, batch = toy.bodies  # one prefill of the shared prompt, then one batch
+    assert prefill.pop("program_id") == batch["program_id"]  # both calls of one run: one program
     assert prefill == {"text": prompt, "sampling_params": {"max_new_tokens": 0}}
     assert batch["text"] == [prompt] + [prompt + c for c in choices] and batch["return_logprob"] is True
     assert batch["logprob_start_len"] == len(toy_tokenize(prompt)) - 2
@@ -290,10 +291,30 @@ def test_fork_prefills_prefix_and_forks_are_independent(backend: ToyBackend, toy
         s += " | ".join(f["x"] + "/" + f.text() for f in forks)
 
     state = tree.run(backend=backend)
+    # every call of the run, the forks' included, names the run's one program id
+    assert len({b.pop("program_id") for b in toy.bodies}) == 1
     assert toy.bodies[0] == {"text": "Root. ", "sampling_params": {"max_new_tokens": 0}}
     assert sorted(b["text"] for b in toy.bodies[1:]) == [f"Root. Branch {i}: " for i in range(3)]
     assert state.text() == "Root. " + " | ".join(f"he/Root. Branch {i}: he" for i in range(3))
     assert "x" not in state  # forks' variables stay in the forks
+
+
+def test_each_run_of_run_batch_is_a_program_of_its_own(backend: ToyBackend, toy: ToyServer):
+    @lang.function
+    def two_calls(s, topic):
+        s += f"About {topic}: " + lang.gen("a", max_tokens=2)
+        s += " More: " + lang.gen("b", max_tokens=2)
+
+    two_calls.run_batch([{"topic": t} for t in "xyz"], backend=backend, progress_bar=False)
+    ids: dict[str, set[str]] = {}
+    for body in toy.bodies:
+        ids.setdefault(body["text"].split(":")[0], set()).add(body["program_id"])
+    assert sorted(ids) == ["About x", "About y", "About z"]
+    assert all(len(v) == 1 for v in ids.values())  # a run's two calls: one program
+    assert len(set().union(*ids.values())) == 3  # three runs: three programs
+    pinned = ToyBackend(toy)
+    pinned.options = {"program_id": "mine"}
+    assert pinned._body("t", {}, "auto-id")["program_id"] == "mine"  # the options' own id wins
 
 
 def test_stream_yields_chunks_and_final_text(backend: ToyBackend):

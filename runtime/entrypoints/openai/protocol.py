@@ -79,6 +79,7 @@ class CommonRequest(BaseModel):
     cache_ttl_s: float | None = Field(default=None, ge=0)
     timeout: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # seconds; shortens the server's
     priority: int | None = None  # vLLM's: a lower value is admitted first (`generate_input.parse_priority`)
+    program_id: str | None = None  # the agent program it is a call of (`generate_input.parse_program_id`)
     # sglang-router (`--dp-size`) sends these with every request it forwards. separate_reasoning=False keeps
     # the thoughts in `content` (see --reasoning-parser); thoughts always stream as they come, so
     # stream_reasoning changes nothing; hidden states only off.

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.programs import ProgramTable
 from runtime.managers.scheduler.req import Req
 
 logger = logging.getLogger("radixlm.scheduler")
@@ -33,33 +34,45 @@ OVERDUE_AFTER_S = 120.0
 
 
 def order_waiting(
-    policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None = None
+    policy: str,
+    waiting: list[Req],
+    cm: CacheManager,
+    rng: random.Random | None = None,
+    programs: ProgramTable | None = None,
 ) -> tuple[list[Req], bool]:
     """`waiting` in the order to try admission, and whether every request's match_* fields were just
     filled. Only the orders that need the matches (`lpm`, `dfs-weight`) match the whole queue; for the
     others `PrefillAdder.add_waiting` matches just the requests it is offered. `lpm` ranks by the prefix
     the request will not compute, on the device or in a lower tier (a tie goes to the longer device match,
     which needs no load); the oldest request goes first once it has waited OVERDUE_AFTER_S, so none starves
-    behind cache hits. Requests of a lower `priority` come before the others (the policy's order within a
-    priority; the starvation bound holds across priorities)."""
+    behind cache hits. `program` (`programs` holds the programs' attained service) orders by PLAS level,
+    then as `lpm` within a level, with the same starvation bound (`programs.py`). Requests of a lower
+    `priority` come before the others (the policy's order within a priority; the starvation bound holds
+    across priorities)."""
     if not any(r.priority for r in waiting):
-        return _order(policy, waiting, cm, rng)
+        return _order(policy, waiting, cm, rng, programs)
     by_priority: dict[int, list[Req]] = defaultdict(list)
     for r in waiting:
         by_priority[r.priority].append(r)
     ordered, matched = [], True
     for p in sorted(by_priority):
-        part, part_matched = _order(policy, by_priority[p], cm, rng)
+        part, part_matched = _order(policy, by_priority[p], cm, rng, programs)
         ordered += part
         matched &= part_matched
-    if policy == "lpm":
+    if policy in ("lpm", "program"):
         _overdue_first(ordered)
     return ordered, matched
 
 
 def _order(
-    policy: str, waiting: list[Req], cm: CacheManager, rng: random.Random | None
+    policy: str,
+    waiting: list[Req],
+    cm: CacheManager,
+    rng: random.Random | None,
+    programs: ProgramTable | None = None,
 ) -> tuple[list[Req], bool]:
+    if policy == "program":
+        return _program_order(waiting, cm, programs or ProgramTable())
     if policy == "lpm" and len(waiting) > LPM_MAX_QUEUE:
         policy = "fcfs"
     if policy in ("lpm", "dfs-weight"):
@@ -79,6 +92,26 @@ def _order(
         (rng or random).shuffle(out)
         return out, False
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _program_order(waiting: list[Req], cm: CacheManager, programs: ProgramTable) -> tuple[list[Req], bool]:
+    """PLAS: the lowest level (least attained service of the request's program, aged by its wait) first;
+    within a level `lpm`'s order (arrival order past LPM_MAX_QUEUE, with no matching); the overdue request
+    first."""
+    now = time.monotonic()
+    level = {id(r): programs.level(r, now) for r in waiting}
+    if len(waiting) > LPM_MAX_QUEUE:
+        ordered = sorted(waiting, key=lambda r: (level[id(r)], r.arrival))
+        _overdue_first(ordered)
+        return ordered, False
+    for req in waiting:
+        cm.match(req, True)
+    ordered = sorted(
+        waiting,
+        key=lambda r: (level[id(r)], -(r.match_len + r.tier_match_len), -r.match_len, r.arrival),
+    )
+    _overdue_first(ordered)
+    return ordered, True
 
 
 def _overdue_first(ordered: list[Req]) -> None:
@@ -228,6 +261,7 @@ def admit(
     args,
     rng: random.Random,
     offer: Callable[[PrefillAdder, Req, bool], AddOutcome | None],
+    programs: ProgramTable | None = None,
 ) -> tuple[list[tuple[Req, int]], list[Req]]:
     """One extend batch: (admitted (request, tokens to compute now) with their KV slots appended, the
     waiting requests among them that started). `held` (requests holding KV: chunked prefill, jump-forward)
@@ -256,7 +290,7 @@ def admit(
             break
     started: list[Req] = []
     if held_admitted == len(held):
-        ordered, matched = order_waiting(args.schedule_policy, waiting, cm, rng)
+        ordered, matched = order_waiting(args.schedule_policy, waiting, cm, rng, programs)
         first = min((r for r in ordered if r.tier_waiting), key=lambda r: r.arrival, default=None)
         if first is not None and first is not ordered[0]:
             at = 1 if _overdue(ordered[0]) else 0

@@ -32,7 +32,9 @@ from runtime.managers.scheduler.output_stream import (
     record_input_logprobs,
     record_output_logprob,
 )
+from runtime.managers.scheduler.programs import ProgramTable
 from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.retention import Retention
 from runtime.managers.scheduler.schedule_policy import (
     OVERDUE_AFTER_S,
     AddOutcome,
@@ -97,6 +99,13 @@ class Scheduler:
         tenant_tokens = args.tenant_max_pinned_tokens
         tenant_tokens = max_pinned // 2 if tenant_tokens < 0 else tenant_tokens
         self.sessions = SessionPins(self.cm.cache, max_pinned, host, args.tenant_max_pins, tenant_tokens)
+        # agent programs: their attained service (`--schedule-policy program`) and automatic retention
+        self.programs = ProgramTable()
+        self.retention = (
+            Retention(self.programs, self.sessions, self.cm, args.max_session_ttl_s)
+            if args.kv_retention == "auto"
+            else None
+        )
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
         torch.manual_seed(args.random_seed)
@@ -163,6 +172,9 @@ class Scheduler:
     def add_request(self, msg: GenerateReq) -> None:
         timeout = self.args.request_timeout_s
         req = Req.from_message(msg, timeout if timeout and timeout > 0 else None)
+        prog = self.programs.arrive(req)
+        if self.retention is not None:
+            self.retention.arrived(req, prog)
         r = self.runner
         problem = req.input_problem(r.vocab_size, r.context_length, r.max_total_tokens)
         if problem:
@@ -254,6 +266,8 @@ class Scheduler:
             self._run_extend(admitted)
         elif self.running:
             self._run_decode()
+        if self.retention is not None and not self.waiting:
+            self.retention.prefetch()  # programs expected back: their host-tier KV into free slots
         self._log.maybe_log(self.stats["generated_tokens"], self.has_work(), self.server_info)
         self.memory.check(self)
         if self.threads is not None:
@@ -340,8 +354,10 @@ class Scheduler:
         # Requests that already hold KV go first: they pin memory until they finish. A request mid chunked
         # prefill is first of those (see below).
         admitted, started = admit(
-            self.cm, self.running, list(self.reextend), self.waiting, a, self.rng, self._offer
+            self.cm, self.running, list(self.reextend), self.waiting, a, self.rng, self._offer, self.programs
         )
+        for req, take in admitted:
+            self.programs.charge(req, take)
         for req in started:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
@@ -358,7 +374,9 @@ class Scheduler:
                 # Cut by chunked prefill (at most one: the adder stops after cutting). It holds KV, so it goes
                 # first next step; a request that is not admitted simply stays in `reextend`.
                 self.reextend.insert(0, req)
-        if not admitted and not self.running and self.waiting:
+        if not admitted and self.waiting and self.retention is not None and self.retention.relieve():
+            pass  # an automatic pin went back to LRU order first: the next step tries again
+        elif not admitted and not self.running and self.waiting:
             # Nothing runs and nothing fits: pinned sessions must not stall the server. Unpin the oldest
             # (its tokens become evictable); the next step tries again.
             self.sessions.release_oldest()
@@ -586,14 +604,23 @@ class Scheduler:
     # ---- leaving -------------------------------------------------------------------------------------------
     def _retire(self, req: Req) -> None:
         session = req.session_id if req.error is None else None
+        prog = self.programs.finish(req)
+        # automatic retention: a program's request that gave no cache_ttl_s (an explicit TTL wins)
+        auto = self.retention is not None and prog is not None and req.error is None
+        auto = auto and req.options.cache_ttl_s is None
         key = None
         if req.req_pool_idx is not None:
-            key = req.cache_key(req.kv_len) if session else None
+            key = req.cache_key(req.kv_len) if session or auto else None
             if key and req.pin_prefix_len:
                 key = key[: req.pin_prefix_len]
             self.cm.release(req, cache_tokens=True)
-        if session:
+        pinned = False
+        if auto and key:
+            decision = self.retention.retain(req, key, self._kv_demand())
+            pinned = decision is not None and decision.action != "lru"
+        elif session:
             pinned = bool(key) and self.sessions.pin(req.session_key, key, req.cache_ttl_s)
+        if session:
             self.sessions.remember(req.session_key, req.all_ids, pinned)
         if self.spec is not None:
             self.spec.learn(req, self.stats)
@@ -602,6 +629,13 @@ class Scheduler:
             self.stats["requests_finished"] += 1
         if self.lora is not None:
             self.lora.release(req)
+
+    def _kv_demand(self) -> int:
+        """KV slots the queued requests want now: waiting prompts and the running requests' reservations
+        (what automatic retention weighs a pin against)."""
+        ratio = self.args.new_token_ratio
+        waiting = sum(r.seq_len for r in self.waiting)
+        return waiting + sum(int(r.remaining_new_tokens * ratio) for r in (*self.running, *self.reextend))
 
     def _fail(self, req: Req, message: str, status: int) -> None:
         req.error, req.error_status = message, status
@@ -630,6 +664,8 @@ class Scheduler:
             "grammar": self.grammars.stats(),
             **(self.lora.info() if self.lora is not None else {}),
             **self.sessions.info(),
+            **self.programs.info(),
+            **(self.retention.info() if self.retention is not None else {}),
             **self.stats,
             **spec_info(self.stats, self.spec),
             "memory": memory_report(self, self.memory),

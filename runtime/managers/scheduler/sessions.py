@@ -154,6 +154,17 @@ class SessionPins:
         self.counts["pinned"] += 1
         return True
 
+    def pin_on_host(self, sid: SessionKey, key: list[int], ttl_s: float) -> bool:
+        """`pin`, then move the pin to the host tier at once (its device copy becomes ordinary LRU): automatic
+        retention's choice when the device's memory is wanted now. False (nothing pinned) without a host tier
+        or room there."""
+        if self.host is None or not self.pin(sid, key, ttl_s):
+            return False
+        if self._demote(sid):
+            return True
+        self._release(sid, reason=None)
+        return False
+
     def release(self, sid: SessionKey, reason: str | None = "deleted") -> int:
         """Unlock the pin of session `sid`; returns the tokens it pinned (0: it had none). `reason` names
         the counter to bump (None: replaced by the session's own newer pin)."""

@@ -256,11 +256,14 @@ class TokenizerManager:
         if not rid.isprintable():
             raise RequestError("'rid' must contain only printable characters (no control characters)", 400)
 
-    def session_ttl(self, req: GenerateReq) -> float:
-        """Seconds the request's tokens stay pinned after it finishes (0: it names no session)."""
+    def session_ttl(self, req: GenerateReq) -> float | None:
+        """Seconds the request's tokens stay pinned after it finishes (0: it names no session; None: it gave
+        none and --kv-retention auto lets the scheduler decide)."""
         if req.options.session_id is None:
-            return 0.0
+            return 0.0 if req.options.program_id is None else None
         ttl = req.options.cache_ttl_s
+        if ttl is None and self.args.kv_retention == "auto":
+            return None
         ttl = ttl if ttl is not None else self.args.session_ttl_s
         if ttl > self.args.max_session_ttl_s:
             limit = self.args.max_session_ttl_s

@@ -1,0 +1,165 @@
+"""Programs: the requests of one agent run, scheduled and retained together.
+
+A *program* is the requests that name the same `program_id` (the DSL gives every call of one `@function`
+run, forks and `run_batch` items included, its own), or else the same `session_id`, within one tenant and
+cache salt. A request that names neither is a program of its own.
+
+`ProgramTable` keeps, per program: its *attained service* (tokens computed for it so far: every prefill
+chunk when it is admitted, every generated token when its request leaves), the requests it has live now, and
+the gaps between one of its requests finishing and its next one arriving (what `retention` learns from).
+
+`--schedule-policy program` orders the waiting queue by Autellix's program-level least attained service
+(PLAS, arXiv 2502.13965): a request's *level* is its program's attained service on a log scale (level 0
+below QUANTUM_TOKENS, then one level per doubling, at most MAX_LEVEL), lower levels first, and within a level
+`lpm`'s order (the longest prefix it will not compute, then the longest device match, then arrival). Short
+programs therefore finish first, and a long program's next call queues behind them.
+
+Starvation bound: a waiting request's level drops by one for every PROMOTE_AFTER_S it has waited, so any
+request reaches level 0 within MAX_LEVEL x PROMOTE_AFTER_S (80 s); and, as under `lpm`, the oldest request
+goes first once it has waited `schedule_policy.OVERDUE_AFTER_S` (120 s). No request waits longer than that
+bound plus the time for the requests in front of it at level 0 to be admitted.
+
+Memory: a program's record lives while it has live requests, and at most PROGRAM_IDLE_S after; at most
+MAX_PROGRAMS records are kept (the least recently active idle ones go first), each with GAP_SAMPLES gaps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from runtime.managers.scheduler.req import Req
+
+QUANTUM_TOKENS = 1024  # attained service below this is level 0
+MAX_LEVEL = 8  # levels past QUANTUM_TOKENS x 2**7 (131k tokens) are one level
+PROMOTE_AFTER_S = 10.0  # a waiting request's level drops by one per this many seconds waited
+GAP_SAMPLES = 32  # gaps kept per program (the newest)
+MAX_PROGRAMS = 4096  # program records kept (idle ones beyond it go, least recently active first)
+PROGRAM_IDLE_S = 3600.0  # an idle program's record is forgotten after this long
+
+ProgramKey = tuple  # (tenant, cache salt, ("program", id) | ("session", id))
+
+
+def program_key(req: Req) -> ProgramKey | None:
+    """The program a request belongs to (None: it names none and is a program of its own)."""
+    opts = req.options
+    pid = getattr(opts, "program_id", None)
+    if pid is not None:
+        return (opts.tenant, opts.cache_salt, ("program", pid))
+    if opts.session_id is not None:
+        return (opts.tenant, opts.cache_salt, ("session", opts.session_id))
+    return None
+
+
+@dataclass
+class Program:
+    service: int = 0  # tokens computed for the program so far (prefill + decode)
+    live: set[str] = field(default_factory=set)  # rids of its requests queued or running now
+    last_finish: float | None = None  # when its live set last became empty (None: never, or not idle)
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAP_SAMPLES))  # finish -> next arrival
+    finished: int = 0  # times its live set became empty (a request that could be followed)
+    followed: int = 0  # of those, the times another request of it arrived later
+    touched: float = 0.0  # last arrival or finish (time.monotonic())
+    new_gap: float | None = None  # the gap its latest arrival ended (None: it arrived while another ran)
+
+
+def level_of(service: int) -> int:
+    """PLAS level of an attained service: 0 below QUANTUM_TOKENS, +1 per doubling, at most MAX_LEVEL."""
+    if service < QUANTUM_TOKENS:
+        return 0
+    return min(MAX_LEVEL, 1 + int(math.log2(service / QUANTUM_TOKENS)))
+
+
+class ProgramTable:
+    def __init__(self, max_programs: int = MAX_PROGRAMS, idle_s: float = PROGRAM_IDLE_S):
+        self.max_programs, self.idle_s = max_programs, idle_s
+        self._programs: OrderedDict[ProgramKey, Program] = OrderedDict()  # least recently active first
+        # program_idle: times a program's live set became empty; program_gaps: of those, the times another
+        # of its requests came later (the pooled follow-up rate)
+        self.counts = dict(program_requests=0, program_idle=0, program_gaps=0, programs_forgotten=0)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def get(self, key: ProgramKey | None) -> Program | None:
+        return self._programs.get(key) if key is not None else None
+
+    def arrive(self, req: Req, now: float | None = None) -> Program | None:
+        """A request entered the scheduler: record the gap since its program went idle."""
+        key = program_key(req)
+        if key is None:
+            return None
+        now = time.monotonic() if now is None else now
+        prog = self._programs.pop(key, None)
+        if prog is None:
+            prog = Program()
+        prog.new_gap = None
+        if not prog.live and prog.last_finish is not None:
+            prog.new_gap = max(0.0, now - prog.last_finish)
+            prog.gaps.append(prog.new_gap)
+            prog.followed += 1
+            self.counts["program_gaps"] += 1
+        prog.live.add(req.rid)
+        prog.last_finish, prog.touched = None, now
+        self._programs[key] = prog  # most recently active last
+        self.counts["program_requests"] += 1
+        self._forget(now)
+        return prog
+
+    def charge(self, req: Req, tokens: int) -> None:
+        """`tokens` computed for `req` (a prefill chunk, or its generated tokens as it leaves)."""
+        prog = self.get(program_key(req))
+        if prog is not None and tokens > 0:
+            prog.service += tokens
+
+    def finish(self, req: Req, now: float | None = None) -> Program | None:
+        """`req` left (finished, aborted, failed): its generated tokens are charged; when it was the program's
+        last live request the program goes idle (the next arrival's gap starts now)."""
+        key = program_key(req)
+        prog = self.get(key)
+        if prog is None or req.rid not in prog.live:
+            return None
+        now = time.monotonic() if now is None else now
+        prog.service += len(req.output_ids)
+        prog.live.discard(req.rid)
+        prog.touched = now
+        if not prog.live:
+            prog.last_finish = now
+            prog.finished += 1
+            self.counts["program_idle"] += 1
+        self._programs.move_to_end(key)
+        return prog
+
+    def service(self, req: Req) -> int:
+        """Attained service of the request's program; a request of no program counts its own output (a
+        retracted one has some)."""
+        prog = self.get(program_key(req))
+        return prog.service if prog is not None else len(req.output_ids)
+
+    def level(self, req: Req, now: float) -> int:
+        """The request's PLAS level, lowered by one per PROMOTE_AFTER_S it has waited (the starvation
+        bound)."""
+        aged = int(max(0.0, now - req.arrival) / PROMOTE_AFTER_S)
+        return max(0, level_of(self.service(req)) - aged)
+
+    def _forget(self, now: float) -> None:
+        """Drop idle programs past PROGRAM_IDLE_S, and the least recently active idle ones past
+        MAX_PROGRAMS."""
+        while self._programs:
+            key, prog = next(iter(self._programs.items()))
+            if prog.live:  # the oldest has live requests: look no further (records stay bounded by them)
+                if len(self._programs) <= self.max_programs:
+                    break
+                idle = next((k for k, p in self._programs.items() if not p.live), None)
+                if idle is None:
+                    break
+                key = idle
+            elif len(self._programs) <= self.max_programs and now - prog.touched < self.idle_s:
+                break
+            del self._programs[key]
+            self.counts["programs_forgotten"] += 1
+
+    def info(self) -> dict:
+        return {"programs_tracked": len(self._programs), **self.counts}

@@ -1,0 +1,254 @@
+"""Automatic retention (`--kv-retention auto`): keep a program's KV between its calls without the client
+asking, and load it back from the host tier before its next call.
+
+When a request of a program (`programs.py`) finishes and it gave no `cache_ttl_s` (an explicit TTL is the
+client's and wins: `sessions.SessionPins` pins it as asked), `Retention.retain` decides, after Continuum's
+cost/benefit (arXiv 2511.02230):
+
+- **How long.** The program's own gaps between a request finishing and its next arriving (at least
+  MIN_OWN_GAPS of them; else the gaps of all programs, the newest POOLED_GAPS; else FIRST_GAP_S): the TTL is
+  TTL_MARGIN x their GAP_QUANTILE quantile, within [MIN_TTL_S, --max-session-ttl-s].
+- **Whether it pays.** The expected reuse is p = P(the program sends another request) x P(it comes within the
+  TTL), both counted online (the program's own finishes and follow-ups, with the pooled rate as a prior of
+  weight PRIOR_WEIGHT). The memory pressure is rho = 0 while the waiting requests' tokens, the running
+  requests' reservations and this path fit in (1 - HEADROOM) of the slots obtainable now; past that, rho is
+  their ratio to those slots (at most 1). Holding the path costs others rho per token; keeping it saves p per
+  token.
+- **What is done.** p > rho and p >= MIN_REUSE: pin on the device for the TTL. Else, with a host tier and
+  p >= MIN_REUSE: pin in the host tier (copied there, its device copy left to LRU), and `prefetch` loads it
+  back when the pool has room. Else nothing: the path is an ordinary LRU entry (which eviction still copies
+  to the host tier).
+
+Never worse than LRU under pressure: automatic pins count against --max-pinned-tokens like any pin, and while
+a waiting request cannot be admitted the scheduler calls `relieve`, which releases the oldest automatic device
+pin, one per step, so memory goes back to LRU order before any request waits for it. Programs that never
+return (a flood of one-shot programs) drive p toward 0 and stop being pinned.
+
+Prefetch (KVFlow, arXiv 2507.07400): a program whose path is not pinned on the device and whose reuse is
+expected (p >= MIN_REUSE) is remembered until its TTL passes. When no request waits and the free list holds
+the path's host part plus PREFETCH_HEADROOM of the pool, `prefetch` copies it back into free slots and
+inserts it into the radix cache (no eviction, so it takes no one's memory), at most PREFETCH_TOKENS_PER_STEP
+per step. The program's next request then finds it on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+
+from runtime.managers.scheduler.cache_manager import CacheManager
+from runtime.managers.scheduler.programs import Program, ProgramTable, program_key
+from runtime.managers.scheduler.req import Req
+from runtime.managers.scheduler.sessions import SessionPins
+
+MIN_OWN_GAPS = 2  # a program's own gaps needed before its TTL is learned from them alone
+POOLED_GAPS = 512  # the newest gaps of all programs: the prior of a program with too few of its own
+FIRST_GAP_S = (
+    10.0  # the TTL's basis before any gap was seen (vLLM router data: 95% of next calls within 10 s)
+)
+GAP_QUANTILE = 0.9
+TTL_MARGIN = 1.5
+MIN_TTL_S = 1.0
+PRIOR_WEIGHT = 2.0  # finishes' worth of the pooled follow-up rate in a program's own rate
+MIN_REUSE = 0.15  # below this expected reuse nothing is retained (a first call on a fresh server: 0.2)
+HEADROOM = 0.25  # share of obtainable slots kept for arrivals before pinning counts as pressure
+PREFETCH_HEADROOM = 0.25  # share of the pool left free after a prefetch
+PREFETCH_TOKENS_PER_STEP = 4096
+MAX_EXPECTED = 256  # programs remembered for prefetch
+MAX_EXPECTED_TOKENS = 1 << 18  # their keys' tokens together
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "device" (pinned on the device), "host" (pinned in the host tier) or "lru" (not pinned)
+    ttl_s: float
+    reuse: float  # p: the expected chance the program reuses the path within ttl_s
+    pressure: float  # rho at the time
+
+
+def quantile(values, q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Retention:
+    def __init__(
+        self,
+        programs: ProgramTable,
+        pins: SessionPins,
+        cm: CacheManager,
+        max_ttl_s: float,
+    ):
+        self.programs, self.pins, self.cm, self.max_ttl_s = programs, pins, cm, max_ttl_s
+        self.pooled: deque[float] = deque(maxlen=POOLED_GAPS)
+        self._auto: OrderedDict[tuple, None] = OrderedDict()  # pins this policy took, oldest first
+        # programs whose path is expected back: pin sid -> (cache key, until), oldest first
+        self._expected: OrderedDict[tuple, tuple[list[int], float]] = OrderedDict()
+        self.expected_tokens = 0
+        self.counts = dict(
+            retain_device=0,
+            retain_host=0,
+            retain_lru=0,
+            retain_relieved=0,
+            prefetched_tokens=0,
+            prefetches=0,
+        )
+
+    # ---- learning ---------------------------------------------------------------------------------------
+    def arrived(self, req: Req, prog: Program | None) -> None:
+        """A program's request arrived (after `ProgramTable.arrive`): its gap joins the pooled gaps, and it no
+        longer needs a prefetch."""
+        if prog is None:
+            return
+        if prog.new_gap is not None:
+            self.pooled.append(prog.new_gap)
+        self._forget_expected(pin_sid(req))
+
+    def ttl(self, prog: Program) -> float:
+        gaps = prog.gaps if len(prog.gaps) >= MIN_OWN_GAPS else self.pooled
+        basis = quantile(gaps, GAP_QUANTILE) if gaps else FIRST_GAP_S
+        return min(self.max_ttl_s, max(MIN_TTL_S, TTL_MARGIN * basis))
+
+    def reuse(self, prog: Program, ttl: float) -> float:
+        counts = self.programs.counts
+        pooled_rate = (counts["program_gaps"] + 1) / (counts["program_idle"] + 2)
+        # prog.finished counts the finish being decided: it has not been followed yet, and may never be
+        rate = (prog.followed + PRIOR_WEIGHT * pooled_rate) / (prog.finished + PRIOR_WEIGHT)
+        gaps = prog.gaps if len(prog.gaps) >= MIN_OWN_GAPS else self.pooled
+        within = sum(g <= ttl for g in gaps) / len(gaps) if gaps else GAP_QUANTILE
+        return rate * within
+
+    def decide(self, prog: Program, tokens: int, demand: int, available: int) -> Decision:
+        """`tokens`: the path to keep; `demand`: the slots waiting and running requests need now;
+        `available`: the slots obtainable now (`CacheManager.available`)."""
+        ttl = self.ttl(prog)
+        p = self.reuse(prog, ttl)
+        need = demand + tokens
+        rho = 0.0 if need <= (1 - HEADROOM) * available else min(1.0, need / max(1, available))
+        if p >= MIN_REUSE and p > rho:
+            action = "device"
+        elif p >= MIN_REUSE and self.pins.host is not None:
+            action = "host"
+        else:
+            action = "lru"
+        return Decision(action, ttl, p, rho)
+
+    # ---- acting -------------------------------------------------------------------------------------------
+    def retain(self, req: Req, key: list[int], demand: int) -> Decision | None:
+        """`req` (of a program, no explicit TTL) finished and its tokens `key` are cached: pin them on the
+        device, in the host tier, or leave them to LRU (the module docstring). None: not a program's."""
+        prog = self.programs.get(program_key(req))
+        if prog is None or prog.live:  # a fork still runs: the program is not idle, nothing to decide yet
+            return None
+        sid = pin_sid(req)
+        d = self.decide(prog, len(key), demand, self.cm.available())
+        self.pins.release(sid, reason=None)
+        self._auto.pop(sid, None)
+        action = d.action
+        if action == "device" and not self.pins.pin(sid, key, d.ttl_s):
+            action = "lru"
+        elif action == "host" and not self.pins.pin_on_host(sid, key, d.ttl_s):
+            action = "lru"
+        if action == "device":
+            self._auto[sid] = None
+        elif d.reuse >= MIN_REUSE and self.cm.host is not None:
+            self._expect(sid, key, time.monotonic() + d.ttl_s)
+        self.counts[f"retain_{action}"] += 1
+        return Decision(action, d.ttl_s, d.reuse, d.pressure)
+
+    def relieve(self) -> bool:
+        """A waiting request could not be admitted: release the oldest automatic device pin (it becomes an
+        ordinary LRU entry). False when there is none."""
+        while self._auto:
+            sid, _ = self._auto.popitem(last=False)
+            pin = self.pins._pins.get(sid)
+            if pin is not None and not pin.on_host:
+                self.pins.release(sid, reason="evicted_for_memory")
+                self.counts["retain_relieved"] += 1
+                return True
+        return False
+
+    # ---- prefetch ------------------------------------------------------------------------------------------
+    def _expect(self, sid: tuple, key: list[int], until: float) -> None:
+        self._forget_expected(sid)
+        if len(key) > MAX_EXPECTED_TOKENS:
+            return
+        self._expected[sid] = (key, until)
+        self.expected_tokens += len(key)
+        while len(self._expected) > MAX_EXPECTED or self.expected_tokens > MAX_EXPECTED_TOKENS:
+            self.expected_tokens -= len(self._expected.popitem(last=False)[1][0])
+
+    def _forget_expected(self, sid: tuple) -> None:
+        entry = self._expected.pop(sid, None)
+        if entry is not None:
+            self.expected_tokens -= len(entry[0])
+
+    def prefetch(self, now: float | None = None) -> int:
+        """Load expected programs' paths from the host tier into free device slots (no eviction); returns the
+        tokens loaded. Call it only when no request waits."""
+        cm = self.cm
+        if cm.host is None or not self._expected:
+            return 0
+        now = time.monotonic() if now is None else now
+        budget, loaded = PREFETCH_TOKENS_PER_STEP, 0
+        for sid in list(self._expected):
+            key, until = self._expected[sid]
+            if until <= now:
+                self._forget_expected(sid)
+                continue
+            got = load_from_host(cm, key, budget - loaded, int(PREFETCH_HEADROOM * cm.allocator.size))
+            if got is None:  # no room now: try again on a later step
+                break
+            self._forget_expected(sid)
+            if got:
+                loaded += got
+                self.counts["prefetches"] += 1
+            if loaded >= budget:
+                break
+        self.counts["prefetched_tokens"] += loaded
+        return loaded
+
+    def info(self) -> dict:
+        return {
+            **self.counts,
+            "retain_auto_pins": len(self._auto),
+            "retain_expected_programs": len(self._expected),
+            "retain_pooled_gaps": len(self.pooled),
+        }
+
+
+def pin_sid(req: Req) -> tuple:
+    """The pin an automatic retention takes for the request's program: its session's own pin (one per
+    session), else one keyed by the program id (a tuple where a session id is a string: they never meet)."""
+    if req.session_id is not None:
+        return req.session_key
+    return program_key(req)
+
+
+def load_from_host(cm: CacheManager, key: list[int], budget: int, headroom: int) -> int | None:
+    """Copy what the host tier holds of `key` past the device match into free device slots and insert it into
+    the radix cache. Returns the tokens loaded (0: nothing to load), None when the free list lacks them plus
+    `headroom`, or they exceed `budget`. Free slots only: it evicts nothing."""
+    d_res = cm.cache.match_prefix(key)
+    d = d_res.indices.numel()
+    hit = cm.host.match(key)
+    h = hit.indices.numel()
+    if h <= d:
+        return 0
+    need = h - d
+    if need > budget or cm.allocator.available() < need + headroom:
+        return None
+    slots = cm.allocator.alloc(need)
+    if slots is None:
+        return None
+    cm.host.lock(hit.last_node)
+    try:
+        cm.host.load(hit.indices[d:], slots)
+    finally:
+        cm.host.unlock(hit.last_node)
+    dup = cm.cache.insert(key[:h], torch.cat([d_res.indices.to(slots.device), slots]))
+    cm.allocator.free(slots[: max(0, dup - d)])  # not expected: nothing was inserted meanwhile
+    return need

@@ -1,0 +1,224 @@
+"""Automatic retention (`--kv-retention auto`, runtime/managers/scheduler/retention.py): a program's finished
+request is pinned on the device for a TTL learned from the program's own gaps when the expected reuse pays
+for the memory, pinned in the host tier when memory is wanted now, left to LRU when reuse is unlikely; an
+explicit `cache_ttl_s` wins; a flood of one-shot programs leaves it no worse than LRU; and a program's
+path that went to the host tier is prefetched into free device slots before its next call."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from runtime.managers.scheduler.programs import ProgramTable
+from runtime.managers.scheduler.retention import (
+    FIRST_GAP_S,
+    MIN_REUSE,
+    TTL_MARGIN,
+    Retention,
+    load_from_host,
+)
+from runtime.managers.scheduler.sessions import SessionPins
+from runtime.messages import GenerateReq, RequestOptions
+from runtime.sampling_params import SamplingParams
+from tests.scheduler_utils import make_scheduler
+from tests.unit.test_host_tier import assert_kv_names, cache_tokens, make_cm, make_req
+
+
+def _setup(pool=64, host=64, with_host=True):
+    cm = make_cm(pool=pool, host=host)
+    if not with_host:
+        cm.host = None
+        cm.cache.on_evict = None
+    pins = SessionPins(cm.cache, max_pinned_tokens=pool, host=cm.host)
+    table = ProgramTable()
+    return cm, pins, table, Retention(table, pins, cm, max_ttl_s=3600.0)
+
+
+def _call(table, ret, prompt, program, rid, now):
+    r = make_req(prompt)
+    r.rid, r.options = rid, RequestOptions(program_id=program)
+    ret.arrived(r, table.arrive(r, now))
+    return r
+
+
+def _finish(table, r, now):
+    table.finish(r, now)
+
+
+def test_the_ttl_is_learned_from_the_programs_own_gaps():
+    cm, pins, table, ret = _setup()
+    now = 1000.0
+    r = _call(table, ret, [1, 2], "p", "a", now)
+    prog = table.finish(r, now)
+    assert ret.ttl(prog) == TTL_MARGIN * FIRST_GAP_S  # no gap seen anywhere yet
+    for k, gap in enumerate([2.0, 2.0, 3.0, 2.0]):
+        now += gap
+        r = _call(table, ret, [1, 2], "p", f"b{k}", now)
+        table.finish(r, now)
+    assert list(prog.gaps) == [2.0, 2.0, 3.0, 2.0]
+    assert ret.ttl(prog) == pytest.approx(TTL_MARGIN * 3.0)
+    # a new program with no gaps of its own borrows the pooled ones
+    q = _call(table, ret, [3], "q", "c", now)
+    assert ret.ttl(table.finish(q, now)) == pytest.approx(TTL_MARGIN * 3.0)
+
+
+def _returning_program(table, ret, calls=4):
+    now = 1000.0
+    for k in range(calls):
+        r = _call(table, ret, [1, 2, 3], "agent", f"a{k}", now)
+        prog = table.finish(r, now + 0.5)
+        now += 2.0
+    return prog
+
+
+def test_pins_on_the_device_when_reuse_pays_and_memory_is_free():
+    cm, pins, table, ret = _setup()
+    prog = _returning_program(table, ret)
+    d = ret.decide(prog, tokens=10, demand=0, available=64)
+    assert d.action == "device" and d.pressure == 0.0 and d.reuse > MIN_REUSE
+
+
+def test_demotes_to_the_host_under_pressure_and_leaves_it_to_lru_without_a_host():
+    cm, pins, table, ret = _setup()
+    prog = _returning_program(table, ret)
+    d = ret.decide(prog, tokens=10, demand=60, available=64)  # waiting requests want the whole pool
+    assert d.pressure == 1.0 and d.action == "host"
+    cm2, pins2, table2, ret2 = _setup(with_host=False)
+    prog2 = _returning_program(table2, ret2)
+    assert ret2.decide(prog2, tokens=10, demand=60, available=64).action == "lru"
+
+
+def test_retain_pins_demotes_or_leaves_the_path_and_keeps_the_accounting():
+    cm, pins, table, ret = _setup(pool=64, host=64)
+    key = list(range(100, 120))
+    cache_tokens(cm, key)
+    prog = _returning_program(table, ret)
+    r = _call(table, ret, key, "agent", "last", 2000.0)
+    table.finish(r, 2000.5)
+    d = ret.retain(r, key, demand=0)
+    assert d.action == "device" and cm.cache.protected_size() == 20 and len(pins) == 1
+    assert d.ttl_s == pytest.approx(TTL_MARGIN * max(prog.gaps))
+    cm.check_accounting([])
+    r = _call(table, ret, key, "agent", "last2", 2002.0)
+    table.finish(r, 2002.5)
+    d = ret.retain(r, key, demand=60)  # now memory is wanted: the pin moves to the host tier
+    assert d.action == "host"
+    assert cm.cache.protected_size() == 0 and cm.host.tree.protected_size() == 20
+    assert pins.host_pinned_tokens == 20 and pins.pinned_tokens == 0
+    cm.check_accounting([])
+
+
+def test_relieve_releases_automatic_pins_oldest_first_and_never_explicit_ones():
+    cm, pins, table, ret = _setup(pool=64, host=64)
+    explicit = list(range(200, 210))
+    cache_tokens(cm, explicit)
+    assert pins.pin((None, None, "client"), explicit, 60.0)  # a client's own TTL
+    _returning_program(table, ret)
+    keys = [list(range(100 + 20 * i, 110 + 20 * i)) for i in range(2)]
+    for i, key in enumerate(keys):
+        cache_tokens(cm, key)
+        r = _call(table, ret, key, f"agent{i}", f"x{i}", 3000.0)
+        prog = table.finish(r, 3000.0)
+        prog.followed, prog.finished = 5, 6  # it returns
+        assert ret.retain(r, key, demand=0).action == "device"
+    assert cm.cache.protected_size() == 30
+    assert ret.relieve() and cm.cache.match_prefix(keys[0]).last_node.lock_ref == 0
+    assert ret.relieve() and cm.cache.protected_size() == 10  # the client's pin stays
+    assert not ret.relieve()
+    cm.check_accounting([])
+
+
+def test_prefetch_loads_a_programs_host_path_into_free_slots():
+    cm, pins, table, ret = _setup(pool=64, host=64)
+    key = list(range(100, 130))
+    cache_tokens(cm, key)
+    _returning_program(table, ret)
+    r = _call(table, ret, key, "agent", "last", 2000.0)
+    table.finish(r, 2000.5)
+    assert ret.retain(r, key, demand=60).action == "host"  # pinned on the host, expected back
+    held = cm.alloc_slots(64)  # another request takes the whole pool: the device copy is evicted
+    assert cm.cache.match_prefix(key).indices.numel() == 0
+    assert ret.prefetch() == 0  # no free slots: nothing is taken from anyone
+    cm.allocator.free(held)
+    assert ret.prefetch() == 30
+    hit = cm.cache.match_prefix(key)
+    assert hit.indices.numel() == 30
+    assert_kv_names(cm, hit.indices, key)  # the KV the host kept, in the device slots now
+    assert ret.counts["prefetched_tokens"] == 30 and ret.prefetch() == 0  # done once
+    cm.check_accounting([])
+    # loading needs the headroom too, and stops at the budget
+    assert load_from_host(cm, key, budget=100, headroom=0) == 0  # all on the device already
+
+
+def _gen(rid, prompt, max_new=2, **options):
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    return GenerateReq(rid=rid, input_ids=prompt, params=params, options=RequestOptions(**options))
+
+
+def _run(s, msg):
+    s.handle(msg)
+    last = None
+    while s.has_work():
+        for o in s.step():
+            assert o.error is None, o.error
+            last = o
+        s.check_accounting()
+    return last
+
+
+def test_an_explicit_ttl_wins_and_a_program_without_one_is_retained(tiny_model_dir, default_tokenizer):
+    s = make_scheduler(tiny_model_dir, default_tokenizer, kv_retention="auto", max_total_tokens=1024)
+    _run(s, _gen("a", [3, 4, 5, 6], session_id="s1", cache_ttl_s=7.0))
+    pin = s.sessions._pins[(None, None, "s1")]
+    assert pin.expires_at - time.monotonic() == pytest.approx(7.0, abs=1.0)  # the client's TTL
+    info = s.server_info()
+    assert info["retain_device"] + info["retain_host"] + info["retain_lru"] == 0
+    _run(s, _gen("b", [7, 8, 9, 10], program_id="p1"))
+    info = s.server_info()
+    assert info["retain_device"] == 1, {
+        k: v for k, v in info.items() if "retain" in k or "program" in k
+    }  # memory free, a first call: pinned
+    assert (None, None, ("program", "p1")) in s.sessions._pins
+
+
+def _flood_trace(seed=5):
+    """A shared system prompt; one-shot programs (a fresh program id each) and, every 8th call, the next
+    turn of one returning agent whose prompt extends its previous one."""
+    rng = random.Random(seed)
+    system = [rng.randrange(10, 500) for _ in range(48)]
+    agent = list(system)
+    trace = []
+    for i in range(64):
+        if i % 8 == 7:
+            agent = agent + [rng.randrange(10, 500) for _ in range(16)]
+            trace.append(("agent", list(agent)))
+        else:
+            trace.append((f"one{i}", system + [rng.randrange(10, 500) for _ in range(40)]))
+    return trace
+
+
+@pytest.mark.parametrize("with_host", [False, True])
+def test_a_flood_of_one_shot_programs_is_never_worse_than_lru(tiny_model_dir, default_tokenizer, with_host):
+    """The same trace under LRU (`ttl`, no sessions: nothing pinned) and `auto`: automatic retention finds
+    at least as many cached tokens, and learns to stop pinning programs that never come back."""
+    cached = {}
+    for mode in ("ttl", "auto"):
+        s = make_scheduler(
+            tiny_model_dir,
+            default_tokenizer,
+            kv_retention=mode,
+            max_total_tokens=256,
+            max_pinned_tokens=192,
+            kv_host_tier_gb=0.01 if with_host else 0.0,
+        )
+        total = 0
+        for k, (program, prompt) in enumerate(_flood_trace()):
+            out = _run(s, _gen(f"{mode}{k}", prompt, max_new=2, program_id=program))
+            total += out.cached_tokens
+        cached[mode] = total
+        if mode == "auto":
+            info = s.server_info()
+            assert info["retain_lru"] + info["retain_host"] > info["retain_device"], info
+    assert cached["auto"] >= cached["ttl"], cached
