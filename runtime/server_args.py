@@ -18,6 +18,7 @@ from runtime.models.quantization import (
     QUANTIZATION_CHOICES,
     check_model,
     check_supported,
+    is_gguf_model,
     measured_model,
     resolve_auto,
 )
@@ -606,8 +607,9 @@ class ServerArgs:
         if quantization == "auto":
             has_cxx = platform.find_cxx_compiler() is not None
             dtype, quantization, reason = resolve_auto(
-                dtype, device, self._measured_model(), platform.cpu_flags(), has_cxx
-            )
+                dtype, device, self._measured_model(), platform.cpu_flags(), has_cxx,
+                gguf_file=self.model != "default" and is_gguf_model(self.model),
+            )  # fmt: skip
         elif not reason:
             reason = f"--quantization {quantization} given"
         if dtype == "auto":

@@ -73,9 +73,14 @@ class ModelRunner:
         with torch.device("meta"):
             model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
             model = model_class(cfg, tp)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_weights(iter_weights(model_dir))
-        quantize_model(model, quantization, model_dir)
+        if quantization == "gguf_native":  # a GGUF file's blocks in place: no float weights are built
+            from runtime.models.gguf_model import load_gguf_model
+
+            model = load_gguf_model(model_dir, cfg, tp, self.device, self.dtype)
+        else:
+            model = model.to_empty(device=self.device).to(self.dtype)
+            model.load_weights(iter_weights(model_dir))
+            quantize_model(model, quantization, model_dir)
         self.quantization = quantization
         self.lora = None  # runtime.models.lora.LoraPool when LoRA adapters are served (max_loras > 0)
         if max_loras > 0:

@@ -1,12 +1,14 @@
-"""GGUF files: where a file's conversion is cached, the conversion itself, and the raw block readers.
+"""GGUF files: the folder a file resolves to, its weights, and the raw block readers.
 
-Everything downstream reads one format, a Hugging Face folder, so a GGUF file is converted once into such a
-folder -- dequantized to float32, Q/K rows restored to Hugging Face's RoPE layout where llama.cpp permuted
-them, tokenizer and chat template taken from the same file -- and cached, so only the first start pays for
-dequantization. Architectures and the checks every file passes first live in `runtime.models.gguf_arch`.
-The quantized modes that reuse the file's own Q4_1 / Q8_0 blocks (`--quantization gguf`, `w4a8`) read them
-here, from the source file a converted folder records. Nothing is ever downloaded: every transformers call
-here is local-only.
+Everything downstream reads its config and tokenizer from a Hugging Face folder, so a GGUF file resolves once
+to a small cached folder -- config.json from the file's metadata, the tokenizer and chat template from the
+same file, and a marker naming the file -- that holds no weights: the weights stay in the GGUF. By default
+(`--quantization gguf_native`) the model is built from the file's blocks in place
+(`runtime.models.gguf_model`); the other modes read float32 tensors dequantized from the file at load
+(`iter_gguf_weights`, Q/K rows restored to Hugging Face's RoPE layout where llama.cpp permuted them), and the
+modes that reuse the file's own Q4_1 / Q8_0 blocks (`--quantization gguf`, `w4a8`) read them here.
+Architectures and the checks every file passes first live in `runtime.models.gguf_arch`. Nothing is ever
+downloaded: every transformers call here is local-only.
 
 (The third-party `gguf` package is imported inside functions as `gguf`: absolute imports never mean this
 module.)
@@ -37,11 +39,9 @@ from runtime.models.gguf_arch import ARCHS, check_tensors, check_types, expected
 logger = logging.getLogger("radixlm.gguf")
 
 # Part of the cache key: bump it whenever the converted folder's content changes, so stale caches are ignored.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the folder holds no weights (they are read from the file)
 # Written last into a converted folder; a folder without it is not a finished conversion.
 SOURCE_MARKER = "radixlm_source.json"
-# Converted weights are split into safetensors shards of at most this many bytes (bounds peak memory).
-MAX_SHARD_BYTES = 2 << 30
 
 GGUF_MAGIC = b"GGUF"  # a GGUF file's first four bytes
 
@@ -153,9 +153,10 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 # ----------------------------------------------------------------------------------------------- conversion
 def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write a Hugging Face folder for a GGUF of a supported architecture (`ARCHS`) into the existing empty
-    folder `out_dir`: float32 safetensors, config.json, generation_config.json, tokenizer files (with chat
-    template). Whatever makes the file unservable is a ValueError naming the file, raised before any write."""
+    """Write the folder a GGUF of a supported architecture (`ARCHS`) resolves to into the existing empty
+    folder `out_dir`: config.json, generation_config.json, tokenizer files (with chat template) and the marker
+    naming the file; no weights (`iter_gguf_weights`, `runtime.models.gguf_model` read them from the file).
+    Whatever makes the file unservable is a ValueError naming the file, raised before any write."""
     reader = open_reader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
@@ -174,11 +175,16 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     except ValueError as e:
         raise ValueError(f"{gguf_path}: {e}") from None
     out = Path(out_dir)
-    _write_weights(tensors, plan, config, ARCHS[arch].rope_permuted, out)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_generation_config(config, out)
     _write_tokenizer(gguf_path, meta.get("tokenizer.chat_template"), out)
-    marker = {"source": str(Path(gguf_path).resolve()), "converter_version": CONVERTER_VERSION}
+    st = Path(gguf_path).stat()
+    marker = {
+        "source": str(Path(gguf_path).resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "converter_version": CONVERTER_VERSION,
+    }
     (out / SOURCE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
@@ -366,44 +372,44 @@ def _dequantize(tensor: Any, config: dict[str, Any], rope_permuted: bool) -> np.
     return w if w.flags.writeable else w.copy()  # F32 tensors are read-only views of the memory-mapped file
 
 
-def _write_weights(
-    tensors: dict[str, Any],
-    plan: list[tuple[str, str]],
-    config: dict[str, Any],
-    rope_permuted: bool,
-    out: Path,
-) -> None:
-    """Dequantize shard by shard (peak memory ~ one shard) into model.safetensors or numbered shards +
-    index; `plan` lists (GGUF name, HF name) of every parameter.
-    """
-    from safetensors.torch import save_file
-
-    shards: list[list[tuple[str, str]]] = [[]]
-    shard_bytes = 0
-    for name, hf in plan:
-        nbytes = int(np.prod([int(d) for d in tensors[name].shape])) * 4
-        if shards[-1] and shard_bytes + nbytes > MAX_SHARD_BYTES:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append((name, hf))
-        shard_bytes += nbytes
-    n = len(shards)
-    files = (
-        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+def iter_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, float32 tensor) of every parameter of the GGUF file `model_dir` resolved from,
+    dequantized one tensor at a time (peak memory: the model in float32 plus one tensor)."""
+    t0 = time.perf_counter()
+    path = gguf_source(model_dir)
+    reader = open_reader(path)
+    arch = reader.fields["general.architecture"].contents()
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    count = nbytes = 0
+    for t in reader.tensors:
+        hf = hf_tensor_name(t.name)
+        if hf is None:
+            continue
+        w = torch.from_numpy(_dequantize(t, config, ARCHS[arch].rope_permuted))
+        count += 1
+        nbytes += w.numel() * 4
+        yield hf, w
+    logger.info(
+        "dequantized %d tensors (%.0f MB of float32) from %s in %.2f s",
+        count,
+        nbytes / 1e6,
+        path,
+        time.perf_counter() - t0,
     )
-    weight_map: dict[str, str] = {}
-    total = 0
-    for shard, fname in zip(shards, files, strict=True):
-        state = {
-            hf: torch.from_numpy(_dequantize(tensors[name], config, rope_permuted)) for name, hf in shard
-        }
-        total += sum(t.numel() * 4 for t in state.values())
-        save_file(state, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(state, fname))
-        del state
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def fingerprint_source(model_dir: str, h: Any, samples: int = 16, sample_bytes: int = 64 << 10) -> None:
+    """Feed `h` (a hashlib object) the GGUF file `model_dir` resolved from: its size and `samples` spans of
+    `sample_bytes` spread over it (header and tensor data), so another file at the same path hashes
+    differently."""
+    path = Path(gguf_source(model_dir))
+    size = path.stat().st_size
+    h.update(f"|gguf|{size}|".encode())
+    with path.open("rb") as f:
+        span = max(0, size - sample_bytes)
+        for i in range(samples):
+            f.seek(span * i // max(1, samples - 1))
+            h.update(f.read(sample_bytes))
 
 
 def _write_generation_config(config: dict[str, Any], out: Path) -> None:

@@ -72,7 +72,10 @@ def _check_hf_folder(path: Path) -> str:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f"; it holds {ggufs}: pass the .gguf file itself" if ggufs else ""
         raise ValueError(f"{path} is not a Hugging Face model folder: no config.json{hint}")
-    if not any(path.glob("*.safetensors")):
+    from runtime.models.gguf import is_gguf_conversion
+
+    # a GGUF file's folder holds no weights: they are the file's
+    if not any(path.glob("*.safetensors")) and not is_gguf_conversion(str(path)):
         raise ValueError(f"{path} has no *.safetensors weights (other weight formats are not supported)")
     return str(path)
 
@@ -109,6 +112,10 @@ def weights_fingerprint(model_dir: str) -> str:
     h = hashlib.blake2b(digest_size=16, person=b"radixlm-weights")
     config = folder / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")
+    from runtime.models.gguf import fingerprint_source, is_gguf_conversion
+
+    if is_gguf_conversion(model_dir):  # its weights are the GGUF file's
+        fingerprint_source(model_dir, h, FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES)
     for path in sorted(folder.glob("*.safetensors")):
         size = path.stat().st_size
         h.update(f"|{path.name}|{size}|".encode())
@@ -131,6 +138,11 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """
     from safetensors import safe_open
 
+    from runtime.models.gguf import is_gguf_conversion, iter_gguf_weights
+
+    if is_gguf_conversion(model_dir):  # a GGUF's folder holds no weights: they come from the file
+        yield from iter_gguf_weights(model_dir)
+        return
     t0 = time.perf_counter()
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"

@@ -8,7 +8,10 @@ int4 cuts the bytes read per step by 4x / ~7x; activations stay float32. Methods
 - w8a8: int8 per-channel weights and dynamic int8 activations, fbgemm's int8 GEMM;
 - w4a8: llama.cpp's arithmetic, Q4_1 layers and Q8_0 LM head (the GGUF file's own blocks when there is one)
   times int8 activations per block of 32, in radixlm's C++ kernel (runtime/models/w4a8.py);
-- gguf: the GGUF file's own Q4_1 blocks, run exactly by the int4 kernel (Q8_0 re-quantized per channel).
+- gguf: the GGUF file's own Q4_1 blocks, run exactly by the int4 kernel (Q8_0 re-quantized per channel);
+- gguf_native: a GGUF file's own blocks of every common type (Q4_0..Q8_0, Q2_K..Q6_K) used in place, times
+  int8 activations per block, in radixlm's C++ kernels (runtime/models/gguf_linear.py); what `auto` picks for
+  a GGUF file nobody measured, where the kernels run fast.
 
 Measured cost (bench/quant_matmul.py, 2-core EPYC, torch 2.13): both weight-only kernels are slower than
 fp32 `F.linear` (int8 2-18x, int4 5-23x at M=1..32, 1 thread), so they trade speed for memory here; w8a8's
@@ -31,7 +34,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8", "gguf_native")
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)  # `--quantization`: a method, or auto (measured)
 
 
@@ -45,6 +48,7 @@ def check_supported(method: str, device: str, dtype: str) -> None:
         kernels = {
             "w8a8": "fbgemm's dynamic int8 linear",
             "w4a8": "radixlm's Q4_1 / Q8_0 CPU kernel",
+            "gguf_native": "radixlm's GGUF block CPU kernels",
         }.get(method, "torch's CPU weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)")
         raise ValueError(
             f"--quantization {method} uses {kernels}; device {device!r} is not supported: "
@@ -67,9 +71,11 @@ def check_supported(method: str, device: str, dtype: str) -> None:
 
 def check_model(method: str, model: str) -> None:
     """Raise ValueError when `method` cannot use `--model` (gguf needs a GGUF file, not a folder)."""
-    if method == "gguf" and model != "default" and os.path.isdir(model):
+    if method in ("gguf", "gguf_native") and model != "default" and os.path.isdir(model):
+        if method == "gguf_native" and os.path.isfile(os.path.join(model, "radixlm_source.json")):
+            return  # the folder a GGUF file resolved to (runtime.models.gguf): its weights are the file's
         raise ValueError(
-            f"--quantization gguf needs a GGUF model, but {model!r} is a Hugging Face folder: "
+            f"--quantization {method} needs a GGUF model, but {model!r} is a Hugging Face folder: "
             "use --quantization int8 or int4"
         )
 
@@ -182,6 +188,18 @@ def measured_model(path: str | None) -> MeasuredModel | None:
     return None
 
 
+def is_gguf_model(model: str) -> bool:
+    """Whether `--model` is a GGUF file (its first four bytes), or the folder one resolved to (its marker)."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "radixlm_source.json"))
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _available(need: str, flags: frozenset[str], has_cxx: bool) -> str | None:
     """Why a mode cannot run fast here, or None when it can."""
     if need == "int8_simd+cxx":
@@ -198,9 +216,15 @@ def _available(need: str, flags: frozenset[str], has_cxx: bool) -> str | None:
 
 
 def resolve_auto(
-    dtype: str, device: str, model: MeasuredModel | None, flags: frozenset[str], has_cxx: bool
+    dtype: str,
+    device: str,
+    model: MeasuredModel | None,
+    flags: frozenset[str],
+    has_cxx: bool,
+    gguf_file: bool = False,
 ) -> tuple[str, str, str]:
-    """`--quantization auto` under `--dtype dtype` on `device` -> (dtype, quantization, why)."""
+    """`--quantization auto` under `--dtype dtype` on `device` -> (dtype, quantization, why); `gguf_file`:
+    --model is a GGUF file (served from its own blocks when nobody measured it)."""
     auto_dtype = "bfloat16" if device == "cuda" or {"avx512_bf16", "amx_bf16"} & flags else "float32"
     if device != "cpu":
         return (
@@ -210,6 +234,20 @@ def resolve_auto(
         )
     if dtype not in ("auto", "float32"):
         return dtype, "none", f"--dtype {dtype} given: every quantization runs float32 activations"
+    if model is None and gguf_file and dtype in ("auto", "float32"):
+        why = _available("int8_simd+cxx", flags, has_cxx)
+        if why is None:
+            return (
+                "float32",
+                "gguf_native",
+                "a GGUF file: its own quantized blocks served in place (int8 activations per block, "
+                "llama.cpp's arithmetic); not measured for this model",
+            )
+        return (
+            (auto_dtype if dtype == "auto" else dtype),
+            "none",
+            f"a GGUF file, dequantized at load: its block kernels would not run fast here ({why})",
+        )
     if model is None:
         return (
             (auto_dtype if dtype == "auto" else dtype),

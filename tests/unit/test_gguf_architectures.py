@@ -119,11 +119,13 @@ def write_gguf(
     qtype: Q = Q.F32,
     drop: tuple[str, ...] = (),
     keep_f32: tuple[str, ...] = (),
+    types: dict[str, Q] | None = None,
     meta: dict[str, Any] | None = None,
     extra: dict[str, np.ndarray] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `model` as llama.cpp's converter would for `kind`, matrices stored as `qtype` (norms, biases
     F32; a matrix whose rows are not whole blocks of `qtype` falls back to Q8_0, as llama-quantize does).
+    `types` maps a tensor name's ending to its type where it differs from `qtype` (a Q4_K_M-like mix).
     Returns the HF state dict the file encodes: gguf-py's dequantization of what was written, un-permuted.
     """
     cfg = model.config
@@ -177,7 +179,8 @@ def write_gguf(
             continue
         t_type = Q.F32
         if a.ndim == 2 and qtype != Q.F32 and gname not in keep_f32:
-            t_type = qtype if a.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0 else Q.Q8_0
+            want = next((t for end, t in (types or {}).items() if gname.endswith(end)), qtype)
+            t_type = want if a.shape[1] % gguf.GGML_QUANT_SIZES[want][0] == 0 else Q.Q8_0
         gain = 6.0 if gname.endswith(("attn_q.weight", "attn_k.weight")) else 1.0  # sharp attention: a wrong
         # q/k row order must change the logits
         data = np.ascontiguousarray(encode(a, t_type, rng, gain) if t_type != Q.F32 else a)
@@ -333,9 +336,11 @@ def test_qwen2_q4_k_file_starts_and_decodes_greedy_through_the_scheduler(tmp_pat
 
     model = tiny_model("qwen2")
     encoded = write_gguf(tmp_path / "qwen2-q4_k_m.gguf", model, "qwen2", qtype=Q.Q4_K)
-    assert (
-        ServerArgs(model=str(tmp_path / "qwen2-q4_k_m.gguf")).resolve().quantization == "none"
-    )  # unmeasured
+    # a GGUF file is served from its blocks by default (tests/unit/test_gguf_native.py); here as float32
+    assert ServerArgs(model=str(tmp_path / "qwen2-q4_k_m.gguf")).resolve().quantization in (
+        "gguf_native",
+        "none",
+    )
     folder = ml.resolve_model_path(str(tmp_path / "qwen2-q4_k_m.gguf"), str(tmp_path / "cache"))
     args = ServerArgs(
         model=folder, dtype="float32", quantization="none", kv_cache_dtype="float32", max_total_tokens=1024,

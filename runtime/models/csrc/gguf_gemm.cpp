@@ -1,0 +1,524 @@
+// y = x @ W^T straight from a GGUF tensor's blocks (the file's bytes, untouched), for the common block types:
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
+//
+// Every type is read the same way. A weight row is first unpacked, block by block, into
+//   u[k]      one unsigned integer per element (0..63; Q8_0 keeps its signed int8),
+//   ls[k/4]   the float scale of each group of 4 elements (the scale of the sub-block it lies in),
+//   off[k/16] the float offset of each group of 16 elements,
+// so that w[k] = ls[k/4] * u[k] + off[k/16] is exactly gguf-py's dequantization (`gguf.quants.dequantize`).
+// Activations are quantized per call, per row and block (32 elements for the 32-blocks, 256 for the K types,
+// as llama.cpp's Q8_0 / Q8_K): a = qa * da, qa int8 in -127..127, da = max|a| / 127, rounded half to even.
+// One output is then
+//   y = sum_k ls[k/4] * da * (u[k] * qa[k]) + sum_g off[g] * da * (sum of qa over group g)
+// where the products of 4 consecutive elements are summed in int32 by one u8 x s8 dot instruction
+// (vpdpbusd with AVX512-VNNI, vpmaddubsw + vpmaddwd with AVX2: u <= 63 keeps vpmaddubsw's int16 pairs from
+// saturating, and Q8_0 multiplies |q| by sign(q) * qa, llama.cpp's trick), converted to float and scaled per
+// lane. A row is unpacked once per call and kept in L1 while every activation row is multiplied by it, so
+// decode (1-4 rows) reads each weight byte once and prefill / verify (many rows) reuses the unpacked row.
+//
+// Builds: AVX512-VNNI (+VL, BW), else AVX2 + FMA + F16C, else a scalar loop; -DRADIXLM_FORCE_AVX2 and
+// -DRADIXLM_PORTABLE pick the slower ones on any CPU so tests compare all three; radixlm_gguf_gemm_isa() says
+// which was compiled. The op is declared from Python (runtime/models/gguf_linear.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    !defined(RADIXLM_PORTABLE) && !defined(RADIXLM_FORCE_AVX2)
+#define RADIXLM_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(RADIXLM_PORTABLE)
+#define RADIXLM_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ggml's type ids (GGMLQuantizationType)
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+                 Q6_K = 14 };
+
+inline float h2f(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(v);
+}
+
+inline void fill(float* p, int n, float v) {
+  for (int i = 0; i < n; ++i) p[i] = v;
+}
+
+#if defined(RADIXLM_AVX2) || defined(RADIXLM_AVX512)
+#define RADIXLM_VEC 1
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i lo_nib(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
+inline __m256i hi_nib(__m256i q) { return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F)); }
+// 0x`bit` in each byte where (h & mask) != 0
+inline __m256i bit_if(__m256i h, uint8_t mask, uint8_t bit) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, m), m), _mm256_set1_epi8(static_cast<char>(bit)));
+}
+// 16 nibble bytes -> 32 values: low nibbles then high nibbles (the 32-blocks' element order)
+inline __m256i nibbles16(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+#endif
+
+// ------------------------------------------------------------------------------------- one block, unpacked
+// Each writes u[0..QK), ls[0..QK/4), off[0..QK/16) for one block.
+void unpack_q4_0(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const float d = h2f(b);
+  const uint8_t* qs = b + 2;
+#if defined(RADIXLM_VEC)
+  store32(u, nibbles16(qs));
+#else
+  for (int j = 0; j < 16; ++j) {
+    u[j] = qs[j] & 0x0F;
+    u[j + 16] = qs[j] >> 4;
+  }
+#endif
+  fill(ls, 8, d);
+  fill(off, 2, -8.f * d);
+}
+
+void unpack_q4_1(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const float d = h2f(b), m = h2f(b + 2);
+  const uint8_t* qs = b + 4;
+#if defined(RADIXLM_VEC)
+  store32(u, nibbles16(qs));
+#else
+  for (int j = 0; j < 16; ++j) {
+    u[j] = qs[j] & 0x0F;
+    u[j + 16] = qs[j] >> 4;
+  }
+#endif
+  fill(ls, 8, d);
+  fill(off, 2, m);
+}
+
+template <bool MIN>
+void unpack_q5(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const float d = h2f(b);
+  const float m = MIN ? h2f(b + 2) : -16.f * d;
+  const uint8_t* p = b + (MIN ? 4 : 2);
+  uint32_t qh;
+  std::memcpy(&qh, p, 4);
+  const uint8_t* qs = p + 4;
+  for (int j = 0; j < 16; ++j) {
+    u[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+    u[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+  fill(ls, 8, d);
+  fill(off, 2, m);
+}
+
+void unpack_q8_0(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  std::memcpy(u, b + 2, 32);  // signed: the dot reads it as int8
+  fill(ls, 8, h2f(b));
+  fill(off, 2, 0.f);
+}
+
+// 6-bit scale and min of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4)
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <bool HIGH>
+void unpack_q45_k(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const float d = h2f(b), dmin = h2f(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;                  // Q5_K only
+  const uint8_t* qs = b + (HIGH ? 48 : 16);
+#if defined(RADIXLM_VEC)
+  const __m256i h = HIGH ? load32(qh) : _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q = load32(qs + 32 * j);
+    __m256i lo = lo_nib(q), hi = hi_nib(q);
+    if (HIGH) {
+      lo = _mm256_or_si256(lo, bit_if(h, static_cast<uint8_t>(1u << (2 * j)), 0x10));
+      hi = _mm256_or_si256(hi, bit_if(h, static_cast<uint8_t>(2u << (2 * j)), 0x10));
+    }
+    store32(u + 64 * j, lo);
+    store32(u + 64 * j + 32, hi);
+  }
+#else
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* q = qs + 32 * j;
+    uint8_t* o = u + 64 * j;
+    for (int l = 0; l < 32; ++l) {
+      uint8_t lo = q[l] & 0x0F, hi = q[l] >> 4;
+      if (HIGH) {
+        lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+      }
+      o[l] = lo;
+      o[l + 32] = hi;
+    }
+  }
+#endif
+  for (int s = 0; s < 8; ++s) {
+    int sc, mn;
+    scale_min_k4(s, scales, sc, mn);
+    fill(ls + 8 * s, 8, d * static_cast<float>(sc));
+    fill(off + 2 * s, 2, -dmin * static_cast<float>(mn));
+  }
+}
+
+void unpack_q6_k(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = h2f(b + 208);
+#if defined(RADIXLM_VEC)
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i a = load32(ql + 64 * h), c = load32(ql + 64 * h + 32), hh = load32(qh + 32 * h);
+    uint8_t* o = u + 128 * h;
+    store32(o, _mm256_or_si256(lo_nib(a), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m30)));
+    store32(o + 32, _mm256_or_si256(lo_nib(c), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m30)));
+    store32(o + 64, _mm256_or_si256(hi_nib(a), _mm256_and_si256(hh, m30)));
+    store32(o + 96, _mm256_or_si256(hi_nib(c), _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30)));
+  }
+#else
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* l0 = ql + 64 * h;
+    const uint8_t* hh = qh + 32 * h;
+    uint8_t* o = u + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      o[l] = (l0[l] & 0x0F) | (((hh[l] >> 0) & 3) << 4);
+      o[l + 32] = (l0[l + 32] & 0x0F) | (((hh[l] >> 2) & 3) << 4);
+      o[l + 64] = (l0[l] >> 4) | (((hh[l] >> 4) & 3) << 4);
+      o[l + 96] = (l0[l + 32] >> 4) | (((hh[l] >> 6) & 3) << 4);
+    }
+  }
+#endif
+  for (int s = 0; s < 16; ++s) {  // sub-blocks of 16, in element order
+    const float dl = d * static_cast<float>(sc[s]);
+    fill(ls + 4 * s, 4, dl);
+    off[s] = -32.f * dl;
+  }
+}
+
+void unpack_q2_k(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const uint8_t* scales = b;
+  const uint8_t* qs = b + 16;
+  const float d = h2f(b + 80), dmin = h2f(b + 82);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* q = qs + 32 * h;
+    for (int j = 0; j < 4; ++j) {
+      uint8_t* o = u + 128 * h + 32 * j;
+      for (int l = 0; l < 32; ++l) o[l] = (q[l] >> (2 * j)) & 3;
+    }
+  }
+  for (int s = 0; s < 16; ++s) {
+    fill(ls + 4 * s, 4, d * static_cast<float>(scales[s] & 0xF));
+    off[s] = -dmin * static_cast<float>(scales[s] >> 4);
+  }
+}
+
+void unpack_q3_k(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const uint8_t* hm = b;
+  const uint8_t* qs = b + 32;
+  const float d = h2f(b + 108);
+  uint32_t aux[4];
+  std::memcpy(aux, b + 96, 12);
+  const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f, tmp = aux[2];
+  aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+  aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+  aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+  aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(aux);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* q = qs + 32 * h;
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t mask = static_cast<uint8_t>(1u << (4 * h + j));
+      uint8_t* o = u + 128 * h + 32 * j;
+      for (int l = 0; l < 32; ++l) o[l] = ((q[l] >> (2 * j)) & 3) | ((hm[l] & mask) ? 4 : 0);
+    }
+  }
+  for (int s = 0; s < 16; ++s) {
+    const float dl = d * static_cast<float>(scales[s] - 32);
+    fill(ls + 4 * s, 4, dl);
+    off[s] = -4.f * dl;
+  }
+}
+
+using UnpackFn = void (*)(const uint8_t*, uint8_t*, float*, float*);
+
+struct TypeInfo {
+  int64_t qk, bytes;
+  bool is_signed;
+  UnpackFn unpack;
+};
+
+bool type_info(int64_t t, TypeInfo& info) {
+  switch (t) {
+    case Q4_0: info = {32, 18, false, unpack_q4_0}; return true;
+    case Q4_1: info = {32, 20, false, unpack_q4_1}; return true;
+    case Q5_0: info = {32, 22, false, unpack_q5<false>}; return true;
+    case Q5_1: info = {32, 24, false, unpack_q5<true>}; return true;
+    case Q8_0: info = {32, 34, true, unpack_q8_0}; return true;
+    case Q2_K: info = {256, 84, false, unpack_q2_k}; return true;
+    case Q3_K: info = {256, 110, false, unpack_q3_k}; return true;
+    case Q4_K: info = {256, 144, false, unpack_q45_k<false>}; return true;
+    case Q5_K: info = {256, 176, false, unpack_q45_k<true>}; return true;
+    case Q6_K: info = {256, 210, false, unpack_q6_k}; return true;
+    default: return false;
+  }
+}
+
+// ------------------------------------------------------------------------------------------- activations
+// Rows of x quantized per block of `qk`: qa int8 [M, K], dl = da per group of 4 [M, K/4], sg = da * (sum of
+// qa over each group of 16) [M, K/16].
+struct Acts {
+  std::vector<int8_t> qa;
+  std::vector<float> dl, sg;
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
+  a.qa.resize(M * K);
+  a.dl.resize(M * K / 4);
+  a.sg.resize(M * K / 16);
+  at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b0 = 0; b0 < K; b0 += qk) {
+        const float* xb = x + r * K + b0;
+        float amax = 0.f;
+        for (int64_t i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int8_t* q = a.qa.data() + r * K + b0;
+        for (int64_t i = 0; i < qk; ++i) {
+          const float v = std::nearbyint(xb[i] * id);
+          q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        }
+        fill(a.dl.data() + (r * K + b0) / 4, static_cast<int>(qk / 4), d);
+        for (int64_t g = 0; g < qk / 16; ++g) {
+          int32_t s = 0;
+          for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+          a.sg[(r * K + b0) / 16 + g] = d * static_cast<float>(s);
+        }
+      }
+    }
+  });
+}
+
+// --------------------------------------------------------------------------------------------- row dots
+// sum_k ls[k/4] * dl[k/4] * u[k] * qa[k] over one row of K (K a multiple of 32).
+template <bool SIGNED>
+inline float row_dot(const uint8_t* u, const float* ls, const int8_t* qa, const float* dl, int64_t K) {
+#if defined(RADIXLM_AVX512)
+  __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) {  // two independent chains (fma latency)
+    __m512i w = _mm512_loadu_si512(u + k), w2 = _mm512_loadu_si512(u + k + 64);
+    __m512i a = _mm512_loadu_si512(qa + k), a2 = _mm512_loadu_si512(qa + k + 64);
+    if (SIGNED) {
+      a = _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), _mm512_setzero_si512(), a);
+      a2 = _mm512_mask_sub_epi8(a2, _mm512_movepi8_mask(w2), _mm512_setzero_si512(), a2);
+      w = _mm512_abs_epi8(w);
+      w2 = _mm512_abs_epi8(w2);
+    }
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+    const __m512i p2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w2, a2);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                          _mm512_mul_ps(_mm512_loadu_ps(ls + k / 4), _mm512_loadu_ps(dl + k / 4)), acc);
+    acc2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p2),
+                           _mm512_mul_ps(_mm512_loadu_ps(ls + k / 4 + 16), _mm512_loadu_ps(dl + k / 4 + 16)), acc2);
+  }
+  acc = _mm512_add_ps(acc, acc2);
+  for (; k + 64 <= K; k += 64) {
+    __m512i w = _mm512_loadu_si512(u + k);
+    __m512i a = _mm512_loadu_si512(qa + k);
+    if (SIGNED) {  // |w| * (sign(w) * a): vpdpbusd multiplies unsigned by signed
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      a = _mm512_mask_sub_epi8(a, neg, _mm512_setzero_si512(), a);
+      w = _mm512_abs_epi8(w);
+    }
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(ls + k / 4), _mm512_loadu_ps(dl + k / 4));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
+  }
+  float total = _mm512_reduce_add_ps(acc);
+  if (k < K) {  // one block of 32 left
+    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + k));
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + k));
+    if (SIGNED) {
+      a = _mm256_sign_epi8(a, w);
+      w = _mm256_abs_epi8(w);
+    }
+    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(ls + k / 4), _mm256_loadu_ps(dl + k / 4));
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(p), s);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+    total += _mm_cvtss_f32(h);
+  }
+  return total;
+#elif defined(RADIXLM_AVX2)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + k));
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + k));
+    if (SIGNED) {
+      a = _mm256_sign_epi8(a, w);
+      w = _mm256_abs_epi8(w);
+    }
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(ls + k / 4), _mm256_loadu_ps(dl + k / 4));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  return _mm_cvtss_f32(h);
+#else
+  float total = 0.f;
+  for (int64_t g = 0; g < K / 4; ++g) {
+    int32_t s = 0;
+    for (int i = 0; i < 4; ++i) {
+      const int32_t w = SIGNED ? static_cast<int32_t>(static_cast<int8_t>(u[4 * g + i])) : u[4 * g + i];
+      s += w * qa[4 * g + i];
+    }
+    total += static_cast<float>(s) * (ls[g] * dl[g]);
+  }
+  return total;
+#endif
+}
+
+inline float offset_dot(const float* off, const float* sg, int64_t n) {
+  int64_t g = 0;
+  float s = 0.f;
+#if defined(RADIXLM_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; g + 16 <= n; g += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(off + g), _mm512_loadu_ps(sg + g), acc);
+  s = _mm512_reduce_add_ps(acc);
+#elif defined(RADIXLM_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; g + 8 <= n; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(off + g), _mm256_loadu_ps(sg + g), acc);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; g < n; ++g) s += off[g] * sg[g];
+  return s;
+}
+
+// One part: rows [n0, n1) of W (N rows of K elements of type `info`) against every activation row.
+template <bool SIGNED, int64_t QK, int64_t BYTES, UnpackFn UNPACK>
+void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
+               int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = K / QK, row_bytes = nb * BYTES;
+  // one unpacked row, 64-byte aligned
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  const size_t bytes = static_cast<size_t>(K + K + K / 4) + 256;
+  std::unique_ptr<uint8_t, Free> buf(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  uint8_t* u = buf.get();
+  float* ls = reinterpret_cast<float*>(u + K);
+  float* off = ls + K / 4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * row_bytes;
+    for (int64_t b = 0; b < nb; ++b)
+      UNPACK(row + b * BYTES, u + b * QK, ls + b * QK / 4, off + b * QK / 16);
+    for (int64_t m = 0; m < M; ++m) {
+      const float v = row_dot<SIGNED>(u, ls, a.qa.data() + m * K, a.dl.data() + m * K / 4, K) +
+                      offset_dot(off, a.sg.data() + m * K / 16, K / 16);
+      y[m * ldy + n] = v;
+    }
+  }
+}
+
+// x [M, K] float32 times the parts (each uint8 [N_i, K / qk * bytes] of type types[i]) -> y [M, sum N_i].
+at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "gguf_linear takes contiguous float32 [M, K] activations");
+  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "gguf_linear: one type per weight part");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<TypeInfo> infos(ws.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    TORCH_CHECK(type_info(types[i], infos[i]), "gguf_linear: unsupported GGML type ", types[i]);
+    const at::Tensor& w = ws[i];
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+                "gguf_linear: weights are contiguous uint8 [rows, row bytes]");
+    TORCH_CHECK(K % infos[i].qk == 0 && w.size(1) == K / infos[i].qk * infos[i].bytes,
+                "gguf_linear: a weight row of ", w.size(1), " bytes does not hold ", K, " elements of type ",
+                types[i]);
+    total += w.size(0);
+  }
+  at::Tensor y = at::empty({M, total}, x.options());
+  if (M == 0 || total == 0) return y;
+  Acts acts32, acts256;
+  bool need32 = false, need256 = false;
+  for (const auto& info : infos) (info.qk == 32 ? need32 : need256) = true;
+  const float* xp = x.data_ptr<float>();
+  if (need32) quantize_rows(xp, M, K, 32, acts32);
+  if (need256) quantize_rows(xp, M, K, 256, acts256);
+  float* yp = y.data_ptr<float>();
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const TypeInfo& info = infos[i];
+    const Acts& a = info.qk == 32 ? acts32 : acts256;
+    const uint8_t* W = ws[i].data_ptr<uint8_t>();
+    const int64_t N = ws[i].size(0);
+    float* yc = yp + col;
+    // grain: enough rows per task that the row buffer and the task overhead pay off
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      switch (types[i]) {
+#define RADIXLM_PART(T, S, QK_, BYTES_, FN) \
+  case T: part_rows<S, QK_, BYTES_, FN>(W, K, a, M, yc, total, n0, n1); break;
+        RADIXLM_PART(Q4_0, false, 32, 18, unpack_q4_0)
+        RADIXLM_PART(Q4_1, false, 32, 20, unpack_q4_1)
+        RADIXLM_PART(Q5_0, false, 32, 22, unpack_q5<false>)
+        RADIXLM_PART(Q5_1, false, 32, 24, unpack_q5<true>)
+        RADIXLM_PART(Q8_0, true, 32, 34, unpack_q8_0)
+        RADIXLM_PART(Q2_K, false, 256, 84, unpack_q2_k)
+        RADIXLM_PART(Q3_K, false, 256, 110, unpack_q3_k)
+        RADIXLM_PART(Q4_K, false, 256, 144, unpack_q45_k<false>)
+        RADIXLM_PART(Q5_K, false, 256, 176, unpack_q45_k<true>)
+        RADIXLM_PART(Q6_K, false, 256, 210, unpack_q6_k)
+#undef RADIXLM_PART
+      }
+    });
+    col += N;
+  }
+  return y;
+}
+
+}  // namespace
+
+extern "C" const char* radixlm_gguf_gemm_isa() {
+#if defined(RADIXLM_AVX512)
+  return "avx512_vnni";
+#elif defined(RADIXLM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+TORCH_LIBRARY_IMPL(radixlm, CPU, lib) { lib.impl("gguf_linear", &gguf_linear); }

@@ -1,0 +1,187 @@
+"""A linear layer over a GGUF file's own quantized blocks (`--quantization gguf_native`, the default for a
+GGUF file).
+
+`GGUFLinear` holds each part of a (possibly fused) projection as the file's bytes, a uint8 tensor [rows, row
+bytes] that is a view of the memory-mapped file where the rows need no reordering, and computes y = x @ W^T in
+one call of `radixlm::gguf_linear` (csrc/gguf_gemm.cpp): every part's blocks are unpacked row by row and
+multiplied by int8 activations quantized per block of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or 256 (Q2_K..Q6_K),
+llama.cpp's arithmetic for the same file. Parts may differ in type (a Q4_K_M file's attn_v is Q6_K beside
+Q4_K q and k). `reference_dequantize` is gguf-py's dequantization, the kernel's test oracle.
+
+The kernel is built on first use (~20 s on 2 cores) and cached like radixlm's other C++ kernels
+(runtime/models/native_kernels.py: `LIBRARY` below).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.models.native_kernels import NativeLibrary
+from runtime.models.parallel import TensorParallel
+
+logger = logging.getLogger("radixlm.gguf_linear")
+
+SOURCE = Path(__file__).parent / "csrc" / "gguf_gemm.cpp"
+PORTABLE_ENV = "RADIXLM_GGUF_GEMM_PORTABLE"  # 1: build the scalar loop (tests compare it with the vector one)
+AVX2_ENV = "RADIXLM_GGUF_GEMM_AVX2"  # 1: build the AVX2 path on an AVX-512 CPU
+
+# GGML type id -> (name, elements per block, bytes per block): the types the kernel reads in place
+KERNEL_TYPES = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}  # served as float32 tensors
+
+_LIB = torch.library.Library("radixlm", "FRAGMENT")
+_LIB.define("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor")
+
+
+@torch.library.register_fake("radixlm::gguf_linear", lib=_LIB)
+def _gguf_linear_fake(x, ws, types):
+    return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws))
+
+
+_isa = ""
+
+
+def _read_isa(path: Path) -> None:
+    global _isa
+    fn = ctypes.CDLL(str(path)).radixlm_gguf_gemm_isa
+    fn.restype = ctypes.c_char_p
+    _isa = fn().decode()
+    logger.info("GGUF block kernels built for %s", _isa)
+    if _isa == "scalar":
+        logger.warning(
+            "the GGUF block kernels run their scalar loop here (no AVX512-VNNI or AVX2): correct, but "
+            "several times slower than the vector paths"
+        )
+
+
+LIBRARY = NativeLibrary(
+    "gguf_gemm",
+    SOURCE,
+    "the GGUF block kernels",
+    "use --quantization none (the file dequantized to float32 at load)",
+    flag_envs={PORTABLE_ENV: "-DRADIXLM_PORTABLE", AVX2_ENV: "-DRADIXLM_FORCE_AVX2"},
+    on_load=_read_isa,
+)
+_OP = torch.ops.radixlm.gguf_linear.default
+
+
+def load_kernels() -> Path:
+    """Build (once per cache key) and load the kernel library. Raises KernelUnavailable."""
+    return LIBRARY.load()
+
+
+def kernel_isa() -> str:
+    """The path the loaded library was compiled for: "avx512_vnni", "avx2" or "scalar"."""
+    load_kernels()
+    return _isa
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    """Bytes of one row of `cols` elements of kernel type `qtype`; ValueError when not whole blocks."""
+    name, block, size = KERNEL_TYPES[qtype]
+    if cols % block:
+        raise ValueError(f"{name} rows must hold whole blocks of {block} elements, got {cols}")
+    return cols // block * size
+
+
+def reference_dequantize(raw: np.ndarray | torch.Tensor, qtype: int, rows: int, cols: int) -> torch.Tensor:
+    """gguf-py's float32 dequantization of a tensor's bytes, [rows, cols] (the kernel's oracle)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = raw.numpy() if isinstance(raw, torch.Tensor) else raw
+    w = dequantize(np.ascontiguousarray(data).reshape(-1), GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(rows, cols).copy())
+
+
+class GGUFLinear(nn.Module):
+    """Drop-in for `nn.Linear` (y = x W^T + b) over GGUF blocks: `parts` is a list of (GGML type id, uint8
+    [rows, row bytes]) fused along the output dim; `bias` float32 [sum of rows] or None.
+
+    `reduce_tp` is never set: a GGUF layer is loaded whole (tensor parallelism is refused at load)."""
+
+    reduce_tp: TensorParallel | None = None
+
+    def __init__(
+        self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None = None
+    ):
+        super().__init__()
+        load_kernels()
+        self.in_features = in_features
+        self.types = [int(t) for t, _ in parts]
+        for i, (qtype, w) in enumerate(parts):
+            if qtype not in KERNEL_TYPES:
+                raise ValueError(f"GGUFLinear: GGML type {qtype} has no kernel")
+            if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != row_bytes(qtype, in_features):
+                raise ValueError(
+                    f"GGUFLinear part {i}: expected uint8 [rows, {row_bytes(qtype, in_features)}], got "
+                    f"{w.dtype} {list(w.shape)}"
+                )
+            # buffers (not a list) so .to(), state_dict and the memory count see them
+            self.register_buffer(f"w{i}", w.contiguous(), persistent=False)
+        self.n_parts = len(parts)
+        self.out_features = sum(int(w.shape[0]) for _, w in parts)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.kind = "+".join(sorted({KERNEL_TYPES[t][0] for t in self.types}))
+
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"w{i}") for i in range(self.n_parts)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"GGUFLinear takes float32 activations, got {x.dtype}")
+        flat = x.dim() != 2
+        x2 = x.reshape(-1, self.in_features) if flat else x
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = _OP(x2, self.weights(), self.types)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features) if flat else y
+
+    def decode_call(self) -> tuple:
+        """(fn, args) with `fn(x, *args) == forward(x)` for contiguous 2-D float32 x: the op with the blocks
+        bound, so the fused loop skips this module's Python (`LlamaForCausalLM._layer_plan`)."""
+        if self.bias is not None:
+            return self.forward, ()
+        return _OP, (self.weights(), self.types)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """float32 [out, in]: gguf-py's dequantization of the blocks (what the kernel multiplies by)."""
+        return torch.cat(
+            [
+                reference_dequantize(w, t, w.shape[0], self.in_features)
+                for t, w in zip(self.types, self.weights(), strict=True)
+            ]
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The kernel's activations for x [M, K] float32, dequantized: per row and block, qa * da with da =
+    max|x| / 127 and qa = round(x / da) (half to even), the same float32 operations as the C++ code."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // block, block)
+    da = g.abs().amax(-1) / 127.0
+    inv = torch.where(da != 0, 1.0 / da, torch.zeros_like(da))
+    qa = torch.round(g * inv[..., None]).clamp_(-127, 127)
+    return (qa * da[..., None]).reshape(m, k)

@@ -1,0 +1,183 @@
+"""A Llama-family model built straight from a GGUF file, its quantized tensors used in place
+(`--quantization gguf_native`, what `--quantization auto` picks for a GGUF file).
+
+The file is memory-mapped (gguf-py's reader). Every projection (q|k|v, o, gate|up, down, the LM head) becomes
+a `runtime.models.gguf_linear.GGUFLinear` over the tensor's own bytes: a view of the mapped file, except the
+Q/K rows of a `llama` file, which llama.cpp stored permuted and which are copied back into Hugging Face's
+order (whole rows of blocks: nothing is dequantized). The token embedding, the norms and the biases are
+float32, dequantized once (the embedding is read one row per token, so its blocks would buy nothing per
+step). Tensors stored as F32 / F16 / BF16 serve as float32 `nn.Linear`s. Any other type is refused at
+start-up naming the tensor and its type; so are tensor parallelism and mixture-of-experts files.
+
+The folder `--model FILE.gguf` resolves to (`runtime.models.gguf.resolve_gguf`) holds only the config, the
+tokenizer and the marker naming this file: no weights are written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from runtime.models.gguf import gguf_source, unpermute_rope_rows
+from runtime.models.gguf_arch import ARCHS, open_reader
+from runtime.models.gguf_linear import FLOAT_TYPES, KERNEL_TYPES, GGUFLinear, reference_dequantize
+from runtime.models.llama import LlamaForCausalLM
+from runtime.models.model_config import ModelConfig
+from runtime.models.parallel import TensorParallel
+
+logger = logging.getLogger("radixlm.gguf_model")
+
+
+def check_served_types(tensors: dict[str, Any], path: str) -> None:
+    """Every tensor is of a type this path serves (a block kernel's or a float type); ValueError naming the
+    first that is not."""
+    for name, t in tensors.items():
+        qtype = int(t.tensor_type)
+        if qtype not in KERNEL_TYPES and qtype not in FLOAT_TYPES:
+            served = sorted([*(v[0] for v in KERNEL_TYPES.values()), *FLOAT_TYPES.values()])
+            raise ValueError(
+                f"{path}: tensor {name} is stored as {t.tensor_type.name}, which radixlm does not serve in "
+                f"place (served: {', '.join(served)}); re-quantize the file to one of those (e.g. Q4_K_M), "
+                "or "
+                "pass --quantization none to dequantize it to float32 at load"
+            )
+
+
+def _raw_rows(t: Any) -> torch.Tensor:
+    """A tensor's bytes as uint8 [rows, row bytes]: a view of the memory-mapped file."""
+    cols, rows = (int(v) for v in t.shape[:2])
+    data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
+def _float(t: Any) -> torch.Tensor:
+    """A tensor dequantized to float32 in Hugging Face's shape ([out, in] for matrices)."""
+    shape = [int(d) for d in reversed(t.shape)]
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return reference_dequantize(
+        np.asarray(t.data).view(np.uint8), int(t.tensor_type), rows, shape[-1]
+    ).reshape(shape)
+
+
+class _Loader:
+    def __init__(self, gguf_path: str, cfg: ModelConfig):
+        self.path = gguf_path
+        reader = open_reader(gguf_path)
+        self.reader = reader  # keeps the mapping alive as long as the loader; tensors keep their own views
+        arch = reader.fields["general.architecture"].contents()
+        self.rope_permuted = ARCHS[arch].rope_permuted
+        self.tensors = {t.name: t for t in reader.tensors}
+        check_served_types(self.tensors, gguf_path)
+        self.cfg = cfg
+        self.counts: dict[str, int] = {}
+
+    def get(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ValueError(f"{self.path}: the file lacks tensor {name}")
+        return t
+
+    def linear(self, names: list[str], heads: list[int | None], in_features: int, bias: list[str] | None):
+        """The projection fused from `names` along rows: a GGUFLinear when every part has a block kernel,
+        else a float32 nn.Linear."""
+        parts = [self.get(n) for n in names]
+        b = None
+        if bias is not None:
+            b = torch.cat([self._rows(_float(self.get(n)), h) for n, h in zip(bias, heads, strict=True)])
+        for n, t in zip(names, parts, strict=True):
+            if int(t.shape[0]) != in_features:
+                raise ValueError(
+                    f"{self.path}: tensor {n} has rows of {int(t.shape[0])}, expected {in_features}"
+                )
+        if all(int(t.tensor_type) in KERNEL_TYPES for t in parts):
+            blocks = [
+                (int(t.tensor_type), self._rows(_raw_rows(t), h)) for t, h in zip(parts, heads, strict=True)
+            ]
+            layer: nn.Module = GGUFLinear(in_features, blocks, b)
+            for t in parts:
+                key = t.tensor_type.name
+                self.counts[key] = self.counts.get(key, 0) + 1
+            return layer
+        w = torch.cat([self._rows(_float(t), h) for t, h in zip(parts, heads, strict=True)])
+        layer = nn.Linear(in_features, w.shape[0], bias=b is not None)
+        layer.weight.data = w
+        if b is not None:
+            layer.bias.data = b
+        self.counts["F32"] = self.counts.get("F32", 0) + len(parts)
+        return layer
+
+    def _rows(self, rows: torch.Tensor, heads: int | None) -> torch.Tensor:
+        """Q/K rows back into HF order where llama.cpp permuted them (a copy); other rows untouched."""
+        if heads is None or not self.rope_permuted:
+            return rows
+        return torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(rows.numpy(), heads)))
+
+
+def load_gguf_model(
+    model_dir: str, cfg: ModelConfig, tp: TensorParallel, device: torch.device, dtype: torch.dtype
+):
+    """The model of the GGUF file `model_dir` was resolved from, with its blocks in place (see the module)."""
+    t0 = time.perf_counter()
+    if tp.size > 1:
+        raise ValueError(
+            "--quantization gguf_native serves a GGUF file's whole tensors on one rank: use --tp-size 1, or "
+            "--quantization int8 / w4a8 to shard"
+        )
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError("--quantization gguf_native runs on the CPU with float32 activations")
+    if cfg.moe is not None:
+        raise ValueError("--quantization gguf_native does not serve mixture-of-experts files yet")
+    path = gguf_source(model_dir)
+    ld = _Loader(path, cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, tp)
+    hidden, q_rows = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_bias = [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"] if cfg.qkv_bias else None
+        attn.qkv_proj = ld.linear(
+            [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+            [cfg.num_heads, cfg.num_kv_heads, None],
+            hidden,
+            qkv_bias,
+        )
+        attn.o_proj = ld.linear([b + "attn_output.weight"], [None], q_rows, None)
+        mlp.gate_up_proj = ld.linear([b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None], hidden, None)
+        mlp.down_proj = ld.linear([b + "ffn_down.weight"], [None], cfg.intermediate_size, None)
+    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    model.lm_head = ld.linear([head], [None], hidden, None)
+    # what is still on the meta device (embedding, norms) gets storage and is filled from the file
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+    embed = _float(ld.get("token_embd.weight"))
+    model.embed_tokens.load_shard("weight", embed, 0)
+    model.norm.weight.data.copy_(_float(ld.get("output_norm.weight")))
+    for i, layer in enumerate(model.layers):
+        b = f"blk.{i}."
+        layer.input_layernorm.weight.data.copy_(_float(ld.get(b + "attn_norm.weight")))
+        layer.post_attention_layernorm.weight.data.copy_(_float(ld.get(b + "ffn_norm.weight")))
+        if layer.self_attn.q_norm is not None:
+            layer.self_attn.q_norm.weight.data.copy_(_float(ld.get(b + "attn_q_norm.weight")))
+            layer.self_attn.k_norm.weight.data.copy_(_float(ld.get(b + "attn_k_norm.weight")))
+    left = [n for n, p in model.named_parameters() if p.is_meta] + [
+        n for n, p in model.named_buffers() if p.is_meta
+    ]
+    if left:
+        raise ValueError(f"{path}: no GGUF tensor fills {left[:3]}")
+    logger.info(
+        "GGUF %s served in place (%s) in %.2f s; embedding and norms float32",
+        path,
+        ", ".join(f"{n} {k}" for k, n in sorted(ld.counts.items())),
+        time.perf_counter() - t0,
+    )
+    return model

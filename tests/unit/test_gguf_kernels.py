@@ -1,0 +1,154 @@
+"""The GGUF block kernels (runtime/models/csrc/gguf_gemm.cpp) against gguf-py's reference dequantization.
+
+Each block type is checked on random blocks (any bytes with finite fp16 scales are a valid block) at 1, 2, 3,
+4 and 37 activation rows: the kernel's output equals the activations as the kernel quantizes them (mirrored
+in Python, `quantize_activations`) times gguf-py's dequantized weight, to float32 summation error. The
+scalar and AVX2 builds are compared with the default one in a subprocess each.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+gguf_linear = pytest.importorskip("runtime.models.gguf_linear")
+from runtime.models.gguf_linear import (  # noqa: E402
+    KERNEL_TYPES,
+    GGUFLinear,
+    quantize_activations,
+    reference_dequantize,
+)
+
+# byte offsets of each type's fp16 scale fields within a block
+SCALE_FIELDS = {
+    2: (0,),
+    3: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    8: (0,),
+    10: (80, 82),
+    11: (108,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+}
+
+
+def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [rows, row bytes] of random blocks whose fp16 scales are finite (0.001..0.1, either sign)."""
+    _, block, size = KERNEL_TYPES[qtype]
+    rng = np.random.default_rng(seed + qtype)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        scales = rng.uniform(0.001, 0.1, size=(rows, cols // block)) * rng.choice(
+            [-1, 1], (rows, cols // block)
+        )
+        raw[..., off : off + 2] = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+    return torch.from_numpy(raw.reshape(rows, -1))
+
+
+def expected(
+    x: torch.Tensor, w: torch.Tensor, qtype: int, rows: int, cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exact product in float64 of the kernel's quantized activations and gguf-py's weight, a bound on
+    float32 rounding: 1e-5 of the sum of absolute products)."""
+    _, block, _ = KERNEL_TYPES[qtype]
+    xq = quantize_activations(x, 256 if block == 256 else 32).double()
+    ref = reference_dequantize(w, qtype, rows, cols).double()
+    assert torch.isfinite(ref).all()
+    return xq @ ref.T, 1e-5 * (xq.abs() @ ref.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: KERNEL_TYPES[t][0])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 37])
+def test_kernel_matches_reference(qtype: int, m: int) -> None:
+    rows, cols = 45, 512  # rows not a multiple of any tile; two super-blocks / sixteen blocks per row
+    w = random_blocks(qtype, rows, cols)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+    layer = GGUFLinear(cols, [(qtype, w)])
+    y = layer(x)
+    want, tol = expected(x, w, qtype, rows, cols)
+    assert y.shape == (m, rows)
+    err = (y.double() - want).abs()
+    assert (err <= tol).all(), f"max error {err.max():.3g} over bound {tol[err > tol].min():.3g}"
+    # and against the float product: only the activations' rounding apart (a loose, independent check)
+    flt = x.double() @ reference_dequantize(w, qtype, rows, cols).double().T
+    rel = (y.double() - flt).norm() / flt.norm()
+    assert rel < 0.02, rel
+
+
+def test_fused_parts_of_mixed_types_and_bias() -> None:
+    cols = 256
+    parts = [
+        (12, random_blocks(12, 20, cols, 1)),
+        (14, random_blocks(14, 7, cols, 2)),
+        (8, random_blocks(8, 9, cols, 3)),
+    ]
+    bias = torch.randn(36)
+    layer = GGUFLinear(cols, parts, bias)
+    x = torch.randn(5, cols)
+    y = layer(x)
+    cols_done = 0
+    for qtype, w in parts:
+        want, tol = expected(x, w, qtype, w.shape[0], cols)
+        got = (
+            y[:, cols_done : cols_done + w.shape[0]].double()
+            - bias[cols_done : cols_done + w.shape[0]].double()
+        )
+        assert ((got - want).abs() <= tol + 1e-5).all()
+        cols_done += w.shape[0]
+    fn, args = layer.decode_call()
+    assert torch.equal(fn(x, *args), y)
+    assert torch.allclose(
+        layer.dequantized_weight(),
+        torch.cat([reference_dequantize(w, t, w.shape[0], cols) for t, w in parts]),
+    )
+
+
+def test_zero_activations_and_bad_shapes() -> None:
+    w = random_blocks(12, 8, 256)
+    layer = GGUFLinear(256, [(12, w)])
+    assert torch.equal(layer(torch.zeros(3, 256)), torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="whole blocks"):
+        GGUFLinear(100, [(12, w)])
+    with pytest.raises(ValueError, match="expected uint8"):
+        GGUFLinear(512, [(12, w)])
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.zeros(1, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", [gguf_linear.PORTABLE_ENV, gguf_linear.AVX2_ENV])
+def test_other_builds_agree(env: str) -> None:
+    """The scalar and AVX2 builds give the default build's outputs (to float32 summation order)."""
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, 'tests/unit')\n"
+        "from test_gguf_kernels import random_blocks\n"
+        "from runtime.models.gguf_linear import GGUFLinear, KERNEL_TYPES, kernel_isa\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(3, 512)\n"
+        "out = {t: GGUFLinear(512, [(t, random_blocks(t, 19, 512))])(x) for t in KERNEL_TYPES}\n"
+        "torch.save((kernel_isa(), out), sys.argv[1])\n"
+    )
+    outs = {}
+    for name, extra in (("default", {}), ("other", {env: "1"})):
+        path = f"/tmp/gguf_kernels_{os.getpid()}_{name}.pt"
+        subprocess.run(
+            [sys.executable, "-c", code, path], check=True, env={**os.environ, **extra}, timeout=600
+        )
+        outs[name] = torch.load(path)
+        os.unlink(path)
+    isa_default, default = outs["default"]
+    isa_other, other = outs["other"]
+    assert (
+        isa_other == ("scalar" if env == gguf_linear.PORTABLE_ENV else "avx2") != isa_default
+        or isa_default == "avx2"
+    )
+    for t in KERNEL_TYPES:
+        assert torch.allclose(default[t], other[t], rtol=1e-4, atol=1e-4), KERNEL_TYPES[t][0]
