@@ -130,6 +130,24 @@ def test_priority_reaches_the_scheduler(server_url, front):
 
 
 @pytest.mark.parametrize("front", list(FRONT_ENDS))
+def test_program_id_reaches_the_scheduler(server_url, front):
+    """A program's requests are counted by the scheduler's program table (body field or X-Program-Id)."""
+
+    def program_requests() -> int:
+        return requests.get(server_url + "/get_server_info", timeout=HTTP_TIMEOUT_S).json()[
+            "program_requests"
+        ]
+
+    before = program_requests()
+    assert post(server_url, front, {"program_id": f"p-{uuid.uuid4().hex[:8]}"}).status_code == 200
+    assert program_requests() == before + 1
+    assert post(server_url, front, {}, headers={"X-Program-Id": "p-header"}).status_code == 200
+    assert program_requests() == before + 2
+    assert post(server_url, front, {}).status_code == 200  # no program, no session: not counted
+    assert program_requests() == before + 2
+
+
+@pytest.mark.parametrize("front", list(FRONT_ENDS))
 @pytest.mark.parametrize(
     "options, field",
     [
@@ -138,6 +156,7 @@ def test_priority_reaches_the_scheduler(server_url, front):
         ({"cache_ttl_s": 5}, "cache_ttl_s"),
         ({"timeout": -1}, "timeout"),
         ({"priority": 1.5}, "priority"),
+        ({"program_id": ""}, "program_id"),
     ],
 )
 def test_bad_options_are_400s_naming_them(server_url, front, options, field):

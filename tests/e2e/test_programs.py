@@ -1,0 +1,121 @@
+"""Program-level scheduling over HTTP (`--schedule-policy program`, `--kv-retention auto`): a long agent
+program and many short ones share a server that runs one request at a time; the long program's next call
+arrives before the short programs' calls, yet every short one finishes before it completes. Its earlier calls
+were retained without the client asking, and nothing leaks."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import requests
+
+from tests.e2e.server_utils import HTTP_TIMEOUT_S, ServerProcess, assert_no_kv_leak, server_info, wait_idle
+
+SHORT = 4
+
+
+@pytest.fixture(scope="module")
+def url():
+    srv = ServerProcess(
+        extra_args=[
+            "--schedule-policy",
+            "program",
+            "--kv-retention",
+            "auto",
+            "--max-running-requests",
+            "1",
+            "--max-total-tokens",
+            "8192",
+        ]
+    ).start()
+    try:
+        yield srv.url
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log_tail()
+
+
+def generate(url: str, text: str, max_new: int, program: str | None = None, rid: str | None = None):
+    body = {
+        "text": text,
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
+    }
+    if program:
+        body["program_id"] = program
+    if rid:
+        body["rid"] = rid
+    return requests.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
+
+
+def chat(url: str, text: str, max_new: int, program: str):
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_new,
+        "temperature": 0,
+    }
+    headers = {"X-Program-Id": program}  # the header names the program when the body does not
+    return requests.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+
+
+def wait_queued(url: str, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server_info(url)["num_queued_reqs"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests queued after {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def test_short_programs_finish_before_the_long_programs_next_step(url):
+    long_id = f"long-{uuid.uuid4().hex[:8]}"
+    history = "You are an agent with many tools. " + " ".join(
+        f"Observation {i}: value {i * 7}." for i in range(90)
+    )
+    for turn in range(3):  # the long program computes well past the first PLAS level
+        r = generate(url, history, 16, program=long_id)
+        assert r.status_code == 200, r.text
+        history += r.json()["text"] + f" Tool result {turn}: ok."
+    info = server_info(url)
+    assert info["programs_tracked"] >= 1 and info["retain_device"] >= 1  # retained without a session field
+
+    done: dict[str, float] = {}
+    errors: list[str] = []
+
+    def run(name: str, call) -> None:
+        r = call()
+        done[name] = time.monotonic()
+        if r.status_code != 200 and name != "blocker":
+            errors.append(f"{name}: {r.status_code} {r.text[:200]}")
+
+    blocker = threading.Thread(
+        target=run, args=("blocker", lambda: generate(url, "Count slowly.", 2000, rid="blocker"))
+    )
+    blocker.start()
+    deadline = time.monotonic() + 60
+    while server_info(url)["num_running_reqs"] < 1:  # the blocker holds the one running slot
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    threads = [
+        threading.Thread(target=run, args=("long", lambda: generate(url, history, 16, program=long_id)))
+    ]
+    threads[0].start()
+    wait_queued(url, 1)  # the long program's next step is queued first ...
+    for i in range(SHORT):
+        pid = f"short-{i}-{uuid.uuid4().hex[:8]}"
+        t = threading.Thread(
+            target=run, args=(f"short{i}", lambda pid=pid: chat(url, f"Say hi {pid}.", 8, pid))
+        )
+        t.start()
+        threads.append(t)
+    wait_queued(url, 1 + SHORT)  # ... then every short program's call
+    requests.post(url + "/abort_request", json={"rid": "blocker"}, timeout=HTTP_TIMEOUT_S)
+    for t in [blocker, *threads]:
+        t.join(timeout=600)
+    assert not errors, errors
+    shorts = [done[f"short{i}"] for i in range(SHORT)]
+    assert max(shorts) < done["long"], {k: round(v - done["blocker"], 3) for k, v in done.items()}
+    info = wait_idle(url)
+    assert_no_kv_leak(info)
+    assert info["program_requests"] >= 4 + SHORT
