@@ -251,20 +251,30 @@ class LoraLinear(nn.Module):
         self.lora_a, self.lora_b, self.state = lora_a, lora_b, state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self.add_updates(x, self.base(x))
+
+    def add_updates(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the base output of `x`) plus each adapter's update on its own rows, in place."""
         for slot, rows in self.state.segments:
             a, b = self.lora_a[slot], self.lora_b[slot]
             if isinstance(rows, slice):
-                xs = x[rows]
-                y[rows] += ((xs.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype)
+                y[rows] += ((x[rows].to(a.dtype) @ a.t()) @ b.t()).to(y.dtype)
             else:
                 xs = x.index_select(0, rows)
                 y.index_add_(0, rows, ((xs.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype))
         return y
 
     def decode_call(self) -> tuple:
-        """The fused CPU path's (fn, args): this module's forward (the base's own op runs inside it)."""
-        return self.forward, ()
+        """The fused CPU path's (fn, args): the base's own fast call (a quantized op with its blocks bound),
+        then the updates."""
+        base_call = getattr(self.base, "decode_call", None)
+        fn, args = base_call() if base_call is not None else (self.base.forward, ())
+        add = self.add_updates
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            return add(x, fn(x, *args))
+
+        return call, ()
 
 
 class LoraPool:

@@ -211,3 +211,52 @@ def test_identity_follows_the_content(setup, tmp_path):
     b = read_adapter("b", _copy(adapters["all"], tmp_path / "same"), runner.config, 16)
     c = read_adapter("c", adapters["attn"], runner.config, 16)
     assert a.digest == b.digest != c.digest
+
+
+@pytest.mark.slow  # w4a8 builds its C++ kernel on first use
+@pytest.mark.parametrize("quantization", ["int8", "w4a8"])
+def test_base_weights_stay_quantized(setup, quantization):
+    """Under a quantized base each projection stays the quantized layer; the adapter's rows get exactly its
+    low-rank update on top of the quantized output, and base rows get the quantized output alone."""
+    from runtime.models.lora import LoraLinear
+    from runtime.models.parallel import ColumnParallelLinear
+
+    _, base, adapters, _, _, _ = setup
+    runner = ModelRunner(
+        base,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=512,
+        max_running_requests=4,
+        attention_backend="torch_native",
+        quantization=quantization,
+        max_loras=1,
+        max_lora_rank=16,
+    )
+    runner.lora.load(0, read_adapter("all", adapters["all"], runner.config, 16))
+    for layer in runner.model.layers:
+        for proj in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
+            assert isinstance(proj, LoraLinear) and not isinstance(proj.base, ColumnParallelLinear)
+    proj = runner.model.layers[1].mlp.gate_up_proj
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    runner.lora.begin([-1, 0, -1], [1, 3, 1])  # the adapter's rows are 1..3
+    got = proj(x)
+    runner.lora.begin(None, [5])
+    plain = proj(x)
+    torch.testing.assert_close(plain, proj.base(x), rtol=0, atol=0)
+    a, b = proj.lora_a[0], proj.lora_b[0]
+    torch.testing.assert_close(got[1:4], plain[1:4] + (x[1:4] @ a.t()) @ b.t())
+    torch.testing.assert_close(got[[0, 4]], plain[[0, 4]], rtol=0, atol=0)
+    assert (got[1:4] - plain[1:4]).abs().max() > 0.01
+    # the fused CPU loop (the base's own quantized call, then the updates) gives the eager path's tokens
+    assert runner.model.fused_cpu_ops
+    prompt = list(range(40, 61))
+    fused = _run(runner, [prompt, prompt], [0, -1], steps=4)
+    runner.model.use_fused_cpu_ops(False)
+    assert _run(runner, [prompt, prompt], [0, -1], steps=4) == fused
+    assert fused[0] != fused[1]
