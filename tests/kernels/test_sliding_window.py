@@ -46,7 +46,12 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("window", [1, 8, 33, 4096])
-@pytest.mark.parametrize("backend_cls", [TorchNativeBackend, CpuPagedBackend], ids=["torch_native", "cpu"])
+@pytest.mark.parametrize(
+    "backend_cls",
+    # the cpu backend builds a C++ kernel on first use (the fast tier needs no compiler)
+    [TorchNativeBackend, pytest.param(CpuPagedBackend, marks=pytest.mark.slow)],
+    ids=["torch_native", "cpu"],
+)
 def test_window_matches_brute_force(make_case, backend_cls, name, window):
     if backend_cls is CpuPagedBackend:
         load_native_or_skip(PAGED_ATTENTION)
@@ -66,6 +71,7 @@ def test_window_matches_brute_force(make_case, backend_cls, name, window):
         )
 
 
+@pytest.mark.slow  # builds a C++ kernel on first use
 def test_short_extends_take_the_fused_op(make_case):
     """The cpu backend's windowed extend of <= FUSED_MAX_EXTEND tokens runs the C++ op over its per-token
     window table (not torch_native's masked path), and a window that cuts the prefix changes the result."""

@@ -71,6 +71,7 @@ def regimes(arch: str) -> list[tuple[int | None, list[int]]]:
     return [(None, [9, 30, 1, 50])]
 
 
+@pytest.mark.slow  # whole models through the runner or scheduler (the full suite)
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
 def test_logits_match_transformers(dense_model, backend):
     """Extends over cached prefixes longer and shorter than the window, then mixed-length decode steps:
@@ -120,6 +121,7 @@ def shared_prompts(n: int, system_len: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+@pytest.mark.slow  # whole models through the runner or scheduler (the full suite)
 @pytest.mark.parametrize("chunk", [0, 16])
 def test_scheduler_greedy_equals_transformers(dense_model, default_tokenizer, chunk):
     """10 requests sharing prefixes longer than the window, 4 running at a time, the radix cache on (and
@@ -134,6 +136,7 @@ def test_scheduler_greedy_equals_transformers(dense_model, default_tokenizer, ch
     assert_all_free(sched)
 
 
+@pytest.mark.slow  # whole models through the runner or scheduler (the full suite)
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
 def test_sliding_window_prefix_reuse_equals_a_fresh_run(dense_model, default_tokenizer, backend):
     """A prompt several windows long is served and cached; the same prompt extended is then served from the
@@ -160,6 +163,7 @@ def test_sliding_window_prefix_reuse_equals_a_fresh_run(dense_model, default_tok
     assert_all_free(warm)
 
 
+@pytest.mark.slow  # whole models through the runner or scheduler (the full suite)
 def test_two_tensor_parallel_ranks_equal_one_process(dense_model):
     """--tp-size 2 on gloo: each rank holds half the heads (Phi-3: its slices of the split fused tensors) and
     half the MLP; the logits of a prefix extend, an extend and decode steps equal one process's."""
