@@ -27,7 +27,7 @@ def dense_model(request, tmp_path_factory, default_tokenizer):
     return request.param, str(path), hf
 
 
-def runner_for(path: str, backend: str, context_length: int | None = None):
+def runner_for(path: str, backend: str, context_length: int | None = None, dtype: str = "float32"):
     from runtime.model_executor.model_runner import ModelRunner
 
     if backend == "cpu":
@@ -37,7 +37,7 @@ def runner_for(path: str, backend: str, context_length: int | None = None):
         load_native_or_skip(PAGED_ATTENTION)
     return ModelRunner(
         path,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         max_total_tokens=4096,
         max_running_requests=8,
@@ -177,3 +177,25 @@ def test_two_tensor_parallel_ranks_equal_one_process(dense_model):
     for step, (a, b) in enumerate(zip(got, ref, strict=True)):
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+
+
+@pytest.mark.slow  # whole models through the runner or scheduler (the full suite)
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+def test_bfloat16_follows_transformers_bfloat16(dense_model, backend):
+    """Under --dtype bfloat16 the logits follow transformers' own bfloat16 run (its casts: Gemma's norms in
+    float32 then cast, the embedding scale rounded to bfloat16), far closer than bfloat16 is to float32.
+    Gemma's soft-capping is applied to radixlm's float32 logits, so the reference caps in float32 too."""
+    from transformers import AutoModelForCausalLM
+
+    arch, path, hf32 = dense_model
+    hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    cap = getattr(hf16.config, "final_logit_softcapping", None)
+    hf16.config.final_logit_softcapping = None
+    seq = torch.randint(3, 512, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = hf_logits(hf16, seq)
+    if cap:
+        want = torch.tanh(want / cap) * cap
+    got = Harness(runner_for(path, backend, dtype="bfloat16")).extend({0: seq}, all_logits=True)
+    gap = float((want - hf_logits(hf32, seq)).abs().max())  # bfloat16 against float32
+    assert gap > 0.1
+    torch.testing.assert_close(got, want, atol=gap / 10, rtol=0)
