@@ -33,6 +33,9 @@
 #include <memory>
 #include <vector>
 
+#if defined(__F16C__) && !defined(RADIXLM_PORTABLE)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
     !defined(RADIXLM_PORTABLE) && !defined(RADIXLM_FORCE_AVX2)
 #define RADIXLM_AVX512 1
@@ -51,7 +54,11 @@ enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3
 inline float h2f(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
+#if defined(__F16C__) && !defined(RADIXLM_PORTABLE)
+  return _cvtsh_ss(v);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(v);
+#endif
 }
 
 inline void fill(float* p, int n, float v) {
@@ -291,13 +298,14 @@ bool type_info(int64_t t, TypeInfo& info) {
 // qa over each group of 16) [M, K/16].
 struct Acts {
   std::vector<int8_t> qa;
-  std::vector<float> dl, sg;
+  std::vector<float> dl, sg, s32;  // s32: da * (sum of qa) per group of 32 [M, K/32]
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
   a.qa.resize(M * K);
   a.dl.resize(M * K / 4);
   a.sg.resize(M * K / 16);
+  a.s32.resize(M * K / 32);
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b0 = 0; b0 < K; b0 += qk) {
@@ -317,6 +325,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
           for (int i = 0; i < 16; ++i) s += q[16 * g + i];
           a.sg[(r * K + b0) / 16 + g] = d * static_cast<float>(s);
         }
+        for (int64_t g = 0; g < qk / 32; ++g)
+          a.s32[(r * K + b0) / 32 + g] = a.sg[(r * K + b0) / 16 + 2 * g] + a.sg[(r * K + b0) / 16 + 2 * g + 1];
       }
     }
   });
@@ -452,8 +462,178 @@ void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
   }
 }
 
+#if defined(RADIXLM_AVX512)
+// ------------------------------------------------------------------------------ decode rows (1..4), AVX-512
+// The common types read in registers, no row buffer: each 64 weights are unpacked once and multiplied by up
+// to four activation rows. Q4_K / Q6_K sum u * qa in int16 pairs (vpmaddubsw: u <= 63) and multiply by the
+// integer sub-block scales while accumulating in int32 (vpdpwssd), one float FMA per super-block and row;
+// their mins / -32 offsets use the activations' group sums. Q8_0 takes two blocks per 512-bit dot.
+inline __m512i two32(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m512 two_scales(float a, float b) {
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)), _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+// int16 lane i of the result = s[g(i)], for 16 lanes per 2 groups of 32 (K4) or 8 lanes per group of 16 (K6)
+inline __m512i lane_index(int first, int lanes_per_group) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>(first + i / lanes_per_group);
+  return _mm512_load_si512(idx);
+}
+
+template <int MR>
+void q4_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 256, rb = nb * 144;
+  const __m512i idx[4] = {lane_index(0, 16), lane_index(2, 16), lane_index(4, 16), lane_index(6, 16)};
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * rb;
+    __m512 facc[MR];
+    __m256 oacc[MR];
+    for (int m = 0; m < MR; ++m) facc[m] = _mm512_setzero_ps(), oacc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * 144;
+      const float d = h2f(blk), dmin = h2f(blk + 2);
+      // ggml's 12-byte scales -> 8 scales, 8 mins (bytes), as llama.cpp unpacks them
+      uint32_t ut[4];
+      std::memcpy(ut, blk + 4, 12);
+      const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+      ut[3] = ((ut[2] >> 4) & k2) | (((ut[1] >> 6) & k3) << 4);
+      const uint32_t aux = ut[1] & k1;
+      ut[1] = (ut[2] & k2) | (((ut[0] >> 6) & k3) << 4);
+      ut[2] = aux;
+      ut[0] &= k1;
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ut));
+      const __m512i scv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(packed));
+      const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))),
+                                        _mm256_set1_ps(-dmin));
+      __m512i iacc[MR];
+      for (int m = 0; m < MR; ++m) iacc[m] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m256i q = load32(blk + 16 + 32 * j);
+        const __m512i u = two32(lo_nib(q), hi_nib(q));
+        const __m512i s = _mm512_permutexvar_epi16(idx[j], scv);
+        for (int m = 0; m < MR; ++m) {
+          const __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 256 + 64 * j);
+          iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u, av), s);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float da = a.dl[(m * K + b * 256) / 4];
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_set1_ps(d * da), facc[m]);
+        oacc[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.s32.data() + (m * K + b * 256) / 32), oacc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(oacc[m]), _mm256_extractf128_ps(oacc[m], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+      y[m * ldy + n] = _mm512_reduce_add_ps(facc[m]) + _mm_cvtss_f32(h);
+    }
+  }
+}
+
+template <int MR>
+void q6_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 256, rb = nb * 210;
+  const __m512i idx[4] = {lane_index(0, 8), lane_index(4, 8), lane_index(8, 8), lane_index(12, 8)};
+  const __m256i m30 = _mm256_set1_epi8(0x30);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * rb;
+    __m512 facc[MR], oacc[MR];
+    for (int m = 0; m < MR; ++m) facc[m] = _mm512_setzero_ps(), oacc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * 210;
+      const float d = h2f(blk + 208);
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      const __m512i scv = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+      const __m512 offs = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(-32.f * d));
+      __m512i iacc[MR];
+      for (int m = 0; m < MR; ++m) iacc[m] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), hh = load32(blk + 128 + 32 * h);
+        const __m512i u0 = two32(_mm256_or_si256(lo_nib(l0), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m30)),
+                                 _mm256_or_si256(lo_nib(l1), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m30)));
+        const __m512i u1 = two32(_mm256_or_si256(hi_nib(l0), _mm256_and_si256(hh, m30)),
+                                 _mm256_or_si256(hi_nib(l1), _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30)));
+        const __m512i s0 = _mm512_permutexvar_epi16(idx[2 * h], scv);
+        const __m512i s1 = _mm512_permutexvar_epi16(idx[2 * h + 1], scv);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* q = a.qa.data() + m * K + b * 256 + 128 * h;
+          iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u0, _mm512_loadu_si512(q)), s0);
+          iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u1, _mm512_loadu_si512(q + 64)), s1);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float da = a.dl[(m * K + b * 256) / 4];
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_set1_ps(d * da), facc[m]);
+        oacc[m] = _mm512_fmadd_ps(offs, _mm512_loadu_ps(a.sg.data() + (m * K + b * 256) / 16), oacc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(facc[m], oacc[m]));
+  }
+}
+
+template <int MR>
+void q8_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = K / 32, rb = nb * 34;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * rb;
+    __m512 facc[MR];
+    for (int m = 0; m < MR; ++m) facc[m] = _mm512_setzero_ps();
+    float tail[MR] = {};
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const uint8_t* b0 = row + b * 34;
+      const __m512i w = two32(load32(b0 + 2), load32(b0 + 36));
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      const __m512i aw = _mm512_abs_epi8(w);
+      const float d0 = h2f(b0), d1 = h2f(b0 + 34);
+      for (int m = 0; m < MR; ++m) {
+        __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 32);
+        av = _mm512_mask_sub_epi8(av, neg, _mm512_setzero_si512(), av);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, av);
+        const float* dl = a.dl.data() + (m * K + b * 32) / 4;
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_scales(d0 * dl[0], d1 * dl[8]), facc[m]);
+      }
+    }
+    for (; b < nb; ++b) {  // an odd last block
+      const uint8_t* b0 = row + b * 34;
+      const float d0 = h2f(b0);
+      for (int m = 0; m < MR; ++m) {
+        int32_t s = 0;
+        for (int i = 0; i < 32; ++i) s += static_cast<int8_t>(b0[2 + i]) * a.qa[m * K + b * 32 + i];
+        tail[m] += d0 * a.dl[(m * K + b * 32) / 4] * static_cast<float>(s);
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(facc[m]) + tail[m];
+  }
+}
+
+// true when (type, M) has a register path and it ran
+bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
+#define RADIXLM_ROWS(FN)                                  \
+  switch (M) {                                            \
+    case 1: FN<1>(W, K, a, y, ldy, n0, n1); return true;  \
+    case 2: FN<2>(W, K, a, y, ldy, n0, n1); return true;  \
+    case 3: FN<3>(W, K, a, y, ldy, n0, n1); return true;  \
+    case 4: FN<4>(W, K, a, y, ldy, n0, n1); return true;  \
+    default: return false;                                \
+  }
+  if (type == Q4_K) RADIXLM_ROWS(q4_k_rows)
+  if (type == Q6_K) RADIXLM_ROWS(q6_k_rows)
+  if (type == Q8_0) RADIXLM_ROWS(q8_0_rows)
+#undef RADIXLM_ROWS
+  return false;
+}
+#endif
+
 // x [M, K] float32 times the parts (each uint8 [N_i, K / qk * bytes] of type types[i]) -> y [M, sum N_i].
 at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
+  // RADIXLM_GGUF_GEMM_ROWS_ONLY=1: skip the register paths (tests compare them with the row-buffer path)
+  static const bool no_fast = [] {
+    const char* v = std::getenv("RADIXLM_GGUF_GEMM_ROWS_ONLY");
+    return v != nullptr && v[0] == '1';
+  }();
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "gguf_linear takes contiguous float32 [M, K] activations");
   TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "gguf_linear: one type per weight part");
@@ -488,6 +668,9 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
     float* yc = yp + col;
     // grain: enough rows per task that the row buffer and the task overhead pay off
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+#if defined(RADIXLM_AVX512)
+      if (!no_fast && decode_rows(types[i], W, K, a, M, yc, total, n0, n1)) return;
+#endif
       switch (types[i]) {
 #define RADIXLM_PART(T, S, QK_, BYTES_, FN) \
   case T: part_rows<S, QK_, BYTES_, FN>(W, K, a, M, yc, total, n0, n1); break;
