@@ -43,6 +43,12 @@ ARCHS = {
         **{**COMMON, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2}, head_dim=128
     ),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    # every layer windowed (shorter than the tests' sequences), as Mistral v0.1 is
+    "mistral-sliding-window": lambda: MistralConfig(**COMMON, sliding_window=6),
+    # Qwen2's use_sliding_window: layers from max_window_layers on are windowed (its layer_types)
+    "qwen2-sliding-layers": lambda: Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=5, max_window_layers=1
+    ),
     "qwen2-qkv-bias": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3-qk-norm": lambda: Qwen3Config(**COMMON, head_dim=32),
 }
