@@ -27,12 +27,58 @@ PHI3_WINDOW = 24
 PHI3_ORIGINAL_MAX = 64
 
 
-def dense_config(arch: str) -> Any:
+# Gemma 3's instruction-tuned chat template (its tokenizer_config.json's): a system message becomes the
+# first user turn's prefix, roles must alternate, the assistant's role is "model".
+GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+
+def dense_config(arch: str, **overrides: Any) -> Any:
     from transformers import Gemma3TextConfig, Phi3Config
 
+    common = COMMON | overrides
     if arch == "gemma3":
         return Gemma3TextConfig(
-            **COMMON,
+            **common,
             num_hidden_layers=4,
             head_dim=16,
             max_position_embeddings=1024,
@@ -51,7 +97,7 @@ def dense_config(arch: str) -> Any:
     if arch == "phi3":
         rotary_half = int(16 * 0.75) // 2
         return Phi3Config(
-            **COMMON,
+            **common,
             num_hidden_layers=3,
             max_position_embeddings=256,
             original_max_position_embeddings=PHI3_ORIGINAL_MAX,
@@ -73,16 +119,16 @@ def dense_config(arch: str) -> Any:
 
 
 def save_random_dense(
-    path: Path, arch: str, tokenizer: Any = None, *, seed: int = 0, std: float = 0.3
+    path: Path, arch: str, tokenizer: Any = None, *, seed: int = 0, std: float = 0.3, **overrides: Any
 ) -> Any:
     """Build `arch`'s tiny config with seeded weights (every matrix from N(0, std), norm weights perturbed,
     so greedy choices sit far from ties and Gemma's (1 + w) norms matter), save it (and `tokenizer`) to
-    `path`, and return the float32 transformers model."""
+    `path`, and return the float32 transformers model. `overrides`: config fields (e.g. vocab_size)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(dense_config(arch), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(dense_config(arch, **overrides), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
