@@ -157,12 +157,15 @@ def _gen(rid, prompt, max_new=2, **options):
     return GenerateReq(rid=rid, input_ids=prompt, params=params, options=RequestOptions(**options))
 
 
-def _run(s, msg):
+def _run(s, msg, ids: list[int] | None = None):
+    """Run `msg` to its end; its last output (and its generated ids appended to `ids`)."""
     s.handle(msg)
     last = None
     while s.has_work():
         for o in s.step():
             assert o.error is None, o.error
+            if ids is not None and o.rid == msg.rid:
+                ids.extend(o.new_token_ids)
             last = o
         s.check_accounting()
     return last
@@ -222,3 +225,33 @@ def test_a_flood_of_one_shot_programs_is_never_worse_than_lru(tiny_model_dir, de
             info = s.server_info()
             assert info["retain_lru"] + info["retain_host"] > info["retain_device"], info
     assert cached["auto"] >= cached["ttl"], cached
+
+
+def test_the_scheduler_prefetches_a_programs_history_from_the_host_when_idle(
+    tiny_model_dir, default_tokenizer
+):
+    """A program's history is pushed to the host tier by another request; while the server idles it is
+    loaded back, so the program's next call finds it on the device (under `ttl` it is loaded at admission)."""
+    rng = random.Random(4)
+    history = [4] + [rng.randrange(10, 500) for _ in range(99)]
+    other = [5] + [rng.randrange(10, 500) for _ in range(199)]
+    hits = {}
+    for mode in ("ttl", "auto"):
+        s = make_scheduler(
+            tiny_model_dir, default_tokenizer, kv_retention=mode, max_total_tokens=256, kv_host_tier_gb=0.01
+        )
+        output: list[int] = []
+        _run(s, _gen(f"{mode}-a0", history, program_id="agent"), output)
+        _run(s, _gen(f"{mode}-b", other))  # needs the pool: the agent's history goes to the host tier
+        s.prefetch()  # what the process loop does while idle (steps with nothing waiting do it too)
+        s.check_accounting()
+        on_device = s.cm.cache.match_prefix(history).indices.numel()
+        if mode == "auto":
+            assert on_device == 100 and s.server_info()["prefetched_tokens"] > 0
+        else:
+            assert on_device < 99
+        nxt = history + output + [7, 8, 9]
+        out = _run(s, _gen(f"{mode}-a1", nxt, program_id="agent"))
+        hits[mode] = (out.cached_tokens, out.cached_tokens_host)
+    assert hits["auto"][0] >= 100 and hits["auto"][1] == 0  # on the device already
+    assert hits["ttl"][0] >= 100 and hits["ttl"][1] > 0  # loaded from the host at admission

@@ -24,11 +24,13 @@ a waiting request cannot be admitted the scheduler calls `relieve`, which releas
 pin, one per step, so memory goes back to LRU order before any request waits for it. Programs that never
 return (a flood of one-shot programs) drive p toward 0 and stop being pinned.
 
-Prefetch (KVFlow, arXiv 2507.07400): a program whose path is not pinned on the device and whose reuse is
-expected (p >= MIN_REUSE) is remembered until its TTL passes. When no request waits and the free list holds
-the path's host part plus PREFETCH_HEADROOM of the pool, `prefetch` copies it back into free slots and
-inserts it into the radix cache (no eviction, so it takes no one's memory), at most PREFETCH_TOKENS_PER_STEP
-per step. The program's next request then finds it on the device.
+Prefetch (KVFlow, arXiv 2507.07400): a program whose reuse is expected (p >= MIN_REUSE) is remembered until
+its next request arrives or its TTL passes. When no request waits, `prefetch` looks at a few of them per
+step; one whose path the host tier holds past the device's, when the free and evictable slots hold that part
+plus PREFETCH_HEADROOM of the pool, is copied back (evicting the least recently used cache entries to the
+host tier if the free list is short; never a live request's memory) and inserted into the radix cache, at
+most PREFETCH_TOKENS_PER_STEP per step. Each finish is prefetched at most once, so two programs cannot evict
+each other back and forth. The program's next request then finds it on the device.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ MIN_REUSE = 0.15  # below this expected reuse nothing is retained (a first call 
 HEADROOM = 0.25  # share of obtainable slots kept for arrivals before pinning counts as pressure
 PREFETCH_HEADROOM = 0.25  # share of the pool left free after a prefetch
 PREFETCH_TOKENS_PER_STEP = 4096
+PREFETCH_CHECKS_PER_STEP = 4  # expected programs looked at per step (round robin): each is a radix match
 MAX_EXPECTED = 256  # programs remembered for prefetch
 MAX_EXPECTED_TOKENS = 1 << 18  # their keys' tokens together
 
@@ -154,7 +157,7 @@ class Retention:
             action = "lru"
         if action == "device":
             self._auto[sid] = None
-        elif d.reuse >= MIN_REUSE and self.cm.host is not None:
+        if d.reuse >= MIN_REUSE and self.cm.host is not None:  # (a device pin may be relieved and evicted)
             self._expect(sid, key, time.monotonic() + d.ttl_s)
         self.counts[f"retain_{action}"] += 1
         return Decision(action, d.ttl_s, d.reuse, d.pressure)
@@ -188,22 +191,26 @@ class Retention:
 
     def prefetch(self, now: float | None = None) -> int:
         """Load expected programs' paths from the host tier into free device slots (no eviction); returns the
-        tokens loaded. Call it only when no request waits."""
+        tokens loaded. Call it only when no request waits. Up to PREFETCH_CHECKS_PER_STEP programs are looked
+        at, round robin; a program stays expected until its next request arrives or its TTL passes (its path
+        may be evicted from the device later)."""
         cm = self.cm
         if cm.host is None or not self._expected:
             return 0
         now = time.monotonic() if now is None else now
         budget, loaded = PREFETCH_TOKENS_PER_STEP, 0
-        for sid in list(self._expected):
-            key, until = self._expected[sid]
+        headroom = int(PREFETCH_HEADROOM * cm.allocator.size)
+        for _ in range(min(PREFETCH_CHECKS_PER_STEP, len(self._expected))):
+            sid, (key, until) = next(iter(self._expected.items()))
             if until <= now:
                 self._forget_expected(sid)
                 continue
-            got = load_from_host(cm, key, budget - loaded, int(PREFETCH_HEADROOM * cm.allocator.size))
+            self._expected.move_to_end(sid)
+            got = load_from_host(cm, key, budget - loaded, headroom)
             if got is None:  # no room now: try again on a later step
                 break
-            self._forget_expected(sid)
-            if got:
+            if got:  # loaded once per finish: a later eviction is LRU's call, not undone again
+                self._forget_expected(sid)
                 loaded += got
                 self.counts["prefetches"] += 1
             if loaded >= budget:
@@ -229,9 +236,10 @@ def pin_sid(req: Req) -> tuple:
 
 
 def load_from_host(cm: CacheManager, key: list[int], budget: int, headroom: int) -> int | None:
-    """Copy what the host tier holds of `key` past the device match into free device slots and insert it into
-    the radix cache. Returns the tokens loaded (0: nothing to load), None when the free list lacks them plus
-    `headroom`, or they exceed `budget`. Free slots only: it evicts nothing."""
+    """Copy what the host tier holds of `key` past the device match into device slots and insert it into the
+    radix cache. Returns the tokens loaded (0: nothing to load), None when the free and evictable slots lack
+    them plus `headroom`, or they exceed `budget`. The slots come from the free list, then from evicting the
+    least recently used cache entries (which go to the host tier); no live request's memory is touched."""
     d_res = cm.cache.match_prefix(key)
     d = d_res.indices.numel()
     hit = cm.host.match(key)
@@ -239,16 +247,24 @@ def load_from_host(cm: CacheManager, key: list[int], budget: int, headroom: int)
     if h <= d:
         return 0
     need = h - d
-    if need > budget or cm.allocator.available() < need + headroom:
+    if need > budget:
         return None
-    slots = cm.allocator.alloc(need)
-    if slots is None:
-        return None
-    cm.host.lock(hit.last_node)
+    node = cm.cache.exact_node(d_res.last_node, d)
+    cm.cache.lock(node)  # the evictions below must not take the device part we extend
+    cm.host.lock(hit.last_node)  # ... nor, copying into the host, the host part we load
     try:
+        if cm.allocator.available() + cm.cache.evictable_size() < need + headroom:
+            return None
+        slots = cm.allocator.alloc(need)
+        if slots is None:
+            cm.allocator.free(cm.cache.evict(need - cm.allocator.available()))
+            slots = cm.allocator.alloc(need)
+        if slots is None:  # not expected: the room was counted above
+            return None
         cm.host.load(hit.indices[d:], slots)
+        dup = cm.cache.insert(key[:h], torch.cat([d_res.indices.to(slots.device), slots]))
+        cm.allocator.free(slots[: max(0, dup - d)])  # not expected: nothing was inserted meanwhile
     finally:
         cm.host.unlock(hit.last_node)
-    dup = cm.cache.insert(key[:h], torch.cat([d_res.indices.to(slots.device), slots]))
-    cm.allocator.free(slots[: max(0, dup - d)])  # not expected: nothing was inserted meanwhile
+        cm.cache.unlock(node)
     return need

@@ -106,6 +106,13 @@ class Scheduler:
             if args.kv_retention == "auto"
             else None
         )
+        # agent programs: their attained service (`--schedule-policy program`) and automatic retention
+        self.programs = ProgramTable()
+        self.retention = (
+            Retention(self.programs, self.sessions, self.cm, args.max_session_ttl_s)
+            if args.kv_retention == "auto"
+            else None
+        )
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
         torch.manual_seed(args.random_seed)
@@ -266,6 +273,7 @@ class Scheduler:
             self._run_extend(admitted)
         elif self.running:
             self._run_decode()
+        self.prefetch()
         if self.retention is not None and not self.waiting:
             self.retention.prefetch()  # programs expected back: their host-tier KV into free slots
         self._log.maybe_log(self.stats["generated_tokens"], self.has_work(), self.server_info)
@@ -273,6 +281,13 @@ class Scheduler:
         if self.threads is not None:
             self.threads.tick()
         return self._collect_outputs()
+
+    def prefetch(self) -> int:
+        """Automatic retention: load programs expected back from the host tier into free slots (only while no
+        request waits; the process loop calls it when idle too). Returns the tokens loaded."""
+        if self.retention is None or self.waiting:
+            return 0
+        return self.retention.prefetch()
 
     def publish_events(self) -> None:
         """Send what the cache did since the last call as one event batch, and answer replay requests (the
@@ -629,6 +644,13 @@ class Scheduler:
             self.stats["requests_finished"] += 1
         if self.lora is not None:
             self.lora.release(req)
+
+    def _kv_demand(self) -> int:
+        """KV slots the queued requests want now: waiting prompts and the running requests' reservations
+        (what automatic retention weighs a pin against)."""
+        ratio = self.args.new_token_ratio
+        waiting = sum(r.seq_len for r in self.waiting)
+        return waiting + sum(int(r.remaining_new_tokens * ratio) for r in (*self.running, *self.reextend))
 
     def _kv_demand(self) -> int:
         """KV slots the queued requests want now: waiting prompts and the running requests' reservations

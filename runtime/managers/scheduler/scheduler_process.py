@@ -77,7 +77,8 @@ def run_scheduler_process(args: ServerArgs, model_dir: str, endpoints: ipc.IpcEn
                 _check_accounting_or_exit(scheduler, logger)
                 scheduler.memory.trim()  # what the burst left free in the heap goes back (while idle)
                 was_busy = False
-            poller.poll(timeout=1000)
+            # automatic retention's prefetch runs in idle time too; while it loads, look again at once
+            poller.poll(timeout=0 if scheduler.prefetch() else 1000)
         elif not scheduler.can_run():
             poller.poll(timeout=5)  # only grammars compiling: check their futures without spinning
         while (msg := ipc.recv_nowait(recv_sock)) is not None:
