@@ -247,14 +247,6 @@ class ServerArgs:
         "against memory pressure, else kept in the host tier and prefetched back (see docs/sessions.md)",
         ("ttl", "auto"),
     )
-    kv_retention: str = _opt(
-        "ttl",
-        "what keeps a program's KV between its calls: ttl = a session's request pins its tokens for "
-        "`cache_ttl_s` (else --session-ttl-s); auto = a request of a program (`program_id` or `session_id`) "
-        "that gives no `cache_ttl_s` is pinned for a time learned from its program's gaps while that pays "
-        "against memory pressure, else kept in the host tier and prefetched back (see docs/sessions.md)",
-        ("ttl", "auto"),
-    )
     max_pinned_tokens: int = _opt(
         -1,
         "most tokens session pins may hold in the KV pool together (the oldest pin is released past it); "

@@ -106,13 +106,6 @@ class Scheduler:
             if args.kv_retention == "auto"
             else None
         )
-        # agent programs: their attained service (`--schedule-policy program`) and automatic retention
-        self.programs = ProgramTable()
-        self.retention = (
-            Retention(self.programs, self.sessions, self.cm, args.max_session_ttl_s)
-            if args.kv_retention == "auto"
-            else None
-        )
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
         torch.manual_seed(args.random_seed)
@@ -274,8 +267,6 @@ class Scheduler:
         elif self.running:
             self._run_decode()
         self.prefetch()
-        if self.retention is not None and not self.waiting:
-            self.retention.prefetch()  # programs expected back: their host-tier KV into free slots
         self._log.maybe_log(self.stats["generated_tokens"], self.has_work(), self.server_info)
         self.memory.check(self)
         if self.threads is not None:
@@ -644,13 +635,6 @@ class Scheduler:
             self.stats["requests_finished"] += 1
         if self.lora is not None:
             self.lora.release(req)
-
-    def _kv_demand(self) -> int:
-        """KV slots the queued requests want now: waiting prompts and the running requests' reservations
-        (what automatic retention weighs a pin against)."""
-        ratio = self.args.new_token_ratio
-        waiting = sum(r.seq_len for r in self.waiting)
-        return waiting + sum(int(r.remaining_new_tokens * ratio) for r in (*self.running, *self.reextend))
 
     def _kv_demand(self) -> int:
         """KV slots the queued requests want now: waiting prompts and the running requests' reservations
