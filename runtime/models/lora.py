@@ -207,10 +207,16 @@ def _collect(
 class LoraBatch:
     """Which rows of the current forward belong to which pool slot; shared by every `LoraLinear`.
 
-    `segments` is a list of (slot, rows) where rows is a slice (a contiguous run) or an index tensor."""
+    `segments` is a list of (slot, rows) where rows is a slice (a contiguous run) or an index tensor: the
+    per-adapter path. `grouped`, set when several adapters share the batch and their row counts are close
+    (decode), packs every adapter's rows into one [adapters, rows, in] tensor so a projection's updates
+    are two batched matmuls whatever the number of adapters (the SGMV shape, padded): (slots or None for
+    all slots in order, gather index, rows per adapter, positions of the real rows or None, their rows)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_slots: int = 0) -> None:
+        self.num_slots = num_slots
         self.segments: list[tuple[int, slice | torch.Tensor]] = []
+        self.grouped: tuple | None = None
 
     def set_rows(self, slots_per_req: list[int], tokens_per_req: list[int], device: torch.device) -> None:
         """Request i (of `tokens_per_req[i]` rows, in batch order) runs adapter slot `slots_per_req[i]`
@@ -233,9 +239,33 @@ class LoraBatch:
                 idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
                 segments.append((slot, idx))
         self.segments = segments
+        self.grouped = self._group(runs, device)
+
+    def _group(self, runs: dict[int, list[tuple[int, int]]], device: torch.device) -> tuple | None:
+        rows = {slot: [r for a, b in spans for r in range(a, b)] for slot, spans in sorted(runs.items())}
+        k, n = len(rows), sum(len(r) for r in rows.values())
+        m = max((len(r) for r in rows.values()), default=0)
+        if k < 2 or k * m > 2 * n:  # one adapter, or padding would double the work: per-adapter path
+            return None
+        gather, pos, real = [], [], []
+        for j, slot_rows in enumerate(rows.values()):
+            gather += slot_rows + [slot_rows[0]] * (m - len(slot_rows))
+            pos += range(j * m, j * m + len(slot_rows))
+            real += slot_rows
+        slots = list(rows)
+        slot_index = None if slots == list(range(self.num_slots)) else torch.tensor(slots, device=device)
+        positions = None if k * m == n else torch.tensor(pos, device=device)
+        return (
+            slot_index,
+            torch.tensor(gather, device=device),
+            m,
+            positions,
+            torch.tensor(real, device=device),
+        )
 
     def clear(self) -> None:
         self.segments = []
+        self.grouped = None
 
 
 class LoraLinear(nn.Module):
@@ -255,6 +285,16 @@ class LoraLinear(nn.Module):
 
     def add_updates(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output of `x`) plus each adapter's update on its own rows, in place."""
+        grouped = self.state.grouped
+        if grouped is not None:
+            slots, gather, m, positions, rows = grouped
+            a = self.lora_a if slots is None else self.lora_a.index_select(0, slots)
+            b = self.lora_b if slots is None else self.lora_b.index_select(0, slots)
+            xs = x.index_select(0, gather).to(a.dtype).view(a.shape[0], m, -1)  # [adapters, rows, in]
+            d = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(a.shape[0] * m, -1)
+            if positions is not None:  # drop the padding rows
+                d = d.index_select(0, positions)
+            return y.index_add_(0, rows, d.to(y.dtype))
         for slot, rows in self.state.segments:
             a, b = self.lora_a[slot], self.lora_b[slot]
             if isinstance(rows, slice):
@@ -285,7 +325,7 @@ class LoraPool:
     ):
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         self.device, self.dtype = device, dtype
-        self.state = LoraBatch()
+        self.state = LoraBatch(max_loras)
         self.shapes = projection_shapes(cfg)
         # (layer, fused module path) -> (A [S, parts * R, in], B [S, out_total, parts * R])
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
