@@ -16,7 +16,8 @@ gives: one call per layer where the write alone was two casts and two index_copy
 
 A sliding-window layer (`AttentionLayer.sliding_window`) runs the same op over a per-batch table with one
 row per query token holding that token's window of slots (`_window_table`), so the op's causal walk reads
-the window and nothing before it; long extends take torch_native's masked path.
+the window and nothing before it; long extends, and tables past WINDOW_TABLE_MAX slots, take torch_native's
+masked path.
 
 The ops are built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
 backend is created; kernels never import the runtime, so `op_available()` only checks that it is there.
@@ -30,6 +31,9 @@ from radixlm_kernels.base import AttentionBatch, AttentionLayer
 from radixlm_kernels.torch_native import TorchNativeBackend
 
 FUSED_MAX_EXTEND = 32
+# A sliding-window layer's per-token table (query tokens x window) past this many slots takes torch_native's
+# masked path instead (8 MB of int64: e.g. 256 verify tokens under a 4096-token window).
+WINDOW_TABLE_MAX = 1 << 20
 OP = "radixlm::paged_attention"
 OPS = (OP, "radixlm::paged_attention_kv")
 
@@ -59,10 +63,12 @@ class CpuPagedBackend(TorchNativeBackend):
         super().__init__(kv_pool, req_to_token_pool)
         self._fused = False
         self._ext_lens: torch.Tensor | None = None
-        self._windows: dict[int, tuple] = {}
+        self._windows: dict[int, tuple | None] = {}
+        self._native_ready = False  # torch_native's metadata built for this batch
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
         self._windows = {}
+        self._native_ready = False
         if batch.is_decode:
             self._fused = True
             self._ext_lens = torch.ones(batch.batch_size, dtype=torch.int64, device=batch.seq_lens.device)
@@ -72,11 +78,23 @@ class CpuPagedBackend(TorchNativeBackend):
             self._ext_lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int64)
         else:
             super().init_forward_metadata(batch)
+            self._native_ready = True
+
+    def _masked_path(self, layer: AttentionLayer, batch: AttentionBatch) -> bool:
+        """Whether this layer runs torch_native's path (its metadata built on first use): a long extend, or a
+        sliding-window layer whose per-token window table would pass WINDOW_TABLE_MAX."""
+        masked = not self._fused or (
+            bool(layer.sliding_window) and self._window_table(layer.sliding_window, batch) is None
+        )
+        if masked and not self._native_ready:
+            super().init_forward_metadata(batch)
+            self._native_ready = True
+        return masked
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
     ) -> torch.Tensor:
-        if not self._fused:  # a long extend: write through the pool, then torch_native's SDPA path
+        if self._masked_path(layer, batch):  # write through the pool, then torch_native's SDPA path
             return super().forward(q, k, v, layer, batch)
         args = self._op_args(layer, batch)
         return torch.ops.radixlm.paged_attention_kv(q, k, v, batch.out_cache_loc, *args)
@@ -103,13 +121,13 @@ class CpuPagedBackend(TorchNativeBackend):
             layer.scaling,
         )
 
-    def _window_table(self, window: int, batch: AttentionBatch) -> tuple:
+    def _window_table(self, window: int, batch: AttentionBatch) -> tuple | None:
         """A sliding-window layer's (req_to_token, req_pool_indices, seq_lens, ext_lens) for the op: one
         pseudo-request per query token, whose row of a per-batch table holds the slots of that token's window
         (positions max(0, p - window + 1) .. p), so the op's causal walk over a row reads exactly the window.
-        Built once per batch and window, shared by the layers of that window."""
-        meta = self._windows.get(window)
-        if meta is None:
+        Built once per batch and window, shared by the layers of that window; None when it would hold more
+        than WINDOW_TABLE_MAX slots."""
+        if window not in self._windows:
             ext = self._ext_lens.to(batch.seq_lens.device)
             n = int(ext.sum())
             first = torch.cumsum(ext, 0) - ext  # each request's first query index
@@ -118,23 +136,29 @@ class CpuPagedBackend(TorchNativeBackend):
             )
             start = (pos - window + 1).clamp(min=0)
             lens = pos + 1 - start
+            width = int(lens.max())
+            if n * width > WINDOW_TABLE_MAX:
+                self._windows[window] = None
+                return None
             table = self.req_to_token_pool.req_to_token
-            cols = (start[:, None] + torch.arange(int(lens.max()), device=ext.device)[None, :]).clamp(
+            cols = (start[:, None] + torch.arange(width, device=ext.device)[None, :]).clamp(
                 max=table.shape[1] - 1
             )
             rows = batch.req_pool_indices.repeat_interleave(ext, output_size=n)
-            meta = self._windows[window] = (
+            self._windows[window] = (
                 table[rows[:, None], cols].contiguous(),
                 torch.arange(n, device=ext.device),
                 lens.contiguous(),
                 torch.ones(n, dtype=torch.int64, device=ext.device),
             )
-        return meta
+        return self._windows[window]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
-        if self._fused:
-            return self._attend(q, layer, batch)
-        return super().forward_extend(q, layer, batch)
+        if self._masked_path(layer, batch):
+            return super().forward_extend(q, layer, batch)
+        return self._attend(q, layer, batch)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        if self._masked_path(layer, batch):
+            return super().forward_decode(q, layer, batch)
         return self._attend(q, layer, batch)

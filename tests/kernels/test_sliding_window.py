@@ -88,3 +88,22 @@ def test_short_extends_take_the_fused_op(make_case):
         got, brute_force(dataclasses.replace(case, layer=windowed), 16), atol=2e-5, rtol=1e-4
     )
     assert (got - brute_force(case, 10**6)).abs().max() > 1e-2
+
+
+@pytest.mark.slow  # builds a C++ kernel on first use
+@pytest.mark.parametrize("name", ["decode", "short-extend"])
+def test_oversized_window_tables_take_the_masked_path(make_case, monkeypatch, name):
+    """A per-token window table past WINDOW_TABLE_MAX slots is not built: the layer runs torch_native's
+    masked path over the same pool, with the same result."""
+    import radixlm_kernels.cpu_backend as cpu_backend
+
+    load_native_or_skip(PAGED_ATTENTION)
+    monkeypatch.setattr(cpu_backend, "WINDOW_TABLE_MAX", 16)
+    prefix, ext = CASES[name]
+    case = make_case(prefix, ext, num_kv_heads=2, group=2, head_dim=32, seed=4)
+    case = dataclasses.replace(case, layer=dataclasses.replace(case.layer, sliding_window=8))
+    backend = CpuPagedBackend(case.pool_copy(), case.req_pool)
+    backend.init_forward_metadata(case.batch)
+    got = backend.forward(case.q, case.k_new, case.v_new, case.layer, case.batch)
+    assert backend._fused and backend._windows[8] is None
+    torch.testing.assert_close(got, brute_force(case, 8), atol=2e-5, rtol=1e-4)
