@@ -1,0 +1,409 @@
+"""Agent programs replayed over HTTP: which queue order finishes programs soonest (issue 51, item 5).
+
+A seeded trace of N tool-using agent programs is replayed against one launched radixlm server per side, by
+real HTTP (native `/generate` with token ids, so lengths are exact, and each call naming its program's
+`program_id`):
+
+- every program's first prompt is a shared tool catalogue (`--catalogue-tokens`) plus its own task
+  (`--task-tokens`); each call generates `--max-new-tokens` (input:output near 100:1) and is followed by a
+  tool pause (log-normal, median `--pause-median-s`, 95th percentile `--pause-p95-s`, heavy-tailed) and a
+  tool result (`--growth-tokens`, +/- half) appended to the history;
+- `--long-fraction` of the programs are long (`--long-turns` calls), the rest short (`--short-turns`);
+- with probability `--fork-prob` a call of a long program forks two sub-agents (one or two calls each on the
+  parent's history + a sub-task, concurrently, the same program id); the parent continues after both;
+- programs start at Poisson arrivals (mean gap `--arrival-gap-s`).
+
+The KV pool is `--pool-fraction` (a third) of the working set (the catalogue + every program's final
+history), so programs evict each other while their tools run.
+
+Sides (`--sides`): `fcfs`, `lpm`, `program` (`--schedule-policy`), and `program+auto` (`program` with
+`--kv-retention auto`). Per side: job completion time (a program's first call sent to its last call
+answered, tool pauses included) p50 / p90 / p99, for all programs and for short and long ones apart;
+programs per minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all
+and recomputed (the tokens of a prompt the server had computed before for that program's history, less what
+it found cached: lost to eviction), as in bench.agent_swarm.
+
+    python -m bench.agent_replay --scale-down
+    python -m bench.agent_replay --programs 16 --long-turns 20,40 --catalogue-tokens 1400
+
+The issue's peers (vLLM-CPU, llama-server) are not sides here yet.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import common
+
+SIDES = ("fcfs", "lpm", "program", "program+auto")
+VOCAB = (100, 40000)  # token ids drawn from here (the default model's vocabulary has 49,152)
+
+
+# ---- the trace ------------------------------------------------------------------------------------------
+def _lognormal(rng: random.Random, median: float, p95: float) -> float:
+    sigma = math.log(p95 / median) / 1.6449
+    return median * math.exp(rng.gauss(0.0, sigma))
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def make_trace(args) -> dict[str, Any]:
+    """The seeded plan: the catalogue, and per program its start time, task, and per call its tool pause, tool
+    result and (maybe) a fork of sub-agents with their sub-tasks and pauses."""
+    rng = random.Random(args.seed)
+    catalogue = _ids(rng, args.catalogue_tokens)
+    programs, start = [], 0.0
+    for i in range(args.programs):
+        long_ = rng.random() < args.long_fraction
+        lo, hi = args.long_turns if long_ else args.short_turns
+        calls = []
+        for _ in range(rng.randint(lo, hi)):
+            growth = max(1, int(args.growth_tokens * rng.uniform(0.5, 1.5)))
+            fork = None
+            if long_ and rng.random() < args.fork_prob:
+                fork = [
+                    {
+                        "task": _ids(rng, args.growth_tokens),
+                        "calls": rng.randint(1, 2),
+                        "pause": _lognormal(rng, args.pause_median_s, args.pause_p95_s) * args.pause_scale,
+                    }
+                    for _ in range(2)
+                ]
+            calls.append(
+                {
+                    "pause": _lognormal(rng, args.pause_median_s, args.pause_p95_s) * args.pause_scale,
+                    "tool": _ids(rng, growth),
+                    "fork": fork,
+                }
+            )
+        programs.append(
+            {
+                "id": f"prog{i}",
+                "long": long_,
+                "start": start,
+                "task": _ids(rng, args.task_tokens),
+                "calls": calls,
+            }
+        )
+        start += rng.expovariate(1.0 / args.arrival_gap_s) if args.arrival_gap_s > 0 else 0.0
+    return {"catalogue": catalogue, "programs": programs}
+
+
+def working_set(trace: dict[str, Any], args) -> int:
+    total = len(trace["catalogue"])
+    for p in trace["programs"]:
+        total += len(p["task"]) + sum(len(c["tool"]) + args.max_new_tokens for c in p["calls"])
+    return total
+
+
+# ---- the replay -------------------------------------------------------------------------------------------
+@dataclass
+class ProgramRun:
+    start: float = 0.0
+    end: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    prompt: int = 0
+    cached: int = 0
+    recomputed: int = 0
+    error: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, latency: float, prompt: int, cached: int, before: int) -> None:
+        with self.lock:
+            self.latencies.append(latency)
+            self.prompt += prompt
+            self.cached += cached
+            self.recomputed += max(0, before - cached)
+
+
+def computed_before(previous: list[int] | None, prompt: list[int]) -> int:
+    """Tokens of `prompt` the server computed for this history before: its common prefix with the previous
+    call's prompt + output, less that output's last token (never given KV) and the prompt's last token."""
+    if not previous:
+        return 0
+    n = 0
+    for a, b in zip(previous[:-1], prompt[:-1]):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _call(http, url: str, prompt: list[int], program: str, args, run: ProgramRun, previous) -> list[int]:
+    body = {
+        "input_ids": prompt,
+        "program_id": program,
+        "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    t0 = time.perf_counter()
+    r = http.post(url + "/generate", json=body, timeout=3600)
+    r.raise_for_status()
+    out = r.json()
+    meta = out["meta_info"]
+    run.record(
+        time.perf_counter() - t0,
+        meta["prompt_tokens"],
+        meta["cached_tokens"],
+        computed_before(previous, prompt),
+    )
+    return out["output_ids"]
+
+
+def _sub_agent(
+    url: str, history: list[int], previous, sub: dict, program: str, args, run, outputs, k
+) -> None:
+    import requests
+
+    with requests.Session() as http:
+        mine, prev = history + sub["task"], previous
+        for c in range(sub["calls"]):
+            out = _call(http, url, mine, program, args, run, prev)
+            prev = mine + out
+            mine = prev + sub["task"][: max(1, len(sub["task"]) // 2)]
+            if c + 1 < sub["calls"]:
+                time.sleep(sub["pause"])
+        outputs[k] = out
+
+
+def run_program(url: str, catalogue: list[int], prog: dict, args, t_zero: float, run: ProgramRun) -> None:
+    import requests
+
+    time.sleep(max(0.0, t_zero + prog["start"] - time.perf_counter()))
+    run.start = time.perf_counter()
+    history, previous = catalogue + prog["task"], None
+    try:
+        with requests.Session() as http:
+            for i, call in enumerate(prog["calls"]):
+                out = _call(http, url, history, prog["id"], args, run, previous)
+                history = history + out
+                previous = list(history)
+                if call["fork"]:
+                    outputs: list[list[int]] = [[] for _ in call["fork"]]
+                    subs = [
+                        threading.Thread(
+                            target=_sub_agent,
+                            args=(url, history, previous, sub, prog["id"], args, run, outputs, k),
+                        )
+                        for k, sub in enumerate(call["fork"])
+                    ]
+                    for t in subs:
+                        t.start()
+                    for t in subs:
+                        t.join()
+                    for o in outputs:
+                        history = history + o
+                history = history + call["tool"]
+                if i + 1 < len(prog["calls"]):
+                    time.sleep(call["pause"])
+    except Exception as e:  # the side's result names it
+        run.error = f"{type(e).__name__}: {e}"
+    run.end = time.perf_counter()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def side_flags(side: str, args, pool: int) -> list[str]:
+    policy = side.split("+")[0]
+    flags = ["--max-total-tokens", str(pool), "--dtype", args.dtype, "--schedule-policy", policy]
+    flags += ["--log-level", "warning"]
+    if side.endswith("+auto"):
+        flags += ["--kv-retention", "auto"]
+    return flags
+
+
+def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any]:
+    import requests
+
+    from bench.serving import LaunchedServer
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(port), *side_flags(side, args, pool)]
+    log = Path(args.results_dir) / f"{args.name or 'agent_replay'}_{side.replace('+', '_')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    server = LaunchedServer(cmd, port, log)
+    try:
+        runs = [ProgramRun() for _ in trace["programs"]]
+        t_zero = time.perf_counter() + 0.5
+        threads = [
+            threading.Thread(target=run_program, args=(server.url, trace["catalogue"], p, args, t_zero, r))
+            for p, r in zip(trace["programs"], runs)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = max(r.end for r in runs) - t_zero
+        info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    finally:
+        server.stop()
+    jct = [r.end - r.start for r in runs]
+    longs = [j for j, p in zip(jct, trace["programs"]) if p["long"]]
+    shorts = [j for j, p in zip(jct, trace["programs"]) if not p["long"]]
+    lat = [x for r in runs for x in r.latencies]
+    prompt, cached = sum(r.prompt for r in runs), sum(r.cached for r in runs)
+    return {
+        "side": side,
+        "command": " ".join(cmd[1:]),
+        "errors": [f"{p['id']}: {r.error}" for p, r in zip(trace["programs"], runs) if r.error],
+        "calls": len(lat),
+        "jct_s": common.summarize(jct),
+        "jct_short_s": common.summarize(shorts),
+        "jct_long_s": common.summarize(longs),
+        "jct_by_program_s": [round(j, 3) for j in jct],
+        "programs_per_min": 60.0 * len(runs) / wall if wall > 0 else math.nan,
+        "wall_s": wall,
+        "call_latency_s": common.summarize(lat),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefill_tokens": prompt - cached,
+        "prefill_recomputed": sum(r.recomputed for r in runs),
+        "server": {
+            k: info.get(k)
+            for k in (
+                "retractions",
+                "programs_tracked",
+                "program_gaps",
+                "retain_device",
+                "retain_host",
+                "retain_lru",
+                "retain_relieved",
+                "session_pins_pinned",
+                "session_pins_evicted_for_memory",
+            )
+        },
+    }
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = common.csv_list(text, int)
+    return lo, hi
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.base_parser(__doc__.split("\n")[0])
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    p.add_argument("--programs", type=int, default=16)
+    p.add_argument("--long-fraction", type=float, default=0.25)
+    p.add_argument("--long-turns", type=_pair, default=(20, 40), help="LO,HI calls of a long program")
+    p.add_argument("--short-turns", type=_pair, default=(2, 4), help="LO,HI calls of a short program")
+    p.add_argument("--catalogue-tokens", type=int, default=1400, help="tool catalogue shared by all")
+    p.add_argument("--task-tokens", type=int, default=300)
+    p.add_argument("--growth-tokens", type=int, default=80, help="mean tool result per call")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--fork-prob", type=float, default=0.1)
+    p.add_argument("--pause-median-s", type=float, default=1.0)
+    p.add_argument("--pause-p95-s", type=float, default=10.0)
+    p.add_argument("--pause-scale", type=float, default=1.0)
+    p.add_argument("--arrival-gap-s", type=float, default=2.0)
+    p.add_argument("--pool-fraction", type=float, default=1 / 3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="traces seeded seed, seed+1, ...; each side's figures are medians",
+    )
+    p.add_argument(
+        "--scale-down",
+        action="store_true",
+        help="fit a shared 2-core machine: 8 programs (a quarter long, of 6-10 calls), a 200-token "
+        "catalogue, 100-token tasks, 40-token tool results, 8 new tokens, pauses x0.3",
+    )
+    args = p.parse_args(argv)
+    if args.scale_down or args.quick:
+        args.programs, args.long_turns, args.short_turns = 8, (6, 10), (2, 3)
+        args.catalogue_tokens, args.task_tokens, args.growth_tokens = 200, 100, 40
+        args.max_new_tokens, args.pause_scale, args.arrival_gap_s = 8, 0.3, 1.0
+    sides = common.csv_list(args.sides)
+    bad = [s for s in sides if s not in SIDES]
+    if bad:
+        p.error(f"unknown side(s) {bad}; known: {', '.join(SIDES)}")
+    common.setup_env()
+    config: dict[str, Any] = {"command": common.command_line(), "sides": sides, "traces": []}
+    config.update({k: v for k, v in vars(args).items() if k not in ("results_dir", "name", "sides")})
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    first_seed = args.seed
+    for rep in range(args.repeats):  # seed-major: every side sees each trace while the machine's load drifts
+        args.seed = first_seed + rep
+        trace = make_trace(args)
+        ws = working_set(trace, args)
+        pool = max(256, int(ws * args.pool_fraction))
+        shape = {
+            "seed": args.seed,
+            "working_set_tokens": ws,
+            "kv_pool_tokens": pool,
+            "long_programs": sum(p["long"] for p in trace["programs"]),
+            "calls_planned": sum(len(p["calls"]) for p in trace["programs"]),
+        }
+        config["traces"].append(shape)
+        print(
+            f"seed {args.seed}: {args.programs} programs ({shape['long_programs']} long), "
+            f"{shape['calls_planned']} calls, working set {ws} tokens, KV pool {pool}",
+            flush=True,
+        )
+        for side in sides:
+            res = run_side(side, trace, args, pool)
+            res["seed"] = args.seed
+            runs[side].append(res)
+            print(
+                f"{side:>13}: JCT p50 {res['jct_s']['p50']:.2f} s p90 {res['jct_s']['p90']:.2f} s p99 "
+                f"{res['jct_s']['p99']:.2f} s (short p50 {res['jct_short_s']['p50']:.2f} s, long p50 "
+                f"{res['jct_long_s']['p50']:.2f} s), {res['programs_per_min']:.2f} programs/min, recomputed "
+                f"{res['prefill_recomputed']}, errors {len(res['errors'])}",
+                flush=True,
+            )
+    args.seed = first_seed
+    results = [summarize_side(side, runs[side]) for side in sides]
+    base = next((r for r in results if r["side"] == "lpm"), None)
+    for r in results:
+        r["jct_p50_vs_lpm"] = common.ratio(r["jct_p50_s"], base["jct_p50_s"]) if base else None
+        print(
+            f"{r['side']:>13} (median of {len(r['runs'])}): JCT p50 {r['jct_p50_s']:.2f} s p90 "
+            f"{r['jct_p90_s']:.2f} s p99 {r['jct_p99_s']:.2f} s, short p50 {r['jct_short_p50_s']:.2f} s, "
+            f"{r['programs_per_min']:.2f} programs/min, recomputed {r['prefill_recomputed']:.0f}",
+            flush=True,
+        )
+    common.write_results(
+        args.name or "agent_replay", config, {"sides": results}, results_dir=args.results_dir
+    )
+    return 1 if any(run["errors"] for r in results for run in r["runs"]) else 0
+
+
+def summarize_side(side: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A side's medians over its runs (one per trace), with the runs themselves."""
+
+    def med(get) -> float:
+        return common.percentile([get(r) for r in runs], 50)
+
+    return {
+        "side": side,
+        "jct_p50_s": med(lambda r: r["jct_s"]["p50"]),
+        "jct_p90_s": med(lambda r: r["jct_s"]["p90"]),
+        "jct_p99_s": med(lambda r: r["jct_s"]["p99"]),
+        "jct_short_p50_s": med(lambda r: r["jct_short_s"]["p50"]),
+        "jct_long_p50_s": med(lambda r: r["jct_long_s"]["p50"]),
+        "programs_per_min": med(lambda r: r["programs_per_min"]),
+        "call_latency_p99_s": med(lambda r: r["call_latency_s"]["p99"]),
+        "prefill_tokens": med(lambda r: r["prefill_tokens"]),
+        "prefill_recomputed": med(lambda r: r["prefill_recomputed"]),
+        "runs": runs,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
