@@ -4,10 +4,10 @@
 The file is memory-mapped (gguf-py's reader). Every projection (q|k|v, o, gate|up, down, the LM head) becomes
 a `runtime.models.gguf_linear.GGUFLinear` over the tensor's own bytes: a view of the mapped file, except the
 Q/K rows of a `llama` file, which llama.cpp stored permuted and which are copied back into Hugging Face's
-order (whole rows of blocks: nothing is dequantized). The token embedding, the norms and the biases are
-float32, dequantized once (the embedding is read one row per token, so its blocks would buy nothing per
-step). Tensors stored as F32 / F16 / BF16 serve as float32 `nn.Linear`s. Any other type is refused at
-start-up naming the tensor and its type; so are tensor parallelism and mixture-of-experts files.
+order (whole rows of blocks: nothing is dequantized). The token embedding stays as the file's blocks too
+(`GGUFEmbedding`: each lookup dequantizes the rows it reads); norms and biases are float32. Tensors stored as
+F32 / F16 / BF16 serve as float32 (`nn.Linear`, a float embedding). Any other type is refused at start-up
+naming the tensor and its type; so are tensor parallelism and mixture-of-experts files.
 
 The folder `--model FILE.gguf` resolves to (`runtime.models.gguf.resolve_gguf`) holds only the config, the
 tokenizer and the marker naming this file: no weights are written.
@@ -26,7 +26,14 @@ from torch import nn
 
 from runtime.models.gguf import gguf_source, unpermute_rope_rows
 from runtime.models.gguf_arch import ARCHS, open_reader
-from runtime.models.gguf_linear import FLOAT_TYPES, KERNEL_TYPES, GGUFLinear, reference_dequantize
+from runtime.models.gguf_linear import (
+    FLOAT_TYPES,
+    KERNEL_TYPES,
+    GGUFEmbedding,
+    GGUFLinear,
+    dequantize_rows,
+    reference_dequantize,
+)
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import TensorParallel
@@ -62,6 +69,8 @@ def _float(t: Any) -> torch.Tensor:
     """A tensor dequantized to float32 in Hugging Face's shape ([out, in] for matrices)."""
     shape = [int(d) for d in reversed(t.shape)]
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    if int(t.tensor_type) in KERNEL_TYPES:  # the C++ unpacker: gguf-py's numpy takes ~7 s per 1e9 weights
+        return dequantize_rows(_raw_rows(t).reshape(rows, -1), int(t.tensor_type), shape[-1]).reshape(shape)
     return reference_dequantize(
         np.asarray(t.data).view(np.uint8), int(t.tensor_type), rows, shape[-1]
     ).reshape(shape)
@@ -155,12 +164,16 @@ def load_gguf_model(
         mlp.down_proj = ld.linear([b + "ffn_down.weight"], [None], cfg.intermediate_size, None)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     model.lm_head = ld.linear([head], [None], hidden, None)
-    # what is still on the meta device (embedding, norms) gets storage and is filled from the file
+    embd = ld.get("token_embd.weight")
+    blocks = int(embd.tensor_type) in KERNEL_TYPES
+    if blocks:  # kept as blocks: each lookup dequantizes its rows
+        model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), _raw_rows(embd), hidden)
+    # what is still on the meta device (norms, a float embedding) gets storage and is filled from the file
     for module in model.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
             module.to_empty(device=device, recurse=False)
-    embed = _float(ld.get("token_embd.weight"))
-    model.embed_tokens.load_shard("weight", embed, 0)
+    if not blocks:
+        model.embed_tokens.load_shard("weight", _float(embd), 0)
     model.norm.weight.data.copy_(_float(ld.get("output_norm.weight")))
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."

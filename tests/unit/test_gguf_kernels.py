@@ -152,3 +152,18 @@ def test_other_builds_agree(env: str) -> None:
     )
     for t in KERNEL_TYPES:
         assert torch.allclose(default[t], other[t], rtol=1e-4, atol=1e-4), KERNEL_TYPES[t][0]
+
+
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: KERNEL_TYPES[t][0])
+def test_rows_dequantize_like_ggufpy(qtype: int) -> None:
+    """The C++ unpacker (the embedding's lookup, float copies at load) gives gguf-py's values."""
+    from runtime.models.gguf_linear import GGUFEmbedding, dequantize_rows
+
+    w = random_blocks(qtype, 13, 512)
+    ref = reference_dequantize(w, qtype, 13, 512)
+    torch.testing.assert_close(dequantize_rows(w, qtype, 512), ref, rtol=1e-6, atol=1e-7)
+    ids = torch.tensor([[3, 0], [12, 3]])
+    emb = GGUFEmbedding(qtype, w, 512)
+    torch.testing.assert_close(emb(ids), ref[ids], rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="out of range"):
+        emb(torch.tensor([13]))

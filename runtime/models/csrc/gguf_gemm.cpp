@@ -692,6 +692,41 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   return y;
 }
 
+// Rows `ids` of a GGUF tensor w (uint8 [rows, row bytes] of `type`) dequantized to float32 [len(ids), cols]:
+// gguf-py's values to float32 rounding (w = ls * u + off, the unpacked form every kernel reads). The token embedding's
+// lookup, and the whole tensor at load where a float copy is needed.
+at::Tensor gguf_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t cols) {
+  TypeInfo info;
+  TORCH_CHECK(type_info(type, info), "gguf_rows: unsupported GGML type ", type);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && cols % info.qk == 0 &&
+                  w.size(1) == cols / info.qk * info.bytes,
+              "gguf_rows: weights are contiguous uint8 [rows, row bytes] of whole blocks");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "gguf_rows: ids are int64 [n]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.size(0), rows = w.size(0), nb = cols / info.qk, rb = w.size(1);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "gguf_rows: id ", ip[i], " out of range");
+  at::Tensor out = at::empty({n, cols}, w.options().dtype(at::kFloat));
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> u(info.qk);
+    std::vector<float> ls(info.qk / 4), off(info.qk / 16);
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = W + ip[r] * rb;
+      float* o = op + r * cols;
+      for (int64_t b = 0; b < nb; ++b) {
+        info.unpack(row + b * info.bytes, u.data(), ls.data(), off.data());
+        for (int64_t k = 0; k < info.qk; ++k) {
+          const float q = info.is_signed ? static_cast<float>(static_cast<int8_t>(u[k])) : static_cast<float>(u[k]);
+          o[b * info.qk + k] = ls[k / 4] * q + off[k / 16];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 extern "C" const char* radixlm_gguf_gemm_isa() {
@@ -704,4 +739,7 @@ extern "C" const char* radixlm_gguf_gemm_isa() {
 #endif
 }
 
-TORCH_LIBRARY_IMPL(radixlm, CPU, lib) { lib.impl("gguf_linear", &gguf_linear); }
+TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
+  lib.impl("gguf_linear", &gguf_linear);
+  lib.impl("gguf_rows", &gguf_rows);
+}
