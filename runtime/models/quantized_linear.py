@@ -81,6 +81,18 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
 
 
+INT4_ROWS = 16  # the CPU int4 kernel takes N divisible by 16: other row counts are padded with zero rows
+
+
+def _pad_int4(q: torch.Tensor, scale_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int32 [N, K] and scale_zeros [G, N, 2] padded to N a multiple of INT4_ROWS (zero weights)."""
+    extra = -q.shape[0] % INT4_ROWS
+    if extra:
+        q = torch.cat([q, q.new_zeros(extra, q.shape[1])])
+        scale_zeros = torch.cat([scale_zeros, scale_zeros.new_zeros(scale_zeros.shape[0], extra, 2)], dim=1)
+    return q, scale_zeros.contiguous()
+
+
 def dequantize_int4(q: torch.Tensor, scale_zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     """Reference fp32 weight [N, K] of unpacked int4 values (what the kernel should be multiplying by)."""
     n, k = q.shape
@@ -93,8 +105,8 @@ def dequantize_int4(q: torch.Tensor, scale_zeros: torch.Tensor, group: int = INT
 class QuantizedLinear(nn.Module):
     """Drop-in for `nn.Linear` (y = x W^T + b) with W stored as int8 per channel or packed int4 groups.
 
-    Buffers: int8: qweight int8 [N, K], scales fp32 [N]; int4: qweight uint8 [N, K/2] (packed),
-    scale_zeros fp32 [K/32, N, 2]. Bias stays fp32. `reduce_tp` (set when replacing a `RowParallelLinear`)
+    Buffers: int8: qweight int8 [N, K], scales fp32 [N]; int4: qweight uint8 [N', K/2] (packed),
+    scale_zeros fp32 [K/32, N', 2], N' = N rounded up to INT4_ROWS (zero rows, cut from the output). Bias stays fp32. `reduce_tp` (set when replacing a `RowParallelLinear`)
     sums the ranks' partial outputs before the bias, as the layer it replaces did.
     """
 
@@ -125,7 +137,7 @@ class QuantizedLinear(nn.Module):
         if kind == "int8":
             q, s = quantize_int8(weight.detach())
             return cls("int8", k, n, q, s, bias)
-        q, sz = quantize_int4(weight.detach())
+        q, sz = _pad_int4(*quantize_int4(weight.detach()))
         return cls("int4", k, n, pack_int4(q), sz, bias)
 
     @classmethod
@@ -134,7 +146,8 @@ class QuantizedLinear(nn.Module):
     ) -> QuantizedLinear:
         """Exact int4 layer from unpacked q [N, K] (0..15), scale and zero [N, K/32]."""
         n, k = q.shape
-        return cls("int4", k, n, pack_int4(q), int4_scale_zeros(scale, zero), bias)
+        q, sz = _pad_int4(q, int4_scale_zeros(scale, zero))
+        return cls("int4", k, n, pack_int4(q), sz, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -147,6 +160,8 @@ class QuantizedLinear(nn.Module):
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scales)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qweight, INT4_GROUP, self.scales)
+            if y.shape[1] != self.out_features:  # padded rows (INT4_ROWS)
+                y = y[:, : self.out_features]
         if self.reduce_tp is not None:
             y = self.reduce_tp.all_reduce(y)
         if self.bias is not None:
@@ -158,7 +173,8 @@ class QuantizedLinear(nn.Module):
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.qweight.device)
         if self.kind == "int8":
             return torch._weight_int8pack_mm(eye, self.qweight, self.scales).T.contiguous()
-        return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales).T.contiguous()
+        y = torch._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, self.scales)
+        return y[:, : self.out_features].T.contiguous()
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}"

@@ -294,3 +294,15 @@ def test_tied_head_shares_the_embedding_until_quantized(default_model_dir):
     torch.testing.assert_close(
         quant.lm_head.dequantized_weight(), _reference_weight("int8", quant.embed_tokens.weight.data), **TOL
     )
+
+
+def test_int4_rows_not_a_multiple_of_16_are_padded():
+    """The CPU int4 kernel takes row counts divisible by 16: a 261-row layer (a small vocabulary's head) is
+    padded with zero rows and its output cut back, equal to its own dequantized weight."""
+    w = torch.randn(261, 256)
+    layer = QuantizedLinear.from_float("int4", w)
+    x = torch.randn(3, 256)
+    y = layer(x)
+    assert y.shape == (3, 261) and layer.dequantized_weight().shape == (261, 256)
+    torch.testing.assert_close(y, x @ layer.dequantized_weight().T, rtol=1e-4, atol=1e-4)
+    assert (layer.dequantized_weight() - w).abs().max() < 0.5  # int4 of N(0, 1) weights, groups of 32
