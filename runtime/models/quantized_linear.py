@@ -106,8 +106,9 @@ class QuantizedLinear(nn.Module):
     """Drop-in for `nn.Linear` (y = x W^T + b) with W stored as int8 per channel or packed int4 groups.
 
     Buffers: int8: qweight int8 [N, K], scales fp32 [N]; int4: qweight uint8 [N', K/2] (packed),
-    scale_zeros fp32 [K/32, N', 2], N' = N rounded up to INT4_ROWS (zero rows, cut from the output). Bias stays fp32. `reduce_tp` (set when replacing a `RowParallelLinear`)
-    sums the ranks' partial outputs before the bias, as the layer it replaces did.
+    scale_zeros fp32 [K/32, N', 2], N' = N rounded up to INT4_ROWS (zero rows, cut from the output). Bias
+    stays fp32. `reduce_tp` (set when replacing a `RowParallelLinear`) sums the ranks' partial outputs before
+    the bias, as the layer it replaces did.
     """
 
     reduce_tp: TensorParallel | None = None
