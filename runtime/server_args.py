@@ -92,9 +92,12 @@ class ServerArgs:
         "quantization of linear layers and LM head (CPU, float32 activations): int8/int4 weight-only, gguf "
         "keeps the file's Q4_1 blocks, w8a8 = int8 weights and dynamic int8 activations (fbgemm), w4a8 = "
         "llama.cpp's Q4_1 layers / Q8_0 head with int8 activations per block of 32 (C++ kernel built on "
-        "first use); auto = the fastest mode measured within 1 MMLU point of float32 with next-token top-1 "
-        "agreement >= 0.99 for this model and CPU (w4a8 for the default model on AVX512-VNNI CPUs), none "
-        "for unmeasured models; see runtime/models/quantization.py",
+        "first use), gguf_native = a GGUF file's own blocks of every common type (Q4_0..Q8_0, Q2_K..Q6_K) "
+        "used in place with int8 activations per block (C++ kernels built on first use); auto = the fastest "
+        "mode measured within 1 MMLU point of float32 with next-token top-1 agreement >= 0.99 for this model "
+        "and CPU (w4a8 for the default model on AVX512-VNNI CPUs), gguf_native for any other GGUF file where "
+        "its kernels run vectorised, none for unmeasured Hugging Face folders; see "
+        "runtime/models/quantization.py",
         QUANTIZATION_CHOICES,
     )
     enable_torch_compile: bool = _opt(
