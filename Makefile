@@ -31,7 +31,7 @@ serve: install
 
 # pytest exits 5 when it collects no test; that is not a failure of the build.
 test: install
-	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m pytest tests -q -ra $(PYTEST_ARGS); rc=$$?; \
+	HF_HUB_OFFLINE=1 TRITON_INTERPRET=1 $(PY) -m pytest tests -q -ra --durations=20 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 # The edit-test loop: unit and kernel tests that need no model, tokenizer, compiler or server (under 2 min).

@@ -2,12 +2,14 @@
 model, at random max_tokens and temperature 0.8, replaying exactly what the server returned (calls cut by
 max_tokens included) and answering every call with a tool result of some JSON type. Every request must be
 a 200; every call that was finished (all calls of an answer that ended by itself, every call but the last
-of one cut by max_tokens: a budget below the shortest call, 16 of [16, 28]) has arguments that validate
+of one cut by max_tokens: under `auto` a call may start too late to close) has arguments that validate
 against its tool's schema. Strict tools: calls are enforced under tool_choice auto as under required, and
-steered to close before the budget ends (`constrained.closing`).
+steered to close before the budget ends (`constrained.closing`). A forced call's budget is drawn from
+[shortest call, MAX_TOKENS]: below the shortest call the server answers 400 saying so, by design
+(test_closing_budget.py); the loop reads that count from the server once.
 
-RADIXLM_AGENT_LOOP_TURNS and RADIXLM_AGENT_LOOP_MAX_TOKENS raise the loop to the issue's 30 turns at up to
-256 tokens (about 10 minutes on 2 CPUs); the default is a shorter loop of the same shape.
+The three loops run side by side: 30 turns each at max_tokens up to 256 (RADIXLM_AGENT_LOOP_TURNS and
+RADIXLM_AGENT_LOOP_MAX_TOKENS shorten them for a quick look).
 """
 
 from __future__ import annotations
@@ -15,11 +17,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import openai
+import pytest
 
-TURNS = int(os.environ.get("RADIXLM_AGENT_LOOP_TURNS", "10"))
-MAX_TOKENS = int(os.environ.get("RADIXLM_AGENT_LOOP_MAX_TOKENS", "96"))
+pytestmark = pytest.mark.timeout(1200)
+
+TURNS = int(os.environ.get("RADIXLM_AGENT_LOOP_TURNS", "30"))
+MAX_TOKENS = int(os.environ.get("RADIXLM_AGENT_LOOP_MAX_TOKENS", "256"))
 SCHEMAS = {
     "get_weather": {
         "type": "object",
@@ -52,6 +60,27 @@ RESULTS = ["done", {"ok": True, "value": 12}, [1, 2, 3], 7.5, "error: not found"
 TASK = "Plan a trip to Oslo: check the weather, search for hotels, add up costs and save a note."
 
 
+@pytest.fixture(scope="module")
+def shortest_call(oai) -> int:
+    """Tokens of the shortest forced call over TOOLS, as the server's 400 for a 1-token budget states it."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": TASK}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=1,
+        )
+    match = re.search(r"takes (\d+) tokens", str(refused.value))
+    assert match, refused.value
+    return int(match.group(1))
+
+
+def budget(rng: random.Random, forced: bool, shortest: int) -> int:
+    """max_tokens in [16, MAX_TOKENS]; a forced call's at least the shortest call."""
+    return rng.randint(max(16, shortest) if forced else 16, max(MAX_TOKENS, shortest))
+
+
 def result_for(rng: random.Random):
     return rng.choice(RESULTS)
 
@@ -65,17 +94,18 @@ def check_finished_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_chat_completions_loop(oai):
+def chat_completions_loop(oai, shortest_call: int) -> int:
     rng = random.Random(1)
     messages: list = [{"role": "user", "content": TASK}]
     calls = 0
     for _ in range(TURNS):
+        choice = rng.choice(["auto", "required"])
         out = oai.chat.completions.create(
             model="default",
             messages=messages,
             tools=TOOLS,
-            tool_choice=rng.choice(["auto", "required"]),
-            max_tokens=rng.randint(16, MAX_TOKENS),
+            tool_choice=choice,
+            max_tokens=budget(rng, choice == "required", shortest_call),
             temperature=0.8,
         )
         choice = out.choices[0]
@@ -88,21 +118,22 @@ def test_chat_completions_loop(oai):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result_for(rng)})
         if not choice.message.tool_calls:
             messages.append({"role": "user", "content": "Go on."})
-    assert calls > 0
+    return calls
 
 
-def test_responses_loop(oai):
+def responses_loop(oai, shortest_call: int) -> int:
     rng = random.Random(2)
     tools = [{"type": "function", **t["function"]} for t in TOOLS]
     items: list = [{"role": "user", "content": TASK}]
     calls = 0
     for _ in range(TURNS):
+        choice = rng.choice(["auto", "required"])
         out = oai.responses.create(
             model="default",
             input=items,
             tools=tools,
-            tool_choice=rng.choice(["auto", "required"]),
-            max_output_tokens=rng.randint(16, MAX_TOKENS),
+            tool_choice=choice,
+            max_output_tokens=budget(rng, choice == "required", shortest_call),
             temperature=0.8,
             store=False,
         )
@@ -117,22 +148,23 @@ def test_responses_loop(oai):
             )
         if not fcs:
             items.append({"role": "user", "content": "Go on."})
-    assert calls > 0
+    return calls
 
 
-def test_messages_loop(claude):
+def messages_loop(claude, shortest_call: int) -> int:
     rng = random.Random(3)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"], "strict": True} for t in TOOLS]  # fmt: skip
     messages: list = [{"role": "user", "content": TASK}]
     calls = 0
     for _ in range(TURNS):
+        choice = rng.choice(["auto", "any"])
         out = claude.messages.create(
             model="default",
             messages=messages,
             tools=tools,
-            tool_choice={"type": rng.choice(["auto", "any"])},
-            max_tokens=rng.randint(16, MAX_TOKENS),
+            tool_choice={"type": choice},
+            max_tokens=budget(rng, choice == "any", shortest_call),
             extra_body={"temperature": 0.8},
         )
         messages.append(
@@ -150,4 +182,17 @@ def test_messages_loop(claude):
             messages.append({"role": "user", "content": results})
         else:
             messages.append({"role": "user", "content": "Go on."})
-    assert calls > 0
+    return calls
+
+
+def test_three_apis_loop_side_by_side(oai, claude, shortest_call):
+    """The three loops run at once, as three agents sharing a server would (and batched, in a third of the
+    time one after another takes); each must make finished calls."""
+    with ThreadPoolExecutor(3) as pool:
+        runs = {
+            "chat": pool.submit(chat_completions_loop, oai, shortest_call),
+            "responses": pool.submit(responses_loop, oai, shortest_call),
+            "messages": pool.submit(messages_loop, claude, shortest_call),
+        }
+        calls = {api: run.result() for api, run in runs.items()}
+    assert all(n > 0 for n in calls.values()), calls

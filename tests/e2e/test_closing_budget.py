@@ -1,7 +1,7 @@
 """A tool call or a JSON answer is never cut by max_tokens when the budget can hold one (issue 47, item 3):
 near the end of its budget a constrained request is steered to close its grammar (`constrained.closing`),
 on chat completions, Responses and Messages alike, through the official clients. The tiny model would
-otherwise write a long note until the budget ends."""
+otherwise write a long note until the budget ends. A budget below the shortest valid output is a 400."""
 
 from __future__ import annotations
 
@@ -85,10 +85,43 @@ def test_json_schema_answer_closes_inside_the_budget(oai, budget):
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
-def test_a_budget_no_call_fits_is_cut_as_before(oai):
-    """Below the shortest call steering cannot help: the model writes on and the call is cut (a 400 that
-    says how many tokens a call needs is not implemented yet)."""
-    out = oai.chat.completions.create(
-        model="default", messages=ASK, tools=[TOOL], tool_choice="required", max_tokens=SHORTEST_CALL - 5
+def _refusal(call) -> str:
+    with pytest.raises(Exception) as caught:
+        call()
+    assert getattr(caught.value, "status_code", None) == 400, caught.value
+    return str(caught.value)
+
+
+def test_a_budget_no_call_fits_is_a_400_naming_the_shortest_call(oai, claude):
+    """Below the shortest call no output could be valid: every API answers 400 with the count it needs, and
+    a budget of exactly that count still gets a whole call (the parametrized tests above)."""
+    small = SHORTEST_CALL - 5
+    chat = _refusal(
+        lambda: oai.chat.completions.create(
+            model="default", messages=ASK, tools=[TOOL], tool_choice="required", max_tokens=small
+        )
     )
+    assert f"takes {SHORTEST_CALL} tokens" in chat and f"budget of {small}" in chat, chat
+    responses = _refusal(
+        lambda: oai.responses.create(
+            model="default",
+            input=ASK,
+            tools=[{"type": "function", "name": "write_note", "parameters": PARAMS}],
+            tool_choice="required",
+            max_output_tokens=small,
+        )
+    )
+    assert f"takes {SHORTEST_CALL} tokens" in responses, responses
+    messages = _refusal(
+        lambda: claude.messages.create(
+            model="default",
+            messages=ASK,
+            tools=[{"name": "write_note", "input_schema": PARAMS}],
+            tool_choice={"type": "any"},
+            max_tokens=small,
+        )
+    )
+    assert f"takes {SHORTEST_CALL} tokens" in messages, messages
+    # a grammar that may end at once (free text before an optional call) needs no more than one token
+    out = oai.chat.completions.create(model="default", messages=ASK, tools=[TOOL], max_tokens=2)
     assert out.choices[0].finish_reason == "length"

@@ -152,3 +152,44 @@ def test_scheduler_closes_schemas_and_tool_calls_inside_any_budget(
             for c in calls:
                 call = json.loads(c.strip().removeprefix("<tool_call>").strip())
                 jsonschema.validate(call["arguments"], TOOL["function"]["parameters"])
+
+
+# thoughts with quotes and braces, half a close tag, half a character (the tag waits for its end)
+THOUGHTS = ["", '\nLet me think about "Oslo {and [its', "\nalmost done </thi", "\nin 所"]
+
+
+@pytest.mark.parametrize("parser", ["deepseek-r1", "qwen3"])
+@pytest.mark.parametrize("thoughts", THOUGHTS)
+def test_closing_path_closes_the_thoughts_then_the_answer(compilers, default_tokenizer, parser, thoughts):
+    """A reasoning grammar (thoughts, then the answer's schema): from inside thoughts that hold quotes,
+    braces or half a close tag, the path writes the rest of `</think>` and then a whole answer; the JSON
+    measure ignores the thoughts. A grammar that may open thoughts is never made to: from its start the path
+    is the answer alone, about as short as without thoughts."""
+    from constrained.closing import IN_THOUGHTS, MAY_OPEN_THOUGHTS, thoughts_of
+    from runtime.entrypoints.wire.reasoning import ReasoningParser, grammar_after_thoughts
+
+    reasoning = ReasoningParser(parser, starts_inside=parser == "deepseek-r1")
+    spec = asyncio.run(grammar_after_thoughts(reasoning, {"json_schema": json.dumps(SCHEMA)}))["regex"]
+    c = compiler(compilers, default_tokenizer, "llguidance")
+    ranks = ClosingRanks(c.vocab.token_bytes, c.vocab.eos_token_id)
+    fresh = c.compile("regex", spec).new_matcher()
+    where = thoughts_of(fresh, ranks)
+    assert where == (IN_THOUGHTS if reasoning.starts_inside else MAY_OPEN_THOUGHTS) and not fresh.accepted_ids
+    plain = closing_path(c.compile("json_schema", json.dumps(SCHEMA)).new_matcher(), ranks, 200)
+    if not reasoning.starts_inside:
+        start = closing_path(fresh, ranks, 200, where)
+        text = default_tokenizer.decode(start, skip_special_tokens=True)
+        assert not text.startswith("<") and len(start) <= len(plain) + 2, text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    written = thoughts if reasoning.starts_inside else "<think>" + thoughts
+    ids = default_tokenizer.encode(written, add_special_tokens=False)
+    if thoughts.endswith("所"):  # its last byte left out: the text ends inside the character
+        ids = ids[:-1]
+    fresh.accept_tokens(ids)
+    path = closing_path(fresh, ranks, 200, where)
+    assert path is not None and fresh.accepted_ids == ids
+    text = default_tokenizer.decode(ids + path, skip_special_tokens=True)
+    split = reasoning.split(text)
+    assert split.reasoning is not None and split.reasoning.startswith(written.removeprefix("<think>")[:4])
+    jsonschema.validate(json.loads(split.answer), SCHEMA)
+    assert len(path) <= len(plain) + 5, default_tokenizer.decode(path)  # a character's end, the tag, answer

@@ -14,13 +14,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from constrained.closing import THOUGHTS_CLOSE, THOUGHTS_OPEN
 from constrained.errors import GrammarError
 from constrained.spec import DEFAULT_WHITESPACE, validate_spec
 from runtime.entrypoints.tool_calls.base import regex_literal, text_without, trigger_prefix_start
 from runtime.errors import RequestError
 
 PARSERS = ("auto", "none", "deepseek-r1", "qwen3")
-OPEN, CLOSE = "<think>", "</think>"
+OPEN, CLOSE = THOUGHTS_OPEN, THOUGHTS_CLOSE  # the closing steer (constrained.closing) closes them too
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class ClosingState:
     next_check: int = 0
     entered: bool = False
     steering: bool = False  # following `path`: jump-forward is off, so the path's count holds exactly
+    thoughts: str = "none"  # constrained.closing.thoughts_of the grammar: where its output starts
 
 
 class GrammarManager:
@@ -135,8 +136,10 @@ class GrammarManager:
         is taken once the budget could not hold another."""
         remaining = req.params.max_new_tokens - len(req.output_ids)
         g = req.grammar
-        if req.closing is None:
-            req.closing = ClosingState()
+        if req.closing is None:  # a budget past CLOSE_WALK_LIMIT: the grammar's facts when first needed
+            compiled = getattr(g, "grammar", None)  # every engine's cursor holds its compiled grammar
+            thoughts = self.closing_facts(compiled, compiled.new_matcher())[0] if compiled else "none"
+            req.closing = ClosingState(thoughts=thoughts)
         state: ClosingState = req.closing
         pos = len(req.output_ids)
         k = pos - state.pos  # the path's tokens taken since it was walked, if the output followed it
@@ -166,7 +169,7 @@ class GrammarManager:
             state.next_check = pos + max(1, (remaining - state.first_need - CLOSE_MARGIN) // 4)
             return None
         state.entered = True
-        path = closing_path(g, ranks, min(remaining + 1, CLOSE_WALK_LIMIT))
+        path = closing_path(g, ranks, min(remaining + 1, CLOSE_WALK_LIMIT), state.thoughts)
         if path is None:  # no greedy way out within reach (or the budget): leave it to the model
             state.path, state.need, state.next_check = None, 0, pos + CLOSE_WALK_LIMIT // 8
             return None
@@ -178,6 +181,43 @@ class GrammarManager:
         # a budget the path does not fit is cut whatever is chosen: then the model writes on as it would
         state.steering = slack <= 0 and len(path) <= remaining
         return path[0] if state.steering else None
+
+    def closing_facts(self, compiled, matcher) -> tuple[str, int | None]:
+        """(Where `compiled`'s output starts as to thoughts, the tokens of the shortest output the steer can
+        close it in): the greedy closing path of a fresh `matcher`, EOS included; None past CLOSE_WALK_LIMIT.
+        Computed once per compiled grammar (one mask per token), kept on it: the compile cache shares it."""
+        facts = getattr(compiled, "closing_facts", None)
+        if facts is None:
+            from constrained.closing import closing_path, thoughts_of
+
+            ranks = self._closing_ranks()
+            thoughts = thoughts_of(matcher, ranks)
+            path = closing_path(matcher, ranks, CLOSE_WALK_LIMIT, thoughts)
+            facts = compiled.closing_facts = (thoughts, len(path) if path is not None else None)
+        return facts
+
+    def start(self, req: Req, compiled) -> str | None:
+        """Give `req` its matcher of `compiled`; the reason it must fail (400) when its max_new_tokens cannot
+        hold any output the grammar accepts (`budget_error`), else None."""
+        req.grammar = compiled.new_matcher()
+        if req.params.max_new_tokens >= CLOSE_WALK_LIMIT:
+            return None  # the facts wait until the steer needs them
+        thoughts, need = self.closing_facts(compiled, req.grammar)
+        req.closing = ClosingState(thoughts=thoughts)
+        return self.budget_error(req.params.max_new_tokens, need)
+
+    @staticmethod
+    def budget_error(budget: int, need: int | None) -> str | None:
+        """Why a budget of `budget` tokens cannot hold any output of a grammar whose shortest takes `need`
+        (a budget too small for any valid call is the client's error, not a cut call), or None when it can.
+        A grammar that may end at once (free text before an optional call) needs one token. The count is the
+        steer's: a budget at least this large ends with a whole call or answer (`closing_token`)."""
+        if need is None or budget >= need:
+            return None
+        return (
+            f"max_tokens: a budget of {budget} tokens cannot hold any output this request's grammar accepts; "
+            f"the shortest (a whole tool call or structured answer, end of text included) takes {need} tokens"
+        )
 
     @staticmethod
     def near_closing(req: Req, draft_len: int) -> bool:

@@ -338,7 +338,7 @@ class Scheduler:
         for req in [r for r in self.grammar_wait if r.grammar_future.done()]:
             self.grammar_wait.remove(req)
             try:
-                req.grammar = req.grammar_future.result().new_matcher()
+                too_small = self.grammars.start(req, req.grammar_future.result())
             except GrammarUnavailable as e:  # queue full, waited too long, worker crashed: retry later
                 self._fail(req, str(e), 503)
                 continue
@@ -347,6 +347,9 @@ class Scheduler:
                 continue
             except Exception:
                 self._fail_internal(req, "starting the grammar of")
+                continue
+            if too_small:
+                self._fail(req, too_small, 400)
                 continue
             self.waiting.append(req)
 
