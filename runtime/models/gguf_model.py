@@ -188,7 +188,7 @@ def load_gguf_model(
     if left:
         raise ValueError(f"{path}: no GGUF tensor fills {left[:3]}")
     logger.info(
-        "GGUF %s served in place (%s) in %.2f s; embedding and norms float32",
+        "GGUF %s served in place (%s) in %.2f s; norms float32",
         path,
         ", ".join(f"{n} {k}" for k, n in sorted(ld.counts.items())),
         time.perf_counter() - t0,

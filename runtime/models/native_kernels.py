@@ -12,7 +12,9 @@ rename, so none loads a half-written file.
 Libraries: `w4a8` (runtime/models/w4a8.py: Q4_1 / Q8_0 GEMMs), `paged_attention` (`PAGED_ATTENTION`
 below: decode and short-extend attention reading the KV pool in place, and `paged_attention_kv`, which
 first stores the new tokens' K/V; used by the `cpu` attention backend) and `fused_layers` (`FUSED_LAYERS`:
-rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by float32 models on the CPU).
+rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by float32 models on the CPU) and
+`gguf_gemm` (runtime/models/gguf_linear.py: y = x @ W^T straight from a GGUF file's blocks, every common
+type, and the rows of a quantized embedding).
 """
 
 from __future__ import annotations

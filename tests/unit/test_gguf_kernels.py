@@ -134,6 +134,7 @@ def test_other_builds_agree(env: str) -> None:
         "torch.manual_seed(0)\n"
         "x = torch.randn(3, 512)\n"
         "out = {t: GGUFLinear(512, [(t, random_blocks(t, 19, 512))])(x) for t in KERNEL_TYPES}\n"
+        "out |= {-t: GGUFLinear(96, [(t, random_blocks(t, 7, 96))])(x[:, :96]) for t in (2, 3, 6, 7, 8)}\n"
         "torch.save((kernel_isa(), out), sys.argv[1])\n"
     )
     outs = {}
@@ -150,8 +151,8 @@ def test_other_builds_agree(env: str) -> None:
         isa_other == ("scalar" if env == gguf_linear.PORTABLE_ENV else "avx2") != isa_default
         or isa_default == "avx2"
     )
-    for t in KERNEL_TYPES:
-        assert torch.allclose(default[t], other[t], rtol=1e-4, atol=1e-4), KERNEL_TYPES[t][0]
+    for t in default:  # t < 0: the odd block count
+        assert torch.allclose(default[t], other[t], rtol=1e-4, atol=1e-4), KERNEL_TYPES[abs(t)][0]
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: KERNEL_TYPES[t][0])
@@ -167,3 +168,15 @@ def test_rows_dequantize_like_ggufpy(qtype: int) -> None:
     torch.testing.assert_close(emb(ids), ref[ids], rtol=1e-6, atol=1e-7)
     with pytest.raises(RuntimeError, match="out of range"):
         emb(torch.tensor([13]))
+
+
+@pytest.mark.parametrize(
+    "qtype", [t for t, v in KERNEL_TYPES.items() if v[1] == 32], ids=lambda t: KERNEL_TYPES[t][0]
+)
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_odd_block_counts(qtype: int, m: int) -> None:
+    """Rows of an odd number of 32-blocks: the register paths take blocks in pairs, the last one alone."""
+    w = random_blocks(qtype, 21, 96)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(7))
+    want, tol = expected(x, w, qtype, 21, 96)
+    assert ((GGUFLinear(96, [(qtype, w)])(x).double() - want).abs() <= tol).all()

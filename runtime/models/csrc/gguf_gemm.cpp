@@ -465,9 +465,10 @@ void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
 #if defined(RADIXLM_AVX512)
 // ------------------------------------------------------------------------------ decode rows (1..4), AVX-512
 // The common types read in registers, no row buffer: each 64 weights are unpacked once and multiplied by up
-// to four activation rows. Q4_K / Q6_K sum u * qa in int16 pairs (vpmaddubsw: u <= 63) and multiply by the
+// to four activation rows. Q4_K / Q5_K / Q6_K sum u * qa in int16 pairs (vpmaddubsw: u <= 63) and multiply by the
 // integer sub-block scales while accumulating in int32 (vpdpwssd), one float FMA per super-block and row;
-// their mins / -32 offsets use the activations' group sums. Q8_0 takes two blocks per 512-bit dot.
+// their mins / -32 offsets use the activations' group sums. Q8_0 and the other 32-blocks take two blocks per
+// 512-bit dot.
 inline __m512i two32(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 inline __m512 two_scales(float a, float b) {
   return _mm512_castpd_ps(
@@ -480,9 +481,10 @@ inline __m512i lane_index(int first, int lanes_per_group) {
   return _mm512_load_si512(idx);
 }
 
-template <int MR>
-void q4_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nb = K / 256, rb = nb * 144;
+template <int MR, bool HIGH>  // HIGH: Q5_K (a fifth bit per weight in qh), else Q4_K
+void q45_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t BYTES = HIGH ? 176 : 144, QS = HIGH ? 48 : 16;
+  const int64_t nb = K / 256, rb = nb * BYTES;
   const __m512i idx[4] = {lane_index(0, 16), lane_index(2, 16), lane_index(4, 16), lane_index(6, 16)};
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = W + n * rb;
@@ -490,8 +492,9 @@ void q4_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
     __m256 oacc[MR];
     for (int m = 0; m < MR; ++m) facc[m] = _mm512_setzero_ps(), oacc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * 144;
+      const uint8_t* blk = row + b * BYTES;
       const float d = h2f(blk), dmin = h2f(blk + 2);
+      const __m256i qh = HIGH ? load32(blk + 16) : _mm256_setzero_si256();
       // ggml's 12-byte scales -> 8 scales, 8 mins (bytes), as llama.cpp unpacks them
       uint32_t ut[4];
       std::memcpy(ut, blk + 4, 12);
@@ -508,8 +511,13 @@ void q4_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
       __m512i iacc[MR];
       for (int m = 0; m < MR; ++m) iacc[m] = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        const __m256i q = load32(blk + 16 + 32 * j);
-        const __m512i u = two32(lo_nib(q), hi_nib(q));
+        const __m256i q = load32(blk + QS + 32 * j);
+        __m256i lo = lo_nib(q), hi = hi_nib(q);
+        if (HIGH) {
+          lo = _mm256_or_si256(lo, bit_if(qh, static_cast<uint8_t>(1u << (2 * j)), 0x10));
+          hi = _mm256_or_si256(hi, bit_if(qh, static_cast<uint8_t>(2u << (2 * j)), 0x10));
+        }
+        const __m512i u = two32(lo, hi);
         const __m512i s = _mm512_permutexvar_epi16(idx[j], scv);
         for (int m = 0; m < MR; ++m) {
           const __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 256 + 64 * j);
@@ -598,14 +606,104 @@ void q8_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
     for (; b < nb; ++b) {  // an odd last block
       const uint8_t* b0 = row + b * 34;
       const float d0 = h2f(b0);
+      const __m256i w = load32(b0 + 2);
       for (int m = 0; m < MR; ++m) {
-        int32_t s = 0;
-        for (int i = 0; i < 32; ++i) s += static_cast<int8_t>(b0[2 + i]) * a.qa[m * K + b * 32 + i];
-        tail[m] += d0 * a.dl[(m * K + b * 32) / 4] * static_cast<float>(s);
+        // |w| * (sign(w) * qa) in intrinsics: a plain int8 x int8 loop here gave wrong sums in this build
+        // (GCC 12, -march=native; test_odd_block_counts), not investigated further
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa.data() + m * K + b * 32));
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(av, w));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        tail[m] += d0 * a.dl[(m * K + b * 32) / 4] * static_cast<float>(_mm_cvtsi128_si32(s4));
       }
     }
     for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(facc[m]) + tail[m];
   }
+}
+
+// bit j of 32 -> byte j: 0xFF where set (llama.cpp's bytes_from_bits_32)
+inline __m256i bytes_from_bits_32(const uint8_t* x) {
+  uint32_t x32;
+  std::memcpy(&x32, x, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1: two blocks of 32 per 512-bit dot; the per-block offset (-8d, m, -16d, m) times the
+// block's activation sum.
+template <int MR, int64_t T>
+void legacy_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr bool MIN = T == Q4_1 || T == Q5_1, FIVE = T == Q5_0 || T == Q5_1;
+  constexpr int64_t BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
+  constexpr int64_t QS = (MIN ? 4 : 2) + (FIVE ? 4 : 0);
+  const int64_t nb = K / 32, rb = nb * BYTES;
+  auto unpack = [](const uint8_t* blk, float& d, float& off) {
+    d = h2f(blk);
+    off = MIN ? h2f(blk + 2) : (FIVE ? -16.f : -8.f) * d;
+    __m256i u = nibbles16(blk + QS);
+    if (FIVE) u = _mm256_or_si256(u, _mm256_and_si256(bytes_from_bits_32(blk + QS - 4), _mm256_set1_epi8(0x10)));
+    return u;
+  };
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * rb;
+    __m512 facc[MR];
+    float off[MR] = {};
+    for (int m = 0; m < MR; ++m) facc[m] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      float d0, d1, o0, o1;
+      const __m256i u0 = unpack(row + b * BYTES, d0, o0);
+      const __m256i u1 = unpack(row + (b + 1) * BYTES, d1, o1);
+      const __m512i u = two32(u0, u1);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 32);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, av);
+        const float* dl = a.dl.data() + (m * K + b * 32) / 4;
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_scales(d0 * dl[0], d1 * dl[8]), facc[m]);
+        const float* s32 = a.s32.data() + (m * K + b * 32) / 32;
+        off[m] += o0 * s32[0] + o1 * s32[1];
+      }
+    }
+    for (; b < nb; ++b) {  // an odd last block
+      float d0, o0;
+      alignas(32) uint8_t u[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u), unpack(row + b * BYTES, d0, o0));
+      for (int m = 0; m < MR; ++m) {
+        int32_t sacc = 0;
+        for (int i = 0; i < 32; ++i) sacc += u[i] * a.qa[m * K + b * 32 + i];
+        off[m] += d0 * a.dl[(m * K + b * 32) / 4] * static_cast<float>(sacc) + o0 * a.s32[(m * K + b * 32) / 32];
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(facc[m]) + off[m];
+  }
+}
+
+template <int MR>
+void q4_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  q45_k_rows<MR, false>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void q5_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  q45_k_rows<MR, true>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void q4_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  legacy_rows<MR, Q4_0>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void q4_1_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  legacy_rows<MR, Q4_1>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void q5_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  legacy_rows<MR, Q5_0>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void q5_1_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  legacy_rows<MR, Q5_1>(W, K, a, y, ldy, n0, n1);
 }
 
 // true when (type, M) has a register path and it ran
@@ -622,6 +720,11 @@ bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const Acts& a, int64
   if (type == Q4_K) RADIXLM_ROWS(q4_k_rows)
   if (type == Q6_K) RADIXLM_ROWS(q6_k_rows)
   if (type == Q8_0) RADIXLM_ROWS(q8_0_rows)
+  if (type == Q5_K) RADIXLM_ROWS(q5_k_rows)
+  if (type == Q4_0) RADIXLM_ROWS(q4_0_rows)
+  if (type == Q4_1) RADIXLM_ROWS(q4_1_rows)
+  if (type == Q5_0) RADIXLM_ROWS(q5_0_rows)
+  if (type == Q5_1) RADIXLM_ROWS(q5_1_rows)
 #undef RADIXLM_ROWS
   return false;
 }
