@@ -271,14 +271,30 @@ class LoraBatch:
 class LoraLinear(nn.Module):
     """A base projection plus the batch's adapters' low-rank updates on their own rows.
 
-    `lora_a` [slots, parts * max_rank, in] and `lora_b` [slots, out, parts * max_rank] are this projection's
-    slices of the pool; for a fused module (q|k|v, gate|up) B is block-diagonal, part p's rank block feeding
-    only part p's output rows."""
+    `lora_a` [slots, parts * max_rank, in] and `lora_b` [slots, out, max_rank] are this projection's slices
+    of the pool. For a fused module (q|k|v, gate|up) part p's rank block of A feeds only its own output rows
+    (`splits`: the parts' output sizes), one matmul per part: a block-diagonal B would multiply zeros, which
+    cost a third of the update's time."""
 
-    def __init__(self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, state: LoraBatch):
+    def __init__(
+        self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, splits: list[int], state: LoraBatch
+    ):
         super().__init__()
         self.base = base
         self.lora_a, self.lora_b, self.state = lora_a, lora_b, state
+        self.splits, self.rank = splits, lora_b.shape[-1]
+
+    def _add(self, y: torch.Tensor, rows: slice | torch.Tensor, xa: torch.Tensor, b: torch.Tensor) -> None:
+        """y[rows] += xa [n, parts * R] x B [out, R]^T, each part into its own output columns (no concat)."""
+        r, off = self.rank, 0
+        for p, size in enumerate(self.splits):
+            part = (xa[:, p * r : (p + 1) * r] @ b[off : off + size].t()).to(y.dtype)
+            cols = y[:, off : off + size] if len(self.splits) > 1 else y
+            if isinstance(rows, slice):
+                cols[rows] += part
+            else:
+                cols.index_add_(0, rows, part)
+            off += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_updates(x, self.base(x))
@@ -290,18 +306,23 @@ class LoraLinear(nn.Module):
             slots, gather, m, positions, rows = grouped
             a = self.lora_a if slots is None else self.lora_a.index_select(0, slots)
             b = self.lora_b if slots is None else self.lora_b.index_select(0, slots)
-            xs = x.index_select(0, gather).to(a.dtype).view(a.shape[0], m, -1)  # [adapters, rows, in]
-            d = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(a.shape[0] * m, -1)
+            k = a.shape[0]
+            xs = x.index_select(0, gather).to(a.dtype).view(k, m, -1)  # [adapters, rows, in]
+            xa = torch.bmm(xs, a.transpose(1, 2))  # [adapters, rows, parts * R]
+            r, off, parts = self.rank, 0, []
+            for p, size in enumerate(self.splits):
+                parts.append(torch.bmm(xa[:, :, p * r : (p + 1) * r], b[:, off : off + size].transpose(1, 2)))
+                off += size
+            d = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)).view(k * m, -1)
             if positions is not None:  # drop the padding rows
                 d = d.index_select(0, positions)
-            return y.index_add_(0, rows, d.to(y.dtype))
+            return y.index_add_(
+                0, rows, d.to(y.dtype)
+            )  # one scatter into contiguous rows (a column view's is slow)
         for slot, rows in self.state.segments:
             a, b = self.lora_a[slot], self.lora_b[slot]
-            if isinstance(rows, slice):
-                y[rows] += ((x[rows].to(a.dtype) @ a.t()) @ b.t()).to(y.dtype)
-            else:
-                xs = x.index_select(0, rows)
-                y.index_add_(0, rows, ((xs.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype))
+            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            self._add(y, rows, xs.to(a.dtype) @ a.t(), b)
         return y
 
     def decode_call(self) -> tuple:
@@ -327,7 +348,7 @@ class LoraPool:
         self.device, self.dtype = device, dtype
         self.state = LoraBatch(max_loras)
         self.shapes = projection_shapes(cfg)
-        # (layer, fused module path) -> (A [S, parts * R, in], B [S, out_total, parts * R])
+        # (layer, fused module path) -> (A [S, parts * R, in], B [S, out_total, R])
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.slot_names: list[str | None] = [None] * max_loras
 
@@ -343,11 +364,12 @@ class LoraPool:
                 fan_in = self.shapes[parts[0]][0]
                 out_total = sum(self.shapes[p][1] for p in parts)
                 r = len(parts) * self.max_rank
+                splits = [self.shapes[p][1] for p in parts]
                 s = self.max_loras
                 a = torch.zeros(s, r, fan_in, device=self.device, dtype=self.dtype)
-                b = torch.zeros(s, out_total, r, device=self.device, dtype=self.dtype)
+                b = torch.zeros(s, out_total, self.max_rank, device=self.device, dtype=self.dtype)
                 self.buffers[(i, path)] = (a, b)
-                setattr(owner, attr, LoraLinear(getattr(owner, attr), a, b, self.state))
+                setattr(owner, attr, LoraLinear(getattr(owner, attr), a, b, splits, self.state))
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Copy `adapter` into `slot` (all of the slot is rewritten: its old adapter is gone)."""
@@ -364,7 +386,7 @@ class LoraPool:
                         a, b = pair
                         k = a.shape[0]
                         a_buf[slot, p * r : p * r + k].copy_(a)
-                        b_buf[slot, row : row + out, p * r : p * r + k].copy_(b)
+                        b_buf[slot, row : row + out, :k].copy_(b)
                     row += out
         self.slot_names[slot] = adapter.name
 

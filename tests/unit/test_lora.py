@@ -249,8 +249,10 @@ def test_base_weights_stay_quantized(setup, quantization):
     runner.lora.begin(None, [5])
     plain = proj(x)
     torch.testing.assert_close(plain, proj.base(x), rtol=0, atol=0)
-    a, b = proj.lora_a[0], proj.lora_b[0]
-    torch.testing.assert_close(got[1:4], plain[1:4] + (x[1:4] @ a.t()) @ b.t())
+    a, b = proj.lora_a[0], proj.lora_b[0]  # gate | up: A's rank blocks feed their own halves of the output
+    xa, half = x[1:4] @ a.t(), b.shape[0] // 2
+    update = torch.cat([xa[:, :16] @ b[:half].t(), xa[:, 16:32] @ b[half:].t()], dim=1)
+    torch.testing.assert_close(got[1:4], plain[1:4] + update)
     torch.testing.assert_close(got[[0, 4]], plain[[0, 4]], rtol=0, atol=0)
     assert (got[1:4] - plain[1:4]).abs().max() > 0.01
     # the fused CPU loop (the base's own quantized call, then the updates) gives the eager path's tokens
