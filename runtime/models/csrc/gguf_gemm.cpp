@@ -469,6 +469,12 @@ void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
 // integer sub-block scales while accumulating in int32 (vpdpwssd), one float FMA per super-block and row;
 // their mins / -32 offsets use the activations' group sums. Q8_0 and the other 32-blocks take two blocks per
 // 512-bit dot.
+// rows m0.. of the quantized activations (Acts), as the register paths read them
+struct ActView {
+  const int8_t* qa;
+  const float *dl, *sg, *s32;
+};
+
 inline __m512i two32(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 inline __m512 two_scales(float a, float b) {
   return _mm512_castpd_ps(
@@ -482,7 +488,7 @@ inline __m512i lane_index(int first, int lanes_per_group) {
 }
 
 template <int MR, bool HIGH>  // HIGH: Q5_K (a fifth bit per weight in qh), else Q4_K
-void q45_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q45_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int64_t BYTES = HIGH ? 176 : 144, QS = HIGH ? 48 : 16;
   const int64_t nb = K / 256, rb = nb * BYTES;
   const __m512i idx[4] = {lane_index(0, 16), lane_index(2, 16), lane_index(4, 16), lane_index(6, 16)};
@@ -520,14 +526,14 @@ void q45_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ld
         const __m512i u = two32(lo, hi);
         const __m512i s = _mm512_permutexvar_epi16(idx[j], scv);
         for (int m = 0; m < MR; ++m) {
-          const __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 256 + 64 * j);
+          const __m512i av = _mm512_loadu_si512(a.qa + m * K + b * 256 + 64 * j);
           iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u, av), s);
         }
       }
       for (int m = 0; m < MR; ++m) {
         const float da = a.dl[(m * K + b * 256) / 4];
         facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_set1_ps(d * da), facc[m]);
-        oacc[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.s32.data() + (m * K + b * 256) / 32), oacc[m]);
+        oacc[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(a.s32 + (m * K + b * 256) / 32), oacc[m]);
       }
     }
     for (int m = 0; m < MR; ++m) {
@@ -540,7 +546,7 @@ void q45_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ld
 }
 
 template <int MR>
-void q6_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q6_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = K / 256, rb = nb * 210;
   const __m512i idx[4] = {lane_index(0, 8), lane_index(4, 8), lane_index(8, 8), lane_index(12, 8)};
   const __m256i m30 = _mm256_set1_epi8(0x30);
@@ -565,7 +571,7 @@ void q6_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
         const __m512i s0 = _mm512_permutexvar_epi16(idx[2 * h], scv);
         const __m512i s1 = _mm512_permutexvar_epi16(idx[2 * h + 1], scv);
         for (int m = 0; m < MR; ++m) {
-          const int8_t* q = a.qa.data() + m * K + b * 256 + 128 * h;
+          const int8_t* q = a.qa + m * K + b * 256 + 128 * h;
           iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u0, _mm512_loadu_si512(q)), s0);
           iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u1, _mm512_loadu_si512(q + 64)), s1);
         }
@@ -573,7 +579,7 @@ void q6_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
       for (int m = 0; m < MR; ++m) {
         const float da = a.dl[(m * K + b * 256) / 4];
         facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_set1_ps(d * da), facc[m]);
-        oacc[m] = _mm512_fmadd_ps(offs, _mm512_loadu_ps(a.sg.data() + (m * K + b * 256) / 16), oacc[m]);
+        oacc[m] = _mm512_fmadd_ps(offs, _mm512_loadu_ps(a.sg + (m * K + b * 256) / 16), oacc[m]);
       }
     }
     for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(facc[m], oacc[m]));
@@ -581,7 +587,7 @@ void q6_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
 }
 
 template <int MR>
-void q8_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q8_0_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = K / 32, rb = nb * 34;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = W + n * rb;
@@ -596,10 +602,10 @@ void q8_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
       const __m512i aw = _mm512_abs_epi8(w);
       const float d0 = h2f(b0), d1 = h2f(b0 + 34);
       for (int m = 0; m < MR; ++m) {
-        __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 32);
+        __m512i av = _mm512_loadu_si512(a.qa + m * K + b * 32);
         av = _mm512_mask_sub_epi8(av, neg, _mm512_setzero_si512(), av);
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, av);
-        const float* dl = a.dl.data() + (m * K + b * 32) / 4;
+        const float* dl = a.dl + (m * K + b * 32) / 4;
         facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_scales(d0 * dl[0], d1 * dl[8]), facc[m]);
       }
     }
@@ -610,7 +616,7 @@ void q8_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy
       for (int m = 0; m < MR; ++m) {
         // |w| * (sign(w) * qa) in intrinsics: a plain int8 x int8 loop here gave wrong sums in this build
         // (GCC 12, -march=native; test_odd_block_counts), not investigated further
-        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa.data() + m * K + b * 32));
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qa + m * K + b * 32));
         const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(av, w));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -635,7 +641,7 @@ inline __m256i bytes_from_bits_32(const uint8_t* x) {
 // Q4_0, Q4_1, Q5_0, Q5_1: two blocks of 32 per 512-bit dot; the per-block offset (-8d, m, -16d, m) times the
 // block's activation sum.
 template <int MR, int64_t T>
-void legacy_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void legacy_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr bool MIN = T == Q4_1 || T == Q5_1, FIVE = T == Q5_0 || T == Q5_1;
   constexpr int64_t BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
   constexpr int64_t QS = (MIN ? 4 : 2) + (FIVE ? 4 : 0);
@@ -659,11 +665,11 @@ void legacy_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t l
       const __m256i u1 = unpack(row + (b + 1) * BYTES, d1, o1);
       const __m512i u = two32(u0, u1);
       for (int m = 0; m < MR; ++m) {
-        const __m512i av = _mm512_loadu_si512(a.qa.data() + m * K + b * 32);
+        const __m512i av = _mm512_loadu_si512(a.qa + m * K + b * 32);
         const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, av);
-        const float* dl = a.dl.data() + (m * K + b * 32) / 4;
+        const float* dl = a.dl + (m * K + b * 32) / 4;
         facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), two_scales(d0 * dl[0], d1 * dl[8]), facc[m]);
-        const float* s32 = a.s32.data() + (m * K + b * 32) / 32;
+        const float* s32 = a.s32 + (m * K + b * 32) / 32;
         off[m] += o0 * s32[0] + o1 * s32[1];
       }
     }
@@ -682,32 +688,37 @@ void legacy_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t l
 }
 
 template <int MR>
-void q4_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q4_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   q45_k_rows<MR, false>(W, K, a, y, ldy, n0, n1);
 }
 template <int MR>
-void q5_k_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q5_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   q45_k_rows<MR, true>(W, K, a, y, ldy, n0, n1);
 }
 template <int MR>
-void q4_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q4_0_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   legacy_rows<MR, Q4_0>(W, K, a, y, ldy, n0, n1);
 }
 template <int MR>
-void q4_1_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q4_1_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   legacy_rows<MR, Q4_1>(W, K, a, y, ldy, n0, n1);
 }
 template <int MR>
-void q5_0_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q5_0_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   legacy_rows<MR, Q5_0>(W, K, a, y, ldy, n0, n1);
 }
 template <int MR>
-void q5_1_rows(const uint8_t* W, int64_t K, const Acts& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void q5_1_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   legacy_rows<MR, Q5_1>(W, K, a, y, ldy, n0, n1);
 }
 
+bool has_rows_path(int64_t type) {
+  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q8_0 || type == Q4_0 || type == Q4_1 ||
+         type == Q5_0 || type == Q5_1;
+}
+
 // true when (type, M) has a register path and it ran
-bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y, int64_t ldy,
+bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const ActView& a, int64_t M, float* y, int64_t ldy,
                  int64_t n0, int64_t n1) {
 #define RADIXLM_ROWS(FN)                                  \
   switch (M) {                                            \
@@ -772,7 +783,18 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
     // grain: enough rows per task that the row buffer and the task overhead pay off
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
 #if defined(RADIXLM_AVX512)
-      if (!no_fast && decode_rows(types[i], W, K, a, M, yc, total, n0, n1)) return;
+      // the register paths, 4 activation rows at a time over 16 weight rows (kept in L2 across the tiles)
+      if (!no_fast && has_rows_path(types[i])) {
+        for (int64_t c0 = n0; c0 < n1; c0 += 16) {
+          const int64_t c1 = std::min(c0 + 16, n1);
+          for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const ActView v{a.qa.data() + m0 * K, a.dl.data() + m0 * K / 4, a.sg.data() + m0 * K / 16,
+                            a.s32.data() + m0 * K / 32};
+            decode_rows(types[i], W, K, v, std::min<int64_t>(4, M - m0), yc + m0 * total, total, c0, c1);
+          }
+        }
+        return;
+      }
 #endif
       switch (types[i]) {
 #define RADIXLM_PART(T, S, QK_, BYTES_, FN) \
