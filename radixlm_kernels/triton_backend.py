@@ -41,6 +41,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_sliding_window = True  # a kernel argument per layer: decode stays CUDA-graph capturable
 
     def __init__(
         self,
@@ -143,6 +144,7 @@ class TritonBackend(AttentionBackend):
             layer.scaling,
             block_m=self.extend_block_m,
             block_n=self.extend_block_n,
+            window=layer.sliding_window,
         )
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
@@ -158,4 +160,5 @@ class TritonBackend(AttentionBackend):
             max_splits=self.max_kv_splits,
             min_split_len=self.min_split_len,
             block_n=self.decode_block_n,
+            window=layer.sliding_window,
         )

@@ -32,6 +32,7 @@ def _decode_split_kernel(
     PartO,  # [bs, H, grid_splits, D] fp32
     PartLse,  # [bs, H, grid_splits] fp32, log2 domain
     sm_scale_log2,
+    window,  # 0: every key; W > 0: the last W keys (a sliding-window layer)
     stride_qb,
     stride_qh,
     stride_kn,
@@ -61,11 +62,14 @@ def _decode_split_kernel(
     row = tl.load(ReqPoolIdx + b).to(tl.int64)
     # split layout (same formula in the merge kernel and `decode_grid_splits`): at most MAX_SPLITS chunks of
     # at least MIN_SPLIT_LEN tokens, each a multiple of BLOCK_N long
-    # (plain integer division rather than tl.cdiv: nested jit calls are slow under the interpreter)
-    num_splits = tl.maximum(tl.minimum((seq_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN, MAX_SPLITS), 1)
-    per_split = (seq_len + num_splits - 1) // num_splits
+    # (plain integer division rather than tl.cdiv: nested jit calls are slow under the interpreter), over
+    # the keys [win_start, seq_len) the query sees
+    win_start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    kv_len = seq_len - win_start
+    num_splits = tl.maximum(tl.minimum((kv_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN, MAX_SPLITS), 1)
+    per_split = (kv_len + num_splits - 1) // num_splits
     chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * chunk
+    start = win_start + split * chunk
     end = tl.minimum(start + chunk, seq_len)  # end <= start: empty chunk (split >= num_splits or tail)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -123,6 +127,7 @@ def _decode_merge_kernel(
     PartLse,
     Out,  # [bs, H, D]
     SeqLens,
+    window,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -139,8 +144,9 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(SeqLens + b).to(tl.int32)
+    kv_len = seq_len - tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     num_splits = tl.maximum(
-        tl.minimum((seq_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN, MAX_SPLITS), 1
+        tl.minimum((kv_len + MIN_SPLIT_LEN - 1) // MIN_SPLIT_LEN, MAX_SPLITS), 1
     )  # as stage 1
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,13 +189,15 @@ def decode_attention(
     min_split_len: int,
     block_n: int = 64,
     num_warps: int = 4,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per request over its whole KV (`req_to_token[row, :seq_len]`).
 
     q: [bs, H, D]; k_buf, v_buf: [pool_size + 1, Hkv, D] (any float dtype; cast to q's dtype in-kernel);
     seq_lens: [bs] on the device (never read on the host, so this is CUDA-graph safe when `grid_splits`
     is fixed). `grid_splits` must be >= the split count of every request (`decode_grid_splits`, or
-    `max_splits`). Returns [bs, H, D] in q's dtype.
+    `max_splits`). `window` > 0 attends to each request's last `window` keys only. Returns [bs, H, D] in
+    q's dtype.
     """
     bs, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
@@ -219,6 +227,7 @@ def decode_attention(
         part_o,
         part_lse,
         log2_scale(scaling),
+        window,
         q.stride(0),
         q.stride(1),
         k_buf.stride(0),
@@ -246,6 +255,7 @@ def decode_attention(
         part_lse,
         out,
         seq_lens,
+        window,
         part_o.stride(0),
         part_o.stride(1),
         part_o.stride(2),

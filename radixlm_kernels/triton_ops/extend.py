@@ -30,6 +30,7 @@ def _extend_kernel(
     ExtendLens,  # [bs] int64
     QoStart,  # [bs] int64: first row of request b in q / out
     sm_scale_log2,
+    window,  # 0: causal; W > 0: also key position > query position - W (a sliding-window layer)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -76,8 +77,10 @@ def _extend_kernel(
     # Keys are the request's KV positions 0 .. prefix_len + (last new token of this block). New token i sits
     # at position prefix_len + i and sees positions <= prefix_len + i: all of the prefix, causal over the new.
     kv_end = tl.where(live, prefix_len + tl.minimum(ext_len, m_start + BLOCK_M), 0)
+    # under a window, keys before the block's first query's window are seen by none of its queries
+    kv_start = tl.where((window > 0) & live, tl.maximum(prefix_len + m_start - window + 1, 0), 0)
     q_pos = prefix_len + offs_m
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         key = n0 + offs_n
         key_mask = key < kv_end
         slots = tl.load(ReqToToken + row * stride_rt + key, mask=key_mask, other=0).to(tl.int64)
@@ -87,11 +90,15 @@ def _extend_kernel(
         )
         # scores in log2 units, [BLOCK_M, BLOCK_N]
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
-        s = tl.where(key_mask[None, :] & (key[None, :] <= q_pos[:, None]), s, float("-inf"))
-        # Every row sees key 0 in the first block, so m_new is finite from the first iteration on.
+        visible = key_mask[None, :] & (key[None, :] <= q_pos[:, None])
+        visible = visible & ((window == 0) | (key[None, :] > q_pos[:, None] - window))
+        s = tl.where(visible, s, float("-inf"))
+        # A row may see no key of a block (a window starting later than the block): keep its max at -inf and
+        # take exp2 against 0 (m_new finite otherwise: each row sees its own position eventually).
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         v = tl.load(
             V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
         )
@@ -121,8 +128,10 @@ def extend_attention(
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its cached prefix plus the new tokens.
+    """Causal attention of each request's new tokens over its cached prefix plus the new tokens (with
+    `window` > 0, over the last `window` positions up to each token's own).
 
     q: [num_tokens, H, D] (requests' new tokens concatenated; request b's rows start at qo_start[b]);
     k_buf, v_buf: [pool_size + 1, Hkv, D]; prefix_lens, extend_lens, qo_start: [bs] int64 on q's device;
@@ -155,6 +164,7 @@ def extend_attention(
         extend_lens,
         qo_start,
         log2_scale(scaling),
+        window,
         q.stride(0),
         q.stride(1),
         out.stride(0),
