@@ -116,7 +116,7 @@ class ModelRunner:
         if cfg.sliding_windows and not self.backend.supports_sliding_window:
             raise ValueError(
                 f"{cfg.architecture} has sliding-window layers, which the {self.backend_name} attention "
-                "backend does not implement: use --attention-backend torch_native or cpu"
+                "backend does not implement: use --attention-backend cpu, torch_native or triton"
             )
         if cfg.sliding_windows and (
             enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)
