@@ -70,6 +70,14 @@ class GetServerInfoReq(Message):
     pass
 
 
+class DashboardStateReq(Message):
+    """The live dashboard's state as one viewer may see it (`managers/scheduler/dashboard_state.py`)."""
+
+    tenant: str | None = None  # the viewer's tenant: only its prefixes, requests and misses
+    admin: bool = False  # sees every tenant's
+    max_nodes: int = 160  # radix tree rows per tier, at most
+
+
 class LoadLoraReq(Message):
     name: str
     path: str
@@ -93,6 +101,10 @@ class FlushCacheResp(Message):
 
 class ServerInfoResp(Message):
     info: dict[str, Any]
+
+
+class DashboardStateResp(Message):
+    state: dict[str, Any]
 
 
 class LoraResp(Message):
@@ -167,11 +179,13 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged stru
     AbortReq,
     FlushCacheReq,
     GetServerInfoReq,
+    DashboardStateReq,
     ReleaseSessionReq,
     LoadLoraReq,
     UnloadLoraReq,
     FlushCacheResp,
     ServerInfoResp,
+    DashboardStateResp,
     ReleaseSessionResp,
     LoraResp,
     BatchTokenIDOut,

@@ -28,6 +28,8 @@ ADMIN_API_KEY_ENV = "RADIXLM_ADMIN_API_KEY"
 KEY_SOURCES = (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV))
 WILDCARD_BINDS = ("", "0.0.0.0", "::")
 _SAFE_METHODS = (b"GET", b"HEAD", b"OPTIONS")
+# served without a key: they hold no data (the dashboard page asks for the key, `entrypoints/dashboard.py`)
+PUBLIC_PATHS = frozenset({"/health", "/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css"})
 
 
 def load_keys(args: ServerArgs, environ: MutableMapping[str, str] | None = None) -> ServerArgs:
@@ -159,7 +161,7 @@ class Guard:
                     f"Host {name!r} is not served here (DNS-rebinding protection); the operator can allow it "
                     "with --allowed-hosts"
                 )
-        if self.needs_key and not valid_key and scope["path"] != "/health":
+        if self.needs_key and not valid_key and scope["path"] not in PUBLIC_PATHS:
             return 401, "missing or invalid API key (use 'Authorization: Bearer KEY' or 'x-api-key: KEY')"
         if scope["method"].encode() not in _SAFE_METHODS:
             content_type = headers.get(b"content-type")

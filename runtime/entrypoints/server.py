@@ -248,6 +248,9 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
     from runtime.entrypoints.openai import register_openai_routes
 
     register_lora_routes(app, tm, args)  # before the OpenAI routes, which read its served names
+    from runtime.entrypoints.dashboard import register_dashboard_routes
+
+    register_dashboard_routes(app, tm, args)
     register_openai_routes(app, tm, args)
     return app
 

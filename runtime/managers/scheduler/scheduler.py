@@ -23,6 +23,7 @@ from constrained.errors import GrammarUnavailable
 from runtime.managers.scheduler.batch_builder import BuiltBatch, build_decode_batch, build_extend_batch
 from runtime.managers.scheduler.cache_manager import CacheManager, make_tiers
 from runtime.managers.scheduler.cpu_share import ThreadGovernor
+from runtime.managers.scheduler.dashboard_state import DashboardTracker, dashboard_state
 from runtime.managers.scheduler.grammar_manager import GrammarManager
 from runtime.managers.scheduler.kv_events import BlockEvents, KVEventsConfig, ZmqEventPublisher
 from runtime.managers.scheduler.lora_manager import LoraManager, lora_control
@@ -49,6 +50,8 @@ from runtime.managers.scheduler.stop_checker import StopChecker
 from runtime.mem_cache.radix_cache import NoPrefixCache, RadixCache
 from runtime.messages import (
     AbortReq,
+    DashboardStateReq,
+    DashboardStateResp,
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
@@ -132,6 +135,7 @@ class Scheduler:
             self.cm.cache.events = self.kv_events
             self.kv_publisher = ZmqEventPublisher(events_config)
         self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
+        self.dashboard = DashboardTracker()  # hits, scopes, misses and pool history for GET /dashboard
         # LoRA adapters (--lora-modules, --enable-lora): the served set and the model's slots; None: off
         self.lora = LoraManager.from_runner(self.runner, args.lora_modules, args.max_lora_rank)
 
@@ -147,6 +151,10 @@ class Scheduler:
             return FlushCacheResp(success=ok, message="" if ok else "requests are running; cache not flushed")
         elif isinstance(msg, GetServerInfoReq):
             return ServerInfoResp(info=self.server_info())
+        elif isinstance(msg, DashboardStateReq):
+            return DashboardStateResp(
+                state=dashboard_state(self, self.dashboard, msg.tenant, msg.admin, msg.max_nodes)
+            )
         elif isinstance(msg, ReleaseSessionReq):
             sid = (msg.tenant, msg.cache_salt, msg.session_id)
             return ReleaseSessionResp(released_tokens=self.sessions.release(sid))
@@ -376,6 +384,7 @@ class Scheduler:
                     self._explain_cache_miss(req)
                 self.stats["prompt_tokens"] += len(req.prompt_ids)
                 self.stats["cached_tokens"] += req.match_len
+                self.dashboard.admitted(req)
         for req, _ in admitted:
             if req in self.reextend:
                 self.reextend.remove(req)

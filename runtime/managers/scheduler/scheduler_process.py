@@ -133,6 +133,10 @@ def _error_reply(msg):
         return ServerInfoResp(
             info={"error": "internal error while collecting server info; see the scheduler log"}
         )
+    from runtime.messages import DashboardStateReq, DashboardStateResp
+
+    if isinstance(msg, DashboardStateReq):
+        return DashboardStateResp(state={"error": "internal error while building the dashboard state"})
     return None
 
 

@@ -28,6 +28,8 @@ from runtime.managers.tokenizer.supervisor import Supervisor
 from runtime.messages import (
     AbortReq,
     BatchStrOut,
+    DashboardStateReq,
+    DashboardStateResp,
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
@@ -90,6 +92,7 @@ class TokenizerManager:
         self.pending_control: dict[type, list[asyncio.Future]] = {
             FlushCacheResp: [],
             ServerInfoResp: [],
+            DashboardStateResp: [],
             ReleaseSessionResp: [],
             LoraResp: [],
         }
@@ -545,6 +548,12 @@ class TokenizerManager:
     async def server_info(self) -> dict[str, Any]:
         resp = await self._control(GetServerInfoReq(), ServerInfoResp)
         return resp.info
+
+    async def dashboard_state(self, tenant: str | None, admin: bool, max_nodes: int) -> dict[str, Any]:
+        """The live dashboard's state as this viewer may see it (`entrypoints/dashboard.py`)."""
+        msg = DashboardStateReq(tenant=tenant, admin=admin, max_nodes=max_nodes)
+        resp = await self._control(msg, DashboardStateResp)
+        return resp.state
 
 
 def choice_seed(seed: int, i: int) -> int:
