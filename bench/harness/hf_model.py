@@ -57,10 +57,14 @@ def load_hf_model(model_dir: str, dtype: str = "float32", device: str = "cpu") -
     """(model, tokenizer, load seconds): `AutoModelForCausalLM.from_pretrained` on radixlm's HF folder."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from runtime.models.gguf import float_folder
     from runtime.models.model_loader import load_tokenizer
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
+    # a GGUF file's folder holds no weights: transformers gets its float32 copy (written once)
+    model = AutoModelForCausalLM.from_pretrained(
+        float_folder(model_dir), dtype=DTYPES[dtype], local_files_only=True
+    )
     model = model.to(device).eval()
     tok = load_tokenizer(model_dir)
     # A clean generation config: greedy unless a request asks otherwise, no folder-provided sampling defaults.

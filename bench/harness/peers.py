@@ -182,9 +182,10 @@ def peer_spec(name: str, port: int, threads: int) -> PeerSpec:
     """How peer `name` starts on the default model; PeerNotInstalled (naming `make bench-peers`) if absent."""
     if name == VLLM:
         vllm_python()  # the install hint before converting anything
+        from runtime.models.gguf import float_folder
         from runtime.models.model_loader import resolve_model_path
 
-        return vllm_spec(resolve_model_path("default"), port, threads)
+        return vllm_spec(float_folder(resolve_model_path("default")), port, threads)  # vLLM reads a folder
     if name == LLAMA_SERVER:
         llama_server_binary()
         from bench.harness.llamacpp import gguf_file

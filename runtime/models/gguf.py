@@ -398,6 +398,59 @@ def iter_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     )
 
 
+FLOAT_SHARD_BYTES = 2 << 30  # float_folder's safetensors shards (bounds its peak memory)
+
+
+def float_folder(model_dir: str) -> str:
+    """A Hugging Face folder with float32 safetensors of the GGUF file `model_dir` resolved from, for programs
+    that read weights from a folder (transformers, vLLM: the references of tests and benchmarks); written once
+    beside it (`<folder>-float32`, 4 bytes a weight) under a lock and renamed into place. Any other folder is
+    returned as it is. radixlm itself never needs it."""
+    from safetensors.torch import save_file
+
+    if not is_gguf_conversion(model_dir):
+        return model_dir
+    src = Path(model_dir)
+    out = src.with_name(src.name + "-float32")
+    if (out / "config.json").is_file():
+        return str(out)
+    with _file_lock(src.parent / f".{out.name}.lock"):
+        if (out / "config.json").is_file():
+            return str(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=src.parent))
+        try:
+            shards: list[dict[str, torch.Tensor]] = [{}]
+            size = 0
+            for name, w in iter_gguf_weights(model_dir):
+                if shards[-1] and size + w.numel() * 4 > FLOAT_SHARD_BYTES:
+                    shards.append({})
+                    size = 0
+                shards[-1][name] = w
+                size += w.numel() * 4
+            n = len(shards)
+            names = (
+                ["model.safetensors"]
+                if n == 1
+                else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+            )
+            weight_map = {}
+            for shard, fname in zip(shards, names, strict=True):
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map |= dict.fromkeys(shard, fname)
+            if n > 1:
+                index = {"metadata": {}, "weight_map": weight_map}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            for f in src.iterdir():  # config, generation config, tokenizer; not the marker
+                if f.is_file() and f.name != SOURCE_MARKER:
+                    shutil.copyfile(f, tmp / f.name)
+            _make_readable(tmp)
+            os.rename(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return str(out)
+
+
 def fingerprint_source(model_dir: str, h: Any, samples: int = 16, sample_bytes: int = 64 << 10) -> None:
     """Feed `h` (a hashlib object) the GGUF file `model_dir` resolved from: its size and `samples` spans of
     `sample_bytes` spread over it (header and tensor data), so another file at the same path hashes

@@ -35,10 +35,14 @@ def hf():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from runtime.models.gguf import float_folder
     from runtime.models.model_loader import load_tokenizer, resolve_model_path
 
     path = resolve_model_path("default")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        float_folder(path), dtype=torch.float32, local_files_only=True
+    )
+    model.eval()
     return load_tokenizer(path), model
 
 

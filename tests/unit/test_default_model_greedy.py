@@ -57,7 +57,9 @@ def test_greedy_32_tokens_match_transformers(default_model_dir, default_tokenize
             outs.setdefault(o.rid, []).extend(o.new_token_ids)
     sched.check_accounting()
 
-    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    from runtime.models.gguf import float_folder
+
+    hf = AutoModelForCausalLM.from_pretrained(float_folder(default_model_dir), dtype=torch.float32).eval()
     for i, toks in enumerate(ids):
         with torch.no_grad():
             ref = hf.generate(

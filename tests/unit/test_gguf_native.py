@@ -183,3 +183,21 @@ def test_native_scheduler_decode_agrees_with_float32(tmp_path: Path) -> None:
         same += int(hit[decided].sum())
         total += int(decided.sum())
     assert total >= 24 and same / total >= MIN_AGREEMENT, f"{same}/{total} decided steps agree"
+
+
+def test_float_folder_for_transformers(tmp_path: Path) -> None:
+    """The float32 copy written on request for programs that read a folder (transformers, vLLM): the
+    dequantized weights, loadable by transformers; a plain folder is returned as it is."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime.models.gguf import float_folder
+
+    model = tiny_model("qwen3")
+    encoded = write_gguf(tmp_path / "f.gguf", model, "qwen3", qtype=Q.Q8_0)
+    folder = ml.resolve_model_path(str(tmp_path / "f.gguf"), str(tmp_path / "cache"))
+    copy = float_folder(folder)
+    assert copy != folder and float_folder(copy) == copy and float_folder(folder) == copy  # written once
+    loaded = AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
+    state = loaded.state_dict()
+    for name, w in encoded.items():
+        torch.testing.assert_close(state[name], w, rtol=0, atol=0)
