@@ -285,6 +285,29 @@ def step_profile(results_dir: Path) -> str:
     return out + "\n\n" + source("step_profile", doc) + "\n"
 
 
+def lora(results_dir: Path) -> str:
+    """Multi-LoRA decode: requests over 8 adapters against the same requests on the base model, as one
+    decode step's CPU time on one thread and as output tok/s through the Engine."""
+    doc = load("lora", results_dir)
+    r, cfg = doc["results"], doc["config"]
+    n, k, rank = cfg["requests"], cfg["adapters"], cfg["rank"]
+    labels = {
+        "base": "base model, no LoRA",
+        "lora_base": "base model, LoRA on",
+        "lora_one": f"all on one adapter of rank {rank}",
+        "lora_mixed": f"spread over {k} adapters of rank {rank}",
+    }
+    step, tok = r["step_cpu_ms"], r["tok_s"]
+    rows = []
+    for key, label in labels.items():
+        serving = f"{num(tok[key])} ({tok[key] / tok['base']:.2f}×)" if key in tok else "–"
+        rows.append([label, f"{step[key]:.1f} ({step['base'] / step[key]:.2f}×)", serving])
+    out = table(
+        [f"{n} requests", "decode step, CPU ms (speed vs base)", "Engine output tok/s (vs base)"], rows
+    )
+    return out + "\n\n" + source("lora", doc) + "\n"
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "headline": headline,
     "speculative": speculative,
@@ -295,6 +318,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "gpu_decode": gpu_decode,
     "workloads": workloads,
     "step_profile": step_profile,
+    "lora": lora,
 }
 
 
