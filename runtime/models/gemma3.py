@@ -12,7 +12,9 @@ Where Gemma 3's layer differs from Llama's:
   LM head (tied) is soft-capped where the config has final_logit_softcapping.
 
 Checkpoint names are Llama's plus the two feed-forward norms, so `LlamaForCausalLM.load_weights` loads it.
-The layers run eagerly (no fused C++ layer plan: its norms are Llama's).
+In float32 on the CPU the layers run as the decoder's fused C++ ops do (`_forward_fused`): each norm is the
+`rms_norm` kernel with (1 + weight) computed once, the residual stream carried apart; GeGLU and the q/k norms
+stay eager.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.models.llama import MLP, Attention, LlamaForCausalLM, Rotary
+from runtime.models.llama import MLP, Attention, LlamaForCausalLM, Rotary, linear_call
 from runtime.models.model_config import ModelConfig, _rope_frequencies
 from runtime.models.parallel import ParallelLMHead, TensorParallel, VocabParallelEmbedding
 
@@ -105,14 +107,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self._fused_plan = None
         self.tie_weights()
 
-    def use_fused_cpu_ops(self, enable: bool = True) -> None:
-        """Gemma 3's layers always run eagerly: the fused layer plan is Llama's (its norms, its MLP)."""
-        self.fused_cpu_ops = False
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
         h = h * torch.tensor(self.embed_scale).to(h.dtype)  # the scale rounded to the model's dtype, as in HF
+        if self.fused_cpu_ops:
+            return self._softcap(self._forward_fused(h, batch, backend))
         rope_global = self.rotary.cos_sin(batch.positions, h.dtype)
         rope_local = self.rotary_local.cos_sin(batch.positions, h.dtype)
         for layer in self.layers:
@@ -120,7 +120,81 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             h = layer(h, cos, sin, batch, backend)
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
-        logits = self._logits(self.norm(h))
+        return self._softcap(self._logits(self.norm(h)))
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
+
+    def _layer_plan(self) -> list[tuple]:
+        """Per layer: its four norms as (1 + weight, eps), its projections (`linear_call`), the qkv split, the
+        q/k norms, the attention metadata and whether it takes the local rope."""
+
+        def norm(n: GemmaRMSNorm) -> tuple:
+            return (1.0 + n.weight.detach().float(), n.eps)
+
+        plan = []
+        for layer in self.layers:
+            a, mlp, m = layer.self_attn, layer.mlp, layer.self_attn.meta
+            split = (
+                m.num_heads + 2 * m.num_kv_heads,
+                m.head_dim,
+                (m.num_heads, m.num_kv_heads, m.num_kv_heads),
+            )
+            plan.append(
+                (
+                    norm(layer.input_layernorm),
+                    linear_call(a.qkv_proj),
+                    split,
+                    (a.q_norm, a.k_norm),
+                    m,
+                    linear_call(a.o_proj),
+                    norm(layer.post_attention_layernorm),
+                    norm(layer.pre_feedforward_layernorm),
+                    linear_call(mlp.gate_up_proj),
+                    mlp.inter,
+                    linear_call(mlp.down_proj),
+                    norm(layer.post_feedforward_layernorm),
+                    layer.local_rope,
+                )
+            )
+        return plan
+
+    def _forward_fused(self, residual: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend):
+        """float32 on the CPU (FUSED_LAYERS loaded): `residual` is the scaled embedding, then the residual
+        stream; `h` the last layer's normed MLP output, added to `residual` in place as the next norm runs."""
+        top = max(batch.seq_lens_cpu) - 1
+        ropes = (
+            self.rotary.cos_sin_rows(batch.positions, top),
+            self.rotary_local.cos_sin_rows(batch.positions, top),
+        )
+        plan = self._fused_plan
+        if plan is None:
+            plan = self._fused_plan = self._layer_plan()
+        ops = torch.ops.radixlm
+        rms_norm, add_rms_norm_, rope_ = ops.rms_norm, ops.fused_add_rms_norm_, ops.rope_
+        attend = backend.forward
+        h = None
+        for norm_in, qkv, (
+            n_heads,
+            d,
+            heads,
+        ), qk_norm, meta, o, norm_post_attn, norm_pre_ff, gate_up, inter, down, norm_post_ff, local in plan:
+            if h is None:
+                h = rms_norm(residual, *norm_in)
+            else:  # residual += h; h = norm(residual)
+                add_rms_norm_(h, residual, *norm_in)
+            q, k, v = qkv[0](h, *qkv[1]).view(-1, n_heads, d).split_with_sizes(heads, dim=1)
+            q, k = qk_norm[0](q), qk_norm[1](k)
+            cos, sin = ropes[local]
+            rope_(q, k, cos, sin)
+            out = attend(q, k, v, meta, batch).flatten(1)
+            a = rms_norm(o[0](out if out.is_contiguous() else out.contiguous(), *o[1]), *norm_post_attn)
+            add_rms_norm_(a, residual, *norm_pre_ff)  # residual += attention; a = pre-MLP norm of it
+            gate, up = gate_up[0](a, *gate_up[1]).split([inter, inter], dim=-1)
+            h = rms_norm(down[0](F.gelu(gate, approximate="tanh") * up, *down[1]), *norm_post_ff)
+        if batch.logits_indices is not None:
+            h, residual = h[batch.logits_indices], residual[batch.logits_indices]
+        add_rms_norm_(h, residual, 1.0 + self.norm.weight.detach().float(), self.norm.eps)
+        return self._logits(h)
