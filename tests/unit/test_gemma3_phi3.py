@@ -75,7 +75,7 @@ def regimes(arch: str) -> list[tuple[int | None, list[int]]]:
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
 def test_logits_match_transformers(dense_model, backend):
     """Extends over cached prefixes longer and shorter than the window, then mixed-length decode steps:
-    every logit row equals transformers' (Phi-3: the fused float32 CPU layers when they load, and eager)."""
+    every logit row equals transformers' (the fused float32 CPU layers when they load, and eager)."""
     arch, path, hf = dense_model
     g = torch.Generator().manual_seed(1)
     for context_length, lens in regimes(arch):
