@@ -222,3 +222,29 @@ def test_load_unload_under_traffic(srv, adapters, expected):
     assert not failures, failures[:3]
     assert done["n"] >= 6
     assert_no_kv_leak(wait_idle(srv.url))
+
+
+def test_offline_engine_takes_lora_path(tiny_model_dir, adapters, expected):
+    """The Engine passes `lora_path` through the same body parser: one adapter per prompt of a batch."""
+    from runtime.engine import Engine
+
+    engine = Engine(
+        model=tiny_model_dir,
+        dtype="float32",
+        quantization="none",
+        kv_cache_dtype="float32",
+        attention_backend="torch_native",
+        speculative_algorithm="none",
+        lora_modules=(f"tenant-a={adapters['tenant-a']}",),
+    )
+    try:
+        params = {"max_new_tokens": MAX_NEW, "temperature": 0}
+        out = engine.generate(
+            input_ids=[PROMPTS[0], PROMPTS[0]],
+            sampling_params=params,
+            return_logprob=True,
+            lora_path=["tenant-a", None],
+        )
+        assert [ids_of(r) for r in out] == [expected[("tenant-a", 0)], expected[(None, 0)]]
+    finally:
+        engine.shutdown()
