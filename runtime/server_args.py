@@ -150,6 +150,11 @@ class ServerArgs:
     dp_base_port: int | None = _opt(
         None, "with --dp-size N: replica i listens on 127.0.0.1:(base + i) (default base: --port + 1)"
     )
+    dp_rank: int | None = _opt(
+        None,
+        "this server's data-parallel rank (the --dp-size front sets it on its replicas): its KV events carry "
+        "it and bind their endpoints' ports + rank",
+    )
     router_policy: str = _opt(
         "cache_aware",
         "with --dp-size N: how sglang-router picks a replica (cache_aware: longest prefix, load-balanced)",
@@ -430,11 +435,8 @@ class ServerArgs:
                 ok = False
             if not ok:
                 raise ValueError("--kv-events-config must be a JSON object (vLLM's KVEventsConfig)")
-            if self.dp_size > 1:
-                raise ValueError(
-                    "--kv-events-config with --dp-size > 1 is not supported yet: every replica would bind "
-                    "the same endpoint"
-                )
+        if self.dp_rank is not None and self.dp_rank < 0:
+            raise ValueError(f"--dp-rank must be >= 0, got {self.dp_rank}")
 
     def _check_wire_apis(self) -> None:
         for name in ("responses_store_max_count", "responses_store_max_mb"):

@@ -53,7 +53,9 @@ ROUTER_HEALTH_INTERVAL_S = 5
 # Our levels -> the router's. Its "info" logs two lines per request; ours does not log requests at info.
 ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error"}
 # Options of the front that replicas do not inherit (each replica is a plain single server on its own port).
-_FRONT_ONLY = {"host", "port", "dp_size", "dp_base_port", "router_policy", "num_threads", "allowed_hosts"}
+_FRONT_ONLY = {
+    "host", "port", "dp_size", "dp_base_port", "dp_rank", "router_policy", "num_threads", "allowed_hosts"
+}  # fmt: skip
 # Never on a command line: the keys go through the environment (`child_env`).
 _SECRETS = {"api_key", "api_key_file", "admin_api_key", "admin_api_key_file"}
 
@@ -81,8 +83,11 @@ def replica_threads(args: ServerArgs) -> int:
 
 def replica_cli_args(args: ServerArgs, port: int) -> list[str]:
     """`runtime.launch_server` arguments of the replica on `port`: every option the user set, except the
-    front's own (host, port, dp options), on 127.0.0.1."""
+    front's own (host, port, dp options), on 127.0.0.1, with its data-parallel rank (its KV events' rank and
+    endpoint ports, `kv_events.replica_endpoint`)."""
+    rank = port - args.dp_replica_ports[0]
     out = ["--host", "127.0.0.1", "--port", str(port), "--num-threads", str(replica_threads(args))]
+    out += ["--dp-rank", str(rank)]
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if f.name in _FRONT_ONLY or f.name in _SECRETS or value == f.default:

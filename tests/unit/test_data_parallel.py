@@ -69,9 +69,9 @@ def test_replica_command_round_trips_every_user_option(monkeypatch):
     monkeypatch.setattr(os, "environ", dp.child_env(front))
     replica = parse_args(argv)
     expected = dataclasses.replace(
-        front, host="127.0.0.1", port=31002, dp_size=1, router_policy="cache_aware"
+        front, host="127.0.0.1", port=31002, dp_size=1, router_policy="cache_aware", dp_rank=1
     )
-    assert replica == expected
+    assert replica == expected  # the second replica (base port 31001): rank 1, for its KV events
 
 
 def test_replica_threads_split_the_cpus(monkeypatch):

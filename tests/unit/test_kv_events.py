@@ -6,6 +6,7 @@ missed; a scheduler with events on reports a request's prompt blocks."""
 from __future__ import annotations
 
 import json
+import time
 
 import msgspec
 import pytest
@@ -21,6 +22,7 @@ from runtime.managers.scheduler.kv_events import (
     KVEventsConfig,
     ZmqEventPublisher,
     path_hashes,
+    replica_endpoint,
 )
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.messages import GenerateReq
@@ -150,3 +152,68 @@ def test_the_scheduler_reports_a_requests_prompt_blocks(tiny_model_dir, default_
     tokens = [t for e in stored for t in e.token_ids]
     assert tokens[:16] == prompt[:16]  # the prompt's complete blocks, in order
     assert s.flush_cache() and isinstance(s.kv_events.take()[-1], AllBlocksCleared)
+
+
+def test_host_tier_blocks_are_reported_with_their_medium(tiny_model_dir, default_tokenizer):
+    """A prefix the device evicts into the host tier is removed from "CPU" and stored on "HOST" with the
+    same hashes; loaded back for the next request, it is stored on "CPU" again (the host keeps its copy)."""
+    config = '{"enable_kv_cache_events": true, "publisher": "null"}'
+    s = make_scheduler(
+        tiny_model_dir,
+        default_tokenizer,
+        kv_events_config=config,
+        kv_events_block_size=4,
+        kv_host_tier_gb=0.01,
+        max_total_tokens=96,
+    )
+
+    def run(rid: str, prompt: list[int]) -> list:
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True, temperature=0)
+        s.handle(GenerateReq(rid=rid, input_ids=prompt, params=params))
+        while s.has_work():
+            s.step()
+        return s.kv_events.take()
+
+    first = list(range(20, 60))  # 40 tokens: 10 blocks
+    stored = [e for e in run("a", first) if isinstance(e, BlockStored)]
+    assert {e.medium for e in stored} == {"CPU"}
+    device_hashes = [h for e in stored for h in e.block_hashes]
+    events = run("b", list(range(100, 170)))  # 70 tokens: the pool must evict the first prompt
+    removed = {h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes}
+    on_host = {h for e in events if isinstance(e, BlockStored) and e.medium == "HOST" for h in e.block_hashes}
+    assert device_hashes[0] in removed and device_hashes[0] in on_host, events
+    events = run("c", first)  # served from the host tier: back on the device
+    back = {h for e in events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes}
+    assert device_hashes[0] in back, events
+    assert not any(isinstance(e, BlockRemoved) and e.medium == "HOST" and device_hashes[0] in e.block_hashes
+                   for e in events)  # fmt: skip
+
+
+def test_a_data_parallel_replica_publishes_its_rank_on_its_own_ports():
+    """Replica r binds the endpoints' TCP ports + r (another transport: the address + _dp<r>) and stamps
+    its batches with data_parallel_rank r, as vLLM's replicas do; rank 0 binds the endpoints as given."""
+    assert replica_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert replica_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert replica_endpoint("ipc:///tmp/ev", 1) == "ipc:///tmp/ev_dp1"
+    with pytest.raises(ValueError, match="no port"):
+        replica_endpoint("tcp://host", 1)
+    base = free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{base}")
+    pub = ZmqEventPublisher(config, data_parallel_rank=1)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 5000)
+        sub.connect(f"tcp://127.0.0.1:{base + 1}")
+        batch = None
+        for _ in range(50):  # a PUB drops what it sends before the subscription arrives: send until seen
+            pub.publish([AllBlocksCleared()])
+            try:
+                batch = msgspec.msgpack.decode(sub.recv_multipart(zmq.NOBLOCK)[2], type=KVEventBatch)
+                break
+            except zmq.Again:
+                time.sleep(0.05)
+        assert batch is not None and batch.data_parallel_rank == 1
+    finally:
+        sub.close(0)
+        pub.close()

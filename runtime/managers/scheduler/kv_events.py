@@ -9,17 +9,23 @@ NVIDIA Dynamo's KV router and vLLM's own subscriber count in:
 - `BlockRemoved`: the blocks an evicted leaf took with it (a block the eviction cuts is gone too);
 - `AllBlocksCleared`: a flush.
 
+`medium` is the tier: the device tier's blocks are "GPU" or "CPU" (where the model runs), the host tier's
+(`--kv-host-tier-gb`) "HOST". A leaf the device evicts into the host tier is a `BlockRemoved` of the
+device medium and a `BlockStored` of "HOST"; one loaded back is a `BlockStored` of the device medium (the
+host tier keeps its copy); the host tier's own evictions are `BlockRemoved` of "HOST".
+
 A block's hash chains its path: sha256(parent hash as 8 bytes big-endian (0 for the first block), then each
 token id as 4 bytes little-endian, then the salt id as 8 bytes little-endian when the path is salted),
 its first 8 bytes read as a signed big-endian int64. Token ids are the model's; a salted path (cache_salt,
 tenant) carries its salt's opaque 64-bit id in the hash and in `extra_keys` (a trailing field vLLM's
 decoder ignores), so two salts' blocks never share a hash.
 
-`ZmqEventPublisher` sends each step's batch as vLLM does: a multipart [topic, sequence number (8 bytes
-big-endian), msgpack `KVEventBatch`] on a PUB socket, keeps the last `buffer_steps` batches for a ROUTER
-replay socket (a client sends the first sequence number it lacks; it gets [sequence, payload] per kept
-batch, then an end marker with an empty payload), and never blocks the scheduler: past the socket's
-high-water mark a batch is dropped and counted.
+Behind `--dp-size`, replica r publishes with `data_parallel_rank` r on the endpoints' ports + r
+(`replica_endpoint`). `ZmqEventPublisher` sends each step's batch as vLLM does: a multipart [topic,
+sequence number (8 bytes big-endian), msgpack `KVEventBatch`] on a PUB socket, keeps the last
+`buffer_steps` batches for a ROUTER replay socket (a client sends the first sequence number it lacks; it
+gets [sequence, payload] per kept batch, then an end marker with an empty payload), and never blocks the
+scheduler: past the socket's high-water mark a batch is dropped and counted.
 """
 
 from __future__ import annotations
@@ -105,9 +111,14 @@ def path_hashes(key: tuple[int, ...] | list[int], n_blocks: int, block_size: int
 class BlockEvents:
     """The radix tree's listener (`RadixCache.events`): collects one step's events for the publisher."""
 
-    def __init__(self, block_size: int, medium: str):
+    def __init__(self, block_size: int, medium: str, pending: list[KVCacheEvent] | None = None):
         self.block_size, self.medium = block_size, medium
-        self.pending: list[KVCacheEvent] = []
+        self.pending: list[KVCacheEvent] = pending if pending is not None else []
+
+    def tier(self, medium: str) -> BlockEvents:
+        """A listener for another tier's tree (the host tier's), reporting into the same step's events in
+        the order they happen, its blocks marked with `medium`."""
+        return BlockEvents(self.block_size, medium, self.pending)
 
     def stored(self, key: tuple[int, ...], start: int) -> None:
         """`key[start:]` was just cached (a new leaf of the path `key`)."""
@@ -143,7 +154,8 @@ class BlockEvents:
         self.pending.append(AllBlocksCleared())
 
     def take(self) -> list[KVCacheEvent]:
-        out, self.pending = self.pending, []
+        out = self.pending[:]
+        self.pending.clear()  # the list other tiers' listeners share
         return out
 
 
@@ -183,6 +195,19 @@ class KVEventsConfig:
         return config if config.enable_kv_cache_events else None
 
 
+def replica_endpoint(endpoint: str, rank: int | None) -> str:
+    """The endpoint data-parallel replica `rank` binds (vLLM's rule): a TCP port + rank, another transport's
+    address + `_dp<rank>`; rank 0 or None binds `endpoint` itself."""
+    if not rank:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"--kv-events-config: endpoint {endpoint!r} has no port to offset by dp rank")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
 class ZmqEventPublisher:
     """PUB the step's batch, keep it for replay, answer replay requests; never block (see the module)."""
 
@@ -201,11 +226,11 @@ class ZmqEventPublisher:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.SNDHWM, config.hwm)
             self.pub.setsockopt(zmq.LINGER, 0)
-            self.pub.bind(config.endpoint)
+            self.pub.bind(replica_endpoint(config.endpoint, data_parallel_rank))
             if config.replay_endpoint:
                 self.replay = self.ctx.socket(zmq.ROUTER)
                 self.replay.setsockopt(zmq.LINGER, 0)
-                self.replay.bind(config.replay_endpoint)
+                self.replay.bind(replica_endpoint(config.replay_endpoint, data_parallel_rank))
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         if not events:

@@ -133,7 +133,9 @@ class Scheduler:
             medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
             self.kv_events = BlockEvents(args.kv_events_block_size, medium)
             self.cm.cache.events = self.kv_events
-            self.kv_publisher = ZmqEventPublisher(events_config)
+            if self.cm.host is not None:
+                self.cm.host.tree.events = self.kv_events.tier("HOST")
+            self.kv_publisher = ZmqEventPublisher(events_config, data_parallel_rank=args.dp_rank)
         self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
         self.dashboard = DashboardTracker()  # hits, scopes, misses and pool history for GET /dashboard
         # LoRA adapters (--lora-modules, --enable-lora): the served set and the model's slots; None: off
