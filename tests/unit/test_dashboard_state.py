@@ -98,6 +98,19 @@ def test_hits_follow_splits_and_are_forgotten_with_their_nodes():
     assert tracker.hits == {}
 
 
+def test_hit_records_of_evicted_nodes_are_dropped_past_the_cap(monkeypatch):
+    monkeypatch.setattr(ds, "MAX_HIT_NODES", 8)
+    cache = RadixCache()
+    tracker = ds.DashboardTracker(cache)
+    for i in range(40):  # each round: a prefix, a request that hits it, then all of it evicted
+        stem = [50_000 + i] * 4
+        insert(cache, req_of(stem + [1]))
+        admit(cache, tracker, req_of(stem + [2]))
+        assert len(tracker.hits) <= 2 * 8 + 1
+        cache.evict(cache.total_size())
+    assert tracker.hits and all(isinstance(k, int) for k in tracker.hits)
+
+
 def test_a_tenant_sees_only_its_own_prefixes_and_the_admin_sees_all():
     cache, tracker = RadixCache(), ds.DashboardTracker()
     a = req_of(SHARED + [1], tenant="A", rid="a1")

@@ -237,20 +237,24 @@ function renderUsage(history) {
   const n = history.length;
   const xAt = (i) => (n === 1 ? W : (i * W) / (n - 1));
   const keys = ["used", "pinned", "evictable", "free"];
+  // the y axis reaches a little past the most the pool held (free fills the rest): a 2% fill stays visible
+  const held = Math.max(...history.map((p) => 1 - p.free / Math.max(1, p.total)));
+  const top = Math.min(1, Math.max(0.02, held * 1.25));
   const base = new Array(n).fill(0);
+  const yAt = (f) => H - (Math.min(f, top) / top) * H;
   for (const key of keys) {
     const lower = base.slice();
     const upper = history.map((p, i) => base[i] + p[key] / Math.max(1, p.total));
     const pts = [];
-    upper.forEach((u, i) => pts.push(xAt(i) + "," + (H - u * H)));
-    for (let i = n - 1; i >= 0; i--) pts.push(xAt(i) + "," + (H - lower[i] * H));
-    if (n === 1) { pts.unshift("0," + (H - upper[0] * H)); pts.push("0," + (H - lower[0] * H)); }
+    upper.forEach((u, i) => pts.push(xAt(i) + "," + yAt(u)));
+    for (let i = n - 1; i >= 0; i--) pts.push(xAt(i) + "," + yAt(lower[i]));
+    if (n === 1) { pts.unshift("0," + yAt(upper[0])); pts.push("0," + yAt(lower[0])); }
     svg("polygon", { points: pts.join(" "), class: "series " + key, "data-series": key }, el);
     upper.forEach((u, i) => { base[i] = u; });
   }
   const last = history[n - 1];
   const t = svg("text", { x: 4, y: 12, class: "axis" }, el);
-  t.textContent = fmt(last.total) + " slots; " + n + " points, one a second";
+  t.textContent = "0–" + pct(top) + " of " + fmt(last.total) + " slots; " + n + " points, one a second";
 }
 
 function renderHits(history) {

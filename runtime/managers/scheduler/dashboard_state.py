@@ -28,6 +28,7 @@ MAX_NODES = 160  # nodes sent per tree, at most (the page's picture), "others" n
 MAX_REQUESTS = 64  # request rows sent, at most
 MAX_MISSES = 32  # cache misses remembered (each tenant sees its own among them)
 MAX_SCOPES = 4096  # cache scopes whose tenants are remembered (least recently used dropped)
+MAX_HIT_NODES = 1 << 16  # past this many hit records, those of nodes gone from the tree are dropped
 HISTORY = 120  # pool samples kept: two minutes at one a second
 SAMPLE_EVERY_S = 0.9
 SNIPPET_TOKENS = 16  # tokens of a node's own key decoded for its label
@@ -202,8 +203,10 @@ def aggregate_tree(
 
 
 class DashboardTracker:
-    def __init__(self) -> None:
+    def __init__(self, cache=None) -> None:
+        self.cache = cache  # the device radix cache: its live node ids bound `hits` (None: unbounded, tests)
         self.hits: dict[int, int] = {}  # radix node id -> admitted requests whose cached prefix ended there
+        self._prune_at = MAX_HIT_NODES
         self.scopes: OrderedDict[int, set[str | None]] = OrderedDict()  # cache scope -> tenants that used it
         self.misses: deque[dict[str, Any]] = deque(maxlen=MAX_MISSES)
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
@@ -227,6 +230,10 @@ class DashboardTracker:
         node = req.locked_node
         if req.prefix_hit_len > 0 and node is not None and node.parent is not None:
             self.hits[node.id] = self.hits.get(node.id, 0) + 1
+            if len(self.hits) > self._prune_at and self.cache is not None:
+                # evicted nodes' records go: one walk of the tree each time the records double, at most
+                self.prune({n.id for n in self.cache._nodes()})
+                self._prune_at = max(MAX_HIT_NODES, 2 * len(self.hits))
         miss = req.cache_miss
         if miss is not None or req.prefix_hit_len == 0:
             self.misses.append(
@@ -334,7 +341,8 @@ def request_rows(scheduler, tenant: str | None, admin: bool) -> tuple[list[dict[
                     "cached_tokens": req.prefix_hit_len,
                     "age_s": round(now - req.arrival, 3),
                     "grammar": _grammar_kind(req.params),
-                    "grammar_closing": req.closing is not None,
+                    # steering to the grammar's end within max_tokens (`GrammarManager.closing_token`)
+                    "grammar_closing": bool(getattr(req.closing, "steering", False)),
                     "spec": None
                     if spec is None
                     else {"verify_steps": spec.verify_steps, "accepted": spec.accepted, "draft_len": spec.k},

@@ -137,7 +137,8 @@ class Scheduler:
                 self.cm.host.tree.events = self.kv_events.tier("HOST")
             self.kv_publisher = ZmqEventPublisher(events_config, data_parallel_rank=args.dp_rank)
         self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
-        self.dashboard = DashboardTracker()  # hits, scopes, misses and pool history for GET /dashboard
+        # hits, scopes, misses and pool history for GET /dashboard (`dashboard_state`)
+        self.dashboard = DashboardTracker(self.cm.cache)
         # LoRA adapters (--lora-modules, --enable-lora): the served set and the model's slots; None: off
         self.lora = LoraManager.from_runner(self.runner, args.lora_modules, args.max_lora_rank)
 
