@@ -121,9 +121,7 @@ function render(state) {
     return;
   }
   lastState = state;
-  const v = state.viewer;
   document.body.dataset.updated = String(state.time);
-  $("tree-note").textContent = v.admin ? "(all tenants)" : "(tenant " + (v.tenant === null ? "default" : v.tenant) + ")";
   renderCards(state);
   renderTree(state.trees);
   renderUsage(state.history);
@@ -198,9 +196,10 @@ function renderTree(trees) {
     y0 += bandH[i];
   });
   const d = trees.device;
+  const v = lastState.viewer;
   $("tree").dataset.nodes = String(shown);
-  $("tree-note").textContent += " " + fmt(d.tokens) + " tokens, " + d.visited_nodes + " nodes walked" +
-    (d.complete ? "" : " (the walk stopped at its budget)");
+  $("tree-note").textContent = (v.admin ? "(all tenants)" : "(tenant " + (v.tenant === null ? "default" : v.tenant) + ")") +
+    " " + fmt(d.tokens) + " tokens, " + d.visited_nodes + " nodes walked" + (d.complete ? "" : " (the walk stopped at its budget)");
 }
 
 function drawNode(el, n, part, colW, y, h) {
