@@ -102,7 +102,7 @@ def request_rows(driver) -> list[dict]:
     )
 
 
-def test_the_page_shows_the_cache_live_to_its_tenant_only(srv, browser, tmp_path):
+def test_the_page_shows_the_cache_live_to_its_tenant_only(browser, srv, tmp_path):  # no server without one
     driver = browser
     driver.get(srv.url + "/dashboard")
     driver.find_element("id", "api-key").send_keys(KEYS["A"])
