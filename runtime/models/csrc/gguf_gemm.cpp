@@ -712,9 +712,84 @@ void q5_1_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t 
   legacy_rows<MR, Q5_1>(W, K, a, y, ldy, n0, n1);
 }
 
+// Q2_K and Q3_K: 2-bit (+ a third bit from hmask) weights, 16 sub-blocks of 16 with integer scales as Q6_K;
+// Q2_K's mins and Q3_K's -4 offset use the activations' group sums.
+template <int MR, bool Q3>
+void q23_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t BYTES = Q3 ? 110 : 84;
+  const int64_t nb = K / 256, rb = nb * BYTES;
+  const __m512i idx[4] = {lane_index(0, 8), lane_index(4, 8), lane_index(8, 8), lane_index(12, 8)};
+  const __m256i m3 = _mm256_set1_epi8(3);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * rb;
+    __m512 facc[MR], oacc[MR];
+    for (int m = 0; m < MR; ++m) facc[m] = _mm512_setzero_ps(), oacc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * BYTES;
+      const uint8_t* qs = blk + (Q3 ? 32 : 16);
+      float d;
+      __m128i sc8;  // 16 signed scales
+      __m512 offs;  // per group of 16: the offset per unit of activation sum
+      if (Q3) {
+        d = h2f(blk + 108);
+        uint32_t aux[4];
+        std::memcpy(aux, blk + 96, 12);
+        const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f, tmp = aux[2];
+        aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+        aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+        aux[0] = (aux[0] & k2) | (((tmp >> 0) & k1) << 4);
+        aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+        sc8 = _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(aux)), _mm_set1_epi8(32));
+        offs = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(-4.f * d));
+      } else {
+        d = h2f(blk + 80);
+        const float dmin = h2f(blk + 82);
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+        sc8 = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        const __m128i mins = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        offs = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mins)), _mm512_set1_ps(-dmin));
+      }
+      const __m512i scv = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+      const __m256i hm = Q3 ? load32(blk) : _mm256_setzero_si256();
+      __m512i iacc[MR];
+      for (int m = 0; m < MR; ++m) iacc[m] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q = load32(qs + 32 * h);
+        __m256i u[4];
+        for (int j = 0; j < 4; ++j) {
+          u[j] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+          if (Q3) u[j] = _mm256_or_si256(u[j], bit_if(hm, static_cast<uint8_t>(1u << (4 * h + j)), 4));
+        }
+        const __m512i u0 = two32(u[0], u[1]), u1 = two32(u[2], u[3]);
+        const __m512i s0 = _mm512_permutexvar_epi16(idx[2 * h], scv);
+        const __m512i s1 = _mm512_permutexvar_epi16(idx[2 * h + 1], scv);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* qa = a.qa + m * K + b * 256 + 128 * h;
+          iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u0, _mm512_loadu_si512(qa)), s0);
+          iacc[m] = _mm512_dpwssd_epi32(iacc[m], _mm512_maddubs_epi16(u1, _mm512_loadu_si512(qa + 64)), s1);
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float da = a.dl[(m * K + b * 256) / 4];
+        facc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[m]), _mm512_set1_ps(d * da), facc[m]);
+        oacc[m] = _mm512_fmadd_ps(offs, _mm512_loadu_ps(a.sg + (m * K + b * 256) / 16), oacc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(facc[m], oacc[m]));
+  }
+}
+template <int MR>
+void q2_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  q23_k_rows<MR, false>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void q3_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  q23_k_rows<MR, true>(W, K, a, y, ldy, n0, n1);
+}
+
 bool has_rows_path(int64_t type) {
-  return type == Q4_K || type == Q5_K || type == Q6_K || type == Q8_0 || type == Q4_0 || type == Q4_1 ||
-         type == Q5_0 || type == Q5_1;
+  return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == Q8_0 ||
+         type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
 }
 
 // true when (type, M) has a register path and it ran
@@ -732,6 +807,8 @@ bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const ActView& a, in
   if (type == Q6_K) RADIXLM_ROWS(q6_k_rows)
   if (type == Q8_0) RADIXLM_ROWS(q8_0_rows)
   if (type == Q5_K) RADIXLM_ROWS(q5_k_rows)
+  if (type == Q2_K) RADIXLM_ROWS(q2_k_rows)
+  if (type == Q3_K) RADIXLM_ROWS(q3_k_rows)
   if (type == Q4_0) RADIXLM_ROWS(q4_0_rows)
   if (type == Q4_1) RADIXLM_ROWS(q4_1_rows)
   if (type == Q5_0) RADIXLM_ROWS(q5_0_rows)
