@@ -15,6 +15,8 @@
 // saturating, and Q8_0 multiplies |q| by sign(q) * qa, llama.cpp's trick), converted to float and scaled per
 // lane. A row is unpacked once per call and kept in L1 while every activation row is multiplied by it, so
 // decode (1-4 rows) reads each weight byte once and prefill / verify (many rows) reuses the unpacked row.
+// With AVX512-VNNI every type instead has a register path (`decode_rows` below): 64 weights unpacked in
+// registers and multiplied by up to 4 activation rows at a time, sums kept in int32 per super-block.
 //
 // Builds: AVX512-VNNI (+VL, BW), else AVX2 + FMA + F16C, else a scalar loop; -DRADIXLM_FORCE_AVX2 and
 // -DRADIXLM_PORTABLE pick the slower ones on any CPU so tests compare all three; radixlm_gguf_gemm_isa() says
