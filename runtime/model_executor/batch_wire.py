@@ -36,6 +36,8 @@ SEQ_FIELDS = (
     "logits_indices",
 )
 LIST_FIELDS = frozenset({"seq_lens_cpu", "extend_prefix_lens_cpu", "extend_seq_lens_cpu"})
+# Fields never sent: they must be None under tensor parallelism (ServerArgs refuses LoRA with --tp-size > 1).
+UNSENT_FIELDS = frozenset({"lora_slots"})
 HEADER_LEN = 7 + len(SEQ_FIELDS)
 # Largest body a rank allocates (int64 elements, 2 GiB): far above any batch (rows of 256 requests x 128k
 # tokens are 32M), low enough that a forged header cannot ask for an absurd allocation.
@@ -70,7 +72,7 @@ class Spec:
 
 def _check_fields_known() -> None:
     names = {f.name for f in dataclasses.fields(ForwardBatch)}
-    missing = names - set(SEQ_FIELDS) - {"mode"}
+    missing = names - set(SEQ_FIELDS) - UNSENT_FIELDS - {"mode"}
     if missing:  # a new field would silently not reach the other ranks
         raise TypeError(f"ForwardBatch fields {sorted(missing)} have no tensor-parallel wire encoding")
 
@@ -88,6 +90,9 @@ def encode(
     if batch is None or rows is None:
         raise ValueError("a FORWARD message needs the batch and its table rows")
     _check_fields_known()
+    for name in UNSENT_FIELDS:
+        if getattr(batch, name) is not None:
+            raise ValueError(f"ForwardBatch.{name} cannot go to other tensor-parallel ranks")
     if rows.dtype != torch.int64 or rows.dim() != 2:
         raise TypeError(f"table rows must be a 2-D int64 tensor, got {rows.dtype} {tuple(rows.shape)}")
     parts = []

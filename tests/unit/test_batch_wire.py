@@ -75,7 +75,14 @@ def test_control_ops_carry_no_body(op):
 
 def test_every_batch_field_has_an_encoding():
     names = {f.name for f in dataclasses.fields(ForwardBatch)}
-    assert names == set(batch_wire.SEQ_FIELDS) | {"mode"}
+    assert names == set(batch_wire.SEQ_FIELDS) | batch_wire.UNSENT_FIELDS | {"mode"}
+
+
+def test_lora_slots_never_go_to_other_ranks():
+    """LoRA is refused under tensor parallelism: a batch that names adapter slots is not sent."""
+    batch, rows = _decode()
+    with pytest.raises(ValueError, match="lora_slots cannot go to other tensor-parallel ranks"):
+        encode(Op.FORWARD, dataclasses.replace(batch, lora_slots=[0]), rows)
 
 
 def test_sender_refuses_non_int64_fields():
