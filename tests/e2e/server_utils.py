@@ -284,6 +284,13 @@ class ServerProcess:
 
 
 # ---- HTTP helpers shared by the e2e modules --------------------------------------------------------------
+def generate(url: str, body: dict, status: int = 200) -> dict | list:
+    """POST /generate with `body`; asserts the answer's status and returns its JSON."""
+    r = requests.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
 def server_info(url: str, headers: dict | None = None) -> dict:
     r = requests.get(url + "/get_server_info", headers=headers, timeout=HTTP_TIMEOUT_S)
     r.raise_for_status()

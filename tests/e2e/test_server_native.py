@@ -17,7 +17,7 @@ import uuid
 import pytest
 import requests
 
-from tests.e2e.server_utils import HTTP_TIMEOUT_S, assert_no_kv_leak, kick, server_info, wait_idle
+from tests.e2e.server_utils import HTTP_TIMEOUT_S, assert_no_kv_leak, generate, kick, server_info, wait_idle
 
 pytestmark = pytest.mark.timeout(
     600
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.timeout(
 PROMPT = "The capital of France is"
 MAX_NEW = 6
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
-
-
-def generate(url: str, body: dict, status: int = 200) -> dict | list:
-    r = requests.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
-    assert r.status_code == status, r.text
-    return r.json()
 
 
 @pytest.fixture(scope="module")

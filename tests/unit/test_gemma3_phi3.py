@@ -13,7 +13,7 @@ import torch
 
 from tests.random_dense import GEMMA3_WINDOW, PHI3_ORIGINAL_MAX, PHI3_WINDOW, save_random_dense
 from tests.scheduler_utils import make_scheduler
-from tests.unit.test_model_parity import Harness, hf_logits
+from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
 from tests.unit.test_scheduler import assert_all_free, run
 
 ARCHS = ["gemma3", "phi3"]
@@ -102,13 +102,6 @@ def test_logits_match_transformers(dense_model, backend):
             for k, row in h.rows.items():
                 runner.allocator.free(runner.req_to_token_pool.read(row, h.lens[k]).clone())
                 runner.req_to_token_pool.free(row)
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt) :]
 
 
 def shared_prompts(n: int, system_len: int, seed: int = 0) -> list[list[int]]:

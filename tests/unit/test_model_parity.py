@@ -81,6 +81,14 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()  # [len, vocab]
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`, `n` tokens (the reference every architecture meets)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
 class Harness:
     """Minimal request bookkeeping: a req_to_token row and KV slots per sequence."""
 

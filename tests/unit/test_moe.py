@@ -11,7 +11,7 @@ import torch
 from runtime.models.moe import grouped_moe, grouped_moe_layers, reference_moe, route
 from tests.random_moe import save_random_moe
 from tests.scheduler_utils import make_scheduler
-from tests.unit.test_model_parity import Harness, hf_logits
+from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
 from tests.unit.test_scheduler import assert_all_free, prompts, run
 
 ARCHS = ("qwen3_moe", "mixtral")
@@ -147,13 +147,6 @@ def test_logits_match_transformers(moe_model, fused):
             seqs[k].append(nxt[k])
             torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], atol=3e-4, rtol=1e-4)
         nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("chunk", [0, 16])
