@@ -22,3 +22,24 @@ def save_random_llama(path: Path, tokenizer: Any, *, seed: int, std: float, **co
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def save_full_vocab_llama(path: Path, tokenizer: Any, *, max_position_embeddings: int = 512) -> str:
+    """A 2-layer, 32-wide Llama over `tokenizer`'s whole vocabulary (any text it renders is in range), with
+    sharp distributions (std 0.5: greedy choices far from ties) and a tied head."""
+    return save_random_llama(
+        path,
+        tokenizer,
+        seed=0,
+        std=0.5,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+    )

@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.conftest import EXTERNAL_URL
 from tests.e2e.server_utils import ServerProcess, assert_no_kv_leak, wait_idle
-from tests.random_llama import save_random_llama
+from tests.random_llama import save_full_vocab_llama
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,21 +46,8 @@ def server_url(tmp_path_factory, default_model_dir):
 
     tokenizer = load_tokenizer(default_model_dir)  # its own copy: the template is this test's
     tokenizer.chat_template = TEMPLATE
-    folder = save_random_llama(
-        tmp_path_factory.mktemp("tiny_reasoner"),
-        tokenizer,
-        seed=0,
-        std=0.5,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=1,
-        tie_word_embeddings=True,
+    folder = save_full_vocab_llama(
+        tmp_path_factory.mktemp("tiny_reasoner"), tokenizer, max_position_embeddings=2048
     )
     srv = ServerProcess(
         model=folder, extra_args=["--reasoning-parser", "auto", "--max-total-tokens", "16000"]

@@ -14,27 +14,12 @@ import torch
 from bench.harness.hf_backend import HFBackend
 from bench.harness.hf_model import GenRequest, generate_batch, left_pad, load_hf_model, score_batch
 from lang.backends.base import Prompt
-from tests.random_llama import save_random_llama
+from tests.random_llama import save_full_vocab_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_full_vocab_dir(tmp_path_factory, default_tokenizer) -> str:
-    return save_random_llama(  # sharp distributions: greedy choices far from ties
-        tmp_path_factory.mktemp("tiny_full_vocab"),
-        default_tokenizer,
-        seed=0,
-        std=0.5,
-        vocab_size=len(default_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        eos_token_id=default_tokenizer.eos_token_id,
-        bos_token_id=1,
-        tie_word_embeddings=True,
-    )
+    return save_full_vocab_llama(tmp_path_factory.mktemp("tiny_full_vocab"), default_tokenizer)
 
 
 @pytest.fixture(scope="module")
