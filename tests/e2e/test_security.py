@@ -30,7 +30,7 @@ KEY = "s3cret-test-key-9f2c"
 ADMIN_KEY = "adm1n-test-key-77e1"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
-ADMIN_ROUTES = {"/flush_cache"}
+ADMIN_ROUTES = {"/flush_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 # A valid body per POST route, so "authorized" is shown by the route actually working.
 VALID_BODIES = {
     "/generate": {"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
@@ -45,6 +45,8 @@ VALID_BODIES = {
     "/v1/responses": {"model": "default", "input": "Hi", "max_output_tokens": 1},
     "/v1/messages": {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
     "/v1/messages/count_tokens": {"model": "default", "messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/nonexistent"},
+    "/v1/unload_lora_adapter": {"lora_name": "a"},
 }
 
 
@@ -140,7 +142,12 @@ def _routes(server: ServerProcess) -> list[tuple[str, str]]:
 # Routes whose answer past the guard is not 200 for the literal path: DELETE of the session named
 # "{session_id}", which holds nothing, and GET / DELETE of the stored response "{response_id}", which does not
 # exist (404 from the route itself, after the key was accepted).
-PAST_GUARD_STATUS = {"/v1/sessions/{session_id}": 404, "/v1/responses/{response_id}": 404}
+PAST_GUARD_STATUS = {
+    "/v1/sessions/{session_id}": 404,
+    "/v1/responses/{response_id}": 404,
+    "/v1/load_lora_adapter": 400,  # past the guard: this server serves no adapters
+    "/v1/unload_lora_adapter": 400,
+}
 
 
 def test_api_key_guards_every_route_but_health(srv):
