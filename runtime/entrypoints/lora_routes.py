@@ -43,6 +43,7 @@ class ServedAdapters:
 
     def __init__(self, args: ServerArgs):
         self.enabled = args.lora_enabled
+        self.model_name = args.model_name
         self.base_names = {args.model_name, args.model, "default"}
         self.paths = dict(spec.partition("=")[::2] for spec in args.lora_modules)
         self.lock = asyncio.Lock()  # one load / unload at a time, so replies arrive in order
@@ -56,7 +57,7 @@ class ServedAdapters:
             return None
         if model in self.paths:
             return model
-        served = ", ".join(repr(n) for n in [sorted(self.base_names)[0], *sorted(self.paths)])
+        served = ", ".join(repr(n) for n in [self.model_name, *sorted(self.paths)])
         raise RequestError(f"the model '{model}' does not exist; this server serves {served}", 404)
 
     def models(self, parent: str, created: int, max_model_len: int) -> list[dict[str, Any]]:

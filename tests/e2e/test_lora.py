@@ -61,9 +61,23 @@ def expected(tiny_model_dir, adapters):
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_model_dir, adapters):
+def chat_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model (same weights) with a chat template that renders messages as their bare text, so the
+    rendered ids stay inside its 512-token vocabulary and every chat front end can run on it."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("lora_chat") / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def srv(chat_model_dir, adapters):
     server = ServerProcess(
-        model=tiny_model_dir,
+        model=chat_model_dir,
         extra_args=[
             *("--dtype", "float32", "--quantization", "none", "--kv-cache-dtype", "float32"),
             *("--attention-backend", "torch_native", "--speculative-algorithm", "none"),
@@ -132,6 +146,36 @@ def test_each_adapter_equals_peft_in_mixed_batches(srv, expected):
             native = results[(name, i, api)]
             assert ids_of(native) == expected[(name, i)], (name, i)
             assert results[(name, i, "oai")] == native["text"], (name, i)
+
+
+def test_every_front_end_names_the_adapter_by_model(srv):
+    """Chat completions, Responses and Messages with `model` naming an adapter give the same answer (the same
+    prompt through the same template), one the base model does not give; an unknown name is a 404 on each."""
+    base = requests.get(srv.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    text = "1234567"
+
+    def answers(model: str) -> list[str]:
+        msgs = [{"role": "user", "content": text}]
+        common = {"model": model, "temperature": 0}
+        bodies = {
+            "/v1/chat/completions": {**common, "messages": msgs, "max_tokens": MAX_NEW},
+            "/v1/responses": {**common, "input": text, "max_output_tokens": MAX_NEW},
+            "/v1/messages": {**common, "messages": msgs, "max_tokens": MAX_NEW},
+        }
+        chat, resp, msg = (requests.post(srv.url + route, json=b, timeout=60) for route, b in bodies.items())
+        if model == "nope":
+            return [r.status_code for r in (chat, resp, msg)]
+        assert [r.status_code for r in (chat, resp, msg)] == [200] * 3, (chat.text, resp.text, msg.text)
+        return [
+            chat.json()["choices"][0]["message"]["content"],
+            resp.json()["output"][-1]["content"][0]["text"],
+            msg.json()["content"][0]["text"],
+        ]
+
+    adapted, plain = answers("tenant-a"), answers(base)
+    assert len(set(adapted)) == 1 and len(set(plain)) == 1, (adapted, plain)
+    assert adapted[0] != plain[0], adapted
+    assert answers("nope") == [404, 404, 404]
 
 
 def test_cache_is_per_adapter(srv):

@@ -45,23 +45,16 @@ from runtime.sampling_params import SamplingParams, check_token_budget
 from runtime.server_args import ServerArgs
 
 
-def with_adapter(options: RequestOptions, adapter: str | None) -> RequestOptions:
-    """`options` for the LoRA adapter a chat or completion request's `model` names (None: the base model)."""
-    return options if adapter is None else msgspec.structs.replace(options, lora=adapter)
-
-
 def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs) -> None:
-    names = {args.model_name, args.model, "default"}
+    def model_options(model: str, options: RequestOptions) -> RequestOptions:
+        """`options` for what a body's `model` names: the base model, or a LoRA adapter served under that
+        name (`lora_routes.ServedAdapters`); 404 naming what is served for neither. Every front end that
+        takes a `model` (chat, completions, Responses, Messages) reads it here."""
+        adapter = app.state.loras.adapter_of(model)
+        return options if adapter is None else msgspec.structs.replace(options, lora=adapter)
 
-    def check_model(name: str) -> None:
-        if name not in names:
-            raise RequestError(
-                f"the model '{name}' does not exist; this server serves '{args.model_name}'", 404
-            )
-
-    # Responses and Anthropic Messages: front ends over the same conversation layer (runtime/entrypoints/wire)
-    register_responses_routes(app, tm, args, check_model)
-    register_messages_routes(app, tm, args, check_model)
+    register_responses_routes(app, tm, args, model_options)
+    register_messages_routes(app, tm, args, model_options)
 
     @app.get("/v1/models")
     async def models():
@@ -83,7 +76,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     async def chat(request: Request, body: ChatCompletionRequest):
         check_body_unicode(body)
         options = body_options(body, request.headers)
-        options = with_adapter(options, app.state.loras.adapter_of(body.model))  # `model` may name a LoRA
+        options = model_options(body.model, options)
         if not body.messages:
             raise RequestError("'messages' must contain at least one message", 400)
         msgs = [
@@ -152,7 +145,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
     async def completions(request: Request, body: CompletionRequest):
         check_body_unicode(body)
         options = body_options(body, request.headers)
-        options = with_adapter(options, app.state.loras.adapter_of(body.model))  # `model` may name a LoRA
+        options = model_options(body.model, options)
         if body.suffix:
             raise RequestError("'suffix' is not supported", 400)
         if body.best_of not in (None, 1, body.n):

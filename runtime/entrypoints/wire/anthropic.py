@@ -27,6 +27,7 @@ from runtime.entrypoints.wire.conversation import (
 from runtime.entrypoints.wire.responses import new_id
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
+from runtime.messages import RequestOptions
 from runtime.server_args import ServerArgs
 
 ERROR_TYPES = {
@@ -409,7 +410,9 @@ class MessagesStream(TurnStream):
         return out + [event("message_delta", {"delta": delta, "usage": u}), event("message_stop", {})]
 
 
-def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, check_model) -> None:
+def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, model_options) -> None:
+    """`model_options(model, options)`: the options for what `model` names (the base model or an adapter)."""
+
     async def guarded(coro):
         try:
             return await coro
@@ -418,7 +421,7 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
 
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesRequest):
-        check_model(body.model)
+        options = model_options(body.model, body_options(body, request.headers))
         check_body_unicode(body)
         conv = conversation_of(body)
         sampling = Sampling(
@@ -429,7 +432,6 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
             body.stop_sequences or [],
             speculative_num_draft_tokens=body.speculative_num_draft_tokens,
         )
-        options = body_options(body, request.headers)
         prepared = await guarded(prepare(conv, sampling, tm, args, body.stream, options))
         mid = new_id("msg")
         if body.stream:
@@ -439,6 +441,6 @@ def register_messages_routes(app: FastAPI, tm: TokenizerManager, args: ServerArg
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        check_model(body.model)
+        model_options(body.model, RequestOptions())  # a served name, base or adapter (same template)
         check_body_unicode(body)
         return {"input_tokens": await guarded(count_prompt_tokens(conversation_of(body), tm, args))}

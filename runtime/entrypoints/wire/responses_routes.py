@@ -157,7 +157,8 @@ class ResponsesStream(TurnStream):
         return out + [self._ev(kind, response=resp)]
 
 
-def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, check_model) -> None:
+def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs, model_options) -> None:
+    """`model_options(model, options)`: the options for what `model` names (the base model or an adapter)."""
     store = ResponseStore(
         args.responses_store_max_count,
         args.responses_store_max_mb * 2**20,
@@ -175,7 +176,7 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
 
     @app.post("/v1/responses")
     async def create_response(request: Request, body: ResponsesRequest):
-        check_model(body.model)
+        options = model_options(body.model, body_options(body, request.headers))
         check_body_unicode(body)
         history: list[Message] = []
         if body.store and (problem := store.quota_problem(tenant_name())):
@@ -184,7 +185,6 @@ def register_responses_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
             history = list(stored(body.previous_response_id, "previous_response_id").history)
         conv = conversation_of(body, history)
         try:
-            options = body_options(body, request.headers)
             prepared = await prepare(conv, sampling_of(body), tm, args, body.stream, options)
         except RequestError as e:
             raise RequestError(tool_error(e.message), e.status) from None
