@@ -11,6 +11,7 @@ from lang.errors import BackendError
 
 # Request-body keys that Engine.generate takes as keyword arguments (the rest of its signature is defaults).
 _ENGINE_KWARGS = (
+    "lora_path",
     "return_logprob",
     "logprob_start_len",
     "top_logprobs_num",
@@ -24,8 +25,8 @@ class EngineBackend(NativeBackend):
     dicts (an iterator of cumulative chunks with `stream=True`). Engine errors become `BackendError`s.
     `options` go with every request (see `NativeBackend`)."""
 
-    def __init__(self, engine: Any, options: dict[str, Any] | None = None) -> None:
-        super().__init__(options)
+    def __init__(self, engine: Any, options: dict[str, Any] | None = None, lora: str | None = None) -> None:
+        super().__init__(options, lora)
         self.engine = engine
 
     def __repr__(self) -> str:

@@ -32,17 +32,23 @@ BOUNDARY_TOKENS = 2
 
 class NativeBackend(Backend):
     """`options`: per-request options (`base.REQUEST_OPTIONS`: a session, a cache salt, a deadline, a
-    priority) sent with every request of the programs this backend runs."""
+    priority) sent with every request of the programs this backend runs. `lora`: the LoRA adapter they run
+    under (sent as the native `lora_path`; None: the base model)."""
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, options: dict[str, Any] | None = None, lora: str | None = None) -> None:
         self._template: ChatTemplate | None = None
         self._lock = threading.Lock()
         self.options = request_options(options)
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise ValueError(f"lora must be an adapter's name, got {lora!r}")
+        self.lora = lora
 
     def _body(
         self, text: str | list[str], sampling: dict[str, Any], program_id: str | None = None, **extra: Any
     ) -> dict[str, Any]:
         own = {"program_id": program_id} if program_id and "program_id" not in self.options else {}
+        if self.lora is not None:
+            own["lora_path"] = self.lora
         return {**self.options, **own, "text": text, "sampling_params": sampling, **extra}
 
     # ---------------------------------------------------------------------------------------------- transport

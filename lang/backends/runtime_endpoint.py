@@ -20,7 +20,7 @@ class RuntimeEndpoint(NativeBackend):
 
     One `requests.Session` per thread keeps connections alive without sharing a session across threads
     (run_batch calls in from many). `timeout` is per request, in seconds (None: wait as long as it takes).
-    `options` go with every request (see `NativeBackend`).
+    `options` and `lora` go with every request (see `NativeBackend`).
     """
 
     def __init__(
@@ -29,8 +29,9 @@ class RuntimeEndpoint(NativeBackend):
         api_key: str | None = None,
         timeout: float | None = None,
         options: dict[str, Any] | None = None,
+        lora: str | None = None,
     ) -> None:
-        super().__init__(options)
+        super().__init__(options, lora)
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -178,6 +178,29 @@ def test_every_front_end_names_the_adapter_by_model(srv):
     assert answers("nope") == [404, 404, 404]
 
 
+def test_dsl_programs_run_under_the_backends_adapter(srv):
+    """A DSL program on a backend made with `lora=` runs every call under that adapter: its text is the
+    native API's for the same prompt and adapter, and not the base model's."""
+    import lang
+
+    @lang.function
+    def count(s):
+        s += "1234567"
+        s += lang.gen("rest", max_tokens=MAX_NEW, temperature=0)
+
+    def native(lora):
+        body = {"text": "1234567", "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+        if lora:
+            body["lora_path"] = lora
+        return requests.post(srv.url + "/generate", json=body, timeout=HTTP_TIMEOUT_S).json()["text"]
+
+    adapted = count.run(backend=lang.RuntimeEndpoint(srv.url, lora="tenant-a"))["rest"]
+    plain = count.run(backend=lang.RuntimeEndpoint(srv.url))["rest"]
+    assert adapted == native("tenant-a") and plain == native(None) and adapted != plain
+    with pytest.raises(ValueError, match="adapter's name"):
+        lang.RuntimeEndpoint(srv.url, lora="")
+
+
 def test_cache_is_per_adapter(srv):
     """A prompt cached under tenant-a is no hit for tenant-b or the base model, and a hit for tenant-a."""
     prompt = [5 + (k * 37) % 500 for k in range(40)]
