@@ -39,6 +39,9 @@ USER = [{"role": "user", "content": "Say hi."}]
 
 # field -> the keyword arguments that send it with a typical value (a field that only means something with
 # another one gets that one too)
+# A field that forces a structure (a tool call, a JSON Schema answer) gets a budget its shortest output fits
+# in: below that the request is a 400 by design (tests/e2e/test_closing_budget.py).
+ROOM = {"max_tokens": 48}
 CHAT: dict[str, dict[str, Any]] = {
     "messages": {"messages": [{"role": "system", "content": "Be brief."}, *USER]},
     "model": {"model": "default"},
@@ -70,7 +73,7 @@ CHAT: dict[str, dict[str, Any]] = {
     "stream": {"stream": True},
     "stream_options": {"stream": True, "stream_options": {"include_usage": True}},
     "temperature": {"temperature": 0.7},
-    "tool_choice": {"tool_choice": "required", "tools": [TOOL]},
+    "tool_choice": {"tool_choice": "required", "tools": [TOOL], **ROOM},
     "tools": {"tools": [TOOL]},
     "top_logprobs": {"logprobs": True, "top_logprobs": 2},
     "top_p": {"top_p": 0.9},
@@ -127,9 +130,14 @@ RESPONSES: dict[str, dict[str, Any]] = {
     "stream_options": {"stream": True, "stream_options": {"include_obfuscation": False}},
     "temperature": {"temperature": 0.7},
     "text": {
-        "text": {"format": {"type": "json_schema", "name": "city", "schema": SCHEMA}, "verbosity": "low"}
+        "text": {"format": {"type": "json_schema", "name": "city", "schema": SCHEMA}, "verbosity": "low"},
+        "max_output_tokens": ROOM["max_tokens"],
     },
-    "tool_choice": {"tool_choice": "required", "tools": [RESPONSES_TOOL]},
+    "tool_choice": {
+        "tool_choice": "required",
+        "tools": [RESPONSES_TOOL],
+        "max_output_tokens": ROOM["max_tokens"],
+    },
     "tools": {"tools": [RESPONSES_TOOL]},
     "top_logprobs": {"top_logprobs": 0},
     "top_p": {"top_p": 0.9},
@@ -146,7 +154,8 @@ MESSAGES: dict[str, dict[str, Any]] = {
     "inference_geo": {"inference_geo": "us"},
     "metadata": {"metadata": {"user_id": "user-1234"}},
     "output_config": {
-        "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": SCHEMA}}
+        "output_config": {"effort": "low", "format": {"type": "json_schema", "schema": SCHEMA}},
+        **ROOM,
     },
     "service_tier": {"service_tier": "standard_only"},
     "speed": {"speed": "fast"},
@@ -154,7 +163,7 @@ MESSAGES: dict[str, dict[str, Any]] = {
     "stream": {"stream": True},
     "system": {"system": "Be brief."},
     "thinking": {"thinking": {"type": "enabled", "budget_tokens": 1024}},
-    "tool_choice": {"tool_choice": {"type": "any"}, "tools": [ANTHROPIC_TOOL]},
+    "tool_choice": {"tool_choice": {"type": "any"}, "tools": [ANTHROPIC_TOOL], **ROOM},
     "tools": {"tools": [ANTHROPIC_TOOL]},
     "user_profile_id": {"user_profile_id": "prof_123"},
     "workspace_id": {"workspace_id": "wrkspc_123"},
