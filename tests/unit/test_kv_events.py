@@ -78,7 +78,7 @@ def test_salted_paths_hash_apart_and_report_token_ids():
     plain, salted = events.take()
     assert salted.token_ids == plain.token_ids == list(range(8))
     assert set(salted.block_hashes).isdisjoint(plain.block_hashes)
-    assert plain.extra_keys is None and salted.extra_keys == ["salt:8"]
+    assert plain.extra_keys is None and salted.extra_keys == [("salt:8",)] * 2  # one entry per block
 
 
 def test_publisher_batches_decode_and_replay_resends_what_was_missed():

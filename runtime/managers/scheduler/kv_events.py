@@ -17,8 +17,10 @@ host tier keeps its copy); the host tier's own evictions are `BlockRemoved` of "
 A block's hash chains its path: sha256(parent hash as 8 bytes big-endian (0 for the first block), then each
 token id as 4 bytes little-endian, then the salt id as 8 bytes little-endian when the path is salted),
 its first 8 bytes read as a signed big-endian int64. Token ids are the model's; a salted path (cache_salt,
-tenant) carries its salt's opaque 64-bit id in the hash and in `extra_keys` (a trailing field vLLM's
-decoder ignores), so two salts' blocks never share a hash.
+tenant, LoRA adapter) carries its salt's opaque 64-bit id in every block's hash and in `extra_keys` (one
+`("salt:<hex id>",)` per block, vLLM's per-block shape), so two salts' blocks never share a hash. The
+events are vLLM's current structs (tagged msgpack maps; tests/e2e/test_kv_events_vllm.py decodes them
+with vLLM's own types).
 
 Behind `--dp-size`, replica r publishes with `data_parallel_rank` r on the endpoints' ports + r
 (`replica_endpoint`). `ZmqEventPublisher` sends each step's batch as vLLM does: a multipart [topic,
@@ -53,8 +55,9 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three events (msgspec tags them with the class name, as vLLM's are)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events: msgpack maps tagged `type` with the class name, fields left out where they
+    hold their default, as vLLM's are (a consumer ignores the fields it does not know)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -64,7 +67,8 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    extra_keys: list[str] | None = None  # ["salt:<hex id>"] for a salted path
+    lora_name: str | None  # None: a LoRA adapter's KV is kept apart by the salt (the adapter joins it)
+    extra_keys: list[tuple[str, ...] | None] | None = None  # per block: ("salt:<hex id>",) on a salted path
 
 
 class BlockRemoved(KVCacheEvent):
@@ -136,8 +140,9 @@ class BlockEvents:
                 token_ids=tokens,
                 block_size=b,
                 lora_id=None,
+                lora_name=None,
                 medium=self.medium,
-                extra_keys=[f"salt:{salt_id:x}"] if salt_id else None,
+                extra_keys=[(f"salt:{salt_id:x}",)] * (last - first) if salt_id else None,
             )
         )
 
