@@ -30,7 +30,7 @@ def srv():
 
 
 def _generate(url: str, params: dict, **extra) -> requests.Response:
-    body = {"text": "Write:", "sampling_params": {"max_new_tokens": 2, "temperature": 0, **params}, **extra}
+    body = {"text": "Write:", "sampling_params": {"max_new_tokens": 8, "temperature": 0, **params}, **extra}
     return requests.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT_S * 4)
 
 
