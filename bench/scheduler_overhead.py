@@ -46,6 +46,7 @@ class NullRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, context_length + 8, self.device)
         self.allocator = SlotAllocator(max_total_tokens, self.device)
         self.kv_pool = None  # no KV storage: no host or disk tier either
+        self.lora = None  # no LoRA adapter slots
         self.config = type("Config", (), {"eos_token_ids": ()})()
 
     @property
