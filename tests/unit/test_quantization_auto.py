@@ -195,8 +195,11 @@ def test_server_args_explicit_method_and_unmeasured_models(machine, tmp_path):
     folder = ServerArgs(model=str(tmp_path), device="cpu").resolve()  # a Hugging Face folder: not measured
     assert (folder.dtype, folder.quantization) == ("bfloat16", "none")
     assert folder.quantization_reason.startswith("not measured for this model")
-    other = tmp_path / "other.gguf"
+    other = tmp_path / "other.gguf"  # a GGUF file nobody measured: served from its own blocks
     other.write_bytes(b"GGUF" + bytes(100))
+    gguf = ServerArgs(model=str(other), device="cpu").resolve()
+    assert (gguf.dtype, gguf.quantization) == ("float32", "gguf_native"), gguf.quantization_reason
+    machine(frozenset())  # no vector kernels: the file is dequantized at load instead
     assert ServerArgs(model=str(other), device="cpu").resolve().quantization == "none"
 
 
