@@ -127,7 +127,8 @@ def register_dashboard_routes(app: FastAPI, tm: TokenizerManager, args: ServerAr
             while True:
                 yield f"event: state\ndata: {json.dumps(state, separators=(',', ':'))}\n\n"
                 await asyncio.sleep(EVENT_INTERVAL_S)
-                if await request.is_disconnected():
+                # a draining server ends the stream: an open page must not hold SIGTERM's shutdown
+                if tm.draining or await request.is_disconnected():
                     return
                 try:
                     state = await shared.get(tenant, admin, max_nodes)

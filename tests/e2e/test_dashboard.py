@@ -130,3 +130,25 @@ def test_the_event_stream_sends_the_state_about_once_a_second(srv, prefixes):
     assert 0.5 < times[2] - times[0] < 6, times
     assert all(s["viewer"]["tenant"] == "B" for _, s in events)
     assert prefixes["B"][0] in texts(events[-1][1]) and prefixes["A"][0] not in texts(events[-1][1])
+
+
+# ---- last: it stops the module's server ----
+def test_sigterm_ends_an_open_event_stream_and_the_server_exits(srv):
+    """A page left open must not hold a graceful shutdown: on SIGTERM the stream ends and the server exits
+    at once, not after the stop's grace period."""
+    import threading
+    import time
+
+    ended = threading.Event()
+
+    def watch():
+        with requests.get(srv.url + "/dashboard/events", headers=auth("A"), stream=True, timeout=60) as r:
+            for _ in r.iter_lines():
+                pass
+        ended.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    time.sleep(2)  # the stream is open and has sent its first state
+    t0 = time.monotonic()
+    assert srv.stop(grace_s=30) == 0, srv.log_tail()
+    assert time.monotonic() - t0 < 15 and ended.wait(5)
