@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tests.random_llama import save_seeded
+
 COMMON = dict(
     vocab_size=512,
     hidden_size=64,
@@ -124,18 +126,4 @@ def save_random_dense(
     """Build `arch`'s tiny config with seeded weights (every matrix from N(0, std), norm weights perturbed,
     so greedy choices sit far from ties and Gemma's (1 + w) norms matter), save it (and `tokenizer`) to
     `path`, and return the float32 transformers model. `overrides`: config fields (e.g. vocab_size)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(dense_config(arch, **overrides), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, std)
-            elif "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return model
+    return save_seeded(path, dense_config(arch, **overrides), tokenizer, seed=seed, std=std)

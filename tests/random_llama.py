@@ -43,3 +43,24 @@ def save_full_vocab_llama(path: Path, tokenizer: Any, *, max_position_embeddings
         bos_token_id=1,
         tie_word_embeddings=True,
     )
+
+
+def save_seeded(path: Path, config: Any, tokenizer: Any, *, seed: int, std: float) -> Any:
+    """A transformers model of `config` with seeded weights (every matrix, routers and stacked experts
+    included, from N(0, std); norm weights perturbed, so (1 + w) norms matter), saved with `tokenizer` to
+    `path`; returns the float32 model (the random Gemma, Phi and mixture-of-experts builders share it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, std)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return model

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tests.random_llama import save_seeded
+
 COMMON = dict(
     vocab_size=512,
     hidden_size=64,
@@ -47,18 +49,4 @@ def save_random_moe(path: Path, arch: str, tokenizer: Any = None, *, seed: int =
     """Build `arch`'s tiny config with seeded weights (every matrix, router and stacked experts included,
     from N(0, std), so greedy choices and routing sit far from ties), save it (and `tokenizer`) to `path`,
     and return the float32 transformers model."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(arch), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, std)
-            elif "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return model
+    return save_seeded(path, moe_config(arch), tokenizer, seed=seed, std=std)
