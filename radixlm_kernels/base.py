@@ -12,7 +12,7 @@ request table is spelled out below as protocols, which runtime's `ForwardBatch`,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -68,11 +68,16 @@ class AttentionLayer:
     # `kv_idx > q_idx - sliding_window`). The pool still holds every position's K/V; a backend reads the
     # window.
     sliding_window: int = 0
+    # gpt-oss: float32 [num_heads], one learned logit per query head that joins the head's softmax
+    # denominator as a key with no value: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). None: no
+    # sinks. Only backends with `supports_sinks` take a layer that has them (else the runner refuses).
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class AttentionBackend(ABC):
     name: str = "base"
     supports_sliding_window: bool = False  # honours AttentionLayer.sliding_window (else the runner refuses)
+    supports_sinks: bool = False  # honours AttentionLayer.sinks (else the runner refuses)
 
     def __init__(self, kv_pool: PagedKV, req_to_token_pool: ReqToTokenTable):
         self.kv_pool = kv_pool

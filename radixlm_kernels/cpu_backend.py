@@ -17,7 +17,7 @@ gives: one call per layer where the write alone was two casts and two index_copy
 A sliding-window layer (`AttentionLayer.sliding_window`) runs the same op over a per-batch table with one
 row per query token holding that token's window of slots (`_window_table`), so the op's causal walk reads
 the window and nothing before it; long extends, and tables past WINDOW_TABLE_MAX slots, take torch_native's
-masked path.
+masked path. So do layers with attention sinks (gpt-oss's `AttentionLayer.sinks`): the op does not take them.
 
 The ops are built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
 backend is created; kernels never import the runtime, so `op_available()` only checks that it is there.
@@ -81,10 +81,13 @@ class CpuPagedBackend(TorchNativeBackend):
             self._native_ready = True
 
     def _masked_path(self, layer: AttentionLayer, batch: AttentionBatch) -> bool:
-        """Whether this layer runs torch_native's path (its metadata built on first use): a long extend, or a
-        sliding-window layer whose per-token window table would pass WINDOW_TABLE_MAX."""
-        masked = not self._fused or (
-            bool(layer.sliding_window) and self._window_table(layer.sliding_window, batch) is None
+        """Whether this layer runs torch_native's path (its metadata built on first use): a long extend, a
+        layer with attention sinks (the C++ op has none), or a sliding-window layer whose per-token window
+        table would pass WINDOW_TABLE_MAX."""
+        masked = (
+            not self._fused
+            or layer.sinks is not None
+            or (bool(layer.sliding_window) and self._window_table(layer.sliding_window, batch) is None)
         )
         if masked and not self._native_ready:
             super().init_forward_metadata(batch)

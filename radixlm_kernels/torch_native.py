@@ -45,7 +45,15 @@ def math_attention_with_lse(
 def attend_prefix_then_causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
 ) -> torch.Tensor:
-    """Causal attention of `ext` new queries placed after `prefix` cached keys, without a mask tensor.
+    """`attend_prefix_then_causal_lse`'s output alone."""
+    return attend_prefix_then_causal_lse(q, k, v, prefix, scale)[0]
+
+
+def attend_prefix_then_causal_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse float32 [1, H, ext]): causal attention of `ext` new queries placed after `prefix` cached
+    keys, without a mask tensor.
 
     q [1, H, ext, D]; k, v [1, Hkv, prefix + ext, D] -> [1, H, ext, D]. Every new query sees the whole
     prefix, so that part needs no mask; the new tokens among themselves are plain (top-left) causal. Both
@@ -72,11 +80,47 @@ def attend_prefix_then_causal(
     lse = torch.logaddexp(lse_p, lse_n)
     w_p = torch.exp(lse_p - lse).unsqueeze(-1).to(q.dtype)
     w_n = torch.exp(lse_n - lse).unsqueeze(-1).to(q.dtype)
-    return o_p * w_p + o_n * w_n
+    return o_p * w_p + o_n * w_n, lse
+
+
+def attend_causal_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """(out, lse float32 [1, H, ext]) of plain causal attention: q [1, H, ext, D]; k, v [1, Hkv, ext, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out, lse = _flash_with_lse(q, k, v, True, scale)
+    return out, lse.float()
+
+
+def masked_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, nq, D], k/v [1, Hkv, nk, D], mask bool [nq, nk] (True = attend; every row attends somewhere)
+    -> (out in q's dtype, lse float32 [1, H, nq]), in float32 arithmetic."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    return out, lse
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head from attention without: out [1, H, n, D] and its rows' lse
+    [1, H, n] -> out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)."""
+    scale = torch.sigmoid(lse.float() - sinks.to(lse.device)[None, :, None])
+    return out * scale.unsqueeze(-1).to(out.dtype)
 
 
 def decode_attention_matmul(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One-token attention as two batched matmuls in q's dtype with an fp32 softmax (bf16/fp16 decode).
 
@@ -86,6 +130,7 @@ def decode_attention_matmul(
     in bf16 for a single query row. Measured at 1 thread (load ~10, 9 heads / 3 KV heads of 64, L=130):
     bf16 SDPA 0.29 / 2.3 / 9.8 ms at bs 1 / 8 / 32, this 0.20 / 0.47 / 0.98 ms; in a bs-32 bf16 decode
     step SDPA was 59% of the time. Largest output difference to fp32 SDPA: ~1 bf16 ulp.
+    `sinks` (float32 [H], `AttentionLayer.sinks`) join each head's softmax as a column with no value.
     """
     bs, h, d = q.shape
     hkv = k.shape[2]
@@ -93,6 +138,10 @@ def decode_attention_matmul(
     scores.mul_(scale)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.to(scores.device).view(1, hkv, h // hkv, 1).expand(bs, -1, -1, 1)
+        probs = torch.softmax(torch.cat((scores, sink_col), dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        return torch.matmul(probs, v.transpose(1, 2)).view(bs, h, d)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).view(bs, h, d)  # [bs, Hkv, G, D] -> [bs, H, D]
 
@@ -123,6 +172,7 @@ def window_decode_slots(
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_sliding_window = True
+    supports_sinks = True
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
         self._window_meta: dict[int, tuple] = {}  # sliding window -> its decode slots, built on first use
@@ -143,6 +193,8 @@ class TorchNativeBackend(AttentionBackend):
             ]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        if layer.sinks is not None:
+            return self._extend_with_sinks(q, layer, batch)
         if layer.sliding_window:
             return self._extend_windowed(q, layer, batch)
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
@@ -188,6 +240,37 @@ class TorchNativeBackend(AttentionBackend):
             start += ext
         return out
 
+    def _extend_with_sinks(
+        self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Extend for a layer with sinks: the attention's output and its rows' log-sum-exp, then
+        `apply_sinks`. Global layers take the flash kernel's lse (prefix and new tokens merged as in
+        `attend_prefix_then_causal`); sliding-window layers a masked float32 pass per block of queries."""
+        k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
+        w = layer.sliding_window
+        out = torch.empty_like(q)
+        start = 0
+        for slots, prefix, ext in zip(
+            self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+        ):
+            blocks = range(0, ext, WINDOW_QUERY_BLOCK) if w else (0,)
+            for a in blocks:
+                b = min(ext, a + WINDOW_QUERY_BLOCK) if w else ext
+                lo, hi = (max(0, prefix + a - w + 1) if w else 0), prefix + b
+                qi = q[start + a : start + b].transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
+                ki = k_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vi = v_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                if w:
+                    mask = window_mask(prefix + a, b - a, lo, hi - lo, w, q.device)
+                    o, lse = masked_attention_with_lse(qi, ki, vi, mask, layer.scaling)
+                elif prefix == 0:
+                    o, lse = attend_causal_lse(qi, ki, vi, layer.scaling)
+                else:
+                    o, lse = attend_prefix_then_causal_lse(qi, ki, vi, prefix, layer.scaling)
+                out[start + a : start + b] = apply_sinks(o, lse, layer.sinks).squeeze(0).transpose(0, 1)
+            start += ext
+        return out
+
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         if layer.sliding_window:  # only each request's last `window` keys
             meta = self._window_meta.get(layer.sliding_window)
@@ -210,8 +293,8 @@ class TorchNativeBackend(AttentionBackend):
         shape = (*shape2, layer.num_kv_heads, layer.head_dim)
         k = self.kv_pool.k[layer.layer_id].index_select(0, slots).view(shape).to(q.dtype)
         v = self.kv_pool.v[layer.layer_id].index_select(0, slots).view(shape).to(q.dtype)
-        if q.dtype != torch.float32:
-            return decode_attention_matmul(q, k, v, mask, layer.scaling)
+        if q.dtype != torch.float32 or layer.sinks is not None:
+            return decode_attention_matmul(q, k, v, mask, layer.scaling, layer.sinks)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [bs, H, 1, D]
             k.transpose(1, 2),  # [bs, Hkv, max_len, D]

@@ -18,6 +18,7 @@ from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.frozen_modules import freeze_attributes
 from runtime.models.gemma3 import Gemma3ForCausalLM
+from runtime.models.gpt_oss import GptOssForCausalLM
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import HeadShard, TensorParallel
@@ -71,8 +72,16 @@ class ModelRunner:
             self.channel = BatchChannel(tp)
 
         with torch.device("meta"):
-            model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+            model_class = {
+                "Gemma3ForCausalLM": Gemma3ForCausalLM,
+                "GptOssForCausalLM": GptOssForCausalLM,
+            }.get(cfg.architecture, LlamaForCausalLM)
             model = model_class(cfg, tp)
+        if quantization not in ("none", "auto") and not getattr(model_class, "quantizable", True):
+            raise ValueError(
+                f"{cfg.architecture} cannot be served with --quantization {quantization}: use "
+                "--quantization none (its float weights, MXFP4 experts dequantized at load)"
+            )
         if quantization == "gguf_native":  # a GGUF file's blocks in place: no float weights are built
             from runtime.models.gguf_model import load_gguf_model
 
@@ -117,6 +126,11 @@ class ModelRunner:
             raise ValueError(
                 f"{cfg.architecture} has sliding-window layers, which the {self.backend_name} attention "
                 "backend does not implement: use --attention-backend cpu, torch_native or triton"
+            )
+        if cfg.attention_sinks and not self.backend.supports_sinks:
+            raise ValueError(
+                f"{cfg.architecture} has attention sinks, which the {self.backend_name} attention backend "
+                "does not implement: use --attention-backend cpu or torch_native"
             )
         if cfg.sliding_windows and (
             enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)

@@ -5,6 +5,7 @@ fields below, so one decoder implementation serves them all. Qwen3-MoE (Qwen3's 
 (Mistral's) swap some or all MLPs for a mixture of experts (`MoeConfig`, `runtime.models.moe`). Phi-3 / Phi-4
 is Llama with fused checkpoint tensors (split by the loader), partial rotary and LongRoPE (`LongRope`).
 Gemma 3's layer differs enough to have its own module (`runtime.models.gemma3`); its config is read here too.
+So does gpt-oss's (`runtime.models.gpt_oss`: attention sinks, its own mixture of experts, yarn rope).
 
 Sliding-window layers (Mistral's and Phi-3's `sliding_window`, any `layer_types` entry "sliding_attention")
 are `sliding_windows[layer]` > 0: the attention backends read only the window, while the KV pool still holds
@@ -28,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Rope variants whose frequencies do not depend on the sequence length (dynamic NTK would). LongRoPE's two
 # sets are chosen once per server by its context length (`LongRope`).
@@ -109,6 +111,7 @@ class ModelConfig:
     moe: MoeConfig | None = None  # set for mixture-of-experts architectures
     sliding_windows: tuple[int, ...] = ()  # per layer: 0 global, W > 0 a window of W keys; (): all global
     long_rope: LongRope | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (`AttentionLayer.sinks`)
 
     def sliding_window(self, layer_id: int) -> int:
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
@@ -167,6 +170,7 @@ class ModelConfig:
             moe=MoeConfig.from_hf(cfg, kind),
             sliding_windows=_sliding_windows(cfg, kind),
             long_rope=long_rope,
+            attention_sinks=kind == "gpt_oss",
         )
 
 

@@ -1,0 +1,262 @@
+"""gpt-oss (`GptOssForCausalLM`, HF model_type gpt_oss) over the paged KV pool.
+
+Where gpt-oss's layer differs from Llama's (transformers' modeling_gpt_oss.py is the reference):
+- every attention head has a learned sink: one extra logit in its softmax's denominator with no value
+  (`AttentionLayer.sinks`, float32 [heads]), so a head can attend to "nothing";
+- layers alternate sliding-window (`sliding_window`, 128) and full attention per `layer_types`;
+- q/k/v and o projections have biases; rope is yarn-scaled (`ModelConfig.inv_freq`, cos/sin scaled by
+  yarn's attention factor);
+- RMSNorm scales after the float32 normalisation and casts last (`(w * x).to(dtype)`);
+- every MLP is a mixture of experts (`GptOssMoe`): the router has a bias, top-k is taken on its logits and
+  softmaxed over the k chosen; an expert is down(swiglu(gate_up(x))) with biases on both projections and a
+  clamped SwiGLU: gate clamped above at `limit`, up clamped to [-limit, limit], (up + 1) * gate *
+  sigmoid(alpha * gate).
+
+Checkpoints: transformers stores the experts stacked and transposed for `x @ W` (`gate_up_proj`
+[E, H, 2I] with gate and up interleaved by column, `down_proj` [E, I, H]); OpenAI's released checkpoints
+store them as MXFP4 (`*_blocks` + `*_scales`, [E, out, in] once dequantized, `runtime.models.mxfp4`), which
+are dequantized at load. Either way the experts are held as `w13` [E, 2I, H] (gate rows then up rows) and
+`w2` [E, H, I] in the model's dtype.
+
+Limits, refused at start: tensor parallelism (no sharded layer here takes biases or sinks), any
+--quantization but none, and attention backends without sinks (`AttentionBackend.supports_sinks`: the
+model runner checks). The layers run eagerly (no fused C++ layer path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm_kernels.base import AttentionLayer
+from runtime.models.llama import LlamaForCausalLM, Rotary
+from runtime.models.model_config import ModelConfig
+from runtime.models.moe import _expert_groups
+from runtime.models.mxfp4 import dequantize_mxfp4
+from runtime.models.parallel import ParallelLMHead, TensorParallel, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from radixlm_kernels.base import AttentionBackend
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+
+class GptOssRMSNorm(nn.Module):
+    """x / rms(x) in float32, times the weight (in float32), then cast (GptOssRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.meta = AttentionLayer(layer_id, h, hkv, d, d**-0.5, cfg.sliding_window(layer_id))
+        self.q_size, self.kv_size = h * d, hkv * d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * hkv) * d, bias=True)  # rows q | k | v
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=True)
+        self.sinks = nn.Parameter(torch.zeros(h))
+
+    def bind_sinks(self) -> None:
+        """Hand the loaded sinks to the backend's layer metadata (float32), once the weights are final."""
+        self.meta = dataclasses.replace(self.meta, sinks=self.sinks.detach().float().contiguous())
+
+    def forward(self, h, cos, sin, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        m = self.meta
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = Rotary.apply(q.view(-1, m.num_heads, m.head_dim), cos, sin)  # [T, H, D]
+        k = Rotary.apply(k.view(-1, m.num_kv_heads, m.head_dim), cos, sin)  # [T, Hkv, D]
+        out = backend.forward(q, k, v.view(-1, m.num_kv_heads, m.head_dim), m, batch)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class GptOssMoe(nn.Module):
+    """Router (`router_weight` [E, H], `router_bias` [E]) and experts (`w13` [E, 2I, H] gate rows then up
+    rows, `b13` [E, 2I], `w2` [E, H, I], `b2` [E, H])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf_config
+        e, hidden, inter = hf.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.num_experts, self.top_k, self.inter = e, hf.num_experts_per_tok, inter
+        self.alpha, self.limit = float(hf.swiglu_alpha), float(hf.swiglu_limit)
+        self.router_weight = nn.Parameter(torch.empty(e, hidden))
+        self.router_bias = nn.Parameter(torch.empty(e))
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden))
+        self.b13 = nn.Parameter(torch.empty(e, 2 * inter))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, inter))
+        self.b2 = nn.Parameter(torch.empty(e, hidden))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]): top-k of the router's logits (float32), softmaxed
+        over the k chosen (equal to transformers' in float32; in bfloat16 transformers routes in bfloat16)."""
+        logits = F.linear(x.float(), self.router_weight.float(), self.router_bias.float())  # [T, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2I] gate | up -> [n, I]: the clamped SwiGLU."""
+        gate, up = gate_up[:, : self.inter], gate_up[:, self.inter :]
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]; one gate|up and one down matmul per expert hit, summed in float32."""
+        weights, ids = self.route(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, rows, w in _expert_groups(weights, ids, self.num_experts):
+            h = self.swiglu(F.linear(x.index_select(0, rows), self.w13[e], self.b13[e]))
+            out.index_add_(0, rows, F.linear(h, self.w2[e], self.b2[e]).float() * w)
+        return out.to(x.dtype)
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = GptOssAttention(cfg, layer_id)
+        self.mlp = GptOssMoe(cfg)
+        self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    quantizable = False  # the model runner refuses --quantization other than none
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+        nn.Module.__init__(self)
+        tp = tp or TensorParallel()
+        if tp.size > 1:
+            raise ValueError(
+                f"gpt-oss (GptOssForCausalLM) cannot run with --tp-size {tp.size}: its sharded layers "
+                "(biases, attention sinks, the experts' biases) are not implemented; use --tp-size 1"
+            )
+        self.cfg, self.tp = cfg, tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
+        self.fused_cpu_ops = False
+        self._fused_plan = None
+        self.tie_weights()
+
+    def use_fused_cpu_ops(self, enable: bool = True) -> None:
+        """No fused C++ layer path: the layers always run eagerly."""
+        self.fused_cpu_ops = False
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, backend)
+        if batch.logits_indices is not None:
+            h = h[batch.logits_indices]
+        return self._logits(self.norm(h))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load transformers-named tensors (float experts, or MXFP4 `*_blocks` + `*_scales` pairs, which may
+        arrive in any order); raise on unknown names, wrong shapes and missing weights."""
+        self.tie_weights()
+        params = dict(self.named_parameters())
+        attn = self.layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        qkv_rows = {"q_proj": ("q", slice(0, q)), "k_proj": ("k", slice(q, q + kv))}
+        qkv_rows["v_proj"] = ("v", slice(q + kv, q + 2 * kv))
+        loaded: set[str] = set()
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 name -> the half of blocks/scales seen
+
+        def put(pname: str, tensor: torch.Tensor, index: tuple = (), tag: str = "") -> None:
+            param = params.get(pname)
+            if param is None:
+                raise ValueError(f"unexpected weight {pname!r}")
+            dst = param.data[index]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weight {pname!r}{tag and f' ({tag})'} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+            loaded.add(f"{pname}#{tag}")
+
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) < 5 or parts[0] != "layers":
+                put(name, tensor)
+                continue
+            layer, block, module = ".".join(parts[:2]), parts[2], parts[3]
+            if block == "self_attn" and module in qkv_rows:
+                tag, rows = qkv_rows[module]
+                put(f"{layer}.self_attn.qkv_proj.{parts[4]}", tensor, (rows,), tag)
+            elif block == "mlp" and module == "router":
+                put(f"{layer}.mlp.router_{parts[4]}", tensor)
+            elif block == "mlp" and module == "experts":
+                leaf = parts[4]
+                stem, _, kind = leaf.rpartition("_")
+                if kind in ("blocks", "scales"):
+                    halves = pending.setdefault(f"{layer}.{stem}", {})
+                    halves[kind] = tensor
+                    if len(halves) == 2:
+                        del pending[f"{layer}.{stem}"]
+                        self._put_expert(put, layer, stem, halves["blocks"], halves["scales"])
+                else:
+                    self._put_expert(put, layer, leaf, tensor)
+            else:
+                put(name, tensor)
+        if pending:
+            raise ValueError(f"MXFP4 weights without their blocks or scales: {sorted(pending)[:5]}")
+        missing = []
+        for pname in params:
+            if ".qkv_proj." in pname:
+                tags = ("q", "k", "v")
+            elif pname.endswith((".mlp.w13", ".mlp.b13")):
+                tags = ("gate", "up")
+            else:
+                tags = ("",)
+            missing += [f"{pname}#{t}" for t in tags if f"{pname}#{t}" not in loaded]
+        if missing:
+            raise ValueError(
+                f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            )
+        for layer in self.layers:
+            layer.self_attn.bind_sinks()
+
+    def _put_expert(
+        self, put, layer: str, leaf: str, tensor: torch.Tensor, scales: torch.Tensor | None = None
+    ) -> None:
+        """One expert tensor: `gate_up_proj` / `down_proj` (float [E, in, out]; or MXFP4 blocks with their
+        `scales`, [E, out, in] once dequantized) or their biases. gate and up are interleaved (even outputs
+        gate, odd up); they load as w13's (and b13's) gate rows, then up rows."""
+        mlp = self.get_submodule(f"{layer}.mlp")
+        if scales is not None:
+            tensor = dequantize_mxfp4(tensor, scales, mlp.w13.dtype)  # [E, out, in]
+        elif leaf in ("gate_up_proj", "down_proj"):
+            tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
+        if leaf in ("gate_up_proj", "gate_up_proj_bias"):
+            target = f"{layer}.mlp.{'w13' if leaf == 'gate_up_proj' else 'b13'}"
+            i = mlp.inter
+            put(target, tensor[:, 0::2], (slice(None), slice(0, i)), "gate")
+            put(target, tensor[:, 1::2], (slice(None), slice(i, 2 * i)), "up")
+        elif leaf in ("down_proj", "down_proj_bias"):
+            put(f"{layer}.mlp.{'w2' if leaf == 'down_proj' else 'b2'}", tensor)
+        else:
+            raise ValueError(f"unexpected weight {layer}.mlp.experts.{leaf}")

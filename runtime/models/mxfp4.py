@@ -1,0 +1,49 @@
+"""MXFP4 (OCP Microscaling, FP4 E2M1 elements with one E8M0 scale per 32): dequantized at load.
+
+gpt-oss checkpoints store each expert projection as `<name>_blocks` (uint8 [..., G, 16]: 32 FP4 values of a
+block, two per byte, the element at the even index in the low nibble) and `<name>_scales` (uint8 [..., G]:
+the block's power-of-two exponent, biased by 127). Element i of block g is fp4(nibble) * 2**(scale - 127).
+A row of K inputs is G = K / 32 blocks, so the dequantized tensor is [..., G * 32], rows as stored (for
+gpt-oss: [experts, out_features, in_features]).
+
+radixlm multiplies by the dequantized float weights (4x the MXFP4 bytes in bfloat16, 8x in float32); no
+kernel reads the blocks in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # elements per scale
+
+
+def e2m1_values() -> torch.Tensor:
+    """The 16 FP4 E2M1 values by code, float32, from the format's bits: sign (bit 3), a 2-bit exponent with
+    bias 1 (bits 2-1), a 1-bit mantissa (bit 0); exponent 0 is subnormal (0.5 * mantissa)."""
+    values = []
+    for code in range(16):
+        sign = -1.0 if code & 0b1000 else 1.0
+        exp, man = (code >> 1) & 0b11, code & 1
+        magnitude = 0.5 * man if exp == 0 else 2.0 ** (exp - 1) * (1.0 + 0.5 * man)
+        values.append(sign * magnitude)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in `dtype` (exact: every value is
+    a 2-bit-mantissa float times a power of two). Scale 255 (E8M0's NaN) is refused."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+            f"(want blocks [..., G, {BLOCK // 2}] and scales [..., G])"
+        )
+    if bool((scales == 255).any()):
+        raise ValueError("MXFP4 scale 255 (NaN) in a checkpoint")
+    lut = e2m1_values().to(blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low nibble first
+    values = lut[codes].flatten(-2)  # [..., G, 32] float32
+    exps = scales.to(torch.int32) - 127
+    out = torch.ldexp(values, exps.unsqueeze(-1).float())  # exact in float32 (|exp| <= 127)
+    return out.flatten(-2).to(dtype)

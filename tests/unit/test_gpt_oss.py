@@ -1,0 +1,268 @@
+"""gpt-oss (runtime/models/gpt_oss.py) against transformers in float32 on a tiny random config
+(tests/random_gpt_oss.py: sliding and full layers, sinks, 6 experts top-2, yarn rope): logits of extends over
+cached prefixes and mixed-length decode steps on both CPU attention backends, the scheduler's greedy output
+with the radix cache and chunked prefill; the MXFP4 dequantizer against transformers' and an MXFP4
+checkpoint loaded; attention with sinks against a direct softmax; the start-up refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.random_gpt_oss import EXPERTS, WINDOW, gpt_oss_config, random_gpt_oss, save_random_gpt_oss
+from tests.scheduler_utils import make_scheduler
+from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
+from tests.unit.test_scheduler import assert_all_free, prompts, run
+
+TOL = dict(atol=3e-4, rtol=1e-4)
+_GREEDY: dict[tuple, list[int]] = {}  # (model, prompt) -> transformers' greedy continuation
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(folder, float32 transformers model) of the tiny random gpt-oss."""
+    path = tmp_path_factory.mktemp("gpt_oss")
+    return str(path), save_random_gpt_oss(path)
+
+
+def runner_for(path: str, backend: str):
+    from runtime.model_executor.model_runner import ModelRunner
+
+    if backend == "cpu":
+        from runtime.models.native_kernels import PAGED_ATTENTION
+        from tests.kernels.native import load_native_or_skip
+
+        load_native_or_skip(PAGED_ATTENTION)
+    return ModelRunner(
+        path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        max_running_requests=8,
+        attention_backend=backend,
+    )
+
+
+def test_config_maps_layers_sinks_and_yarn(gpt_oss):
+    from runtime.models.model_config import ModelConfig
+
+    _, hf = gpt_oss
+    cfg = ModelConfig.from_hf(hf.config)
+    assert cfg.sliding_windows == (WINDOW, 0, WINDOW) and cfg.attention_sinks and cfg.qkv_bias
+    assert cfg.rope_attention_scaling > 1.0  # yarn's attention factor for factor 4
+    torch.testing.assert_close(cfg.inv_freq, hf.model.rotary_emb.inv_freq)
+
+
+def compare(runner, hf, lens, prefix) -> None:
+    """Extend over cached prefixes (`prefix`), then 3 mixed-length decode steps: every logit row equals
+    transformers'."""
+    g = torch.Generator().manual_seed(1)
+    seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate(lens)}
+    h = Harness(runner)
+    h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
+    logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
+    off = 0
+    for k in seqs:
+        ref = hf_logits(hf, seqs[k])[prefix[k] :]
+        torch.testing.assert_close(logits[off : off + len(ref)], ref, **TOL)
+        off += len(ref)
+    nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
+    for _ in range(3):
+        logits = h.decode(nxt)
+        for i, k in enumerate(seqs):
+            seqs[k].append(nxt[k])
+            torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], **TOL)
+        nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "cpu"])
+def test_logits_match_transformers(gpt_oss, backend):
+    """Prefixes shorter and longer than the window (8), sequences up to 4 windows."""
+    path, hf = gpt_oss
+    runner = runner_for(path, backend)
+    assert type(runner.model).__name__ == "GptOssForCausalLM"
+    assert all(layer.self_attn.meta.sinks is not None for layer in runner.model.layers)
+    compare(runner, hf, [9, 17, 1, 30], {0: 0, 1: 6, 2: 0, 3: 21})
+
+
+def test_sinks_change_the_output(gpt_oss):
+    """The same model with its sinks at -inf (no sink) gives other logits: the sinks are applied."""
+    path, hf = gpt_oss
+    runner = runner_for(path, "torch_native")
+    seq = list(range(5, 25))
+    with_sinks = Harness(runner).extend({0: seq}, all_logits=True)
+    for layer in runner.model.layers:
+        attn = layer.self_attn
+        attn.meta = dataclasses.replace(attn.meta, sinks=torch.full_like(attn.meta.sinks, -1e30))
+    without = Harness(runner).extend({0: seq}, all_logits=True)
+    assert (with_sinks - without).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_scheduler_greedy_equals_transformers(gpt_oss, default_tokenizer, chunk):
+    """6 requests sharing prefixes longer than the window, 4 running at a time, the radix cache on (and
+    chunked prefill): every output is transformers' greedy continuation, and every slot comes back."""
+    path, hf = gpt_oss
+    reqs = prompts(6)
+    sched = make_scheduler(path, default_tokenizer, chunked_prefill_size=chunk, max_running_requests=4)
+    res = run(sched, reqs, max_new=5, arrive_every=2)
+    for i, p in enumerate(reqs):
+        key = (id(hf), tuple(p))
+        if key not in _GREEDY:  # shared by both chunk sizes
+            _GREEDY[key] = hf_greedy(hf, p, 5)
+        assert res["outs"][f"r{i}"] == _GREEDY[key], f"request {i}"
+    assert res["stats"]["cached_tokens"] > 0
+    assert_all_free(sched)
+
+
+# ---- attention with sinks ------------------------------------------------------------------------------
+def softmax_with_sinks(q, k, v, sinks, scale, window: int = 0):
+    """Direct reference: q [n, H, D] at positions p0.., k/v [L, Hkv, D] positions 0..L-1 (n <= L, the queries
+    are the last n), the sink as an extra softmax column; transformers' eager formula."""
+    n, h, _ = q.shape
+    length, hkv = k.shape[0], k.shape[1]
+    k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    qpos = torch.arange(length - n, length)[:, None]
+    kpos = torch.arange(length)[None, :]
+    visible = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    full = torch.cat([scores, sinks[:, None, None].expand(h, n, 1)], dim=-1)
+    probs = torch.softmax(full, dim=-1)[..., :-1]
+    return torch.einsum("hnl,lhd->nhd", probs, v)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("prefix", [0, 7])
+def test_torch_native_sinks_equal_direct_softmax(window, prefix):
+    """torch_native's extend (flash lse for global layers, masked for windows) and decode with sinks equal
+    the direct formula."""
+    from radixlm_kernels.base import AttentionLayer
+    from radixlm_kernels.torch_native import TorchNativeBackend
+    from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool
+    from runtime.model_executor.forward_batch import ForwardBatch
+
+    g = torch.Generator().manual_seed(window + prefix)
+    h, hkv, d, n = 4, 2, 8, 12
+    pool, table = KVPool(64, 1, hkv, d, torch.float32, "cpu"), ReqToTokenPool(2, 64, "cpu")
+    backend = TorchNativeBackend(pool, table)
+    sinks = torch.randn(h, generator=g)
+    layer = AttentionLayer(0, h, hkv, d, d**-0.5, window, sinks=sinks)
+    q, k, v = (torch.randn(n + 1, x, d, generator=g) for x in (h, hkv, hkv))
+    row = table.alloc()
+    slots = torch.arange(10, 10 + n + 1)
+    table.write(row, 0, slots)
+    if prefix:
+        pre = ForwardBatch.build_extend([list(range(prefix))], [0], [row], slots[:prefix])
+        backend.init_forward_metadata(pre)
+        backend.forward(q[:prefix], k[:prefix], v[:prefix], layer, pre)
+    batch = ForwardBatch.build_extend([list(range(n - prefix))], [prefix], [row], slots[prefix:n])
+    backend.init_forward_metadata(batch)
+    got = backend.forward(q[prefix:n], k[prefix:n], v[prefix:n], layer, batch)
+    want = softmax_with_sinks(q[prefix:n], k[:n], v[:n], sinks, d**-0.5, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    dec = ForwardBatch.build_decode([0], [n + 1], [row], slots[n:])
+    backend.init_forward_metadata(dec)
+    got = backend.forward(q[n:], k[n:], v[n:], layer, dec)
+    want = softmax_with_sinks(q[n:], k, v, sinks, d**-0.5, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---- MXFP4 ---------------------------------------------------------------------------------------------
+def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks uint8 [*shape, 16] (every FP4 code), scales uint8 [*shape] around 127 (small weights)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 130, shape, generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_e2m1_values_are_the_formats():
+    from runtime.models.mxfp4 import e2m1_values
+
+    want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert e2m1_values().tolist() == want + [-x for x in want]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantization_equals_transformers(dtype):
+    """Random blocks (every code, scales 2^-7 .. 2^2, and the extremes 2^-127 / 2^127 in a row): exactly
+    transformers' `convert_moe_packed_tensors`, which returns [E, in, out] (ours stays [E, out, in])."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from runtime.models.mxfp4 import dequantize_mxfp4
+
+    blocks, scales = random_mxfp4((3, 10, 4), seed=0)
+    scales[0, 0, :2] = torch.tensor([0, 254], dtype=torch.uint8)
+    got = dequantize_mxfp4(blocks, scales, dtype)
+    assert got.shape == (3, 10, 128) and got.dtype == dtype
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
+    assert torch.equal(got, want)
+
+
+def test_mxfp4_refuses_bad_inputs():
+    from runtime.models.mxfp4 import dequantize_mxfp4
+
+    blocks, scales = random_mxfp4((2, 4), seed=1)
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[:, :3], torch.float32)
+    scales[1, 2] = 255
+    with pytest.raises(ValueError, match="NaN"):
+        dequantize_mxfp4(blocks, scales, torch.float32)
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantization(tmp_path):
+    """A checkpoint whose experts are MXFP4 blocks + scales (as OpenAI's, with a quantization_config) loads,
+    and its logits equal transformers' model holding the dequantized experts."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = random_gpt_oss(gpt_oss_config(), seed=3)
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    hidden, inter = 64, 32
+    for layer_id, layer in enumerate(hf.model.layers):
+        experts = layer.mlp.experts
+        for proj, (n_out, n_in) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            blocks, scales = random_mxfp4((EXPERTS, n_out, n_in // 32), seed=10 * layer_id + len(proj))
+            with torch.no_grad():  # transformers' layout: [E, in, out]
+                getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            name = f"model.layers.{layer_id}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    compare(runner_for(str(tmp_path), "torch_native"), hf, [20], {0: 9})
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+def test_refuses_tensor_parallel_and_quantization(gpt_oss):
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.models.gpt_oss import GptOssForCausalLM
+    from runtime.models.model_config import ModelConfig
+    from runtime.models.parallel import TensorParallel
+
+    path, hf = gpt_oss
+    with pytest.raises(ValueError, match="--tp-size 2"):
+        GptOssForCausalLM(ModelConfig.from_hf(hf.config), TensorParallel(0, 2, group=object()))
+    with pytest.raises(ValueError, match="--quantization int8"):
+        ModelRunner(path, dtype="float32", quantization="int8", attention_backend="torch_native")
+
+
+def test_backends_without_sinks_are_refused(gpt_oss, monkeypatch):
+    """A backend without `supports_sinks` (triton, flashinfer) is refused at start, naming it."""
+    from radixlm_kernels.torch_native import TorchNativeBackend
+    from runtime.model_executor.model_runner import ModelRunner
+
+    monkeypatch.setattr(TorchNativeBackend, "supports_sinks", False)
+    with pytest.raises(ValueError, match="attention sinks, which the torch_native attention backend"):
+        ModelRunner(gpt_oss[0], dtype="float32", device="cpu", attention_backend="torch_native")
+    from radixlm_kernels.base import AttentionBackend
+
+    assert AttentionBackend.supports_sinks is False  # triton and flashinfer inherit it
