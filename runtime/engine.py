@@ -23,9 +23,10 @@ logger = logging.getLogger("radixlm.engine")
 
 class Engine:
     def __init__(self, model: str = "default", **server_args: Any):
+        from runtime.model_executor.quant_probe import auto_quantization
         from runtime.models.model_loader import resolve_model_path
 
-        self.args = ServerArgs(model=model, **server_args).resolve()
+        self.args = ServerArgs(model=model, **server_args).resolve(probe=auto_quantization)
         if self.args.dp_size != 1:
             raise ValueError(
                 "Engine runs one replica in this process; --dp-size is for the HTTP server (radixlm serve)"

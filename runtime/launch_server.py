@@ -91,12 +91,13 @@ def run_server(args: ServerArgs) -> int:
     from runtime.entrypoints.security import allowed_hosts
     from runtime.entrypoints.server import create_app
     from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
+    from runtime.model_executor.quant_probe import auto_quantization
     from runtime.models.model_loader import resolve_model_path
 
-    args = args.resolve()
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(name)s: %(message)s"
     )
+    args = args.resolve(probe=auto_quantization)  # the ranks and the scheduler receive its choice
     logger.info("--quantization %s --dtype %s: %s", args.quantization, args.dtype, args.quantization_reason)
     model_dir = resolve_model_path(args.model)
     if args.node_rank > 0:

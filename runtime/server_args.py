@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from runtime import platform
 from runtime.models.quantization import (
     QUANTIZATION_CHOICES,
+    Probe,
     check_model,
     check_supported,
     is_gguf_model,
@@ -598,9 +599,12 @@ class ServerArgs:
         per_node = self.tp_size // self.nnodes
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
-    def resolve(self) -> ServerArgs:
+    def resolve(self, probe: Probe | None = None) -> ServerArgs:
         """Return a copy with 'auto' device, dtype, quantization and thread count fixed for this machine
-        (idempotent: the scheduler resolves again, and a resolved quantization keeps its reason)."""
+        (idempotent: the scheduler resolves again, and a resolved quantization keeps its reason). `probe`
+        measures `--quantization auto` for a Hugging Face folder (runtime.model_executor.quant_probe: the
+        launch process passes it, so the scheduler and tensor-parallel ranks get its choice); without it, or
+        with several nodes (each would measure alone), such a folder gets none."""
         import torch
 
         device = self.device
@@ -614,6 +618,7 @@ class ServerArgs:
             dtype, quantization, reason = resolve_auto(
                 dtype, device, self._measured_model(), platform.cpu_flags(), has_cxx,
                 gguf_file=self.model != "default" and is_gguf_model(self.model),
+                hf_folder=self._hf_folder(), probe=probe if self.nnodes == 1 else None,
             )  # fmt: skip
         elif not reason:
             reason = f"--quantization {quantization} given"
@@ -651,6 +656,13 @@ class ServerArgs:
             num_threads_auto=num_threads_auto,
             dist_init_addr=dist_init_addr,
         )
+
+    def _hf_folder(self) -> str | None:
+        """`--model` when it is a Hugging Face folder (config.json; not a GGUF file's folder), else None."""
+        path = os.path.expanduser(self.model)
+        if self.model == "default" or not os.path.isfile(os.path.join(path, "config.json")):
+            return None
+        return None if is_gguf_model(path) else path
 
     def _measured_model(self):
         """The `MEASURED` entry `--model` is (runtime/models/quantization.py), or None."""

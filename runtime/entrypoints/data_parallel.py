@@ -372,6 +372,10 @@ def run_data_parallel(args: ServerArgs) -> int:
     except RouterNotInstalled as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.quantization == "auto":  # a folder's measurement runs once, here; the replicas read its cache
+        from runtime.model_executor.quant_probe import auto_quantization
+
+        logger.info("--quantization auto: %s", args.resolve(probe=auto_quantization).quantization_reason)
     logger.warning(
         "--dp-size: sglang-router serves %s:%d and does not check the Host header (no DNS-rebinding "
         "protection there)%s",

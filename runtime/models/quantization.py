@@ -20,9 +20,13 @@ int8 GEMM is 5.7-20x faster than fp32 over the model's shapes at M=1..32.
 The default is `auto`: the fastest mode whose MMLU zero-shot cloze (930 items) is within 1 point of
 float32's and whose next-token top-1 agreement with float32 is >= 0.99, from the measurements in `MEASURED`
 (per model file, recognised by its bytes: w4a8's figures hold for a GGUF's own blocks, not for a folder
-re-quantized; any model nobody measured gets `none`). A mode counts only where it runs fast: w4a8 needs
+re-quantized). A Hugging Face folder nobody measured is measured at its first start instead
+(`probe_candidates`, runtime/model_executor/quant_probe.py): the fastest of w4a8 and w8a8 whose top-1
+agreement with the model's own float32 on a built-in probe text is >= 0.99, else `none`; cached with the
+model. A GGUF file nobody measured gets `gguf_native`. A mode counts only where it runs fast: w4a8 needs
 AVX512-VNNI or AVX2 (+FMA, F16C) and a C++ compiler (its scalar loop is 23-45x slower), bf16 native bf16
-dot products; GPUs and an explicit non-float32 `--dtype` get `none`. `resolve_auto` applies it. An
+dot products; GPUs and an explicit non-float32 `--dtype` get `none`. `resolve_auto` applies it (a folder's
+probe is passed in by the process that launches the model: this module never loads one). An
 earlier `auto`, picked before w4a8 existed, always meant `none` and was removed. This module imports only the
 standard library (torch lazily): `ServerArgs` validates `--quantization` with it in processes that never
 load a model.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8", "gguf_native")
@@ -215,6 +220,35 @@ def _available(need: str, flags: frozenset[str], has_cxx: bool) -> str | None:
     return None
 
 
+# (Hugging Face folder, candidate modes fastest first) -> (the mode chosen or "none", why): what
+# runtime.model_executor.quant_probe.auto_quantization does, measuring once and caching with the model
+Probe = Callable[[str, Sequence[str]], tuple[str, str]]
+
+
+def probe_candidates(flags: frozenset[str], has_cxx: bool) -> tuple[list[str], list[str]]:
+    """The modes a probe measures on this CPU, fastest first, and why each other one is left out.
+
+    w4a8 where its vector kernels run (AVX512-VNNI or AVX2+FMA+F16C, and a compiler), then w8a8 where fbgemm
+    does (AVX2). int8 / int4 (weight-only) are never candidates: slower than float32 on the CPU
+    (bench/quant_matmul.py), they only save memory."""
+    modes, skipped = [], []
+    if why := _available("int8_simd+cxx", flags, has_cxx):
+        skipped.append(f"w4a8: {why}")
+    else:
+        modes.append("w4a8")
+    if "avx2" not in flags or not _has_fbgemm():
+        skipped.append("w8a8: no fbgemm int8 GEMM on this CPU / torch build")
+    else:
+        modes.append("w8a8")
+    return modes, skipped
+
+
+def _has_fbgemm() -> bool:
+    import torch
+
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 def resolve_auto(
     dtype: str,
     device: str,
@@ -222,9 +256,12 @@ def resolve_auto(
     flags: frozenset[str],
     has_cxx: bool,
     gguf_file: bool = False,
+    hf_folder: str | None = None,
+    probe: Probe | None = None,
 ) -> tuple[str, str, str]:
     """`--quantization auto` under `--dtype dtype` on `device` -> (dtype, quantization, why); `gguf_file`:
-    --model is a GGUF file (served from its own blocks when nobody measured it)."""
+    --model is a GGUF file (served from its own blocks when nobody measured it); `hf_folder`: --model is
+    that Hugging Face folder, which `probe` (when given) measures."""
     auto_dtype = "bfloat16" if device == "cuda" or {"avx512_bf16", "amx_bf16"} & flags else "float32"
     if device != "cpu":
         return (
@@ -248,6 +285,13 @@ def resolve_auto(
             "none",
             f"a GGUF file, dequantized at load: its block kernels would not run fast here ({why})",
         )
+    if model is None and hf_folder is not None and probe is not None:
+        modes, skipped = probe_candidates(flags, has_cxx)
+        quantization, why = probe(hf_folder, modes) if modes else ("none", "no quantized mode runs fast here")
+        why += "".join(f"; skipped {s}" for s in skipped)
+        if quantization != "none":
+            return "float32", quantization, why
+        return (auto_dtype if dtype == "auto" else dtype), "none", why
     if model is None:
         return (
             (auto_dtype if dtype == "auto" else dtype),

@@ -225,3 +225,82 @@ def test_the_reason_is_no_command_line_option(capsys):
         parse_args(["--quantization-reason", "x"])
     assert "unrecognized arguments" in capsys.readouterr().err
     assert parse_args([]).quantization_reason == ""
+
+
+# ------------------------------------------------------------------------------- folders nobody measured
+def test_probe_candidates_are_the_fast_modes_fastest_first(monkeypatch):
+    monkeypatch.setattr(q, "_has_fbgemm", lambda: True)
+    assert q.probe_candidates(VNNI, True) == (["w4a8", "w8a8"], [])
+    assert q.probe_candidates(AVX2, True)[0] == ["w4a8", "w8a8"]
+    modes, skipped = q.probe_candidates(VNNI, False)
+    assert modes == ["w8a8"] and skipped[0].startswith("w4a8: no C++ compiler")
+    modes, skipped = q.probe_candidates(frozenset(), True)  # no AVX2: fbgemm's int8 GEMM is not fast either
+    assert modes == [] and [s.split(":")[0] for s in skipped] == ["w4a8", "w8a8"]
+    monkeypatch.setattr(q, "_has_fbgemm", lambda: False)
+    assert q.probe_candidates(VNNI, True)[0] == ["w4a8"]
+
+
+def test_a_folder_is_probed_only_under_auto_on_the_cpu_in_float32(monkeypatch):
+    monkeypatch.setattr(q, "_has_fbgemm", lambda: True)
+    seen = []
+
+    def probe(folder, modes):
+        seen.append((folder, list(modes)))
+        return "w8a8", "quantization auto: w8a8 agrees 0.995"
+
+    assert resolve_auto("auto", "cpu", None, VNNI_BF16, True, hf_folder="/m", probe=probe) == (
+        "float32",
+        "w8a8",
+        "quantization auto: w8a8 agrees 0.995",
+    )
+    assert seen == [("/m", ["w4a8", "w8a8"])]
+    got = resolve_auto("auto", "cpu", None, VNNI_BF16, False, hf_folder="/m", probe=probe)
+    assert got[1] == "w8a8" and got[2].endswith(
+        "; skipped w4a8: no C++ compiler to build its kernel (set $CXX or install g++)"
+    )
+
+    def none(folder, modes):
+        return "none", "quantization auto: below"
+
+    assert resolve_auto("auto", "cpu", None, VNNI_BF16, True, hf_folder="/m", probe=none)[:2] == (
+        "bfloat16",
+        "none",
+    )
+    assert resolve_auto("float32", "cpu", None, VNNI_BF16, True, hf_folder="/m", probe=none)[:2] == (
+        "float32",
+        "none",
+    )
+    seen.clear()
+    for dtype, device in (("bfloat16", "cpu"), ("auto", "cuda")):
+        assert resolve_auto(dtype, device, None, VNNI, True, hf_folder="/m", probe=probe)[1] == "none"
+    assert resolve_auto("auto", "cpu", SMOL, VNNI, True, hf_folder="/m", probe=probe)[1] == "w4a8"  # measured
+    assert resolve_auto("auto", "cpu", None, VNNI, True, gguf_file=True, probe=probe)[1] == "gguf_native"
+    monkeypatch.setattr(q, "_has_fbgemm", lambda: False)
+    got = resolve_auto("auto", "cpu", None, PLAIN, True, hf_folder="/m", probe=probe)  # nothing runs fast
+    assert got[1] == "none" and got[2].startswith("no quantized mode runs fast here; skipped w4a8")
+    assert seen == []
+
+
+def test_server_args_hand_only_a_hugging_face_folder_to_the_probe(machine, tmp_path):
+    machine(VNNI)
+
+    def never(*_):
+        raise AssertionError("probed")
+
+    assert (
+        ServerArgs(model=str(tmp_path), device="cpu").resolve(probe=never).quantization == "none"
+    )  # no config
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + bytes(100))
+    assert ServerArgs(model=str(other), device="cpu").resolve(probe=never).quantization == "gguf_native"
+    (tmp_path / "config.json").write_text("{}")
+    assert ServerArgs(model=str(tmp_path))._hf_folder() == str(tmp_path)
+    (tmp_path / "radixlm_source.json").write_text("{}")  # the folder a GGUF file resolved to
+    assert ServerArgs(model=str(tmp_path))._hf_folder() is None
+    try:
+        from runtime.models.model_loader import default_gguf_path
+
+        default_gguf_path()
+    except FileNotFoundError:
+        return
+    assert ServerArgs(device="cpu").resolve(probe=never).quantization == "w4a8"  # MEASURED: no probe
