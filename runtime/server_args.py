@@ -116,7 +116,7 @@ class ServerArgs:
     tool_call_parser: str = _opt(
         "auto",
         "wire format of tool calls in model output; auto picks it from the chat template (hermes if none)",
-        ("auto", "hermes", "llama3", "mistral", "qwen"),
+        ("auto", "harmony", "hermes", "llama3", "mistral", "qwen"),
     )
     api_key: str | None = _opt(
         None,
@@ -291,8 +291,9 @@ class ServerArgs:
     reasoning_parser: str = _opt(
         "auto",
         "split a reasoning model's <think>...</think> from the answer (reasoning_content, reasoning items, "
-        "thinking blocks); auto picks from the chat template (none when it has no <think>)",
-        ("auto", "none", "deepseek-r1", "qwen3"),
+        "thinking blocks; harmony: gpt-oss's analysis channel); auto picks from the chat template (none when "
+        "it has neither <think> nor <|channel|>)",
+        ("auto", "none", "deepseek-r1", "qwen3", "harmony"),
     )
     reasoning_in_history: bool = _opt(
         False,

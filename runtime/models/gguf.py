@@ -34,7 +34,18 @@ import numpy as np
 import torch
 
 from runtime.cache_dir import CACHE_ENV, cache_root, private_dir
-from runtime.models.gguf_arch import ARCHS, check_tensors, check_types, expected_shapes, open_reader
+from runtime.models.gguf_arch import (
+    ARCHS,
+    REFUSED,
+    STACKED_EXPERTS,
+    arch_config,
+    block_tensors,
+    check_tensors,
+    check_types,
+    expected_shapes,
+    open_reader,
+)
+from runtime.models.gguf_arch import f32 as _f32
 
 logger = logging.getLogger("radixlm.gguf")
 
@@ -49,19 +60,6 @@ _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
-}
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
@@ -160,6 +158,11 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     reader = open_reader(gguf_path)
     meta = {name: field.contents() for name, field in reader.fields.items()}
     arch = meta.get("general.architecture")
+    if arch in REFUSED:
+        raise ValueError(
+            f"GGUF architecture {arch!r} of {gguf_path} is not supported: {REFUSED[arch]} (supported: "
+            f"{sorted(ARCHS)})"
+        )
     if arch not in ARCHS:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r} in {gguf_path} (supported: {sorted(ARCHS)}); "
@@ -169,7 +172,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     try:
         check_types(tensors)
         config = gguf_config(meta, tensors)
-        plan = [(name, hf) for name, t in tensors.items() if (hf := hf_tensor_name(name)) is not None]
+        plan = [(name, hf) for name in tensors if (hf := hf_tensor_name(name, arch)) is not None]
         qkv_bias = ARCHS[arch].qkv_bias or "blk.0.attn_q.bias" in tensors
         check_tensors(plan, tensors, expected_shapes(config, ARCHS[arch], qkv_bias))
     except ValueError as e:
@@ -177,7 +180,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     out = Path(out_dir)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _write_generation_config(config, out)
-    _write_tokenizer(gguf_path, meta.get("tokenizer.chat_template"), out)
+    _write_tokenizer(gguf_path, arch, meta.get("tokenizer.chat_template"), out)
     st = Path(gguf_path).stat()
     marker = {
         "source": str(Path(gguf_path).resolve()),
@@ -220,7 +223,7 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
     if value_dim != head_dim:
         raise ValueError(f"value head dim {value_dim} != key head dim {head_dim} is not supported")
     rope_dim = int(get("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":  # Phi-3 / Phi-4-mini: partial rotary (`arch_config`)
         raise ValueError(
             f"partial rotary embedding (rope dim {rope_dim} != head dim {head_dim}) is not supported"
         )
@@ -259,12 +262,7 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(token_id)
-    return config
-
-
-def _f32(value: float) -> float:
-    """GGUF stores float32: 1e-5 reads back as 9.99999974e-06; keep the shortest decimal that round-trips."""
-    return float(str(np.float32(value)))
+    return arch_config(arch, meta, tensors, config)
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, tensors: dict[str, Any], head_dim: int) -> dict | None:
@@ -287,7 +285,12 @@ def _rope_scaling(meta: dict[str, Any], arch: str, tensors: dict[str, Any], head
             if (value := meta.get(f"{arch}.rope.scaling.{key}")) is not None:
                 rope[hf] = _f32(value)
         # settings that would make llama.cpp's YaRN differ from transformers' default one
-        for key, neutral in (("yarn_log_multiplier", (0.0,)), ("attn_factor", (1.0,)),
+        if arch == "mistral3":  # its graph undoes YaRN's magnitude scaling (mistral3.cpp): attention factor 1
+            rope["attention_factor"] = 1.0
+        neutral_log_mul = (
+            (0.0,) if arch != "mistral3" else (meta.get(f"{arch}.rope.scaling.yarn_log_multiplier"),)
+        )
+        for key, neutral in (("yarn_log_multiplier", neutral_log_mul), ("attn_factor", (1.0,)),
                              ("yarn_attn_factor", (1.0,)), ("yarn_ext_factor", (1.0, -1.0))):  # fmt: skip
             if meta.get(f"{arch}.rope.scaling.{key}") not in (None, *neutral):
                 raise ValueError(f"GGUF YaRN setting {arch}.rope.scaling.{key} is not supported")
@@ -327,15 +330,17 @@ def _infer_llama3_rope(tensor: Any, base: float, head_dim: int) -> dict:
     )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """HF parameter name (Llama / Mistral / Qwen2 / Qwen3 layout) for a GGUF tensor name; None for tensors
-    that are not parameters (rope_freqs).
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name for a GGUF tensor name of architecture `arch` (`block_tensors`: stacked experts as
+    mlp.experts.<proj>.weight, Phi-3's fused projections whole); None for tensors that are not parameters
+    (rope_freqs, Phi-3's rope_factors_long / _short).
     """
-    if gguf_name == "rope_freqs.weight":
+    if gguf_name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return None
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
+    names = block_tensors(ARCHS[arch])
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
@@ -357,13 +362,17 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor: Any, config: dict[str, Any], rope_permuted: bool) -> np.ndarray:
+def _dequantize(
+    tensor: Any, config: dict[str, Any], rope_permuted: bool, norm_shift: float = 0.0
+) -> np.ndarray:
     """Float32 numpy array in HF layout ([out, in] for matrices) for one GGUF tensor (type and shape already
-    checked by `check_types` / `check_tensors`)."""
+    checked by `check_types` / `check_tensors`); `norm_shift` is taken back off norm weights (Gemma)."""
     from gguf.quants import dequantize
 
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+    if norm_shift and tensor.name.endswith("norm.weight"):
+        w = w - np.float32(norm_shift)
     if rope_permuted and ".attn_q." in tensor.name:
         w = unpermute_rope_rows(w, config["num_attention_heads"])
     elif rope_permuted and ".attn_k." in tensor.name:
@@ -381,14 +390,21 @@ def iter_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     arch = reader.fields["general.architecture"].contents()
     config = json.loads((Path(model_dir) / "config.json").read_text())
     count = nbytes = 0
+    spec = ARCHS[arch]
     for t in reader.tensors:
-        hf = hf_tensor_name(t.name)
+        hf = hf_tensor_name(t.name, arch)
         if hf is None:
             continue
-        w = torch.from_numpy(_dequantize(t, config, ARCHS[arch].rope_permuted))
+        w = torch.from_numpy(_dequantize(t, config, spec.rope_permuted, spec.norm_shift))
         count += 1
         nbytes += w.numel() * 4
-        yield hf, w
+        stacked = t.name.rsplit(".", 2)[1] in STACKED_EXPERTS
+        if stacked:  # [n_expert, out, in]: one HF tensor per expert
+            base, _, leaf = hf.rpartition(".experts.")
+            for e in range(w.shape[0]):
+                yield f"{base}.experts.{e}.{leaf}", w[e]
+        else:
+            yield hf, w
     logger.info(
         "dequantized %d tensors (%.0f MB of float32) from %s in %.2f s",
         count,
@@ -470,12 +486,23 @@ def _write_generation_config(config: dict[str, Any], out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def _write_tokenizer(gguf_path: str, chat_template: str | None, out: Path) -> None:
+# architectures transformers' GGUF reader has no config for (its AutoTokenizer refuses their files)
+_NO_TRANSFORMERS_CONFIG = ("mistral3",)
+
+
+def _write_tokenizer(gguf_path: str, arch: str, chat_template: str | None, out: Path) -> None:
     """Build the HF fast tokenizer from the GGUF's own vocabulary and save it; verify the chat template."""
     from transformers import AutoTokenizer
 
     src = Path(gguf_path)
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
+    if arch in _NO_TRANSFORMERS_CONFIG:  # AutoTokenizer reads the model's config first: only the vocabulary
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(
+            str(src.parent), gguf_file=src.name, local_files_only=True
+        )
+    else:
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
     if chat_template and tok.chat_template != chat_template:
         tok.chat_template = chat_template
     tok.save_pretrained(str(out))

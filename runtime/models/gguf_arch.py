@@ -12,10 +12,14 @@ torch. The rules follow llama.cpp's convert_hf_to_gguf.py: see `ARCHS`.
 from __future__ import annotations
 
 import functools
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger("radixlm.gguf")
 
 
 @dataclass(frozen=True)
@@ -26,16 +30,81 @@ class Arch:
     model_type: str
     rope_permuted: bool  # Q/K rows (and biases) reordered for llama.cpp's adjacent-pair RoPE at convert time
     qkv_bias: bool  # attn_q/k/v biases always present (Qwen2); otherwise optional: all three or none
-    qk_norm: bool  # per-head RMSNorm on q and k (attn_q_norm / attn_k_norm, [head_dim] each): Qwen3
+    qk_norm: bool  # per-head RMSNorm on q and k (attn_q_norm / attn_k_norm, [head_dim] each)
+    norm_shift: float = 0.0  # added to every norm weight at convert time (Gemma's (1 + w) norms store 1 + w)
+    sandwich: bool = False  # Gemma: post_attention_norm, post_ffw_norm, and ffn_norm is the pre-MLP norm
+    fused: bool = False  # Phi-3: attn_qkv (rows q | k | v) and ffn_up (rows gate | up), one tensor each
+    moe: bool = False  # every layer's MLP is experts: ffn_{gate,up,down}_exps [n_expert, ...], ffn_gate_inp
 
 
 # llama.cpp writes Llama and Mistral-family models (HF MistralForCausalLM) as "llama" and permutes their Q/K
-# rows; Qwen2/2.5 and Qwen3 keep HF's row order (their RoPE rotates half-split pairs in both programs).
+# rows; "mistral3" (Ministral 3, Mistral Small 3.x text) is the same llama-shaped decoder with YaRN and
+# Llama 4's attention temperature in its metadata, rows permuted alike. Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3
+# and Gemma 3 keep HF's row order (their RoPE rotates half-split pairs in both programs).
 ARCHS = {
     "llama": Arch("LlamaForCausalLM", "llama", rope_permuted=True, qkv_bias=False, qk_norm=False),
+    "mistral3": Arch("LlamaForCausalLM", "llama", rope_permuted=True, qkv_bias=False, qk_norm=False),
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", rope_permuted=False, qkv_bias=True, qk_norm=False),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", rope_permuted=False, qkv_bias=False, qk_norm=True),
+    "qwen3moe": Arch(
+        "Qwen3MoeForCausalLM", "qwen3_moe", rope_permuted=False, qkv_bias=False, qk_norm=True, moe=True
+    ),
+    "phi3": Arch("Phi3ForCausalLM", "phi3", rope_permuted=False, qkv_bias=False, qk_norm=False, fused=True),
+    "gemma3": Arch(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        rope_permuted=False,
+        qkv_bias=False,
+        qk_norm=True,
+        norm_shift=1.0,
+        sandwich=True,
+    ),
 }
+# Architectures llama.cpp writes that radixlm's decoder cannot run, and why (named in the refusal).
+REFUSED = {
+    "gemma2": "Gemma 2 soft-caps attention logits (attn_logit_softcapping), which radixlm's attention "
+    "backends do not implement",
+    "gemma": "Gemma 1 is not among radixlm's decoders (Gemma 3 is)",
+}
+
+# GGUF block tensor -> HF module (under model.layers.N.), per layout
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+# the experts stacked [n_expert, rows, cols]: `iter_gguf_weights` yields mlp.experts.E.<proj> per expert
+STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+
+def block_tensors(arch: Arch) -> dict[str, str]:
+    """GGUF block tensor name (between "blk.N." and ".weight") -> HF module name under model.layers.N."""
+    names = dict(_BLOCK)
+    if arch.sandwich:
+        names |= {
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        }
+    if arch.fused:
+        for n in ("attn_q", "attn_k", "attn_v", "ffn_gate"):
+            del names[n]
+        names |= {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+    if arch.moe:
+        for n in _DENSE_MLP:
+            del names[n]
+        names["ffn_gate_inp"] = "mlp.gate"
+        names |= {g: f"mlp.experts.{hf}" for g, hf in STACKED_EXPERTS.items()}
+    return names
 
 
 def open_reader(gguf_path: str) -> Any:
@@ -95,7 +164,9 @@ def check_types(tensors: dict[str, Any]) -> None:
 
 
 def expected_shapes(config: dict[str, Any], arch: Arch, qkv_bias: bool) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape ([out, in] for matrices) of every parameter the config's model has."""
+    """HF parameter name -> shape ([out, in] for matrices) of every parameter the config's model has, as the
+    file stores it: Phi-3's fused qkv_proj / gate_up_proj whole, a mixture of experts' projections stacked
+    as mlp.experts.<proj>.weight [n_expert, out, in]."""
     hidden, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q_rows, kv_rows = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     shapes: dict[str, tuple[int, ...]] = {
@@ -106,17 +177,42 @@ def expected_shapes(config: dict[str, Any], arch: Arch, qkv_bias: bool) -> dict[
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        layer = {
+        layer: dict[str, tuple[int, ...]] = {
             "input_layernorm.weight": (hidden,),
             "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (q_rows, hidden),
-            "self_attn.k_proj.weight": (kv_rows, hidden),
-            "self_attn.v_proj.weight": (kv_rows, hidden),
             "self_attn.o_proj.weight": (hidden, q_rows),
-            "mlp.gate_proj.weight": (inter, hidden),
-            "mlp.up_proj.weight": (inter, hidden),
-            "mlp.down_proj.weight": (hidden, inter),
         }
+        if arch.fused:
+            layer |= {
+                "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+                "mlp.gate_up_proj.weight": (2 * inter, hidden),
+            }
+        else:
+            layer |= {
+                "self_attn.q_proj.weight": (q_rows, hidden),
+                "self_attn.k_proj.weight": (kv_rows, hidden),
+                "self_attn.v_proj.weight": (kv_rows, hidden),
+            }
+        if arch.moe:
+            n, moe_inter = config["num_experts"], config["moe_intermediate_size"]
+            layer |= {
+                "mlp.gate.weight": (n, hidden),
+                "mlp.experts.gate_proj.weight": (n, moe_inter, hidden),
+                "mlp.experts.up_proj.weight": (n, moe_inter, hidden),
+                "mlp.experts.down_proj.weight": (n, hidden, moe_inter),
+            }
+        elif not arch.fused:
+            layer |= {
+                "mlp.gate_proj.weight": (inter, hidden),
+                "mlp.up_proj.weight": (inter, hidden),
+            }
+        if not arch.moe:
+            layer["mlp.down_proj.weight"] = (hidden, inter)
+        if arch.sandwich:
+            layer |= {
+                "pre_feedforward_layernorm.weight": (hidden,),
+                "post_feedforward_layernorm.weight": (hidden,),
+            }
         if qkv_bias:
             layer |= {
                 "self_attn.q_proj.bias": (q_rows,),
@@ -147,3 +243,156 @@ def check_tensors(
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"the file lacks tensors the config needs: {missing[:3]}{more}")
+
+
+def f32(value: float) -> float:
+    """GGUF stores float32: 1e-5 reads back as 9.99999974e-06; keep the shortest decimal that round-trips."""
+    return float(str(np.float32(value)))
+
+
+# Gemma 3 as llama.cpp runs it (llama-model.cpp): every 6th layer global, the others sliding; the sliding
+# layers' RoPE base is 10000, unscaled, whatever the file's rope keys say (those are the global layers').
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
+
+def arch_config(name: str, meta: dict[str, Any], tensors: dict[str, Any], config: dict[str, Any]) -> dict:
+    """`config` (the keys every architecture shares, built by `runtime.models.gguf.gguf_config`) completed
+    with what architecture `name` adds, read from its metadata as llama.cpp reads it."""
+
+    def key(k: str, default: Any = None) -> Any:
+        return meta.get(f"{name}.{k}", default)
+
+    if name == "gemma3":
+        return _gemma3_config(key, config)
+    if name == "phi3":
+        return _phi3_config(key, tensors, config)
+    if name == "qwen3moe":
+        if key("expert_count") is None or key("expert_used_count") is None:
+            raise ValueError("GGUF metadata lacks qwen3moe.expert_count / expert_used_count")
+        if int(key("expert_shared_count", 0)):
+            raise ValueError("shared experts (qwen3moe.expert_shared_count) are not supported")
+        # llama.cpp's qwen3moe graph routes softmax top-k with the k weights renormalised, in every layer
+        return config | {
+            "num_experts": int(key("expert_count")),
+            "num_experts_per_tok": int(key("expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length", config["intermediate_size"])),
+            "norm_topk_prob": bool(key("expert_weights_norm", True)),
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": config["num_hidden_layers"],
+        }
+    if name == "mistral3":
+        return _mistral3_config(key, config)
+    return config
+
+
+def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    layers, window = config["num_hidden_layers"], int(key("attention.sliding_window", 0) or 0)
+    pattern = key("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):  # per layer: True where the layer is sliding
+        sliding = [bool(v) for v in pattern]
+    else:
+        sliding = (
+            [(i + 1) % int(pattern) != 0 for i in range(layers)] if int(pattern) > 0 else [False] * layers
+        )
+    if len(sliding) != layers:
+        raise ValueError(
+            f"gemma3.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers"
+        )
+    full = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    scaling = config["rope_scaling"] or {}
+    if scaling and scaling.get("rope_type") != "linear":
+        raise ValueError(f"Gemma 3 with {scaling.get('rope_type')} rope scaling is not supported (linear is)")
+    if key("attn_logit_softcapping"):
+        raise ValueError("attention logit soft-capping (gemma3.attn_logit_softcapping) is not supported")
+    softcap = key("final_logit_softcapping")
+    # llama.cpp scales queries by 1 / sqrt(head_dim), except for the 62-layer 27B: 1 / sqrt(hidden / heads)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    return out | {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+        "rope_parameters": {
+            "full_attention": full | scaling,
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+        },
+        "final_logit_softcapping": f32(softcap) if softcap else None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
+
+
+def _phi3_config(key: Any, tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    head_dim = config["head_dim"]
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    window = int(key("attention.sliding_window", 0) or 0)  # 0: Phi-4, no window
+    orig = int(key("rope.scaling.original_context_length", config["max_position_embeddings"]))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if rope_dim != head_dim:
+        rope["partial_rotary_factor"] = rope_dim / head_dim
+    has_long, has_short = "rope_factors_long.weight" in tensors, "rope_factors_short.weight" in tensors
+    if has_long != has_short:
+        raise ValueError("the file has one of rope_factors_long / rope_factors_short but not the other")
+    if has_long:  # LongRoPE: per-frequency divisors for sequences past `orig` (long) and within it (short)
+        from gguf.quants import dequantize
+
+        factors = {}
+        for which in ("long", "short"):
+            t = tensors[f"rope_factors_{which}.weight"]
+            v = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+            if v.shape[0] != rope_dim // 2:
+                raise ValueError(
+                    f"tensor rope_factors_{which}.weight has {v.shape[0]} entries, the rope needs "
+                    f"{rope_dim // 2}"
+                )
+            factors[which] = [f32(x) for x in v]
+        ctx = config["max_position_embeddings"]
+        rope |= {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": orig,
+            "factor": ctx / orig,
+            "long_factor": factors["long"],
+            "short_factor": factors["short"],
+        }
+        attn = key("rope.scaling.attn_factor")
+        scale = ctx / orig
+        default = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0
+        if attn is not None and abs(float(attn) - default) > 1e-5:
+            rope["attention_factor"] = f32(attn)
+    out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    return out | {
+        "rope_parameters": rope,
+        "original_max_position_embeddings": orig,
+        "sliding_window": window or None,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attention_dropout": 0.0,
+    }
+
+
+def _mistral3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """Llama's config; Llama 4's attention temperature (queries scaled by 1 + beta * log(1 + floor(pos /
+    L))) is 1 below L, so a file with it is served up to L positions (exactly, with no scaling to apply)."""
+    beta = float(key("attention.temperature_scale", 0.0) or 0.0)
+    if beta == 0.0:
+        return config
+    length = key("attention.temperature_length") or key("rope.scaling.original_context_length")
+    if not length:
+        raise ValueError(
+            "mistral3.attention.temperature_scale is set but neither attention.temperature_length nor "
+            "rope.scaling.original_context_length says from which position it applies"
+        )
+    ctx = min(int(config["max_position_embeddings"]), int(length))
+    if ctx < int(config["max_position_embeddings"]):
+        logger.warning(
+            "mistral3 file: Llama 4 attention temperature (beta %g) starts at position %d, which radixlm "
+            "does not apply; the context is limited to %d tokens (the file says %d), where it is exactly 1",
+            beta, int(length), ctx, int(config["max_position_embeddings"]),
+        )  # fmt: skip
+    return config | {"max_position_embeddings": ctx}

@@ -7,7 +7,13 @@ Q/K rows of a `llama` file, which llama.cpp stored permuted and which are copied
 order (whole rows of blocks: nothing is dequantized). The token embedding stays as the file's blocks too
 (`GGUFEmbedding`: each lookup dequantizes the rows it reads); norms and biases are float32. Tensors stored as
 F32 / F16 / BF16 serve as float32 (`nn.Linear`, a float embedding). Any other type is refused at start-up
-naming the tensor and its type; so are tensor parallelism and mixture-of-experts files.
+naming the tensor and its type; so is tensor parallelism.
+
+Per architecture (`runtime.models.gguf_arch.ARCHS`): Gemma 3 builds `Gemma3ForCausalLM` (its norms stored as
+1 + w are taken back to w); Phi-3's fused attn_qkv and ffn_up (gate | up) are one GGUFLinear each; a
+mixture of experts (qwen3moe) serves each expert's gate|up and down as GGUFLinears over that expert's rows of
+the stacked ffn_*_exps tensors (one expert is a contiguous byte range of them: a slice of the mapped file,
+nothing dequantized) through `SparseMoeBlock`'s grouped expert op; its router (ffn_gate_inp) is float32.
 
 The folder `--model FILE.gguf` resolves to (`runtime.models.gguf.resolve_gguf`) holds only the config, the
 tokenizer and the marker naming this file: no weights are written.
@@ -24,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.models.gemma3 import Gemma3ForCausalLM
 from runtime.models.gguf import gguf_source, unpermute_rope_rows
 from runtime.models.gguf_arch import ARCHS, open_reader
 from runtime.models.gguf_linear import (
@@ -36,6 +43,7 @@ from runtime.models.gguf_linear import (
 )
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
+from runtime.models.moe import SparseMoeBlock
 from runtime.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm.gguf_model")
@@ -82,7 +90,8 @@ class _Loader:
         reader = open_reader(gguf_path)
         self.reader = reader  # keeps the mapping alive as long as the loader; tensors keep their own views
         arch = reader.fields["general.architecture"].contents()
-        self.rope_permuted = ARCHS[arch].rope_permuted
+        self.arch = ARCHS[arch]
+        self.rope_permuted = self.arch.rope_permuted
         self.tensors = {t.name: t for t in reader.tensors}
         check_served_types(self.tensors, gguf_path)
         self.cfg = cfg
@@ -123,11 +132,41 @@ class _Loader:
         self.counts["F32"] = self.counts.get("F32", 0) + len(parts)
         return layer
 
+    def norm(self, name: str) -> torch.Tensor:
+        """A norm weight as the model's module holds it: Gemma's stored 1 + w taken back to w."""
+        w = _float(self.get(name))
+        return w - self.arch.norm_shift if self.arch.norm_shift else w
+
+    def experts(self, block: str, hidden: int, inter: int) -> list[tuple[nn.Module, nn.Module]] | None:
+        """Per expert (gate|up GGUFLinear, down GGUFLinear) over its rows of the stacked ffn_*_exps tensors
+        (slices of the mapped file); None when a part is not of a block kernel's type (served as float)."""
+        gate, up, down = (self.get(f"{block}ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
+        if not all(int(t.tensor_type) in KERNEL_TYPES for t in (gate, up, down)):
+            return None
+        g, u, d = (_expert_rows(t) for t in (gate, up, down))  # uint8 [n_expert, rows, row bytes]
+        layers: list[tuple[nn.Module, nn.Module]] = []
+        for e in range(g.shape[0]):
+            gate_up = GGUFLinear(hidden, [(int(gate.tensor_type), g[e]), (int(up.tensor_type), u[e])])
+            layers.append((gate_up, GGUFLinear(inter, [(int(down.tensor_type), d[e])])))
+        for t in (gate, up, down):
+            self.counts[t.tensor_type.name] = self.counts.get(t.tensor_type.name, 0) + g.shape[0]
+        return layers
+
     def _rows(self, rows: torch.Tensor, heads: int | None) -> torch.Tensor:
         """Q/K rows back into HF order where llama.cpp permuted them (a copy); other rows untouched."""
         if heads is None or not self.rope_permuted:
             return rows
         return torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(rows.numpy(), heads)))
+
+
+def _expert_rows(t: Any) -> torch.Tensor:
+    """A stacked expert tensor's bytes as uint8 [n_expert, rows, row bytes]: a view of the mapped file, so
+    expert e's rows ([e]) are one contiguous byte range."""
+    cols, rows, n = (int(v) for v in t.shape[:3])
+    data = np.asarray(t.data).view(np.uint8).reshape(n, rows, -1)
+    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
 
 
 def load_gguf_model(
@@ -142,25 +181,37 @@ def load_gguf_model(
         )
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError("--quantization gguf_native runs on the CPU with float32 activations")
-    if cfg.moe is not None:
-        raise ValueError("--quantization gguf_native does not serve mixture-of-experts files yet")
     path = gguf_source(model_dir)
     ld = _Loader(path, cfg)
+    arch = ld.arch
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, tp)
+        model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+        model = model_class(cfg, tp)
     hidden, q_rows = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    float_experts: dict[int, str] = {}  # layer -> block prefix, for experts served as float32
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_bias = [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"] if cfg.qkv_bias else None
-        attn.qkv_proj = ld.linear(
-            [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
-            [cfg.num_heads, cfg.num_kv_heads, None],
-            hidden,
-            qkv_bias,
-        )
+        if arch.fused:  # Phi-3: rows q | k | v in one tensor, never permuted
+            attn.qkv_proj = ld.linear([b + "attn_qkv.weight"], [None], hidden, None)
+        else:
+            qkv_bias = [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"] if cfg.qkv_bias else None
+            attn.qkv_proj = ld.linear(
+                [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+                [cfg.num_heads, cfg.num_kv_heads, None],
+                hidden,
+                qkv_bias,
+            )
         attn.o_proj = ld.linear([b + "attn_output.weight"], [None], q_rows, None)
-        mlp.gate_up_proj = ld.linear([b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None], hidden, None)
+        if isinstance(mlp, SparseMoeBlock):
+            experts = ld.experts(b, hidden, mlp.inter_full)
+            if experts is None:
+                float_experts[i] = b
+            else:
+                mlp.use_expert_layers(experts)
+            continue
+        gate_up = [b + "ffn_up.weight"] if arch.fused else [b + "ffn_gate.weight", b + "ffn_up.weight"]
+        mlp.gate_up_proj = ld.linear(gate_up, [None] * len(gate_up), hidden, None)
         mlp.down_proj = ld.linear([b + "ffn_down.weight"], [None], cfg.intermediate_size, None)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     model.lm_head = ld.linear([head], [None], hidden, None)
@@ -174,14 +225,29 @@ def load_gguf_model(
             module.to_empty(device=device, recurse=False)
     if not blocks:
         model.embed_tokens.load_shard("weight", _float(embd), 0)
-    model.norm.weight.data.copy_(_float(ld.get("output_norm.weight")))
+    model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."
-        layer.input_layernorm.weight.data.copy_(_float(ld.get(b + "attn_norm.weight")))
-        layer.post_attention_layernorm.weight.data.copy_(_float(ld.get(b + "ffn_norm.weight")))
+        norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+        if arch.sandwich:  # Gemma: ffn_norm is the pre-MLP norm; two more after attention and the MLP
+            norms = {
+                "input_layernorm": "attn_norm",
+                "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm",
+            }
+        for module, name in norms.items():
+            getattr(layer, module).weight.data.copy_(ld.norm(f"{b}{name}.weight"))
         if layer.self_attn.q_norm is not None:
-            layer.self_attn.q_norm.weight.data.copy_(_float(ld.get(b + "attn_q_norm.weight")))
-            layer.self_attn.k_norm.weight.data.copy_(_float(ld.get(b + "attn_k_norm.weight")))
+            layer.self_attn.q_norm.weight.data.copy_(ld.norm(b + "attn_q_norm.weight"))
+            layer.self_attn.k_norm.weight.data.copy_(ld.norm(b + "attn_k_norm.weight"))
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.gate_weight.data.copy_(_float(ld.get(b + "ffn_gate_inp.weight")))  # the router
+        if i in float_experts:  # stacked [n_expert, out, in] dequantized to float32
+            gate, up, down = (_float(ld.get(f"{b}ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
+            layer.mlp.w13.data.copy_(torch.cat([gate, up], dim=1))
+            layer.mlp.w2.data.copy_(down)
+            ld.counts["F32"] = ld.counts.get("F32", 0) + 3 * gate.shape[0]
     left = [n for n, p in model.named_parameters() if p.is_meta] + [
         n for n, p in model.named_buffers() if p.is_meta
     ]

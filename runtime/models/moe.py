@@ -153,12 +153,18 @@ class SparseMoeBlock(nn.Module):
         """Replace the stacked expert weights by `make(weight [N, K])` layers, two per expert (gate|up, down);
         the router stays float32. Raises what `make` raises (a shape its blocks cannot take), changing
         nothing."""
-        layers = nn.ModuleList(
-            nn.ModuleList([make(self.w13.data[e]), make(self.w2.data[e])]) for e in range(self.num_experts)
+        self.use_expert_layers(
+            [(make(self.w13.data[e]), make(self.w2.data[e])) for e in range(self.num_experts)]
         )
+
+    def use_expert_layers(self, layers: Sequence[tuple[nn.Module, nn.Module]]) -> None:
+        """Serve expert e by layers[e] = (gate|up [*, H] -> [*, 2I], down [*, I] -> [*, H]), e.g. quantized
+        linear layers or a GGUF file's blocks; the stacked w13 / w2 go."""
+        if len(layers) != self.num_experts:
+            raise ValueError(f"{len(layers)} expert layers for {self.num_experts} experts")
+        self.experts = nn.ModuleList(nn.ModuleList([gate_up, down]) for gate_up, down in layers)
         del self.w13, self.w2
-        self.experts = layers
-        self._expert_calls = [(gate_up.forward, down.forward) for gate_up, down in layers]
+        self._expert_calls = [(gate_up.forward, down.forward) for gate_up, down in self.experts]
 
     def load_parts(self, attr: str) -> int:
         """How many checkpoint tensors make up parameter `attr` (for the loader's missing-weight check)."""
