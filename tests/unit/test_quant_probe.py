@@ -25,7 +25,9 @@ from runtime.models.quantization import probe_candidates
 from runtime.server_args import ServerArgs
 
 
-def _save(path: Path, tokenizer, *, hidden: int, layer_std: float, seed: int = 0) -> str:
+def save_tiny_llama(path: Path, tokenizer, *, hidden: int, layer_std: float, seed: int = 0) -> str:
+    """A 2-layer Llama over `tokenizer`'s whole vocabulary with a tied N(0, 1) embedding, every other matrix
+    from N(0, `layer_std`), saved with the tokenizer; returns the folder."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,9 +66,9 @@ def _small_probe(tmp_path, monkeypatch):
 def folders(tmp_path_factory, default_tokenizer) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("probe_models")
     return {
-        "sharp": Path(_save(root / "sharp", default_tokenizer, hidden=64, layer_std=0.02)),
-        "flat": Path(_save(root / "flat", default_tokenizer, hidden=64, layer_std=0.3)),
-        "odd": Path(_save(root / "odd", default_tokenizer, hidden=80, layer_std=0.02)),
+        "sharp": Path(save_tiny_llama(root / "sharp", default_tokenizer, hidden=64, layer_std=0.02)),
+        "flat": Path(save_tiny_llama(root / "flat", default_tokenizer, hidden=64, layer_std=0.3)),
+        "odd": Path(save_tiny_llama(root / "odd", default_tokenizer, hidden=80, layer_std=0.02)),
     }
 
 
