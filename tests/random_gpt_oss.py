@@ -66,3 +66,73 @@ def save_random_gpt_oss(path: Path, tokenizer: Any = None, *, seed: int = 0, **c
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return model
+
+
+HARMONY_TAGS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+)
+
+# A minimal harmony chat template written after gpt-oss's (no template ships in the test environment): the
+# system and developer headers, tools as TypeScript-like signatures in the `functions` namespace, assistant
+# turns on the final channel, calls on the commentary channel to `functions.NAME` with JSON arguments, tool
+# results from `functions.NAME` to the assistant, and the generation prompt `<|start|>assistant`.
+HARMONY_TEMPLATE = """
+{%- set ns = namespace(last_call='') -%}
+<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.
+Knowledge cutoff: 2024-06
+
+Reasoning: {{ reasoning_effort | default('medium') }}
+
+# Valid channels: analysis, commentary, final. Channel must be included for every message.
+{% if tools %}Calls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>
+{%- set sys = messages | selectattr('role', 'equalto', 'system') | list -%}
+{%- if sys or tools %}<|start|>developer<|message|>
+{%- if sys %}# Instructions
+
+{{ sys[0].content }}
+{%- endif %}
+{%- if tools %}
+{%- if sys %}{{ '\n\n' }}{% endif %}# Tools
+
+## functions
+
+namespace functions {
+{% for t in tools %}
+// {{ t.function.description }}
+type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
+{% endfor %}
+} // namespace functions
+{%- endif %}<|end|>
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'assistant' and m.tool_calls %}
+{%- for c in m.tool_calls %}
+{%- set ns.last_call = c.function.name -%}
+<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json<|message|>
+{{- c.function.arguments | tojson }}<|call|>
+{%- endfor %}
+{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>
+{%- elif m.role == 'tool' %}<|start|>functions.{{ ns.last_call }} to=assistant<|channel|>commentary<|message|>
+{{- m.content }}<|end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}
+"""
+
+
+def harmony_tokenizer(base: Any) -> Any:
+    """A copy of `base` (the default model's tokenizer) with harmony's tags as added special tokens and
+    `HARMONY_TEMPLATE`."""
+    import copy
+
+    tok = copy.deepcopy(base)
+    tok.add_special_tokens({"additional_special_tokens": list(HARMONY_TAGS)})
+    tok.chat_template = HARMONY_TEMPLATE
+    return tok

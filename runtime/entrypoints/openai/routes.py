@@ -36,7 +36,7 @@ from runtime.entrypoints.streaming import stream_response
 from runtime.entrypoints.tool_calls import ToolRequestError
 from runtime.entrypoints.wire import register_messages_routes, register_responses_routes
 from runtime.entrypoints.wire.conversation import plan_tools
-from runtime.entrypoints.wire.reasoning import grammar_after_thoughts, history_text
+from runtime.entrypoints.wire.reasoning import grammar_after_thoughts, history_text, keeps_special_tokens
 from runtime.entrypoints.wire.reasoning import resolve as resolve_reasoning
 from runtime.errors import RequestError
 from runtime.managers.tokenizer.tokenizer_manager import TokenizerManager
@@ -105,13 +105,14 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
             if grammar:
                 raise RequestError("'tools' with a forced tool_choice cannot be combined with a grammar", 400)
             grammar = plan.grammar
-        reasoning = resolve_reasoning(args.reasoning_parser, tm.tokenizer.chat_template)
+        reasoning = resolve_reasoning(args.reasoning_parser, tm.tokenizer.chat_template, tm.tokenizer)
         reasoning = reasoning if body.separate_reasoning else None
         grammar = await grammar_after_thoughts(reasoning, grammar)
         ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
         # ---- end tool calling
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens, len(ids), tm.context_length, grammar)
+        keep = keeps_special_tokens(plan, reasoning)
+        params = sampling_params(body, max_tokens, len(ids), tm.context_length, grammar, keep)
         top = body.top_logprobs or 0
         req = single_request(body, options, ids, params, body.logprobs or top > 0, top)
         rid = "chatcmpl-" + req.rid
@@ -262,7 +263,12 @@ def grammar_of(body: CommonRequest) -> dict[str, Any]:
 
 
 def sampling_params(
-    body: CommonRequest, max_tokens: int | None, prompt_len: int, context: int, grammar: dict[str, Any]
+    body: CommonRequest,
+    max_tokens: int | None,
+    prompt_len: int,
+    context: int,
+    grammar: dict[str, Any],
+    keep_special_tokens: bool = False,
 ) -> SamplingParams:
     try:
         # Unset: the rest of the context. An explicit value is checked by the tokenizer manager, after the
@@ -282,7 +288,7 @@ def sampling_params(
             stop=body.stop or [],
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=body.skip_special_tokens and not keep_special_tokens,
             no_stop_trim=body.no_stop_trim,
             seed=body.seed,
             logit_bias=body.logit_bias,

@@ -12,6 +12,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,23 @@ class ToolCallParser(ABC):
     args_key: str = "arguments"
     # Names the chat template uses when it renders tools itself (for `auto` detection).
     template_markers: tuple[str, ...] = ()
+    # The format's tags are special tokens (harmony): its output is decoded with them kept.
+    keeps_special_tokens: bool = False
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> ToolCallParser:
+        """The parser for this tokenizer (a format whose grammar names special tokens reads their ids)."""
+        return cls()
+
+    @property
+    def grammar_key(self) -> str:
+        """What besides the name and the tools the forced grammar's text depends on (the grammar memo)."""
+        return ""
+
+    def call_lark(self, name: str, args_rule: str) -> str:
+        """Lark of one call of tool `name` whose arguments are `args_rule`, as `format_calls` writes it."""
+        head = f'{{"name": {json.dumps(name)}, "{self.args_key}": '
+        return f'{lark_literal(head)} {args_rule} "}}"'
 
     @abstractmethod
     def split(self, text: str, final: bool) -> list[Segment]:
@@ -238,7 +256,7 @@ class ToolCallParser(ABC):
 
 
 _REGISTRY: dict[str, type[ToolCallParser]] = {}
-PARSER_NAMES = ("auto", "hermes", "llama3", "mistral", "qwen")
+PARSER_NAMES = ("auto", "harmony", "hermes", "llama3", "mistral", "qwen")
 
 
 def register(cls: type[ToolCallParser]) -> type[ToolCallParser]:
@@ -246,17 +264,19 @@ def register(cls: type[ToolCallParser]) -> type[ToolCallParser]:
     return cls
 
 
-def get_parser(name: str, chat_template: str | None = None) -> ToolCallParser:
+def get_parser(name: str, chat_template: str | None = None, tokenizer: Any = None) -> ToolCallParser:
     """The parser called `name`; `auto` picks the one whose markers the chat template contains (hermes when
-    none does: its `<tool_call>` block is the documented fallback for plain templates such as ChatML)."""
-    from runtime.entrypoints.tool_calls import hermes, llama3, mistral, qwen  # noqa: F401  (registration)
+    none does: its `<tool_call>` block is the documented fallback for plain templates such as ChatML).
+    `tokenizer`: for a format whose grammar names its special tokens (harmony)."""
+    from runtime.entrypoints.tool_calls import harmony, hermes, llama3, mistral, qwen  # noqa: F401
 
     if name == "auto":
         template = chat_template or ""
-        for candidate in ("qwen", "mistral", "llama3", "hermes"):
+        name = "hermes"
+        for candidate in ("harmony", "qwen", "mistral", "llama3", "hermes"):
             if any(m in template for m in _REGISTRY[candidate].template_markers):
-                return _REGISTRY[candidate]()
-        return _REGISTRY["hermes"]()
+                name = candidate
+                break
     if name not in _REGISTRY:
         raise ValueError(f"unknown tool-call parser {name!r}; expected one of {', '.join(PARSER_NAMES)}")
-    return _REGISTRY[name]()
+    return _REGISTRY[name].from_tokenizer(tokenizer)

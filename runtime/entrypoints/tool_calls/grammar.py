@@ -24,7 +24,7 @@ from constrained.errors import GrammarError
 from constrained.formats import FORMAT_REGEXES, UNSUPPORTED_FORMATS, cap_format_length
 from constrained.one_of import resolve_one_of
 from constrained.schema_keywords import enforce_dependencies
-from runtime.entrypoints.tool_calls.base import ToolCallParser, lark_literal
+from runtime.entrypoints.tool_calls.base import ToolCallParser
 from runtime.entrypoints.tool_calls.schema import Tool, ToolChoice, ToolRequestError, enforced_parameters
 
 # json.dumps's layout (`{"a": 1, "b": [1, 2]}`), as constrained.spec.DEFAULT_WHITESPACE enforces on the regex
@@ -123,8 +123,7 @@ def call_rules(parser: ToolCallParser, tools: list[tuple[int, Tool]], strict_onl
     for rule, (i, t) in zip(names, tools, strict=True):
         enforced = t.strict or not strict_only
         schema = arguments_schema(t, i) if enforced else {"x-guidance": LAYOUT, **ANY_OBJECT}
-        head = f'{{"name": {json.dumps(t.name)}, "{parser.args_key}": '
-        lines.append(f'{rule}: {lark_literal(head)} {json_rule(schema)} "}}"')
+        lines.append(f"{rule}: {parser.call_lark(t.name, json_rule(schema))}")
     return lines
 
 
@@ -141,6 +140,7 @@ def tool_set_key(parser: ToolCallParser, tools: list[Tool], choice: ToolChoice, 
     """Hash of everything the grammar depends on."""
     data = [
         parser.name,
+        parser.grammar_key,
         choice.mode,
         choice.name,
         parallel,

@@ -90,7 +90,7 @@ async def plan_chat(
     """
     tools = parse_tools(body.tools)
     choice = parse_tool_choice(body.tool_choice, tools)
-    parser = get_parser(parser_name, tokenizer.chat_template)
+    parser = get_parser(parser_name, tokenizer.chat_template, tokenizer)
     msgs = [
         {**m, **{k: e[k] for k in _MESSAGE_KEYS if e.get(k) is not None}}
         for m, e in zip(messages, extras, strict=True)

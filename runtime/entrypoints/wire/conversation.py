@@ -30,6 +30,7 @@ from runtime.entrypoints.wire.reasoning import (
     Split,
     grammar_after_thoughts,
     history_text,
+    keeps_special_tokens,
     resolve,
 )
 from runtime.errors import RequestError
@@ -220,7 +221,9 @@ async def prepare(
             )
         grammar = plan.grammar
     reasoning = (
-        resolve(args.reasoning_parser, tm.tokenizer.chat_template) if conv.separate_reasoning else None
+        resolve(args.reasoning_parser, tm.tokenizer.chat_template, tm.tokenizer)
+        if conv.separate_reasoning
+        else None
     )
     grammar = await grammar_after_thoughts(reasoning, grammar)
     ids = (await tm.encode([plan.prompt], add_special_tokens=False))[0]
@@ -236,6 +239,7 @@ async def prepare(
             stop=list(sampling.stop),
             seed=sampling.seed,
             speculative_num_draft_tokens=sampling.speculative_num_draft_tokens,
+            skip_special_tokens=not keeps_special_tokens(plan, reasoning),
             **grammar,
         )
     except ValueError as e:

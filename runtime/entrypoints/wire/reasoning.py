@@ -20,7 +20,7 @@ from constrained.spec import DEFAULT_WHITESPACE, validate_spec
 from runtime.entrypoints.tool_calls.base import regex_literal, text_without, trigger_prefix_start
 from runtime.errors import RequestError
 
-PARSERS = ("auto", "none", "deepseek-r1", "qwen3")
+PARSERS = ("auto", "none", "deepseek-r1", "qwen3", "harmony")
 OPEN, CLOSE = THOUGHTS_OPEN, THOUGHTS_CLOSE  # the closing steer (constrained.closing) closes them too
 
 
@@ -66,23 +66,34 @@ class ReasoningParser:
         return block if self.starts_inside else f"(?:{block})?"
 
 
-def resolve(name: str, chat_template: str | None) -> ReasoningParser | None:
-    """`auto`: deepseek-r1 for templates that open `<think>` in the generation prompt (DeepSeek's
-    `<｜Assistant｜>` turn), qwen3 for other templates that mention `<think>`, else none."""
+def resolve(name: str, chat_template: str | None, tokenizer: Any = None) -> Any:
+    """`auto`: harmony for gpt-oss's templates (`<|channel|>`; runtime/entrypoints/wire/harmony.py),
+    deepseek-r1 for templates that open `<think>` in the generation prompt (DeepSeek's `<｜Assistant｜>`
+    turn), qwen3 for other templates that mention `<think>`, else none. `tokenizer`: harmony's grammars
+    name its tags' special token ids. Returns a ReasoningParser, a HarmonyReasoningParser or None."""
+    from runtime.entrypoints.wire.harmony import HarmonyReasoningParser, is_harmony_template
+
     template = chat_template or ""
     if name == "auto":
-        if OPEN not in template:
+        if is_harmony_template(template):
+            name = "harmony"
+        elif OPEN not in template:
             return None
-        name = "deepseek-r1" if "<｜Assistant｜>" in template else "qwen3"
+        else:
+            name = "deepseek-r1" if "<｜Assistant｜>" in template else "qwen3"
     if name == "none":
         return None
+    if name == "harmony":
+        return HarmonyReasoningParser.from_tokenizer(tokenizer)
     return ReasoningParser(name, name == "deepseek-r1")
 
 
-async def grammar_after_thoughts(parser: ReasoningParser | None, grammar: dict[str, Any]) -> dict[str, Any]:
+async def grammar_after_thoughts(parser: Any, grammar: dict[str, Any]) -> dict[str, Any]:
     """`grammar` ({"regex"} / {"json_schema"} / {"lark"} / {}) applied to the answer after the thoughts."""
     if parser is None or not grammar:
         return grammar
+    if not isinstance(parser, ReasoningParser):  # harmony: its own Lark grammar around the answer
+        return parser.grammar_after_thoughts(grammar)
     if "lark" in grammar:
         return {"lark": lark_after_thoughts(parser, grammar["lark"])}
     try:
@@ -93,6 +104,13 @@ async def grammar_after_thoughts(parser: ReasoningParser | None, grammar: dict[s
     except GrammarError as e:
         raise RequestError(f"the output grammar cannot be used: {e}", 400) from None
     return {"regex": parser.thoughts_regex() + f"(?:{answer})"}
+
+
+def keeps_special_tokens(plan: Any, reasoning: Any) -> bool:
+    """Whether a chat's output is decoded with its special tokens kept: its tool-call (`plan`, a ToolPlan)
+    or reasoning format's tags are special tokens (harmony), which their parsers read."""
+    calls = plan.parses_calls and plan.parser.keeps_special_tokens
+    return calls or bool(getattr(reasoning, "keeps_special_tokens", False))
 
 
 def lark_after_thoughts(parser: ReasoningParser, lark: str) -> str:
