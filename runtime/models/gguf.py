@@ -198,7 +198,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]
     `.embedding_length`, `.feed_forward_length`, `.attention.head_count`, `.attention.head_count_kv`,
     `.attention.key_length` / `.value_length` (when head_dim is not hidden / heads: Qwen3),
     `.attention.layer_norm_rms_epsilon`, `.rope.freq_base`, `.rope.dimension_count`, `.rope.scaling.*`,
-    `.vocab_size` (else the token list's length); tied embeddings when `output.weight` is absent.
+    `.vocab_size` (else the token list's length); tied embeddings when `output.weight` is absent. What an
+    architecture adds (Gemma 3's layer types and softcapping, Phi-3's LongRoPE, Qwen3-MoE's experts, Mistral
+    3's attention temperature) is `runtime.models.gguf_arch.arch_config`'s.
     """
     arch = meta["general.architecture"]
     spec = ARCHS[arch]
