@@ -17,7 +17,6 @@ from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
 from tests.unit.test_scheduler import assert_all_free, prompts, run
 
 TOL = dict(atol=3e-4, rtol=1e-4)
-_GREEDY: dict[tuple, list[int]] = {}  # (model, prompt) -> transformers' greedy continuation
 
 
 @pytest.fixture(scope="module")
@@ -100,19 +99,16 @@ def test_sinks_change_the_output(gpt_oss):
     assert (with_sinks - without).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("chunk", [0, 16])
-def test_scheduler_greedy_equals_transformers(gpt_oss, default_tokenizer, chunk):
-    """6 requests sharing prefixes longer than the window, 4 running at a time, the radix cache on (and
-    chunked prefill): every output is transformers' greedy continuation, and every slot comes back."""
+def test_scheduler_greedy_equals_transformers(gpt_oss, default_tokenizer):
+    """5 requests sharing prefixes longer than the window, 3 running at a time, the radix cache on and
+    prefill chunks of 16 (which cut across windows): every output is transformers' greedy continuation, and
+    every slot comes back."""
     path, hf = gpt_oss
-    reqs = prompts(6)
-    sched = make_scheduler(path, default_tokenizer, chunked_prefill_size=chunk, max_running_requests=4)
+    reqs = prompts(5)
+    sched = make_scheduler(path, default_tokenizer, chunked_prefill_size=16, max_running_requests=3)
     res = run(sched, reqs, max_new=5, arrive_every=2)
     for i, p in enumerate(reqs):
-        key = (id(hf), tuple(p))
-        if key not in _GREEDY:  # shared by both chunk sizes
-            _GREEDY[key] = hf_greedy(hf, p, 5)
-        assert res["outs"][f"r{i}"] == _GREEDY[key], f"request {i}"
+        assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 5), f"request {i}"
     assert res["stats"]["cached_tokens"] > 0
     assert_all_free(sched)
 
