@@ -10,9 +10,11 @@ is compared. The first mode whose agreement is >= `MIN_TOP1_AGREEMENT` (0.99) is
 are not measured. None passing: `none`.
 
 Cost is bounded by the model's size: the windows used hold about `TOKEN_PARAMS / parameters` tokens, between
-`MIN_TOKENS` and `MAX_TOKENS`, spread evenly over the text (every kind of text is seen). One float32 and one
-quantized load plus two passes: SmolLM2-135M re-quantized to w4a8 takes ~7 s on the 2-core EPYC,
-a 1.1B Llama ~45 s (docs/serving.md has the figures and commands).
+`MIN_TOKENS` and `MAX_TOKENS`, spread evenly over the text (every kind of text is seen), and a mode's pass
+stops at the first window after which 0.99 is out of reach. Each mode is a load (the float32 weights,
+quantized) and a pass. Measured on the 2-core EPYC while other jobs kept it busy (load average 2-10):
+SmolLM2-135M's float folder 59-114 s, a random Llama-3.2-1B-shaped folder 272 s (512 tokens; ~60 s of it
+each quantizing load); docs/numerics.md has the commands.
 
 The cache: `radixlm_quantization.json` beside the weights where that folder is writable (by its mode bits,
 for root too), else `<cache root>/quantization/<hash of the folder's path>.json` (runtime.cache_dir:
@@ -55,8 +57,13 @@ TOKEN_PARAMS = 512 * 1.2e9  # tokens x parameters per pass: a 1.2B model reads 5
 CACHE_FILE = "radixlm_quantization.json"
 CACHE_FORMAT = 1
 KEY_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
-# sources whose change can change a quantized mode's logits
-_KERNEL_SOURCES = ("models/csrc/w4a8_gemm.cpp", "models/w4a8.py", "models/quantized_linear.py")
+# sources whose change can change a quantized mode's logits, or how they are measured
+_KERNEL_SOURCES = (
+    "models/csrc/w4a8_gemm.cpp",
+    "models/w4a8.py",
+    "models/quantized_linear.py",
+    "model_executor/quant_probe.py",
+)
 
 
 class NotMeasurable(ValueError):
@@ -92,20 +99,28 @@ def describe(entry: dict[str, Any], how: str) -> str:
     chosen = entry["chosen"]
     tokens = f"{entry['tokens']:,} probe tokens"
     if chosen != "none":
-        others = [f"{m} {a:.3f}" for m, a in agreement.items() if m != chosen]
+        others = [f"{m} {a:.3f}{_partial(entry, m)}" for m, a in agreement.items() if m != chosen]
         head = f"{chosen} agrees {agreement[chosen]:.3f} with float32 on {tokens}"
     else:
         others = []
-        head = " ".join(f"{m} {a:.3f}," for m, a in agreement.items()).rstrip(",")
+        head = " ".join(f"{m} {a:.3f}{_partial(entry, m)}," for m, a in agreement.items()).rstrip(",")
         head = f"{head or 'no mode'} agrees with float32 on {tokens}, below {entry['bound']}"
     others += [f"{m} failed: {why}" for m, why in entry["failed"].items()]
     extra = f" ({'; '.join(others)})" if others else ""
     return f"quantization auto: {head}{extra}; chose {chosen} ({how})"
 
 
+def _partial(entry: dict[str, Any], mode: str) -> str:
+    n = entry.get("stopped_after", {}).get(mode)
+    return f" (stopped after {n:,} tokens)" if n else ""
+
+
 # ----------------------------------------------------------------------------------------------- measuring
-def measure(model_dir: str, candidates: Sequence[str], bound: float = MIN_TOP1_AGREEMENT) -> dict[str, Any]:
-    """Top-1 agreement of each candidate with float32 until one reaches `bound`; the cache entry (no key)."""
+def measure(
+    model_dir: str, candidates: Sequence[str], bound: float = MIN_TOP1_AGREEMENT, stop_early: bool = True
+) -> dict[str, Any]:
+    """Top-1 agreement of each candidate with float32 until one reaches `bound`; the cache entry (no key).
+    `stop_early=False` runs every window of a failing mode too (the full figure, for reports)."""
     from runtime.models.model_config import ModelConfig
     from runtime.models.model_loader import load_hf_config, load_tokenizer
 
@@ -129,23 +144,29 @@ def measure(model_dir: str, candidates: Sequence[str], bound: float = MIN_TOP1_A
         _release()
         agreement: dict[str, float] = {}
         failed: dict[str, str] = {}
+        stopped: dict[str, int] = {}  # mode -> tokens measured, where it stopped early
         chosen = "none"
         for mode in candidates:
             t = time.perf_counter()
             try:
                 runner = _runner(model_dir, mode, window)
-                got = _top1(runner, windows)
+                # a mode stops as soon as it cannot reach the bound any more: most of a failing pass is saved
+                allowed = int((1 - bound) * reference.numel() + 1e-9)
+                got = _top1(runner, windows, reference if stop_early else None, allowed)
             except (ValueError, RuntimeError) as e:  # a shape the kernel refuses, a kernel that did not build
                 failed[mode] = str(e).splitlines()[0][:200]
                 continue
             finally:
                 runner = None
                 _release()
-            agreement[mode] = round((got == reference).float().mean().item(), 4)
+            agreement[mode] = round((got == reference[: got.numel()]).float().mean().item(), 4)
+            if got.numel() < reference.numel():
+                stopped[mode] = got.numel()
             logger.info(
-                "quantization auto: %s agrees %.4f with float32 (%.1f s)",
+                "quantization auto: %s agrees %.4f with float32 on %d tokens (%.1f s)",
                 mode,
                 agreement[mode],
+                got.numel(),
                 time.perf_counter() - t,
             )
             if agreement[mode] >= bound:
@@ -160,6 +181,7 @@ def measure(model_dir: str, candidates: Sequence[str], bound: float = MIN_TOP1_A
         "failed": failed,
         "bound": bound,
         "tokens": int(reference.numel()),
+        "stopped_after": stopped,
         "parameters": params,
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -192,8 +214,11 @@ def _runner(model_dir: str, quantization: str, window: int):
     )
 
 
-def _top1(runner, windows: list[list[int]]) -> torch.Tensor:
-    """The argmax token at every position of every window [sum of window lengths], one forward a window."""
+def _top1(
+    runner, windows: list[list[int]], reference: torch.Tensor | None = None, allowed: int = 0
+) -> torch.Tensor:
+    """The argmax token at every position of every window [sum of window lengths], one forward a window;
+    with a `reference`, it stops after the first window that brings the mismatches above `allowed`."""
     from runtime.model_executor.forward_batch import ForwardBatch
 
     row = runner.req_to_token_pool.alloc()
@@ -206,6 +231,10 @@ def _top1(runner, windows: list[list[int]]) -> torch.Tensor:
                 [w], [0], [row], slots[: len(w)], logits_indices=list(range(len(w)))
             )
             out.append(runner.forward(batch).argmax(-1))
+            if reference is not None:
+                got = torch.cat(out)
+                if int((got != reference[: got.numel()]).sum()) > allowed:
+                    break
     runner.allocator.free(slots)
     runner.req_to_token_pool.free(row)
     return torch.cat(out)

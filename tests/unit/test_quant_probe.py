@@ -166,6 +166,12 @@ def test_below_the_bound_every_mode_is_measured_and_none_chosen(folder, measurem
     entry = json.loads((Path(model) / CACHE_FILE).read_text())
     assert list(entry["agreement"]) == modes  # the fastest failed the bound: the next was measured too
     assert all(a < 0.99 for a in entry["agreement"].values()), entry
+    # each stopped after its first window of 256: past 5 mismatches in 512 tokens 0.99 is out of reach
+    assert entry["stopped_after"] == dict.fromkeys(modes, 256), entry
+    assert (
+        f"{modes[0]} {entry['agreement'][modes[0]]:.3f} (stopped after 256 tokens)"
+        in args.quantization_reason
+    )
     assert args.quantization == "none" and entry["chosen"] == "none"
     assert args.dtype == ("bfloat16" if platform.cpu_has_native_bf16() else "float32")  # auto's rule
     assert "below 0.99; chose none (measured in" in args.quantization_reason, args.quantization_reason
