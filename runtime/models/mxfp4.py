@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 32  # elements per scale
+ROWS_PER_CHUNK = 1024  # rows dequantized at a time (gpt-oss-20b: 1024 x 2880 values, ~24 MB of int64 codes)
 
 
 def e2m1_values() -> torch.Tensor:
@@ -42,8 +43,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if bool((scales == 255).any()):
         raise ValueError("MXFP4 scale 255 (NaN) in a checkpoint")
     lut = e2m1_values().to(blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., G, 16, 2]: low nibble first
-    values = lut[codes].flatten(-2)  # [..., G, 32] float32
-    exps = scales.to(torch.int32) - 127
-    out = torch.ldexp(values, exps.unsqueeze(-1).float())  # exact in float32 (|exp| <= 127)
-    return out.flatten(-2).to(dtype)
+    lead = tuple(scales.shape[:-1])
+    rows_b, rows_s = blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1])
+    out = torch.empty(rows_s.shape[0], rows_s.shape[1] * BLOCK, dtype=dtype, device=blocks.device)
+    for a in range(0, rows_s.shape[0], ROWS_PER_CHUNK):  # bounded temporaries (int64 codes, float32 values)
+        b = min(a + ROWS_PER_CHUNK, rows_s.shape[0])
+        chunk = rows_b[a:b]
+        codes = torch.stack((chunk & 0x0F, chunk >> 4), dim=-1).long()  # [n, G, 16, 2]: low nibble first
+        values = lut[codes].flatten(-2)  # [n, G, 32] float32
+        exps = (rows_s[a:b].to(torch.int32) - 127).unsqueeze(-1).float()
+        out[a:b] = torch.ldexp(values, exps).flatten(-2).to(dtype)  # exact in float32 (|exp| <= 127)
+    return out.reshape(*lead, -1)

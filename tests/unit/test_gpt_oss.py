@@ -183,13 +183,17 @@ def test_e2m1_values_are_the_formats():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_dequantization_equals_transformers(dtype):
+@pytest.mark.parametrize("rows_per_chunk", [1024, 7])
+def test_mxfp4_dequantization_equals_transformers(dtype, rows_per_chunk, monkeypatch):
     """Random blocks (every code, scales 2^-7 .. 2^2, and the extremes 2^-127 / 2^127 in a row): exactly
-    transformers' `convert_moe_packed_tensors`, which returns [E, in, out] (ours stays [E, out, in])."""
+    transformers' `convert_moe_packed_tensors`, which returns [E, in, out] (ours stays [E, out, in]); rows
+    dequantized in one chunk or in chunks that cut across experts."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    from runtime.models import mxfp4
     from runtime.models.mxfp4 import dequantize_mxfp4
 
+    monkeypatch.setattr(mxfp4, "ROWS_PER_CHUNK", rows_per_chunk)
     blocks, scales = random_mxfp4((3, 10, 4), seed=0)
     scales[0, 0, :2] = torch.tensor([0, 254], dtype=torch.uint8)
     got = dequantize_mxfp4(blocks, scales, dtype)
