@@ -1,6 +1,8 @@
 """One-stream decode of a random-weight GGUF served from its own blocks (`--quantization gguf_native`):
 the model's forward at batch 1 through `ModelRunner` (no scheduler, no speculation), tokens/s and the
-bandwidth it reads weights at (bytes of the file's projection tensors per token / time per token).
+bandwidth it reads weights at (bytes of the file's projection tensors per token / time per token). Each
+--layouts entry (the blocks in the file's layout, or interleaved as the AVX512-VNNI build serves them) is a
+model loaded in this one process; their decode steps alternate in --rounds, so both see the same load.
 
     .venv/bin/python -m bench.gguf_decode --out /tmp/llama1b-q4_k_m.gguf --threads 2
 
@@ -12,6 +14,7 @@ embedding / head Q6_K), a synthetic vocabulary. Nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -83,6 +86,14 @@ def write(path: Path, layers: int, hidden: int, inter: int, heads: int, kv_heads
     w.close()
 
 
+def _rss_gb() -> float:
+    """This process's resident memory now (VmRSS), GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return float("nan")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/llama1b-q4_k_m.gguf")
@@ -93,8 +104,11 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4, help="the steps split into rounds, layouts alternating")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layouts", nargs="+", default=["file", "interleaved"], choices=["file", "interleaved"])
     p.add_argument("--cache", default="/tmp/gguf_decode_cache")
+    p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = Path(args.out)
@@ -111,35 +125,54 @@ def main() -> None:
 
     from runtime.model_executor.model_runner import ModelRunner
     from runtime.models import model_loader as ml
-    from runtime.models.gguf_linear import GGUFLinear
+    from runtime.models.gguf_linear import INTERLEAVE_ENV, GGUFLinear, kernel_isa
     from tests.unit.test_model_parity import Harness
 
-    t0 = time.perf_counter()
     folder = ml.resolve_model_path(str(path), args.cache)
-    runner = ModelRunner(
-        folder, dtype="float32", device="cpu", max_total_tokens=4096, max_running_requests=4,
-        quantization="gguf_native",
-    )  # fmt: skip
-    load_s = time.perf_counter() - t0
-    weight_bytes = sum(
-        sum(w.numel() for w in m.weights()) for m in runner.model.modules() if isinstance(m, GGUFLinear)
-    )
-    h = Harness(runner)
-    logits = h.extend({0: list(range(3, 35))})
-    token = int(logits[-1].argmax())
-    for _ in range(4):  # warm-up
-        token = int(h.decode({0: token})[0].argmax())
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        token = int(h.decode({0: token})[0].argmax())
-    per_token = (time.perf_counter() - t0) / args.steps
-    result = {
+    kernel_isa()  # the kernels built / loaded before any timing
+    runs = {}
+    for layout in args.layouts:  # each layout's model in this process, decoded in alternating rounds
+        os.environ[INTERLEAVE_ENV] = "all" if layout == "interleaved" else "0"
+        rss0, t0 = _rss_gb(), time.perf_counter()
+        runner = ModelRunner(
+            folder, dtype="float32", device="cpu", max_total_tokens=4096, max_running_requests=4,
+            quantization="gguf_native",
+        )  # fmt: skip
+        load_s = time.perf_counter() - t0
+        gc.collect()
+        weight_bytes = sum(
+            sum(w.numel() for w in m.weights()) for m in runner.model.modules() if isinstance(m, GGUFLinear)
+        )
+        h = Harness(runner)
+        logits = h.extend({0: list(range(3, 35))})
+        token = int(logits[-1].argmax())
+        for _ in range(4):  # warm-up
+            token = int(h.decode({0: token})[0].argmax())
+        runs[layout] = {"h": h, "token": token, "seconds": 0.0, "load_s": load_s, "bytes": weight_bytes,
+                        "rss_GB": _rss_gb() - rss0}  # fmt: skip
+    per_round = max(1, args.steps // args.rounds)
+    for _ in range(args.rounds):
+        for run in runs.values():
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                run["token"] = int(run["h"].decode({0: run["token"]})[0].argmax())
+            run["seconds"] += time.perf_counter() - t0
+    results = {}
+    for layout, run in runs.items():
+        per_token = run["seconds"] / (per_round * args.rounds)
+        results[layout] = {
+            "load_s": round(run["load_s"], 2), "decode_tok_s": round(1 / per_token, 2),
+            "ms_per_token": round(per_token * 1e3, 2), "weights_read_GB": round(run["bytes"] / 1e9, 3),
+            "weight_GB_s": round(run["bytes"] / per_token / 1e9, 2), "rss_added_GB": round(run["rss_GB"], 3),
+        }  # fmt: skip
+    out = {
         "file": str(path), "file_GB": round(path.stat().st_size / 1e9, 3), "threads": args.threads,
-        "load_s": round(load_s, 2), "decode_tok_s": round(1 / per_token, 2),
-        "ms_per_token": round(per_token * 1e3, 2), "weights_read_GB": round(weight_bytes / 1e9, 3),
-        "weight_GB_s": round(weight_bytes / per_token / 1e9, 2), "cpu": os.cpu_count(),
+        "isa": kernel_isa(), "cpu": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2),
+        "layouts": results,
     }  # fmt: skip
-    print(json.dumps(result))
+    print(json.dumps(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

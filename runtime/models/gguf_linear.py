@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +47,27 @@ KERNEL_TYPES = {
     14: ("Q6_K", 256, 210),
 }
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}  # served as float32 tensors
+# Added to a GGML type id: the part's bytes are in the kernel's interleaved layout (groups of GROUP_ROWS rows
+# side by side, the same bits moved, same shape; csrc/gguf_gemm.cpp), which the AVX512-VNNI build multiplies
+# 2-3x faster at 1-4 activation rows than the file's layout. Types with that layout:
+INTERLEAVED = 256
+INTERLEAVED_TYPES = (8, 12, 13, 14)  # Q8_0, Q4_K, Q5_K, Q6_K
+GROUP_ROWS = 16
+# What GGUFLinear interleaves unless told: the K types. Q8_0 stays the mapped file's bytes (no copy) unless
+# $RADIXLM_GGUF_INTERLEAVE is "all"; "0" keeps every type in the file's layout (A/B measurements).
+DEFAULT_INTERLEAVED = (12, 13, 14)
+INTERLEAVE_ENV = "RADIXLM_GGUF_INTERLEAVE"
+
+
+def default_interleaved() -> tuple[int, ...]:
+    """The types GGUFLinear interleaves unless told (see DEFAULT_INTERLEAVED and INTERLEAVE_ENV)."""
+    return {"0": (), "all": INTERLEAVED_TYPES}.get(os.environ.get(INTERLEAVE_ENV, ""), DEFAULT_INTERLEAVED)
+
 
 _LIB = torch.library.Library("radixlm", "FRAGMENT")
 _LIB.define("gguf_linear(Tensor x, Tensor[] ws, int[] types) -> Tensor")
 _LIB.define("gguf_rows(Tensor w, int type, Tensor ids, int cols) -> Tensor")
+_LIB.define("gguf_repack(Tensor w, int type, bool inverse) -> Tensor")
 
 
 @torch.library.register_fake("radixlm::gguf_linear", lib=_LIB)
@@ -59,6 +78,11 @@ def _gguf_linear_fake(x, ws, types):
 @torch.library.register_fake("radixlm::gguf_rows", lib=_LIB)
 def _gguf_rows_fake(w, type, ids, cols):
     return w.new_empty(ids.shape[0], cols, dtype=torch.float32)
+
+
+@torch.library.register_fake("radixlm::gguf_repack", lib=_LIB)
+def _gguf_repack_fake(w, type, inverse):
+    return torch.empty_like(w)
 
 
 _isa = ""
@@ -87,6 +111,7 @@ LIBRARY = NativeLibrary(
 )
 _OP = torch.ops.radixlm.gguf_linear.default
 _ROWS = torch.ops.radixlm.gguf_rows.default
+_REPACK = torch.ops.radixlm.gguf_repack.default
 
 
 def load_kernels() -> Path:
@@ -98,6 +123,22 @@ def kernel_isa() -> str:
     """The path the loaded library was compiled for: "avx512_vnni", "avx2" or "scalar"."""
     load_kernels()
     return _isa
+
+
+def interleave(qtype: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(kernel type, bytes) for the part `w` (uint8 [rows, row bytes] in the file's layout): the interleaved
+    layout where this build has its kernels and the type has one (and there is at least one whole group of
+    rows), else `w` as it is. The result is a copy of the same size: the caller drops `w`."""
+    if qtype not in INTERLEAVED_TYPES or w.shape[0] < GROUP_ROWS or kernel_isa() != "avx512_vnni":
+        return qtype, w
+    return qtype + INTERLEAVED, _REPACK(w.contiguous(), qtype, False)
+
+
+def file_layout(qtype: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(GGML type, bytes in the file's layout) of a part as `interleave` left it (a copy where it moved)."""
+    if qtype & INTERLEAVED:
+        return qtype - INTERLEAVED, _REPACK(w, qtype - INTERLEAVED, True)
+    return qtype, w
 
 
 def row_bytes(qtype: int, cols: int) -> int:
@@ -120,19 +161,28 @@ def reference_dequantize(raw: np.ndarray | torch.Tensor, qtype: int, rows: int, 
 
 class GGUFLinear(nn.Module):
     """Drop-in for `nn.Linear` (y = x W^T + b) over GGUF blocks: `parts` is a list of (GGML type id, uint8
-    [rows, row bytes]) fused along the output dim; `bias` float32 [sum of rows] or None.
+    [rows, row bytes]) fused along the output dim; `bias` float32 [sum of rows] or None. Parts of the types
+    `interleaved` (default: `default_interleaved()`) are repacked into the kernel's interleaved layout where
+    this build serves it (`interleave`: a copy of the same size, so the file's pages they were read from are
+    no longer referenced); the others stay as given (views of the mapped file).
 
     `reduce_tp` is never set: a GGUF layer is loaded whole (tensor parallelism is refused at load)."""
 
     reduce_tp: TensorParallel | None = None
 
     def __init__(
-        self, in_features: int, parts: list[tuple[int, torch.Tensor]], bias: torch.Tensor | None = None
+        self,
+        in_features: int,
+        parts: list[tuple[int, torch.Tensor]],
+        bias: torch.Tensor | None = None,
+        interleaved: Collection[int] | None = None,
     ):
         super().__init__()
         load_kernels()
         self.in_features = in_features
-        self.types = [int(t) for t, _ in parts]
+        if interleaved is None:
+            interleaved = default_interleaved()
+        self.types = []  # the kernel's type per part: the GGML id (+ INTERLEAVED where repacked)
         for i, (qtype, w) in enumerate(parts):
             if qtype not in KERNEL_TYPES:
                 raise ValueError(f"GGUFLinear: GGML type {qtype} has no kernel")
@@ -141,12 +191,14 @@ class GGUFLinear(nn.Module):
                     f"GGUFLinear part {i}: expected uint8 [rows, {row_bytes(qtype, in_features)}], got "
                     f"{w.dtype} {list(w.shape)}"
                 )
+            kernel_type, w = interleave(int(qtype), w) if int(qtype) in interleaved else (int(qtype), w)
+            self.types.append(kernel_type)
             # buffers (not a list) so .to(), state_dict and the memory count see them
             self.register_buffer(f"w{i}", w.contiguous(), persistent=False)
         self.n_parts = len(parts)
         self.out_features = sum(int(w.shape[0]) for _, w in parts)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.kind = "+".join(sorted({KERNEL_TYPES[t][0] for t in self.types}))
+        self.kind = "+".join(sorted({KERNEL_TYPES[t & ~INTERLEAVED][0] for t in self.types}))
 
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"w{i}") for i in range(self.n_parts)]
@@ -170,13 +222,14 @@ class GGUFLinear(nn.Module):
             return self.forward, ()
         return _OP, (self.weights(), self.types)
 
+    def file_parts(self) -> list[tuple[int, torch.Tensor]]:
+        """The parts as given: (GGML type, uint8 [rows, row bytes] in the file's layout)."""
+        return [file_layout(t, w) for t, w in zip(self.types, self.weights(), strict=True)]
+
     def dequantized_weight(self) -> torch.Tensor:
         """float32 [out, in]: gguf-py's dequantization of the blocks (what the kernel multiplies by)."""
         return torch.cat(
-            [
-                reference_dequantize(w, t, w.shape[0], self.in_features)
-                for t, w in zip(self.types, self.weights(), strict=True)
-            ]
+            [reference_dequantize(w, t, w.shape[0], self.in_features) for t, w in self.file_parts()]
         )
 
     def extra_repr(self) -> str:
@@ -194,12 +247,13 @@ def dequantize_rows(w: torch.Tensor, qtype: int, cols: int, ids: torch.Tensor | 
 
 class GGUFEmbedding(nn.Module):
     """A token embedding kept as the file's blocks (uint8 [vocab, row bytes]): each lookup dequantizes the
-    rows it reads, so the table costs its file size, not 4 bytes a weight."""
+    rows it reads, so the table costs its file size, not 4 bytes a weight. `qtype` may name the interleaved
+    layout (a tied head's part, shared: `GGUFLinear.types[0]`, `w0`)."""
 
     def __init__(self, qtype: int, w: torch.Tensor, dim: int):
         super().__init__()
         load_kernels()
-        row_bytes(qtype, dim)  # whole blocks
+        row_bytes(qtype & ~INTERLEAVED, dim)  # whole blocks
         self.qtype, self.embedding_dim, self.num_embeddings = int(qtype), dim, int(w.shape[0])
         self.register_buffer("w", w.contiguous(), persistent=False)
 
@@ -211,7 +265,7 @@ class GGUFEmbedding(nn.Module):
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{KERNEL_TYPES[self.qtype][0]}, {self.num_embeddings}, {self.embedding_dim}"
+        return f"{KERNEL_TYPES[self.qtype & ~INTERLEAVED][0]}, {self.num_embeddings}, {self.embedding_dim}"
 
 
 def quantize_activations(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -217,7 +217,10 @@ def load_gguf_model(
     model.lm_head = ld.linear([head], [None], hidden, None)
     embd = ld.get("token_embd.weight")
     blocks = int(embd.tensor_type) in KERNEL_TYPES
-    if blocks:  # kept as blocks: each lookup dequantizes its rows
+    if blocks and cfg.tie_word_embeddings and isinstance(model.lm_head, GGUFLinear):
+        # the head's copy (in the kernel's layout): one resident copy of the table, not two
+        model.embed_tokens = GGUFEmbedding(model.lm_head.types[0], model.lm_head.w0, hidden)
+    elif blocks:  # kept as blocks: each lookup dequantizes its rows
         model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), _raw_rows(embd), hidden)
     # what is still on the meta device (norms, a float embedding) gets storage and is filled from the file
     for module in model.modules():

@@ -2,8 +2,10 @@
 
 Each block type is checked on random blocks (any bytes with finite fp16 scales are a valid block) at 1, 2, 3,
 4 and 37 activation rows: the kernel's output equals the activations as the kernel quantizes them (mirrored
-in Python, `quantize_activations`) times gguf-py's dequantized weight, to float32 summation error. The
-scalar and AVX2 builds are compared with the default one in a subprocess each.
+in Python, `quantize_activations`) times gguf-py's dequantized weight, to float32 summation error. Q4_K,
+Q5_K, Q6_K and Q8_0 are checked in the file's layout and in the interleaved one the AVX512-VNNI build serves
+them in (whole groups of 16 rows and a remainder; odd block counts). The scalar and AVX2 builds are compared
+with the default one in a subprocess each.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ import torch
 
 gguf_linear = pytest.importorskip("runtime.models.gguf_linear")
 from runtime.models.gguf_linear import (  # noqa: E402
+    GROUP_ROWS,
+    INTERLEAVED,
+    INTERLEAVED_TYPES,
     KERNEL_TYPES,
     GGUFLinear,
+    kernel_isa,
     quantize_activations,
     reference_dequantize,
 )
@@ -66,11 +72,15 @@ def expected(
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: KERNEL_TYPES[t][0])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 37])
-def test_kernel_matches_reference(qtype: int, m: int) -> None:
+@pytest.mark.parametrize("interleaved", [False, True], ids=["file", "interleaved"])
+def test_kernel_matches_reference(qtype: int, m: int, interleaved: bool) -> None:
+    if interleaved and qtype not in INTERLEAVED_TYPES:
+        pytest.skip("no interleaved layout for this type")
     rows, cols = 45, 512  # rows not a multiple of any tile; two super-blocks / sixteen blocks per row
     w = random_blocks(qtype, rows, cols)
     x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
-    layer = GGUFLinear(cols, [(qtype, w)])
+    layer = GGUFLinear(cols, [(qtype, w)], interleaved=INTERLEAVED_TYPES if interleaved else ())
+    assert bool(layer.types[0] & INTERLEAVED) == (interleaved and kernel_isa() == "avx512_vnni")
     y = layer(x)
     want, tol = expected(x, w, qtype, rows, cols)
     assert y.shape == (m, rows)
@@ -180,3 +190,61 @@ def test_odd_block_counts(qtype: int, m: int) -> None:
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(7))
     want, tol = expected(x, w, qtype, 21, 96)
     assert ((GGUFLinear(96, [(qtype, w)])(x).double() - want).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: KERNEL_TYPES[t][0])
+@pytest.mark.parametrize("rows", [16, 37, 64])
+def test_interleaved_layout(qtype: int, rows: int) -> None:
+    """The interleaved layout moves bits only: back to the file's layout it gives the same bytes, the rows
+    past the last whole group of 16 stay in place, and each row reads back (the embedding's lookup) as
+    gguf-py's."""
+    from runtime.models.gguf_linear import _REPACK, GGUFEmbedding, dequantize_rows
+
+    if kernel_isa() != "avx512_vnni":
+        pytest.skip("the interleaved layout is served by the AVX512-VNNI build only")
+    block = KERNEL_TYPES[qtype][1]
+    cols = 3 * block  # an odd block count: Q6_K's / Q8_0's chunks alternate their 64-byte alignment
+    w = random_blocks(qtype, rows, cols, seed=rows)
+    packed = _REPACK(w, qtype, False)
+    whole = rows // GROUP_ROWS * GROUP_ROWS
+    assert packed.shape == w.shape and not torch.equal(packed[:whole], w[:whole])
+    assert torch.equal(packed[whole:], w[whole:])
+    assert torch.equal(_REPACK(packed, qtype, True), w)
+    ref = reference_dequantize(w, qtype, rows, cols)
+    torch.testing.assert_close(dequantize_rows(packed, qtype + INTERLEAVED, cols), ref, rtol=1e-6, atol=1e-7)
+    ids = torch.tensor([rows - 1, 0, 17 % rows, whole - 1])
+    emb = GGUFEmbedding(qtype + INTERLEAVED, packed, cols)
+    torch.testing.assert_close(emb(ids), ref[ids], rtol=1e-6, atol=1e-7)
+    layer = GGUFLinear(cols, [(qtype, w)], interleaved=INTERLEAVED_TYPES)
+    assert layer.types == [qtype + INTERLEAVED]
+    assert torch.equal(layer.file_parts()[0][1], w)
+    torch.testing.assert_close(layer.dequantized_weight(), ref)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m))
+        want, tol = expected(x, w, qtype, rows, cols)
+        err = (layer(x).double() - want).abs()
+        assert (err <= tol).all(), f"m={m}: max error {err.max():.3g}"
+
+
+def test_interleaved_parts_fused_with_file_layout() -> None:
+    """A fused projection mixes interleaved parts (Q4_K, Q6_K of >= 16 rows: interleaved by default) with
+    parts that stay in the file's layout (fewer rows than a group, a type without the layout, Q8_0 by
+    default)."""
+    cols = 512
+    parts = [
+        (12, random_blocks(12, 40, cols, 4)),
+        (14, random_blocks(14, 8, cols, 5)),
+        (14, random_blocks(14, 33, cols, 6)),
+        (11, random_blocks(11, 20, cols, 7)),
+        (8, random_blocks(8, 16, cols, 8)),
+    ]
+    layer = GGUFLinear(cols, parts)
+    if kernel_isa() == "avx512_vnni":
+        assert layer.types == [12 + INTERLEAVED, 14, 14 + INTERLEAVED, 11, 8]
+    x = torch.randn(4, cols)
+    y = layer(x)
+    done = 0
+    for qtype, w in parts:
+        want, tol = expected(x, w, qtype, w.shape[0], cols)
+        assert ((y[:, done : done + w.shape[0]].double() - want).abs() <= tol).all()
+        done += w.shape[0]

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -33,7 +34,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
+
+#include <sys/mman.h>
 
 #if defined(__F16C__) && !defined(RADIXLM_PORTABLE)
 #include <immintrin.h>
@@ -295,12 +299,139 @@ bool type_info(int64_t t, TypeInfo& info) {
   }
 }
 
+// --------------------------------------------------------------------------------------- interleaved layout
+// For the AVX512 decode paths, a tensor of Q4_K, Q5_K, Q6_K or Q8_0 may be repacked once at load
+// (`gguf_repack`): every group of NR = 16 consecutive rows is rewritten so that the same bytes of the 16 rows'
+// block b lie side by side, and one 64-byte load holds 4 consecutive quantized bytes of each of the 16 rows (one
+// 32-bit lane per row), which one vpdpbusd multiplies by 4 broadcast activations. The bits are only moved (Q8_0's
+// int8 q is stored as q + 128, unsigned), never re-quantized, and the tensor keeps its shape and size: group g's
+// block b is the CHUNK = 16 * BYTES bytes at g * 16 * row bytes + b * CHUNK, a list of pieces, each piece a few
+// bytes of the file's block (`Piece`) for the 16 rows side by side ([16 rows][size]), in the order the kernel
+// reads them. Q6_K's and Q8_0's chunks are 32 bytes past a multiple of 64 long: a chunk that starts 32 bytes past
+// a 64-byte boundary of the tensor puts its 32 bytes of fp16 d first, so the quantized bytes' 64-byte loads stay
+// aligned. Rows past the last whole group keep the file's layout in place. The part's type id is then the GGML
+// id + INTERLEAVED.
+constexpr int64_t INTERLEAVED = 256;
+constexpr int64_t NR = 16;
+
+struct Piece {
+  int off, size;  // bytes [off, off + size) of the file's block: 1, 2 or 4
+  uint8_t flip;   // xor'ed into every byte (Q8_0: q + 128)
+};
+struct Place {  // a piece's bytes of row i lie at chunk + at + i * size
+  int off, at, size;
+  uint32_t flip;
+};
+struct Layout {
+  int bytes = 0;
+  std::vector<Piece> pieces;
+  int lead = -1;              // the piece (d) put first in a chunk that starts 32 bytes past a 64-byte boundary
+  std::vector<Place> places[2];  // the pieces placed, without and with the lead piece first
+};
+
+void place_pieces(Layout& l) {
+  for (int lead = 0; lead < 2; ++lead) {
+    int at = 0;
+    auto put = [&](const Piece& p) {
+      l.places[lead].push_back({p.off, at, p.size, p.flip * 0x01010101u});
+      at += static_cast<int>(NR) * p.size;
+    };
+    if (lead && l.lead >= 0) put(l.pieces[l.lead]);
+    for (int j = 0; j < static_cast<int>(l.pieces.size()); ++j)
+      if (!(lead && j == l.lead)) put(l.pieces[j]);
+  }
+}
+
+Layout make_layout(int64_t t) {
+  Layout l;
+  auto add = [&](int off, int size, uint8_t flip = 0) { l.pieces.push_back({off, size, flip}); };
+  switch (t) {
+    case Q4_K:  // d, dmin, the 12 bytes of 6-bit scales and mins one by one, qs 4 bytes at a time
+    case Q5_K:  // the same, then qh, then qs
+      l.bytes = t == Q4_K ? 144 : 176;
+      add(0, 2), add(2, 2);
+      for (int j = 0; j < 12; ++j) add(4 + j, 1);
+      if (t == Q5_K)
+        for (int p = 0; p < 8; ++p) add(16 + 4 * p, 4);
+      for (int c = 0; c < 32; ++c) add((t == Q4_K ? 16 : 48) + 4 * c, 4);
+      break;
+    case Q6_K:  // per half h and p < 8: ql[64h + 4p], ql[64h + 32 + 4p], qh[32h + 4p]; the 16 scales; d
+      l.bytes = 210;
+      for (int h = 0; h < 2; ++h)
+        for (int p = 0; p < 8; ++p) add(64 * h + 4 * p, 4), add(64 * h + 32 + 4 * p, 4), add(128 + 32 * h + 4 * p, 4);
+      for (int s = 0; s < 16; ++s) add(192 + s, 1);
+      add(208, 2);
+      l.lead = static_cast<int>(l.pieces.size()) - 1;
+      break;
+    case Q8_0:  // qs + 128, 4 bytes at a time; d
+      l.bytes = 34;
+      for (int p = 0; p < 8; ++p) add(2 + 4 * p, 4, 0x80);
+      add(0, 2);
+      l.lead = 8;
+      break;
+    default: break;
+  }
+  place_pieces(l);
+  return l;
+}
+
+const Layout* interleaved_layout(int64_t t) {
+  static const Layout q4k = make_layout(Q4_K), q5k = make_layout(Q5_K), q6k = make_layout(Q6_K),
+                      q80 = make_layout(Q8_0);
+  switch (t) {
+    case Q4_K: return &q4k;
+    case Q5_K: return &q5k;
+    case Q6_K: return &q6k;
+    case Q8_0: return &q80;
+    default: return nullptr;
+  }
+}
+
+// Moves one row's block between the file's layout (`blk`) and its place in an interleaved chunk (row i < 16);
+// `lead`: the chunk starts 32 bytes past a 64-byte boundary.
+template <bool TO_CHUNK>
+inline void move_block(const Layout& l, uint8_t* blk, uint8_t* chunk, int64_t i, bool lead) {
+  for (const Place& p : l.places[lead ? 1 : 0]) {
+    uint8_t* c = chunk + p.at + i * p.size;
+    uint8_t* f = blk + p.off;
+    uint8_t* dst = TO_CHUNK ? c : f;
+    const uint8_t* src = TO_CHUNK ? f : c;
+    if (p.size == 4) {
+      uint32_t v;
+      std::memcpy(&v, src, 4);
+      v ^= p.flip;
+      std::memcpy(dst, &v, 4);
+    } else if (p.size == 2) {
+      std::memcpy(dst, src, 2);
+    } else {
+      *dst = *src;
+    }
+  }
+}
+
+// Whether the chunk at byte `offset` of an interleaved tensor puts its lead piece first.
+inline bool lead_first(int64_t offset) { return (offset & 63) == 32; }
+
+// Row n of an interleaved tensor W (rows of rb bytes) in the file's layout, into out [rb].
+void gather_row(const Layout& l, const uint8_t* W, int64_t rows, int64_t rb, int64_t n, uint8_t* out) {
+  if (n >= rows / NR * NR) {
+    std::memcpy(out, W + n * rb, rb);
+    return;
+  }
+  const int64_t group = n / NR * NR * rb;
+  for (int64_t b = 0; b < rb / l.bytes; ++b) {
+    const int64_t chunk = group + b * NR * l.bytes;
+    move_block<false>(l, out + b * l.bytes, const_cast<uint8_t*>(W + chunk), n % NR, lead_first(chunk));
+  }
+}
+
 // ------------------------------------------------------------------------------------------- activations
 // Rows of x quantized per block of `qk`: qa int8 [M, K], dl = da per group of 4 [M, K/4], sg = da * (sum of
 // qa over each group of 16) [M, K/16].
 struct Acts {
   std::vector<int8_t> qa;
   std::vector<float> dl, sg, s32;  // s32: da * (sum of qa) per group of 32 [M, K/32]
+  std::vector<int32_t> i16;        // sum of qa per group of 16 [M, K/16] (the interleaved paths' offsets)
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
@@ -308,6 +439,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
   a.dl.resize(M * K / 4);
   a.sg.resize(M * K / 16);
   a.s32.resize(M * K / 32);
+  a.i16.resize(M * K / 16);
   at::parallel_for(0, M, 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b0 = 0; b0 < K; b0 += qk) {
@@ -326,6 +458,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
           int32_t s = 0;
           for (int i = 0; i < 16; ++i) s += q[16 * g + i];
           a.sg[(r * K + b0) / 16 + g] = d * static_cast<float>(s);
+          a.i16[(r * K + b0) / 16 + g] = s;
         }
         for (int64_t g = 0; g < qk / 32; ++g)
           a.s32[(r * K + b0) / 32 + g] = a.sg[(r * K + b0) / 16 + 2 * g] + a.sg[(r * K + b0) / 16 + 2 * g + 1];
@@ -475,6 +608,7 @@ void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
 struct ActView {
   const int8_t* qa;
   const float *dl, *sg, *s32;
+  const int32_t* i16;
 };
 
 inline __m512i two32(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
@@ -789,6 +923,204 @@ void q3_k_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t 
   q23_k_rows<MR, true>(W, K, a, y, ldy, n0, n1);
 }
 
+// ------------------------------------------------------------------- interleaved groups (1..4 rows), AVX-512
+// One group of 16 weight rows in the interleaved layout (above) times MR activation rows: each 64-byte load is
+// 4 quantized bytes of every row, multiplied by 4 broadcast activations of each activation row in one vpdpbusd
+// (16 outputs x 4 inputs), so a weight byte is loaded and unpacked once for all MR rows and the unpacking is
+// shared by 16 rows' outputs. Sub-block sums are kept in int32 and scaled in float once per sub-block.
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __m512i widen16(const uint8_t* p) {  // 16 bytes -> 16 uint32 lanes
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// per bit: c ? a : b
+inline __m512i select_bits(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0xE4); }
+// per bit: a | (b & c)
+inline __m512i or_masked(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }
+
+// Q4_K / Q5_K sub-block s's 6-bit scale (k4_scale) and min (k4_min) for the 16 rows, as float, from the 12
+// byte planes P (ggml's packing: bytes 0-3 hold scales 0-3 and the top bits of scales 4-7, bytes 4-7 the mins
+// likewise, bytes 8-11 the low 4 bits of scale and min 4-7)
+inline __m512 k4_scale(const uint8_t* P, int s) {
+  if (s < 4) return _mm512_cvtepi32_ps(_mm512_and_si512(widen16(P + 16 * s), _mm512_set1_epi32(63)));
+  return _mm512_cvtepi32_ps(
+      select_bits(widen16(P + 16 * (s + 4)), _mm512_srli_epi32(widen16(P + 16 * (s - 4)), 2), _mm512_set1_epi32(15)));
+}
+inline __m512 k4_min(const uint8_t* P, int s) {
+  if (s < 4) return _mm512_cvtepi32_ps(_mm512_and_si512(widen16(P + 16 * (s + 4)), _mm512_set1_epi32(63)));
+  return _mm512_cvtepi32_ps(select_bits(_mm512_srli_epi32(widen16(P + 16 * (s + 4)), 4),
+                                        _mm512_srli_epi32(widen16(P + 16 * s), 2), _mm512_set1_epi32(15)));
+}
+
+// Q4_K, or Q5_K (HIGH: a fifth bit per weight from qh). Q4_K's high nibble is used as (byte & 0xF0) = 16 * u,
+// its scale divided by 16 (exact); the mins use the activations' sums per 32, once per super-block.
+template <int MR, bool HIGH>
+void k45_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+  constexpr int64_t CHUNK = NR * (HIGH ? 176 : 144), QS = HIGH ? 768 : 256;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512 tot[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = G + b * CHUNK;
+    __m512 fs[MR];
+    for (int m = 0; m < MR; ++m) fs[m] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      __m512i alo[MR], ahi[MR];
+      for (int m = 0; m < MR; ++m) alo[m] = ahi[m] = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) {
+        const __m512i q = _mm512_loadu_si512(c + QS + (8 * j + p) * 64);
+        __m512i lo = _mm512_and_si512(q, lo4), hi;
+        if (HIGH) {  // qh bit 2j of element 64j + l, bit 2j + 1 of element 64j + 32 + l
+          const __m512i h = _mm512_loadu_si512(c + 256 + p * 64), bit5 = _mm512_set1_epi8(0x10);
+          hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo4);
+          lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1u << (2 * j)))),
+                                    lo, bit5);
+          hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(2u << (2 * j)))),
+                                    hi, bit5);
+        } else {
+          hi = _mm512_and_si512(q, hi4);  // 16 * u
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* x = a.qa + m * K + b * 256 + 64 * j + 4 * p;
+          alo[m] = _mm512_dpbusd_epi32(alo[m], lo, bcast4(x));
+          ahi[m] = _mm512_dpbusd_epi32(ahi[m], hi, bcast4(x + 32));
+        }
+      }
+      const __m512 sc0 = k4_scale(c + 64, 2 * j);
+      const __m512 sc1 = _mm512_mul_ps(k4_scale(c + 64, 2 * j + 1), _mm512_set1_ps(HIGH ? 1.f : 1.f / 16));
+      for (int m = 0; m < MR; ++m) {
+        fs[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(alo[m]), sc0, fs[m]);
+        fs[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ahi[m]), sc1, fs[m]);
+      }
+    }
+    const __m512 d = half16(c), dmin = half16(c + 32);
+    for (int m = 0; m < MR; ++m)
+      tot[m] = _mm512_fmadd_ps(fs[m], _mm512_mul_ps(d, _mm512_set1_ps(a.dl[(m * K + b * 256) / 4])), tot[m]);
+    for (int sb = 0; sb < 8; ++sb) {  // - dmin * min * (da * sum of the sub-block's qa)
+      const __m512 mn = _mm512_mul_ps(k4_min(c + 64, sb), dmin);
+      for (int m = 0; m < MR; ++m)
+        tot[m] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(a.s32[(m * K + b * 256) / 32 + sb]), tot[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, tot[m]);
+}
+
+template <int MR>
+void q4_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+  k45_group<MR, false>(G, off, nb, K, a, y, ldy);
+}
+template <int MR>
+void q5_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+  k45_group<MR, true>(G, off, nb, K, a, y, ldy);
+}
+
+// Q6_K: u = 4 low bits from ql | 2 high bits from qh (0..63), sums started at -32 * (the sub-block's activation
+// sum), so one float scale per sub-block of 16 covers the -32 offset too.
+template <int MR>
+void q6_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+  constexpr int64_t CHUNK = NR * 210;
+  const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  __m512 tot[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = G + b * CHUNK;
+    const int lead = lead_first(off + b * CHUNK) ? 32 : 0;  // d first
+    const uint8_t *q6 = c + lead, *sc = c + lead + 3072;
+    __m512 fs[MR];
+    for (int m = 0; m < MR; ++m) fs[m] = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      for (int q = 0; q < 2; ++q) {  // sub-blocks 8h + q + 2t, t < 4; elements 128h + 32t + 16q + ...
+        __m512i acc[MR][4];
+        for (int m = 0; m < MR; ++m)
+          for (int t = 0; t < 4; ++t)
+            acc[m][t] = _mm512_set1_epi32(-32 * a.i16[(m * K + b * 256) / 16 + 8 * h + q + 2 * t]);
+        for (int pp = 0; pp < 4; ++pp) {
+          const int p = 4 * q + pp;
+          const uint8_t* abh = q6 + (8 * h + p) * 192;  // ql[64h + 4p], ql[64h + 32 + 4p], qh[32h + 4p]
+          const __m512i A = _mm512_loadu_si512(abh), B = _mm512_loadu_si512(abh + 64);
+          const __m512i H = _mm512_loadu_si512(abh + 128);
+          const __m512i u0 = or_masked(_mm512_and_si512(A, m0f), _mm512_slli_epi16(H, 4), m30);
+          const __m512i u1 = or_masked(_mm512_and_si512(B, m0f), _mm512_slli_epi16(H, 2), m30);
+          const __m512i u2 = or_masked(_mm512_and_si512(_mm512_srli_epi16(A, 4), m0f), H, m30);
+          const __m512i u3 = or_masked(_mm512_and_si512(_mm512_srli_epi16(B, 4), m0f), _mm512_srli_epi16(H, 2), m30);
+          for (int m = 0; m < MR; ++m) {
+            const int8_t* x = a.qa + m * K + b * 256 + 128 * h + 4 * p;
+            acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], u0, bcast4(x));
+            acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], u1, bcast4(x + 32));
+            acc[m][2] = _mm512_dpbusd_epi32(acc[m][2], u2, bcast4(x + 64));
+            acc[m][3] = _mm512_dpbusd_epi32(acc[m][3], u3, bcast4(x + 96));
+          }
+        }
+        for (int t = 0; t < 4; ++t) {
+          const __m512 s = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * (8 * h + q + 2 * t)))));
+          for (int m = 0; m < MR; ++m) fs[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][t]), s, fs[m]);
+        }
+      }
+    }
+    const __m512 d = half16(lead ? c : c + 3328);
+    for (int m = 0; m < MR; ++m)
+      tot[m] = _mm512_fmadd_ps(fs[m], _mm512_mul_ps(d, _mm512_set1_ps(a.dl[(m * K + b * 256) / 4])), tot[m]);
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, tot[m]);
+}
+
+// Q8_0: q + 128 (unsigned) times qa, less 128 * (the block's activation sum)
+template <int MR>
+void q8_0_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+  constexpr int64_t CHUNK = NR * 34;
+  __m512 tot[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = G + b * CHUNK;
+    const bool lead = lead_first(off + b * CHUNK);  // d first
+    const uint8_t* qs = lead ? c + 32 : c;
+    __m512i acc[MR], acc2[MR];
+    for (int m = 0; m < MR; ++m) {
+      const int32_t* s16 = a.i16 + (m * K + b * 32) / 16;
+      acc[m] = _mm512_set1_epi32(-128 * (s16[0] + s16[1]));
+      acc2[m] = _mm512_setzero_si512();
+    }
+    for (int p = 0; p < 8; p += 2) {  // two chains (vpdpbusd latency)
+      const __m512i w = _mm512_loadu_si512(qs + 64 * p), w2 = _mm512_loadu_si512(qs + 64 * p + 64);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = a.qa + m * K + b * 32 + 4 * p;
+        acc[m] = _mm512_dpbusd_epi32(acc[m], w, bcast4(x));
+        acc2[m] = _mm512_dpbusd_epi32(acc2[m], w2, bcast4(x + 4));
+      }
+    }
+    const __m512 d = half16(lead ? c : c + 512);
+    for (int m = 0; m < MR; ++m)
+      tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[m], acc2[m])),
+                               _mm512_mul_ps(d, _mm512_set1_ps(a.dl[(m * K + b * 32) / 4])), tot[m]);
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, tot[m]);
+}
+
+// group G (16 rows, `nb` blocks each; at byte `off` of its tensor) of an interleaved part of base type `type`
+// times M <= 4 activation rows
+void interleaved_group(int64_t type, const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, int64_t M,
+                       float* y, int64_t ldy) {
+#define RADIXLM_GROUP(...)                                  \
+  switch (M) {                                              \
+    case 1: __VA_ARGS__<1>(G, off, nb, K, a, y, ldy); return;  \
+    case 2: __VA_ARGS__<2>(G, off, nb, K, a, y, ldy); return;  \
+    case 3: __VA_ARGS__<3>(G, off, nb, K, a, y, ldy); return;  \
+    default: __VA_ARGS__<4>(G, off, nb, K, a, y, ldy); return; \
+  }
+  if (type == Q4_K) RADIXLM_GROUP(q4_k_group)
+  if (type == Q6_K) RADIXLM_GROUP(q6_k_group)
+  if (type == Q8_0) RADIXLM_GROUP(q8_0_group)
+  if (type == Q5_K) RADIXLM_GROUP(q5_k_group)
+#undef RADIXLM_GROUP
+}
+
 bool has_rows_path(int64_t type) {
   return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == Q8_0 ||
          type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
@@ -820,6 +1152,24 @@ bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const ActView& a, in
 }
 #endif
 
+const char* radixlm_isa() {
+#if defined(RADIXLM_AVX512)
+  return "avx512_vnni";
+#elif defined(RADIXLM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+constexpr bool interleaved_kernels() {
+#if defined(RADIXLM_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // x [M, K] float32 times the parts (each uint8 [N_i, K / qk * bytes] of type types[i]) -> y [M, sum N_i].
 at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types) {
   // RADIXLM_GGUF_GEMM_ROWS_ONLY=1: skip the register paths (tests compare them with the row-buffer path)
@@ -834,7 +1184,10 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
   std::vector<TypeInfo> infos(ws.size());
   int64_t total = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    TORCH_CHECK(type_info(types[i], infos[i]), "gguf_linear: unsupported GGML type ", types[i]);
+    const int64_t base = types[i] & ~INTERLEAVED;
+    TORCH_CHECK(type_info(base, infos[i]), "gguf_linear: unsupported GGML type ", types[i]);
+    TORCH_CHECK(!(types[i] & INTERLEAVED) || (interleaved_layout(base) != nullptr && interleaved_kernels()),
+                "gguf_linear: no interleaved kernel for type ", base, " in this build (", radixlm_isa(), ")");
     const at::Tensor& w = ws[i];
     TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
                 "gguf_linear: weights are contiguous uint8 [rows, row bytes]");
@@ -858,24 +1211,43 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
     const Acts& a = info.qk == 32 ? acts32 : acts256;
     const uint8_t* W = ws[i].data_ptr<uint8_t>();
     const int64_t N = ws[i].size(0);
+    const int64_t type = types[i] & ~INTERLEAVED;
     float* yc = yp + col;
-    // grain: enough rows per task that the row buffer and the task overhead pay off
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int64_t first = 0;  // rows [0, first) are interleaved groups
+#if defined(RADIXLM_AVX512)
+    if (types[i] & INTERLEAVED) {
+      first = N / NR * NR;
+      const int64_t rb = ws[i].size(1), nb = K / info.qk;
+      // activation rows 4 at a time over one group (kept in L2 across the tiles)
+      at::parallel_for(0, N / NR, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+          for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const ActView v{a.qa.data() + m0 * K, a.dl.data() + m0 * K / 4, a.sg.data() + m0 * K / 16,
+                            a.s32.data() + m0 * K / 32, a.i16.data() + m0 * K / 16};
+            interleaved_group(type, W + g * NR * rb, g * NR * rb, nb, K, v, std::min<int64_t>(4, M - m0),
+                              yc + m0 * total + g * NR, total);
+          }
+      });
+    }
+#endif
+    // the file's layout: rows [first, N); grain: enough rows per task that the row buffer and the task
+    // overhead pay off
+    if (first < N) at::parallel_for(first, N, 16, [&](int64_t n0, int64_t n1) {
 #if defined(RADIXLM_AVX512)
       // the register paths, 4 activation rows at a time over 16 weight rows (kept in L2 across the tiles)
-      if (!no_fast && has_rows_path(types[i])) {
+      if (!no_fast && has_rows_path(type)) {
         for (int64_t c0 = n0; c0 < n1; c0 += 16) {
           const int64_t c1 = std::min(c0 + 16, n1);
           for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const ActView v{a.qa.data() + m0 * K, a.dl.data() + m0 * K / 4, a.sg.data() + m0 * K / 16,
-                            a.s32.data() + m0 * K / 32};
-            decode_rows(types[i], W, K, v, std::min<int64_t>(4, M - m0), yc + m0 * total, total, c0, c1);
+                            a.s32.data() + m0 * K / 32, a.i16.data() + m0 * K / 16};
+            decode_rows(type, W, K, v, std::min<int64_t>(4, M - m0), yc + m0 * total, total, c0, c1);
           }
         }
         return;
       }
 #endif
-      switch (types[i]) {
+      switch (type) {
 #define RADIXLM_PART(T, S, QK_, BYTES_, FN) \
   case T: part_rows<S, QK_, BYTES_, FN>(W, K, a, M, yc, total, n0, n1); break;
         RADIXLM_PART(Q4_0, false, 32, 18, unpack_q4_0)
@@ -901,7 +1273,10 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
 // lookup, and the whole tensor at load where a float copy is needed.
 at::Tensor gguf_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t cols) {
   TypeInfo info;
-  TORCH_CHECK(type_info(type, info), "gguf_rows: unsupported GGML type ", type);
+  const bool interleaved = type & INTERLEAVED;
+  const Layout* layout = interleaved_layout(type & ~INTERLEAVED);
+  TORCH_CHECK(type_info(type & ~INTERLEAVED, info) && (!interleaved || layout != nullptr),
+              "gguf_rows: unsupported GGML type ", type);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && cols % info.qk == 0 &&
                   w.size(1) == cols / info.qk * info.bytes,
               "gguf_rows: weights are contiguous uint8 [rows, row bytes] of whole blocks");
@@ -916,8 +1291,13 @@ at::Tensor gguf_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, i
   at::parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
     std::vector<uint8_t> u(info.qk);
     std::vector<float> ls(info.qk / 4), off(info.qk / 16);
+    std::vector<uint8_t> file_row(interleaved ? rb : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = W + ip[r] * rb;
+      if (interleaved) {
+        gather_row(*layout, W, rows, rb, ip[r], file_row.data());
+        row = file_row.data();
+      }
       float* o = op + r * cols;
       for (int64_t b = 0; b < nb; ++b) {
         info.unpack(row + b * info.bytes, u.data(), ls.data(), off.data());
@@ -931,19 +1311,51 @@ at::Tensor gguf_rows(const at::Tensor& w, int64_t type, const at::Tensor& ids, i
   return out;
 }
 
+// uint8 [rows, cols], uninitialized, on transparent huge pages where the kernel lends them (madvise mode): read
+// from DRAM in one stream, 4 KB pages held one thread's interleaved reads ~1.5x below numpy's (huge-page) arrays.
+at::Tensor huge_page_bytes(int64_t rows, int64_t cols) {
+  constexpr size_t HUGE = 2 << 20;
+  const size_t n = static_cast<size_t>(rows * cols);
+  if (n < HUGE) return at::empty({rows, cols}, at::TensorOptions().dtype(at::kByte));
+  void* p = nullptr;
+  if (posix_memalign(&p, HUGE, (n + HUGE - 1) / HUGE * HUGE) != 0) throw std::bad_alloc();
+  madvise(p, (n + HUGE - 1) / HUGE * HUGE, MADV_HUGEPAGE);  // advice only: ignored where THP is off
+  return at::from_blob(p, {rows, cols}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+}
+
+// w (uint8 [rows, row bytes] of `type`, one of Q4_K, Q5_K, Q6_K, Q8_0) in the interleaved layout (see above),
+// or back to the file's layout when `inverse`; a new tensor of the same shape.
+at::Tensor gguf_repack(const at::Tensor& w, int64_t type, bool inverse) {
+  const Layout* lp = interleaved_layout(type);
+  TORCH_CHECK(lp != nullptr, "gguf_repack: no interleaved layout for GGML type ", type);
+  const Layout& l = *lp;
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) % l.bytes == 0,
+              "gguf_repack: weights are contiguous uint8 [rows, row bytes] of whole blocks");
+  at::Tensor out = huge_page_bytes(w.size(0), w.size(1));
+  const int64_t rows = w.size(0), rb = w.size(1), nb = rb / l.bytes, groups = rows / NR;
+  uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t i = 0; i < NR; ++i) {
+          const int64_t file = (g * NR + i) * rb + b * l.bytes, chunk = g * NR * rb + b * NR * l.bytes;
+          if (inverse)
+            move_block<false>(l, dst + file, src + chunk, i, lead_first(chunk));
+          else
+            move_block<true>(l, src + file, dst + chunk, i, lead_first(chunk));
+        }
+  });
+  if (groups * NR < rows) std::memcpy(dst + groups * NR * rb, src + groups * NR * rb, (rows - groups * NR) * rb);
+  return out;
+}
+
 }  // namespace
 
-extern "C" const char* radixlm_gguf_gemm_isa() {
-#if defined(RADIXLM_AVX512)
-  return "avx512_vnni";
-#elif defined(RADIXLM_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+extern "C" const char* radixlm_gguf_gemm_isa() { return radixlm_isa(); }
 
 TORCH_LIBRARY_IMPL(radixlm, CPU, lib) {
   lib.impl("gguf_linear", &gguf_linear);
   lib.impl("gguf_rows", &gguf_rows);
+  lib.impl("gguf_repack", &gguf_repack);
 }
