@@ -164,3 +164,24 @@ def test_unsupported_forms_are_refused_clearly():
         p.gated_lark(True)
     with pytest.raises(ToolRequestError, match="llguidance"):
         p.calls_regex([], False)
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_streamed_deltas_add_up_to_the_message(constrained):
+    """Fed the output a few characters at a time (the answer after the reasoning split), the tool stream
+    sends one call whose streamed arguments equal the final message's, and no tag as content."""
+    from runtime.entrypoints.tool_calls.output import ToolStream, final_message
+
+    p = HarmonyParser()
+    text = HarmonyReasoningParser().split(THOUGHTS + CALL).answer
+    stream = ToolStream(p, constrained)
+    deltas = []
+    for i in range(1, len(text) + 1, 3):
+        deltas += stream.feed(text[:i], finished=False)
+    deltas += stream.feed(text, finished=True)
+    assert not any("content" in d and d["content"].strip() for d in deltas)
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert "".join(c["function"].get("arguments", "") for c in calls) == '{"city": "Paris", "days": 3}'
+    content, final = final_message(p, text, constrained)
+    assert content is None and final[0]["function"]["arguments"] == '{"city": "Paris", "days": 3}'
