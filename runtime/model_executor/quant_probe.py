@@ -20,9 +20,9 @@ The cache: `radixlm_quantization.json` beside the weights where that folder is w
 for root too), else `<cache root>/quantization/<hash of the folder's path>.json` (runtime.cache_dir:
 $RADIXLM_CACHE_DIR or ~/.cache/radixlm). An entry is used only when its key matches: the weights'
 fingerprint (`model_loader.weights_fingerprint`: config, sizes, headers and samples of the data) and each
-weight file's size and modification time, radixlm's
-version, a hash of the quantized kernels' sources, torch's version, the CPU flags the kernels depend on, the
-candidates, the probe text and the bound. Anything else (new weights, another CPU) is measured again.
+weight file's size and modification time, radixlm's version, a hash of the quantized kernels' sources and
+of this module, torch's version, the CPU flags the kernels depend on, the candidates, the probe text and
+the bound. Anything else (new weights, another CPU) is measured again.
 
 Where it runs: in the process that resolves `ServerArgs` with this probe (`radixlm serve` before it starts
 the scheduler and tensor-parallel ranks, which receive the resolved choice; `Engine`; the data-parallel front
@@ -123,17 +123,21 @@ def measure(
     `stop_early=False` runs every window of a failing mode too (the full figure, for reports)."""
     from runtime.models.model_config import ModelConfig
     from runtime.models.model_loader import load_hf_config, load_tokenizer
+    from runtime.platform import auto_num_threads
 
     t0 = time.perf_counter()
     cfg = ModelConfig.from_hf(load_hf_config(model_dir))
     window = min(WINDOW, cfg.max_position_embeddings)
-    ids = load_tokenizer(model_dir)(PROBE_TEXT.read_text(), add_special_tokens=False)["input_ids"]
-    if max(ids) >= cfg.vocab_size:
+    tokenizer = load_tokenizer(model_dir)
+    ids = tokenizer(PROBE_TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    bos = (
+        [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    )  # each window starts as text does
+    if max(ids + bos) >= cfg.vocab_size:
         raise NotMeasurable(f"its tokenizer gives ids up to {max(ids)}, its vocabulary has {cfg.vocab_size}")
-    windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+    step = window - len(bos)
+    windows = [bos + ids[i : i + step] for i in range(0, len(ids) - step + 1, step)]
     threads = torch.get_num_threads()
-    from runtime.platform import auto_num_threads
-
     torch.set_num_threads(auto_num_threads())
     try:
         runner = _runner(model_dir, "none", window)

@@ -238,3 +238,19 @@ def test_the_probe_text_ships_with_the_package():
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]["runtime.model_executor"]
     assert "data/*.txt" in data
+
+
+def test_the_data_parallel_front_measures_once_for_its_replicas(folder, measurements, monkeypatch):
+    """`--dp-size 2`: the front measures before it starts the replicas (stubbed here: no router, no
+    processes), so each replica's own resolve finds the answer cached."""
+    _needs("w4a8")
+    from runtime.entrypoints import data_parallel as dp
+
+    model = folder("sharp")
+    monkeypatch.setattr(dp, "check_router_installed", lambda: None)
+    monkeypatch.setattr(dp.DataParallelServer, "run", lambda self: 0)
+    assert dp.run_data_parallel(ServerArgs(model=model, device="cpu", dp_size=2)) == 0
+    assert measurements == [model] and (Path(model) / CACHE_FILE).is_file()
+    for _ in range(2):  # what each replica's run_server does
+        assert "cached in" in _resolve(model).quantization_reason
+    assert measurements == [model]
