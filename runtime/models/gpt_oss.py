@@ -18,9 +18,15 @@ store them as MXFP4 (`*_blocks` + `*_scales`, [E, out, in] once dequantized, `ru
 are dequantized at load. Either way the experts are held as `w13` [E, 2I, H] (gate rows then up rows) and
 `w2` [E, H, I] in the model's dtype.
 
-Limits, refused at start: tensor parallelism (no sharded layer here takes biases or sinks), any
---quantization but none, and attention backends without sinks (`AttentionBackend.supports_sinks`: the
-model runner checks). The layers run eagerly (no fused C++ layer path).
+Under tensor parallelism each rank holds its heads (q/k/v rows with their biases, o's columns, the heads'
+sinks), its slice of every expert's intermediate features, and its vocabulary slice; o's bias and the
+experts' down biases are added once (rank 0 / after the sum); the router and the norms are replicated.
+
+Limits, refused at start: any --quantization but none, and attention backends without sinks
+(`AttentionBackend.supports_sinks`: the model runner checks). The layers run eagerly (no fused C++ layer
+path). Greedy-equal to transformers in float32 (tests/unit/test_gpt_oss.py); bfloat16 runs, but differs
+from transformers' bfloat16 beyond round-off where transformers keeps the norm weights float32 and routes
+in bfloat16 (here the norm weights are the model's dtype and routing is float32).
 """
 
 from __future__ import annotations
@@ -38,7 +44,15 @@ from runtime.models.llama import LlamaForCausalLM, Rotary
 from runtime.models.model_config import ModelConfig
 from runtime.models.moe import _expert_groups
 from runtime.models.mxfp4 import dequantize_mxfp4
-from runtime.models.parallel import ParallelLMHead, TensorParallel, VocabParallelEmbedding
+from runtime.models.parallel import (
+    ColumnParallelLinear,
+    HeadShard,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    split_range,
+)
 
 if TYPE_CHECKING:
     from radixlm_kernels.base import AttentionBackend
@@ -59,14 +73,24 @@ class GptOssRMSNorm(nn.Module):
 
 
 class GptOssAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    """This rank's heads: q|k|v rows and their biases, o's input columns (its bias `o_bias` is added once,
+    after the ranks' sum), and the heads' sinks."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
-        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.meta = AttentionLayer(layer_id, h, hkv, d, d**-0.5, cfg.sliding_window(layer_id))
-        self.q_size, self.kv_size = h * d, hkv * d
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (h + 2 * hkv) * d, bias=True)  # rows q | k | v
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=True)
-        self.sinks = nn.Parameter(torch.zeros(h))
+        s, d = HeadShard.of(cfg.num_heads, cfg.num_kv_heads, tp), cfg.head_dim
+        window = cfg.sliding_window(layer_id)
+        self.meta = AttentionLayer(layer_id, s.num_heads, s.num_kv_heads, d, d**-0.5, window)
+        self.q_size, self.kv_size = s.num_heads * d, s.num_kv_heads * d
+        self.heads = (s.q_start, s.q_stop)  # of the checkpoint's query heads (the sinks' slice)
+        q_full, kv_full = cfg.num_heads * d, cfg.num_kv_heads * d
+        kv_rows = (kv_full, s.kv_start * d, s.kv_stop * d)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [(q_full, s.q_start * d, s.q_stop * d), kv_rows, kv_rows], bias=True
+        )
+        self.o_proj = RowParallelLinear(q_full, cfg.hidden_size, tp, (s.q_start * d, s.q_stop * d))
+        self.o_bias = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.sinks = nn.Parameter(torch.zeros(s.num_heads))
 
     def bind_sinks(self) -> None:
         """Hand the loaded sinks to the backend's layer metadata (float32), once the weights are final."""
@@ -78,18 +102,23 @@ class GptOssAttention(nn.Module):
         q = Rotary.apply(q.view(-1, m.num_heads, m.head_dim), cos, sin)  # [T, H, D]
         k = Rotary.apply(k.view(-1, m.num_kv_heads, m.head_dim), cos, sin)  # [T, Hkv, D]
         out = backend.forward(q, k, v.view(-1, m.num_kv_heads, m.head_dim), m, batch)  # [T, H, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size)) + self.o_bias
 
 
 class GptOssMoe(nn.Module):
-    """Router (`router_weight` [E, H], `router_bias` [E]) and experts (`w13` [E, 2I, H] gate rows then up
-    rows, `b13` [E, 2I], `w2` [E, H, I], `b2` [E, H])."""
+    """Router (`router_weight` [E, H], `router_bias` [E]; replicated, so every rank routes alike) and this
+    rank's slice [start, stop) of every expert's I intermediate features: `w13` [E, 2I_rank, H] gate rows
+    then up rows, `b13` [E, 2I_rank], `w2` [E, H, I_rank]; `b2` [E, H] is added by rank 0 only, and the
+    ranks' partial outputs are summed (one all_reduce)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         hf = cfg.hf_config
-        e, hidden, inter = hf.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        self.num_experts, self.top_k, self.inter = e, hf.num_experts_per_tok, inter
+        e, hidden = hf.num_local_experts, cfg.hidden_size
+        self.inter_full = cfg.intermediate_size
+        self.start, self.stop = split_range(self.inter_full, tp.size, tp.rank)
+        inter = self.inter = self.stop - self.start
+        self.num_experts, self.top_k, self.tp, self.add_b2 = e, hf.num_experts_per_tok, tp, tp.rank == 0
         self.alpha, self.limit = float(hf.swiglu_alpha), float(hf.swiglu_limit)
         self.router_weight = nn.Parameter(torch.empty(e, hidden))
         self.router_bias = nn.Parameter(torch.empty(e))
@@ -118,15 +147,16 @@ class GptOssMoe(nn.Module):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, rows, w in _expert_groups(weights, ids, self.num_experts):
             h = self.swiglu(F.linear(x.index_select(0, rows), self.w13[e], self.b13[e]))
-            out.index_add_(0, rows, F.linear(h, self.w2[e], self.b2[e]).float() * w)
-        return out.to(x.dtype)
+            y = F.linear(h, self.w2[e], self.b2[e] if self.add_b2 else None)
+            out.index_add_(0, rows, y.float() * w)
+        return self.tp.all_reduce(out).to(x.dtype)
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = GptOssAttention(cfg, layer_id)
-        self.mlp = GptOssMoe(cfg)
+        self.self_attn = GptOssAttention(cfg, layer_id, tp)
+        self.mlp = GptOssMoe(cfg, tp)
         self.input_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -141,14 +171,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         nn.Module.__init__(self)
         tp = tp or TensorParallel()
-        if tp.size > 1:
-            raise ValueError(
-                f"gpt-oss (GptOssForCausalLM) cannot run with --tp-size {tp.size}: its sharded layers "
-                "(biases, attention sinks, the experts' biases) are not implemented; use --tp-size 1"
-            )
         self.cfg, self.tp = cfg, tp
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = GptOssRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
@@ -172,13 +197,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load transformers-named tensors (float experts, or MXFP4 `*_blocks` + `*_scales` pairs, which may
-        arrive in any order); raise on unknown names, wrong shapes and missing weights."""
+        arrive in any order), each layer taking this rank's slice; raise on unknown names, wrong shapes and
+        missing weights."""
         self.tie_weights()
         params = dict(self.named_parameters())
-        attn = self.layers[0].self_attn
-        q, kv = attn.q_size, attn.kv_size
-        qkv_rows = {"q_proj": ("q", slice(0, q)), "k_proj": ("k", slice(q, q + kv))}
-        qkv_rows["v_proj"] = ("v", slice(q + kv, q + 2 * kv))
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 name -> the half of blocks/scales seen
 
@@ -195,21 +218,45 @@ class GptOssForCausalLM(LlamaForCausalLM):
             dst.copy_(tensor)
             loaded.add(f"{pname}#{tag}")
 
+        def shard(pname: str, tensor: torch.Tensor, part: int = 0) -> None:
+            """A parallel layer (runtime.models.parallel) takes its slice of the full tensor."""
+            stem, _, attr = pname.rpartition(".")
+            if pname not in params:
+                raise ValueError(f"unexpected weight {pname!r}")
+            try:
+                modules[stem].load_shard(attr, tensor, part)
+            except ValueError as e:
+                raise ValueError(f"{pname}: {e}") from None
+            loaded.add(f"{pname}#{part}")
+
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                shard(name, tensor)
+                continue
             parts = name.split(".")
-            if len(parts) < 5 or parts[0] != "layers":
+            if len(parts) < 4 or parts[0] != "layers":
                 put(name, tensor)
                 continue
             layer, block, module = ".".join(parts[:2]), parts[2], parts[3]
-            if block == "self_attn" and module in qkv_rows:
-                tag, rows = qkv_rows[module]
-                put(f"{layer}.self_attn.qkv_proj.{parts[4]}", tensor, (rows,), tag)
-            elif block == "mlp" and module == "router":
+            if block == "self_attn" and module in _QKV and len(parts) == 5:
+                shard(f"{layer}.self_attn.qkv_proj.{parts[4]}", tensor, _QKV[module])
+            elif block == "self_attn" and name.endswith("o_proj.weight"):
+                shard(f"{layer}.self_attn.o_proj.weight", tensor)
+            elif block == "self_attn" and name.endswith("o_proj.bias"):
+                put(f"{layer}.self_attn.o_bias", tensor)
+            elif block == "self_attn" and module == "sinks":
+                if tensor.shape != (self.cfg.num_heads,):
+                    raise ValueError(
+                        f"weight {name!r} has shape {tuple(tensor.shape)}, expected ({self.cfg.num_heads},)"
+                    )
+                a, b = self.get_submodule(f"{layer}.self_attn").heads
+                put(f"{layer}.self_attn.sinks", tensor[a:b])
+            elif block == "mlp" and module == "router" and len(parts) == 5:
                 put(f"{layer}.mlp.router_{parts[4]}", tensor)
-            elif block == "mlp" and module == "experts":
+            elif block == "mlp" and module == "experts" and len(parts) == 5:
                 leaf = parts[4]
                 stem, _, kind = leaf.rpartition("_")
                 if kind in ("blocks", "scales"):
@@ -227,9 +274,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         missing = []
         for pname in params:
             if ".qkv_proj." in pname:
-                tags = ("q", "k", "v")
+                tags: tuple[str | int, ...] = (0, 1, 2)
             elif pname.endswith((".mlp.w13", ".mlp.b13")):
                 tags = ("gate", "up")
+            elif pname in ("embed_tokens.weight", "lm_head.weight") or pname.endswith(".o_proj.weight"):
+                tags = (0,)
             else:
                 tags = ("",)
             missing += [f"{pname}#{t}" for t in tags if f"{pname}#{t}" not in loaded]
@@ -244,19 +293,29 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self, put, layer: str, leaf: str, tensor: torch.Tensor, scales: torch.Tensor | None = None
     ) -> None:
         """One expert tensor: `gate_up_proj` / `down_proj` (float [E, in, out]; or MXFP4 blocks with their
-        `scales`, [E, out, in] once dequantized) or their biases. gate and up are interleaved (even outputs
-        gate, odd up); they load as w13's (and b13's) gate rows, then up rows."""
+        `scales`, [E, out, in] once dequantized) or their biases, this rank's intermediate slice of it. gate
+        and up are interleaved (even outputs gate, odd up); they load as w13's (and b13's) gate rows, then
+        up rows."""
         mlp = self.get_submodule(f"{layer}.mlp")
         if scales is not None:
             tensor = dequantize_mxfp4(tensor, scales, mlp.w13.dtype)  # [E, out, in]
         elif leaf in ("gate_up_proj", "down_proj"):
             tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
+        rows, i = slice(mlp.start, mlp.stop), mlp.inter
         if leaf in ("gate_up_proj", "gate_up_proj_bias"):
+            if tensor.shape[1] != 2 * mlp.inter_full:
+                raise ValueError(f"{layer}.mlp.experts.{leaf} has shape {tuple(tensor.shape)}")
             target = f"{layer}.mlp.{'w13' if leaf == 'gate_up_proj' else 'b13'}"
-            i = mlp.inter
-            put(target, tensor[:, 0::2], (slice(None), slice(0, i)), "gate")
-            put(target, tensor[:, 1::2], (slice(None), slice(i, 2 * i)), "up")
-        elif leaf in ("down_proj", "down_proj_bias"):
-            put(f"{layer}.mlp.{'w2' if leaf == 'down_proj' else 'b2'}", tensor)
+            put(target, tensor[:, 0::2][:, rows], (slice(None), slice(0, i)), "gate")
+            put(target, tensor[:, 1::2][:, rows], (slice(None), slice(i, 2 * i)), "up")
+        elif leaf == "down_proj":
+            if tensor.shape[2] != mlp.inter_full:
+                raise ValueError(f"{layer}.mlp.experts.{leaf} has shape {tuple(tensor.shape)}")
+            put(f"{layer}.mlp.w2", tensor[:, :, rows])
+        elif leaf == "down_proj_bias":
+            put(f"{layer}.mlp.b2", tensor)
         else:
             raise ValueError(f"unexpected weight {layer}.mlp.experts.{leaf}")
+
+
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}  # checkpoint projection -> part of the fused qkv_proj

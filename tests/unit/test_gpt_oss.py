@@ -2,7 +2,8 @@
 (tests/random_gpt_oss.py: sliding and full layers, sinks, 6 experts top-2, yarn rope): logits of extends over
 cached prefixes and mixed-length decode steps on both CPU attention backends, the scheduler's greedy output
 with the radix cache and chunked prefill; the MXFP4 dequantizer against transformers' and an MXFP4
-checkpoint loaded; attention with sinks against a direct softmax; the start-up refusals."""
+checkpoint loaded; attention with sinks against a direct softmax; two tensor-parallel ranks against one
+process; the start-up refusals."""
 
 from __future__ import annotations
 
@@ -242,15 +243,27 @@ def test_mxfp4_checkpoint_loads_as_its_dequantization(tmp_path):
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
-def test_refuses_tensor_parallel_and_quantization(gpt_oss):
+@pytest.mark.slow  # two spawned rank processes (~20 s on 2 loaded cores)
+def test_two_tensor_parallel_ranks_equal_one_process(gpt_oss):
+    """--tp-size 2 on gloo: each rank holds 2 of the 4 query heads (their sinks and biases), 1 of the 2 KV
+    heads, half of every expert and half the vocabulary; the logits of a prefix extend, an extend and
+    decode steps past the window equal one process's."""
     from runtime.model_executor.model_runner import ModelRunner
-    from runtime.models.gpt_oss import GptOssForCausalLM
-    from runtime.models.model_config import ModelConfig
-    from runtime.models.parallel import TensorParallel
+    from tests.unit.test_tensor_parallel import POOL, TOL, _drive, _run_tp2
 
-    path, hf = gpt_oss
-    with pytest.raises(ValueError, match="--tp-size 2"):
-        GptOssForCausalLM(ModelConfig.from_hf(hf.config), TensorParallel(0, 2, group=object()))
+    path, _ = gpt_oss
+    ref = _drive(ModelRunner(path, **POOL))
+    got, kv_heads = _run_tp2(path)
+    assert kv_heads == 1 and len(got) == len(ref)
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+
+
+def test_refuses_quantization(gpt_oss):
+    from runtime.model_executor.model_runner import ModelRunner
+
+    path, _ = gpt_oss
     with pytest.raises(ValueError, match="--quantization int8"):
         ModelRunner(path, dtype="float32", quantization="int8", attention_backend="torch_native")
 
