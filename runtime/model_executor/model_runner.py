@@ -82,6 +82,8 @@ class ModelRunner:
                 f"{cfg.architecture} cannot be served with --quantization {quantization}: use "
                 "--quantization none (its float weights, MXFP4 experts dequantized at load)"
             )
+        if max_loras > 0 and not getattr(model_class, "supports_lora", True):
+            raise ValueError(f"{cfg.architecture} cannot serve LoRA adapters: leave --max-loras at 0")
         if quantization == "gguf_native":  # a GGUF file's blocks in place: no float weights are built
             from runtime.models.gguf_model import load_gguf_model
 

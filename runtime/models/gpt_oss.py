@@ -167,6 +167,7 @@ class GptOssDecoderLayer(nn.Module):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     quantizable = False  # the model runner refuses --quantization other than none
+    supports_lora = False  # and LoRA adapters
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         nn.Module.__init__(self)

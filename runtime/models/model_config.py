@@ -64,7 +64,9 @@ class MoeConfig:
 
     @classmethod
     def from_hf(cls, cfg: Any, kind: str) -> MoeConfig | None:
-        if kind == "mixtral":  # every layer sparse, top-k always renormalised
+        # gpt-oss: every layer sparse; softmax over the k chosen logits = renormalised top-k (its own block,
+        # runtime.models.gpt_oss.GptOssMoe, with biases and a clamped SwiGLU)
+        if kind in ("mixtral", "gpt_oss"):  # every layer sparse, top-k always renormalised
             return cls(
                 cfg.num_local_experts,
                 cfg.num_experts_per_tok,

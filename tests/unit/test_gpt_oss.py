@@ -52,6 +52,8 @@ def test_config_maps_layers_sinks_and_yarn(gpt_oss):
     cfg = ModelConfig.from_hf(hf.config)
     assert cfg.sliding_windows == (WINDOW, 0, WINDOW) and cfg.attention_sinks and cfg.qkv_bias
     assert cfg.rope_attention_scaling > 1.0  # yarn's attention factor for factor 4
+    assert cfg.moe is not None and (cfg.moe.num_experts, cfg.moe.top_k) == (EXPERTS, 2)
+    assert cfg.moe.sparse_layers == {0, 1, 2}
     torch.testing.assert_close(cfg.inv_freq, hf.model.rotary_emb.inv_freq)
 
 
@@ -260,10 +262,12 @@ def test_two_tensor_parallel_ranks_equal_one_process(gpt_oss):
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
 
 
-def test_refuses_quantization(gpt_oss):
+def test_refuses_quantization_and_lora(gpt_oss):
     from runtime.model_executor.model_runner import ModelRunner
 
     path, _ = gpt_oss
+    with pytest.raises(ValueError, match="cannot serve LoRA adapters"):
+        ModelRunner(path, dtype="float32", max_loras=1, attention_backend="torch_native")
     with pytest.raises(ValueError, match="--quantization int8"):
         ModelRunner(path, dtype="float32", quantization="int8", attention_backend="torch_native")
 
