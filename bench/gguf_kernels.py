@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -83,7 +84,8 @@ def main() -> None:
             print(f"{name:10s} batch {m:3d}: {s * 1e3:7.3f} ms  {nbytes / s / 1e9:6.1f} GB/s", flush=True)
     out = {
         "isa": kernel_isa(), "w4a8_isa": w4a8.kernel_isa(), "shape": [n, k], "threads": args.threads,
-        "copies": copies, "memory_GB_s": round(memory, 1), "results": results,
+        "copies": copies, "memory_GB_s": round(memory, 1), "load_average": round(os.getloadavg()[0], 2),
+        "results": results,
     }  # fmt: skip
     print(json.dumps(out))
     if args.out:

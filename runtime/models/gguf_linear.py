@@ -8,6 +8,15 @@ multiplied by int8 activations quantized per block of 32 (Q4_0, Q4_1, Q5_0, Q5_1
 llama.cpp's arithmetic for the same file. Parts may differ in type (a Q4_K_M file's attn_v is Q6_K beside
 Q4_K q and k). `reference_dequantize` is gguf-py's dequantization, the kernel's test oracle.
 
+On the AVX512-VNNI build, Q4_K, Q5_K and Q6_K parts (and Q8_0 with $RADIXLM_GGUF_INTERLEAVE=all) are instead
+repacked once at construction into the kernel's interleaved layout (`interleave`): the same bits moved so
+that 16 rows' blocks lie side by side, a copy of the same size in anonymous memory (on transparent huge pages
+where allowed). The mapped file's pages those parts were read from are then referenced by nothing of the
+layer's (once the loader drops its reader the mapping goes), so resident memory stays about the file's size
+after load; during the load a part's file pages and its copy are both resident. `file_parts` gives the bytes
+back in the file's layout. Measured on a 2-core Zen 4 (bench/results/gguf_kernels_*.json): 2048 x 8192 at one
+activation row, Q4_K 0.44 -> 0.21 ms, Q6_K 0.50 -> 0.33 ms, on a par with w4a8's Q4_1; 2-3x at 16-64 rows.
+
 The kernel is built on first use (~20 s on 2 cores) and cached like radixlm's other C++ kernels
 (runtime/models/native_kernels.py: `LIBRARY` below).
 """

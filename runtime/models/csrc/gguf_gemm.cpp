@@ -1,5 +1,6 @@
-// y = x @ W^T straight from a GGUF tensor's blocks (the file's bytes, untouched), for the common block types:
-// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
+// y = x @ W^T straight from a GGUF tensor's blocks (the file's bytes, or the same bits interleaved 16 rows at a
+// time: see "interleaved layout" below), for the common block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of
+// 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
 //
 // Every type is read the same way. A weight row is first unpacked, block by block, into
 //   u[k]      one unsigned integer per element (0..63; Q8_0 keeps its signed int8),
@@ -16,7 +17,10 @@
 // lane. A row is unpacked once per call and kept in L1 while every activation row is multiplied by it, so
 // decode (1-4 rows) reads each weight byte once and prefill / verify (many rows) reuses the unpacked row.
 // With AVX512-VNNI every type instead has a register path (`decode_rows` below): 64 weights unpacked in
-// registers and multiplied by up to 4 activation rows at a time, sums kept in int32 per super-block.
+// registers and multiplied by up to 4 activation rows at a time, sums kept in int32 per super-block. Q4_K,
+// Q5_K, Q6_K and Q8_0 tensors repacked at load into the interleaved layout (`gguf_repack`) take the
+// interleaved paths instead (`interleaved_group`: one vpdpbusd advances 16 rows by 4 inputs, at any number
+// of activation rows, 4 at a time), 2x (Q4_K) / 1.5x (Q6_K) faster at one row from L3 and 2-3x at 16-64.
 //
 // Builds: AVX512-VNNI (+VL, BW), else AVX2 + FMA + F16C, else a scalar loop; -DRADIXLM_FORCE_AVX2 and
 // -DRADIXLM_PORTABLE pick the slower ones on any CPU so tests compare all three; radixlm_gguf_gemm_isa() says
