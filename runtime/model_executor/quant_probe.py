@@ -12,9 +12,9 @@ are not measured. None passing: `none`.
 Cost is bounded by the model's size: the windows used hold about `TOKEN_PARAMS / parameters` tokens, between
 `MIN_TOKENS` and `MAX_TOKENS`, spread evenly over the text (every kind of text is seen), and a mode's pass
 stops at the first window after which 0.99 is out of reach. Each mode is a load (the float32 weights,
-quantized) and a pass. Measured on the 2-core EPYC while other jobs kept it busy (load average 2-10):
-SmolLM2-135M's float folder 59-114 s, a random Llama-3.2-1B-shaped folder 272 s (512 tokens; ~60 s of it
-each quantizing load); docs/numerics.md has the commands.
+quantized) and a pass. Measured on the 2-core EPYC while other jobs kept it at a load average of ~8:
+SmolLM2-135M's float folder 114 s, a random Llama-3.2-1B-shaped folder 197 s (512 tokens; 53-56 s of it
+each quantizing load); docs/numerics.md has the figures and the command.
 
 The cache: `radixlm_quantization.json` beside the weights where that folder is writable (by its mode bits,
 for root too), else `<cache root>/quantization/<hash of the folder's path>.json` (runtime.cache_dir:
