@@ -448,22 +448,43 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qk, Acts& a) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b0 = 0; b0 < K; b0 += qk) {
         const float* xb = x + r * K + b0;
-        float amax = 0.f;
-        for (int64_t i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(xb[i]));
-        const float d = amax / 127.f;
-        const float id = d != 0.f ? 1.f / d : 0.f;
         int8_t* q = a.qa.data() + r * K + b0;
-        for (int64_t i = 0; i < qk; ++i) {
-          const float v = std::nearbyint(xb[i] * id);
-          q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        float d;
+#if defined(RADIXLM_AVX512)
+        // the same float operations 16 lanes at a time (vcvtps2dq rounds half to even, as nearbyint does,
+        // under the default MXCSR, checked here)
+        if ((_mm_getcsr() & 0x6000) == 0) {
+          __m512 mx = _mm512_setzero_ps();
+          for (int64_t i = 0; i < qk; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+          d = _mm512_reduce_max_ps(mx) / 127.f;
+          const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+          for (int64_t g = 0; g < qk / 16; ++g) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * g), id));
+            v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * g), _mm512_cvtepi32_epi8(v));
+            const int32_t sum = _mm512_reduce_add_epi32(v);
+            a.sg[(r * K + b0) / 16 + g] = d * static_cast<float>(sum);
+            a.i16[(r * K + b0) / 16 + g] = sum;
+          }
+        } else
+#endif
+        {
+          float amax = 0.f;
+          for (int64_t i = 0; i < qk; ++i) amax = std::max(amax, std::fabs(xb[i]));
+          d = amax / 127.f;
+          const float id = d != 0.f ? 1.f / d : 0.f;
+          for (int64_t i = 0; i < qk; ++i) {
+            const float v = std::nearbyint(xb[i] * id);
+            q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+          }
+          for (int64_t g = 0; g < qk / 16; ++g) {
+            int32_t s = 0;
+            for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+            a.sg[(r * K + b0) / 16 + g] = d * static_cast<float>(s);
+            a.i16[(r * K + b0) / 16 + g] = s;
+          }
         }
         fill(a.dl.data() + (r * K + b0) / 4, static_cast<int>(qk / 4), d);
-        for (int64_t g = 0; g < qk / 16; ++g) {
-          int32_t s = 0;
-          for (int i = 0; i < 16; ++i) s += q[16 * g + i];
-          a.sg[(r * K + b0) / 16 + g] = d * static_cast<float>(s);
-          a.i16[(r * K + b0) / 16 + g] = s;
-        }
         for (int64_t g = 0; g < qk / 32; ++g)
           a.s32[(r * K + b0) / 32 + g] = a.sg[(r * K + b0) / 16 + 2 * g] + a.sg[(r * K + b0) / 16 + 2 * g + 1];
       }
@@ -974,9 +995,11 @@ void k45_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActVi
     const uint8_t* c = G + b * CHUNK;
     __m512 fs[MR];
     for (int m = 0; m < MR; ++m) fs[m] = _mm512_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {  // unrolled: the sub-block's scale decoding is resolved at compile time
       __m512i alo[MR], ahi[MR];
       for (int m = 0; m < MR; ++m) alo[m] = ahi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         const __m512i q = _mm512_loadu_si512(c + QS + (8 * j + p) * 64);
         __m512i lo = _mm512_and_si512(q, lo4), hi;
@@ -1006,6 +1029,7 @@ void k45_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActVi
     const __m512 d = half16(c), dmin = half16(c + 32);
     for (int m = 0; m < MR; ++m)
       tot[m] = _mm512_fmadd_ps(fs[m], _mm512_mul_ps(d, _mm512_set1_ps(a.dl[(m * K + b * 256) / 4])), tot[m]);
+#pragma GCC unroll 8
     for (int sb = 0; sb < 8; ++sb) {  // - dmin * min * (da * sum of the sub-block's qa)
       const __m512 mn = _mm512_mul_ps(k4_min(c + 64, sb), dmin);
       for (int m = 0; m < MR; ++m)
@@ -1038,12 +1062,15 @@ void q6_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActV
     const uint8_t *q6 = c + lead, *sc = c + lead + 3072;
     __m512 fs[MR];
     for (int m = 0; m < MR; ++m) fs[m] = _mm512_setzero_ps();
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
       for (int q = 0; q < 2; ++q) {  // sub-blocks 8h + q + 2t, t < 4; elements 128h + 32t + 16q + ...
         __m512i acc[MR][4];
         for (int m = 0; m < MR; ++m)
           for (int t = 0; t < 4; ++t)
             acc[m][t] = _mm512_set1_epi32(-32 * a.i16[(m * K + b * 256) / 16 + 8 * h + q + 2 * t]);
+#pragma GCC unroll 4
         for (int pp = 0; pp < 4; ++pp) {
           const int p = 4 * q + pp;
           const uint8_t* abh = q6 + (8 * h + p) * 192;  // ql[64h + 4p], ql[64h + 32 + 4p], qh[32h + 4p]
@@ -1091,6 +1118,7 @@ void q8_0_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActV
       acc[m] = _mm512_set1_epi32(-128 * (s16[0] + s16[1]));
       acc2[m] = _mm512_setzero_si512();
     }
+#pragma GCC unroll 4
     for (int p = 0; p < 8; p += 2) {  // two chains (vpdpbusd latency)
       const __m512i w = _mm512_loadu_si512(qs + 64 * p), w2 = _mm512_loadu_si512(qs + 64 * p + 64);
       for (int m = 0; m < MR; ++m) {
