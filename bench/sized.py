@@ -16,7 +16,8 @@ Rows: decode rate at 1, 4 and 32 streams (`bench.harness.peers.server_decode`: r
 greedy with ignore_eos, rate = streams x (N - 1) / (t(N) - t(1))); the time to first token of a 2,000-token
 prompt (no cached prefix, median of 3); the agent loop of `bench.agent_loop` (agents x tool-calling steps
 with the 15-tool catalogue, steps/s). Also the machine's memory bandwidth (a copy kernel on all threads:
-bytes read + written / time) and each side's decode bandwidth at one stream: the bytes of weights one
+bytes read + written / time), each server's peak resident memory (at start-up and over the run, mapped file
+pages included) and each side's decode bandwidth at one stream: the bytes of weights one
 token reads (every matrix, the LM head included; of the token embedding only its row unless it is the LM
 head too) / the time per token.
 
@@ -28,10 +29,12 @@ head too) / the time per token.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -269,6 +272,37 @@ def launch(
     return server, {**spec.record(), "start_s": server.start_seconds}
 
 
+class ChildrenRss:
+    """Peak resident memory of this process's children (the launched server and its processes): sampled every
+    0.25 s on a thread, the tree's RSS less this process's own. `mark()` keeps the peak so far (start-up)."""
+
+    def __init__(self) -> None:
+        self.peak_mb, self.marked_mb = 0.0, 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from bench.harness.rss import tree_rss_mb
+
+        me = os.getpid()
+        while not self._done.is_set():
+            with open("/proc/self/status") as f:
+                own = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+            self.peak_mb = max(self.peak_mb, tree_rss_mb(me) - own)
+            self._done.wait(0.25)
+
+    def mark(self) -> None:
+        self.marked_mb = self.peak_mb
+
+    def __enter__(self) -> ChildrenRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def ttft(url: str, n: int, prompt_len: int, seed: int) -> dict[str, Any]:
     """Time to the first token of `n` fresh prompts of `prompt_len` random tokens, one at a time
     (max_tokens 1: the response arrives with its first token)."""
@@ -418,12 +452,16 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
         read = folder_read_bytes(folder) if name == VLLM else gguf_read_bytes(gguf)
         print(f"[sized] starting {name} ...", flush=True)
-        server, record = launch(name, args.size, folder, gguf, threads, log_dir)
-        try:
-            per_side[name] = {"load_before": common.load_average(), "server": record}
-            per_side[name] |= measure_side(server.url, name, args, read)
-        finally:
-            server.stop()
+        with ChildrenRss() as rss:
+            server, record = launch(name, args.size, folder, gguf, threads, log_dir)
+            rss.mark()
+            try:
+                per_side[name] = {"load_before": common.load_average(), "server": record}
+                per_side[name] |= measure_side(server.url, name, args, read)
+            finally:
+                server.stop()
+        # resident memory, mapped file pages included: the start-up peak and the peak over the whole run
+        per_side[name]["peak_rss_gb"] = {"start_up": rss.marked_mb / 1024, "run": rss.peak_mb / 1024}
     results = {"sides": per_side, "ratios": ratios(per_side), "memory_bandwidth": bandwidth}
     config = {
         "command": common.command_line(),

@@ -6,7 +6,7 @@ import os
 import threading
 
 
-def _tree_rss_mb(pid: int) -> float:
+def tree_rss_mb(pid: int) -> float:
     """Summed RSS of ``pid`` and all its descendants (compile workers, the Engine's processes), in MB."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -34,7 +34,7 @@ def _tree_rss_mb(pid: int) -> float:
 
 
 class PeakRss:
-    """Samples ``_tree_rss_mb(os.getpid())`` every 0.2 s on a thread while in use; ``peak_mb`` after."""
+    """Samples ``tree_rss_mb(os.getpid())`` every 0.2 s on a thread while in use; ``peak_mb`` after."""
 
     def __init__(self) -> None:
         self.peak_mb = 0.0
@@ -43,7 +43,7 @@ class PeakRss:
 
     def _run(self) -> None:
         while not self._done.is_set():
-            self.peak_mb = max(self.peak_mb, _tree_rss_mb(os.getpid()))
+            self.peak_mb = max(self.peak_mb, tree_rss_mb(os.getpid()))
             self._done.wait(0.2)
 
     def __enter__(self) -> PeakRss:
