@@ -32,6 +32,13 @@ KV_MEMORY_FRACTION = 0.25
 MAX_AUTO_TOTAL_TOKENS = 1 << 20
 
 
+def model_class_for(architecture: str) -> type:
+    """The module class that builds `architecture` (a ModelConfig's); the Llama decoder serves the rest."""
+    return {"Gemma3ForCausalLM": Gemma3ForCausalLM, "GptOssForCausalLM": GptOssForCausalLM}.get(
+        architecture, LlamaForCausalLM
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -72,10 +79,7 @@ class ModelRunner:
             self.channel = BatchChannel(tp)
 
         with torch.device("meta"):
-            model_class = {
-                "Gemma3ForCausalLM": Gemma3ForCausalLM,
-                "GptOssForCausalLM": GptOssForCausalLM,
-            }.get(cfg.architecture, LlamaForCausalLM)
+            model_class = model_class_for(cfg.architecture)
             model = model_class(cfg, tp)
         if quantization not in ("none", "auto") and not getattr(model_class, "quantizable", True):
             raise ValueError(

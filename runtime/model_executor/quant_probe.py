@@ -74,6 +74,15 @@ class NotMeasurable(ValueError):
 def auto_quantization(model_dir: str, candidates: Sequence[str]) -> tuple[str, str]:
     """(quantization, why) for `model_dir` under `--quantization auto`: the cached answer when its key still
     matches, else a fresh measurement (cached). `candidates`: the modes that run fast here, fastest first."""
+    from runtime.model_executor.model_runner import model_class_for
+    from runtime.models.model_config import ModelConfig
+    from runtime.models.model_loader import load_hf_config
+
+    arch = ModelConfig.from_hf(load_hf_config(model_dir)).architecture
+    if not getattr(
+        model_class_for(arch), "quantizable", True
+    ):  # measuring would load it in float32 for nothing
+        return "none", f"quantization auto: {arch} is served from its float weights only; chose none"
     key = cache_key(model_dir, candidates)
     for path in cache_paths(model_dir):
         entry = _read(path)

@@ -230,6 +230,18 @@ def test_a_folder_whose_tokenizer_exceeds_its_vocabulary_is_not_measured(tiny_mo
     assert not (Path(tiny_model_dir) / CACHE_FILE).exists()
 
 
+def test_an_architecture_served_only_in_float_is_not_measured(tmp_path, measurements):
+    """gpt-oss has no quantized mode: auto must not load it in float32 to measure modes it refuses."""
+    from tests.random_gpt_oss import save_random_gpt_oss
+
+    folder = tmp_path / "gpt_oss"
+    save_random_gpt_oss(folder)
+    args = ServerArgs(model=str(folder), device="cpu", dtype="float32").resolve(probe=auto_quantization)
+    assert args.quantization == "none"
+    assert "GptOssForCausalLM is served from its float weights only" in args.quantization_reason
+    assert measurements == [] and not (folder / CACHE_FILE).exists()
+
+
 def test_the_probe_text_ships_with_the_package():
     import tomllib
 
