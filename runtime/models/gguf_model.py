@@ -4,7 +4,9 @@
 The file is memory-mapped (gguf-py's reader). Every projection (q|k|v, o, gate|up, down, the LM head) becomes
 a `runtime.models.gguf_linear.GGUFLinear` over the tensor's own bytes: a view of the mapped file, except the
 Q/K rows of a `llama` file, which llama.cpp stored permuted and which are copied back into Hugging Face's
-order (whole rows of blocks: nothing is dequantized). The token embedding stays as the file's blocks too
+order (whole rows of blocks: nothing is dequantized), and, on the AVX512-VNNI build, Q4_K / Q5_K / Q6_K
+tensors, whose bits GGUFLinear copies once into its 16-row interleaved layout (same size; the mapping's
+pages are then no longer read). The token embedding stays as the file's blocks too
 (`GGUFEmbedding`: each lookup dequantizes the rows it reads); norms and biases are float32. Tensors stored as
 F32 / F16 / BF16 serve as float32 (`nn.Linear`, a float embedding). Any other type is refused at start-up
 naming the tensor and its type; so is tensor parallelism.
