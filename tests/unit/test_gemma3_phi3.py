@@ -13,7 +13,7 @@ import torch
 
 from tests.random_dense import GEMMA3_WINDOW, PHI3_ORIGINAL_MAX, PHI3_WINDOW, save_random_dense
 from tests.scheduler_utils import make_scheduler
-from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
+from tests.unit.test_model_parity import Harness, check_against_transformers, hf_greedy, hf_logits
 from tests.unit.test_scheduler import assert_all_free, run
 
 ARCHS = ["gemma3", "phi3"]
@@ -85,20 +85,7 @@ def test_logits_match_transformers(dense_model, backend):
             seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate(lens)}
             h = Harness(runner)
             prefix = {0: 0, 1: n1 - 4 if (n1 := lens[1]) > 4 else 0, 2: 0, 3: lens[3] - 33}
-            h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
-            logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
-            off = 0
-            for k in seqs:
-                ref = hf_logits(hf, seqs[k])[prefix[k] :]
-                torch.testing.assert_close(logits[off : off + len(ref)], ref, **TOL)
-                off += len(ref)
-            nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
-            for _ in range(3):
-                logits = h.decode(nxt)
-                for i, k in enumerate(seqs):
-                    seqs[k].append(nxt[k])
-                    torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], **TOL)
-                nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+            check_against_transformers(hf, h, seqs, prefix, 3, **TOL)
             for k, row in h.rows.items():
                 runner.allocator.free(runner.req_to_token_pool.read(row, h.lens[k]).clone())
                 runner.req_to_token_pool.free(row)

@@ -14,7 +14,7 @@ import torch
 
 from tests.random_gpt_oss import EXPERTS, WINDOW, gpt_oss_config, random_gpt_oss, save_random_gpt_oss
 from tests.scheduler_utils import make_scheduler
-from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
+from tests.unit.test_model_parity import Harness, check_against_transformers, hf_greedy
 from tests.unit.test_scheduler import assert_all_free, prompts, run
 
 TOL = dict(atol=3e-4, rtol=1e-4)
@@ -62,21 +62,7 @@ def compare(runner, hf, lens, prefix) -> None:
     transformers'."""
     g = torch.Generator().manual_seed(1)
     seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate(lens)}
-    h = Harness(runner)
-    h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
-    logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
-    off = 0
-    for k in seqs:
-        ref = hf_logits(hf, seqs[k])[prefix[k] :]
-        torch.testing.assert_close(logits[off : off + len(ref)], ref, **TOL)
-        off += len(ref)
-    nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
-    for _ in range(3):
-        logits = h.decode(nxt)
-        for i, k in enumerate(seqs):
-            seqs[k].append(nxt[k])
-            torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], **TOL)
-        nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+    check_against_transformers(hf, Harness(runner), seqs, prefix, 3, **TOL)
 
 
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])

@@ -128,31 +128,34 @@ class Harness:
         return self.r.forward(batch)
 
 
+def check_against_transformers(
+    hf, h: Harness, seqs: dict[int, list[int]], prefix: dict[int, int], steps: int, **tol
+):
+    """Cache each sequence's first `prefix[k]` tokens, extend the rest in one batch, then `steps` greedy
+    decode steps of the mixed-length batch: every logit row equals transformers' within `tol` (`seqs` grow by
+    the decoded tokens)."""
+    h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
+    logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
+    off = 0
+    for k in seqs:
+        ref = hf_logits(hf, seqs[k])[prefix[k] :]
+        torch.testing.assert_close(logits[off : off + len(ref)], ref, **tol)
+        off += len(ref)
+    nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
+    for _ in range(steps):
+        logits = h.decode(nxt)
+        for i, k in enumerate(seqs):
+            seqs[k].append(nxt[k])
+            torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], **tol)
+        nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+
+
 def test_extend_over_cached_prefixes_and_mixed_decode(models):
     hf, runner = models
     g = torch.Generator().manual_seed(1)
     seqs = {i: torch.randint(0, 256, (n,), generator=g).tolist() for i, n in enumerate([7, 12, 20, 3])}
-    h = Harness(runner)
-    # Step 1: cache prefixes of different lengths (request 0 has none).
-    prefix_len = {0: 0, 1: 5, 2: 13, 3: 1}
-    h.extend({k: seqs[k][:p] for k, p in prefix_len.items() if p})
-    # Step 2: one extend batch where every request adds its remaining prompt after its own cached prefix;
-    # compare the logits of every new token with a full HF forward.
-    logits = h.extend({k: seqs[k][prefix_len[k] :] for k in seqs}, all_logits=True)
-    off = 0
-    for k in seqs:
-        ref = hf_logits(hf, seqs[k])[prefix_len[k] :]
-        torch.testing.assert_close(logits[off : off + len(ref)], ref, atol=2e-4, rtol=1e-4)
-        off += len(ref)
-    # Step 3: several decode steps of the mixed-length batch, feeding the greedy token.
-    nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
-    for _ in range(4):
-        logits = h.decode(nxt)
-        for i, k in enumerate(seqs):
-            seqs[k].append(nxt[k])
-            ref = hf_logits(hf, seqs[k])[-1]
-            torch.testing.assert_close(logits[i], ref, atol=2e-4, rtol=1e-4)
-        nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+    # prefixes of different lengths cached first (request 0 has none), then 4 decode steps
+    check_against_transformers(hf, Harness(runner), seqs, {0: 0, 1: 5, 2: 13, 3: 1}, 4, atol=2e-4, rtol=1e-4)
 
 
 def test_decode_only_subset_of_requests(models):

@@ -11,7 +11,7 @@ import torch
 from runtime.models.moe import grouped_moe, grouped_moe_layers, reference_moe, route
 from tests.random_moe import save_random_moe
 from tests.scheduler_utils import make_scheduler
-from tests.unit.test_model_parity import Harness, hf_greedy, hf_logits
+from tests.unit.test_model_parity import Harness, check_against_transformers, hf_greedy, hf_logits
 from tests.unit.test_scheduler import assert_all_free, prompts, run
 
 ARCHS = ("qwen3_moe", "mixtral")
@@ -131,22 +131,8 @@ def test_logits_match_transformers(moe_model, fused):
     )
     g = torch.Generator().manual_seed(1)
     seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate([9, 17, 1, 30])}
-    h = Harness(runner)
     prefix = {0: 0, 1: 6, 2: 0, 3: 21}
-    h.extend({k: seqs[k][:p] for k, p in prefix.items() if p})
-    logits = h.extend({k: seqs[k][prefix[k] :] for k in seqs}, all_logits=True)
-    off = 0
-    for k in seqs:
-        ref = hf_logits(hf, seqs[k])[prefix[k] :]
-        torch.testing.assert_close(logits[off : off + len(ref)], ref, atol=3e-4, rtol=1e-4)
-        off += len(ref)
-    nxt = {k: int(hf_logits(hf, seqs[k])[-1].argmax()) for k in seqs}
-    for _ in range(3):
-        logits = h.decode(nxt)
-        for i, k in enumerate(seqs):
-            seqs[k].append(nxt[k])
-            torch.testing.assert_close(logits[i], hf_logits(hf, seqs[k])[-1], atol=3e-4, rtol=1e-4)
-        nxt = {k: int(logits[i].argmax()) for i, k in enumerate(seqs)}
+    check_against_transformers(hf, Harness(runner), seqs, prefix, 3, atol=3e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("chunk", [0, 16])
