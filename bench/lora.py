@@ -69,7 +69,8 @@ def step_costs(model_dir: str, paths: dict[str, str], batch: int, steps: int) ->
     """Median CPU milliseconds of one decode step of `batch` requests (64-token contexts) through the
     ModelRunner on one thread, counted with `time.process_time`, so other processes on a shared machine do not
     move it: the base model without LoRA, with LoRA on and no adapter rows, every row on one adapter, rows
-    spread over every adapter."""
+    spread over every adapter, and (`lora_mixed_torch`) the same with the updates as torch matmuls instead
+    of the C++ op (the path of other devices)."""
     import torch
 
     from runtime.model_executor.forward_batch import ForwardBatch
@@ -112,16 +113,22 @@ def step_costs(model_dir: str, paths: dict[str, str], batch: int, steps: int) ->
     plain, lora = runner(0), runner(len(paths))
     for slot, (name, path) in enumerate(paths.items()):
         lora.lora.load(slot, read_adapter(name, path, lora.config, lora.lora.max_rank))
+    mixed = [i % len(paths) for i in range(batch)]
+    kernel = lora.lora.state.use_kernel  # False: no C++ op here, both mixed cells run torch
     cells = {
-        "base": (plain, None),
-        "lora_base": (lora, None),
-        "lora_one": (lora, [0] * batch),
-        "lora_mixed": (lora, [i % len(paths) for i in range(batch)]),
+        "base": (plain, None, kernel),
+        "lora_base": (lora, None, kernel),
+        "lora_one": (lora, [0] * batch, kernel),
+        "lora_mixed": (lora, mixed, kernel),
+        "lora_mixed_torch": (lora, mixed, False),
     }
     samples: dict[str, list[float]] = {k: [] for k in cells}
     for _ in range(3):  # interleaved
-        for k, (r, slots) in cells.items():
+        for k, (r, slots, use_kernel) in cells.items():
+            if r.lora is not None:
+                r.lora.state.use_kernel = use_kernel
             samples[k].append(decode_ms(r, slots))
+    lora.lora.state.use_kernel = kernel
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -196,6 +203,7 @@ def main() -> None:
         "step_cpu_ms": step_ms,
         "step_ratio_mixed_vs_base": step_ms["base"] / step_ms["lora_mixed"],
         "step_ratio_one_vs_base": step_ms["base"] / step_ms["lora_one"],
+        "step_ratio_mixed_torch_vs_base": step_ms["base"] / step_ms["lora_mixed_torch"],
     }
     rows = [
         {"cell": k, "output tok/s": round(v, 1), "vs base": common.ratio(v, med["base"])}

@@ -296,10 +296,13 @@ def lora(results_dir: Path) -> str:
         "lora_base": "base model, LoRA on",
         "lora_one": f"all on one adapter of rank {rank}",
         "lora_mixed": f"spread over {k} adapters of rank {rank}",
+        "lora_mixed_torch": f"spread over {k} adapters, torch matmuls instead of the C++ op",
     }
     step, tok = r["step_cpu_ms"], r["tok_s"]
     rows = []
     for key, label in labels.items():
+        if key not in step:
+            continue
         serving = f"{num(tok[key])} ({tok[key] / tok['base']:.2f}×)" if key in tok else "–"
         rows.append([label, f"{step[key]:.1f} ({step['base'] / step[key]:.2f}×)", serving])
     out = table(

@@ -7,15 +7,19 @@ to `max_loras` adapters in stacked per-layer buffers (slot s of every buffer is 
 each projection (q|k|v, o, gate|up, down) of a loaded `LlamaForCausalLM` in a `LoraLinear`.
 
 A forward runs the base projection once for the whole batch (quantized or not), then, for each adapter
-present, its low-rank update `(x_rows @ A^T) @ B^T` on the rows of its requests only (a segmented matmul:
-contiguous runs of rows are slices, other rows are gathered and scattered back). Rows of base requests cost
-nothing extra. The scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B when loading.
+present, its low-rank update `(x_rows @ A^T) @ B^T` on the rows of its requests only. On the CPU this is one
+call of the C++ op `radixlm::lora_sgmv_` (csrc/lora_sgmv.cpp) per projection: the batch's adapter rows sorted
+by adapter as segments, each segment's weights read once, x and y rows read and written in place. Elsewhere
+(or without a C++ compiler) it is torch matmuls: contiguous runs of rows are slices, other rows are gathered
+and scattered back, or, for decode over several adapters, two padded batched matmuls. Rows of base requests
+cost nothing extra. The scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) is folded into B when loading.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,8 @@ import torch
 from torch import nn
 
 from runtime.models.model_config import ModelConfig
+
+logger = logging.getLogger("radixlm.lora")
 
 # PEFT's names for the projections a Llama-family layer has, and which fused module of ours holds each:
 # (module attribute path in the layer, part index inside the fused module)
@@ -211,12 +217,18 @@ class LoraBatch:
     per-adapter path. `grouped`, set when several adapters share the batch and their row counts are close
     (decode), packs every adapter's rows into one [adapters, rows, in] tensor so a projection's updates
     are two batched matmuls whatever the number of adapters (the SGMV shape, padded): (slots or None for
-    all slots in order, gather index, rows per adapter, positions of the real rows or None, their rows)."""
+    all slots in order, gather index, rows per adapter, positions of the real rows or None, their rows).
 
-    def __init__(self, num_slots: int = 0) -> None:
+    `sgmv`, set instead of both when `use_kernel` (a float32 CPU pool whose C++ op loaded), is the op's
+    view of the same rows: (rows [n] int64 sorted by slot, seg_ptr [k + 1], seg_slot [k]): segment j is
+    rows[seg_ptr[j]:seg_ptr[j + 1]], all on slot seg_slot[j]."""
+
+    def __init__(self, num_slots: int = 0, use_kernel: bool = False) -> None:
         self.num_slots = num_slots
+        self.use_kernel = use_kernel
         self.segments: list[tuple[int, slice | torch.Tensor]] = []
         self.grouped: tuple | None = None
+        self.sgmv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def set_rows(self, slots_per_req: list[int], tokens_per_req: list[int], device: torch.device) -> None:
         """Request i (of `tokens_per_req[i]` rows, in batch order) runs adapter slot `slots_per_req[i]`
@@ -231,6 +243,11 @@ class LoraBatch:
                 else:
                     spans.append((start, start + n))
             start += n
+        if self.use_kernel:
+            self.segments, self.grouped = [], None
+            self.sgmv = self._sort(runs)
+            return
+        self.sgmv = None
         segments: list[tuple[int, slice | torch.Tensor]] = []
         for slot, spans in runs.items():
             if len(spans) == 1:
@@ -240,6 +257,18 @@ class LoraBatch:
                 segments.append((slot, idx))
         self.segments = segments
         self.grouped = self._group(runs, device)
+
+    @staticmethod
+    def _sort(runs: dict[int, list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows sorted by slot, segment offsets, segment slots): the op's segments, one per slot present."""
+        rows: list[int] = []
+        ptr, slots = [0], []
+        for slot, spans in sorted(runs.items()):
+            for a, b in spans:
+                rows.extend(range(a, b))
+            ptr.append(len(rows))
+            slots.append(slot)
+        return tuple(torch.tensor(v, dtype=torch.int64) for v in (rows, ptr, slots))  # type: ignore[return-value]
 
     def _group(self, runs: dict[int, list[tuple[int, int]]], device: torch.device) -> tuple | None:
         rows = {slot: [r for a, b in spans for r in range(a, b)] for slot, spans in sorted(runs.items())}
@@ -266,23 +295,31 @@ class LoraBatch:
     def clear(self) -> None:
         self.segments = []
         self.grouped = None
+        self.sgmv = None
 
 
 class LoraLinear(nn.Module):
     """A base projection plus the batch's adapters' low-rank updates on their own rows.
 
-    `lora_a` [slots, parts * max_rank, in] and `lora_b` [slots, out, max_rank] are this projection's slices
-    of the pool. For a fused module (q|k|v, gate|up) part p's rank block of A feeds only its own output rows
-    (`splits`: the parts' output sizes), one matmul per part: a block-diagonal B would multiply zeros, which
-    cost a third of the update's time."""
+    `lora_a` [slots, parts * max_rank, in] and `lora_bt` [slots, max_rank, out] are this projection's slices
+    of the pool (`lora_b` [slots, out, max_rank] is `lora_bt` transposed, a view). For a fused module
+    (q|k|v, gate|up) part p's rank block of A feeds only its own output rows (`splits`: the parts' output
+    sizes), one matmul per part: a block-diagonal B would multiply zeros, which cost a third of the update's
+    time."""
 
     def __init__(
-        self, base: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor, splits: list[int], state: LoraBatch
+        self,
+        base: nn.Module,
+        lora_a: torch.Tensor,
+        lora_bt: torch.Tensor,
+        splits: list[int],
+        state: LoraBatch,
     ):
         super().__init__()
         self.base = base
-        self.lora_a, self.lora_b, self.state = lora_a, lora_b, state
-        self.splits, self.rank = splits, lora_b.shape[-1]
+        self.lora_a, self.lora_bt, self.state = lora_a, lora_bt, state
+        self.lora_b = lora_bt.transpose(1, 2)
+        self.splits, self.rank = splits, lora_bt.shape[1]
 
     def _add(self, y: torch.Tensor, rows: slice | torch.Tensor, xa: torch.Tensor, b: torch.Tensor) -> None:
         """y[rows] += xa [n, parts * R] x B [out, R]^T, each part into its own output columns (no concat)."""
@@ -301,6 +338,11 @@ class LoraLinear(nn.Module):
 
     def add_updates(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` (the base output of `x`) plus each adapter's update on its own rows, in place."""
+        sgmv = self.state.sgmv
+        if sgmv is not None:  # a float32 pool on the CPU: one call of the C++ op, y updated in place
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            torch.ops.radixlm.lora_sgmv_(y, x, self.lora_a, self.lora_bt, *sgmv, self.splits, self.rank)
+            return y
         grouped = self.state.grouped
         if grouped is not None:
             slots, gather, m, positions, rows = grouped
@@ -346,9 +388,10 @@ class LoraPool:
     ):
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         self.device, self.dtype = device, dtype
-        self.state = LoraBatch(max_loras)
+        on_cpu = device.type == "cpu" and dtype == torch.float32
+        self.state = LoraBatch(max_loras, use_kernel=on_cpu and _kernel_loads())
         self.shapes = projection_shapes(cfg)
-        # (layer, fused module path) -> (A [S, parts * R, in], B [S, out_total, R])
+        # (layer, fused module path) -> (A [S, parts * R, in], B [S, out_total, R]: a view of Bt [S, R, out])
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.slot_names: list[str | None] = [None] * max_loras
 
@@ -367,9 +410,9 @@ class LoraPool:
                 splits = [self.shapes[p][1] for p in parts]
                 s = self.max_loras
                 a = torch.zeros(s, r, fan_in, device=self.device, dtype=self.dtype)
-                b = torch.zeros(s, out_total, self.max_rank, device=self.device, dtype=self.dtype)
-                self.buffers[(i, path)] = (a, b)
-                setattr(owner, attr, LoraLinear(getattr(owner, attr), a, b, splits, self.state))
+                bt = torch.zeros(s, self.max_rank, out_total, device=self.device, dtype=self.dtype)
+                self.buffers[(i, path)] = (a, bt.transpose(1, 2))
+                setattr(owner, attr, LoraLinear(getattr(owner, attr), a, bt, splits, self.state))
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Copy `adapter` into `slot` (all of the slot is rewritten: its old adapter is gone)."""
@@ -400,3 +443,15 @@ class LoraPool:
         return sum(
             a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.buffers.values()
         )
+
+
+def _kernel_loads() -> bool:
+    """Whether the C++ LoRA op is loaded (built on first use); without it the torch path runs."""
+    from runtime.models.native_kernels import LORA_SGMV, KernelUnavailable
+
+    try:
+        LORA_SGMV.load()
+    except KernelUnavailable as e:
+        logger.warning("LoRA updates run as torch matmuls: %s", e)
+        return False
+    return True

@@ -11,10 +11,11 @@ rename, so none loads a half-written file.
 
 Libraries: `w4a8` (runtime/models/w4a8.py: Q4_1 / Q8_0 GEMMs), `paged_attention` (`PAGED_ATTENTION`
 below: decode and short-extend attention reading the KV pool in place, and `paged_attention_kv`, which
-first stores the new tokens' K/V; used by the `cpu` attention backend) and `fused_layers` (`FUSED_LAYERS`:
-rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by float32 models on the CPU) and
+first stores the new tokens' K/V; used by the `cpu` attention backend), `fused_layers` (`FUSED_LAYERS`:
+rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by float32 models on the CPU),
 `gguf_gemm` (runtime/models/gguf_linear.py: y = x @ W^T straight from a GGUF file's blocks, every common
-type, and the rows of a quantized embedding).
+type, and the rows of a quantized embedding) and `lora_sgmv` (`LORA_SGMV`: every LoRA adapter's update of
+one projection over the batch's rows sorted by adapter, runtime/models/lora.py).
 """
 
 from __future__ import annotations
@@ -265,4 +266,27 @@ FUSED_LAYERS = NativeLibrary(
     "the fused layer kernels (rope, silu * up, rms norm, greedy argmax)",
     "nothing: the layers run as separate torch ops",
     flag_envs={"RADIXLM_FUSED_LAYERS_PORTABLE": "-DRADIXLM_PORTABLE"},
+)
+
+
+# ------------------------------------------------------------------------------------------ LoRA SGMV
+# every adapter's update of one projection over the batch's rows sorted by adapter (runtime/models/lora.py)
+_LIB.define(
+    "lora_sgmv_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor rows, Tensor seg_ptr, Tensor seg_slot, "
+    "int[] splits, int rank) -> ()"
+)
+
+
+@torch.library.register_fake("radixlm::lora_sgmv_", lib=_LIB)
+def _lora_sgmv_fake(y, x, a, bt, rows, seg_ptr, seg_slot, splits, rank):
+    return None
+
+
+LORA_SGMV_PORTABLE_ENV = "RADIXLM_LORA_SGMV_PORTABLE"  # 1: build the scalar loops (tests compare both)
+LORA_SGMV = NativeLibrary(
+    "lora_sgmv",
+    CSRC / "lora_sgmv.cpp",
+    "the LoRA SGMV kernel",
+    "nothing: LoRA updates run as torch matmuls",
+    flag_envs={LORA_SGMV_PORTABLE_ENV: "-DRADIXLM_PORTABLE"},
 )
