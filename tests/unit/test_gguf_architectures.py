@@ -211,15 +211,16 @@ def runner_for(folder: str, **kwargs: Any) -> ModelRunner:
     )  # fmt: skip
 
 
-def served_logits(runner: ModelRunner) -> list[torch.Tensor]:
+def served_logits(runner: ModelRunner, prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
     """radixlm's logits [len, vocab] of every position of each prompt (one extend batch)."""
-    logits = Harness(runner).extend(dict(enumerate(PROMPTS)), all_logits=True)
-    return list(torch.split(logits, [len(p) for p in PROMPTS]))
+    logits = Harness(runner).extend(dict(enumerate(prompts)), all_logits=True)
+    return list(torch.split(logits, [len(p) for p in prompts]))
 
 
-def hf_logits(model: Any) -> list[torch.Tensor]:
+def hf_logits(model: Any, prompts: list[list[int]] = PROMPTS) -> list[torch.Tensor]:
+    """transformers' logits [len, vocab] of every position of each prompt."""
     with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+        return [model(torch.tensor([p])).logits[0].float() for p in prompts]
 
 
 def with_weights(model: Any, state: dict[str, torch.Tensor]) -> Any:

@@ -33,10 +33,16 @@ from gguf.quants import dequantize
 
 from runtime.models import model_loader as ml
 from runtime.models.gguf_linear import GGUFLinear
-from tests.unit.test_gguf_architectures import VOCAB, assert_refused, encode, runner_for
+from tests.unit.test_gguf_architectures import (
+    VOCAB,
+    assert_refused,
+    encode,
+    hf_logits,
+    runner_for,
+    served_logits,
+)
 from tests.unit.test_gguf_native import MIN_AGREEMENT, agreement
 from tests.unit.test_model_loader import _TEMPLATE, _TOKENS, llamacpp_permute
-from tests.unit.test_model_parity import Harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -295,16 +301,6 @@ def serve(tmp_path: Path, name: str, kind: str, quantization: str) -> Any:
     return runner_for(folder, quantization=quantization, **kwargs)
 
 
-def served_logits(runner: Any) -> list[torch.Tensor]:
-    logits = Harness(runner).extend(dict(enumerate(PROMPTS)), all_logits=True)
-    return list(torch.split(logits, [len(p) for p in PROMPTS]))
-
-
-def hf_logits(model: Any) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
-
-
 def with_weights(model: Any, state: dict[str, torch.Tensor]) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -330,13 +326,13 @@ def test_f32_file_serves_like_transformers(tmp_path: Path, models: dict[str, Any
     for name, t in model.state_dict().items():  # the writer's inverse: the file holds the model
         if name in encoded:
             torch.testing.assert_close(encoded[name], t, atol=1e-6, rtol=0)
-    ref = hf_logits(model)
+    ref = hf_logits(model, PROMPTS)
     for quantization in ("none", "gguf_native"):
         runner = serve(tmp_path, "m.gguf", kind, quantization)
         assert runner.config.architecture == {"gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                                               "mistral3": "LlamaForCausalLM",
                                               "qwen3moe": "Qwen3MoeForCausalLM"}[kind]  # fmt: skip
-        for got, want in zip(served_logits(runner), ref, strict=True):
+        for got, want in zip(served_logits(runner, PROMPTS), ref, strict=True):
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
             assert torch.equal(got.argmax(-1), want.argmax(-1)), quantization
 
@@ -361,7 +357,7 @@ def test_quantized_file_served_in_place_agrees(
     assert len(layers) == per_layer * n + 1  # every projection, each expert's two and the head: the blocks
     if mix == "Q4_K_M":
         assert {"Q4_K", "Q6_K"} <= {k for m in layers for k in m.kind.split("+")}
-    ours, ref = served_logits(runner), hf_logits(with_weights(model, encoded))
+    ours, ref = served_logits(runner, PROMPTS), hf_logits(with_weights(model, encoded), PROMPTS)
     agree = agreement(ours, ref)
     assert agree >= MIN_AGREEMENT, f"top-1 agreement {agree:.3f}"
     for got, want in zip(ours, ref, strict=True):

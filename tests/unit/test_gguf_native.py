@@ -18,12 +18,13 @@ from tests.unit.test_gguf_architectures import (
     CONFIGS,
     PROMPTS,
     VOCAB,
+    hf_logits,
     runner_for,
+    served_logits,
     tiny_model,
     with_weights,
     write_gguf,
 )
-from tests.unit.test_model_parity import Harness
 
 # what llama.cpp's Q4_K_M recipe gives a small model: Q4_K, with attn_v, ffn_down and the head in Q6_K
 Q4_K_M = {"attn_v.weight": Q.Q6_K, "ffn_down.weight": Q.Q6_K, "output.weight": Q.Q6_K}
@@ -42,16 +43,6 @@ def native_runner(tmp_path: Path, name: str):
 
 # longer prompts than the architecture tests' (154 positions): the bound is over enough choices
 LONG = [np.random.default_rng(i).integers(3, VOCAB, n).tolist() for i, n in enumerate((40, 64, 50))]
-
-
-def served_logits(runner) -> list[torch.Tensor]:
-    logits = Harness(runner).extend(dict(enumerate(LONG)), all_logits=True)
-    return list(torch.split(logits, [len(p) for p in LONG]))
-
-
-def hf_logits(model) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0].float() for p in LONG]
 
 
 def agreement(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
@@ -78,7 +69,7 @@ def test_native_gguf_agrees_with_float32(tmp_path: Path, kind: str, mix: str) ->
     assert len(layers) == 4 * 2 + 1  # every projection and the head read the file's blocks
     if mix == "Q4_K_M":
         assert {m.kind for m in layers} >= {"Q4_K", "Q6_K", "Q4_K+Q6_K"}
-    ours, ref = served_logits(runner), hf_logits(with_weights(model, encoded))
+    ours, ref = served_logits(runner, LONG), hf_logits(with_weights(model, encoded), LONG)
     agree = agreement(ours, ref)
     assert agree >= MIN_AGREEMENT, f"top-1 agreement {agree:.3f}"
     # only the activations' int8 rounding apart: a few percent of the logits' spread
