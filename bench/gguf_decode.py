@@ -165,7 +165,10 @@ def main() -> None:
             "ms_per_token": round(per_token * 1e3, 2), "weights_read_GB": round(run["bytes"] / 1e9, 3),
             "weight_GB_s": round(run["bytes"] / per_token / 1e9, 2), "rss_added_GB": round(run["rss_GB"], 3),
         }  # fmt: skip
+    from bench.harness import common
+
     out = {
+        "command": common.command_line(), "environment": common.environment(),
         "file": str(path), "file_GB": round(path.stat().st_size / 1e9, 3), "threads": args.threads,
         "isa": kernel_isa(), "cpu": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2),
         "layouts": results,

@@ -82,7 +82,10 @@ def main() -> None:
             s = _time(call, args.iters)
             results.append({"kernel": name, "batch": m, "ms": s * 1e3, "GB/s": nbytes / s / 1e9})
             print(f"{name:10s} batch {m:3d}: {s * 1e3:7.3f} ms  {nbytes / s / 1e9:6.1f} GB/s", flush=True)
+    from bench.harness import common
+
     out = {
+        "command": common.command_line(), "environment": common.environment(),
         "isa": kernel_isa(), "w4a8_isa": w4a8.kernel_isa(), "shape": [n, k], "threads": args.threads,
         "copies": copies, "memory_GB_s": round(memory, 1), "load_average": round(os.getloadavg()[0], 2),
         "results": results,

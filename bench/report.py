@@ -369,7 +369,6 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "workloads": workloads,
     "step_profile": step_profile,
     "lora": lora,
-    "sized": sized,
 }
 
 
