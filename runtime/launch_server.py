@@ -97,9 +97,17 @@ def run_server(args: ServerArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s [server] %(levelname)s %(name)s: %(message)s"
     )
-    args = args.resolve(probe=auto_quantization)  # the ranks and the scheduler receive its choice
-    logger.info("--quantization %s --dtype %s: %s", args.quantization, args.dtype, args.quantization_reason)
-    model_dir = resolve_model_path(args.model)
+    try:
+        args = args.resolve(probe=auto_quantization)  # the ranks and the scheduler receive its choice
+        logger.info(
+            "--quantization %s --dtype %s: %s", args.quantization, args.dtype, args.quantization_reason
+        )
+        model_dir = resolve_model_path(args.model)
+    except (
+        ValueError
+    ) as e:  # a model that cannot be served (a truncated GGUF file, say): why, not a traceback
+        logger.error("--model %s cannot be served: %s", args.model, e)
+        return 1
     if args.node_rank > 0:
         return run_worker_node(args, model_dir)
     if args.allowed_hosts is None and allowed_hosts(args) is None:
