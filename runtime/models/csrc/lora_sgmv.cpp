@@ -1,8 +1,9 @@
 // radixlm::lora_sgmv_: every adapter's low-rank update of one projection in one call, on the CPU.
 //
 // The batch's adapter rows are given sorted by adapter as segments (Punica / S-LoRA's SGMV shape):
-// rows[seg_ptr[s] .. seg_ptr[s+1]) are the row indices of y and x that run pool slot seg_slot[s]. For each
-// segment, and each part p of a fused projection (q|k|v, gate|up: `splits` holds the parts' output sizes):
+// rows[seg_ptr[s] .. seg_ptr[s+1]) are the row indices of y and x that run pool slot seg_slot[s] (a row in
+// at most one segment: segments update y in parallel). For each segment, and each part p of a fused
+// projection (q|k|v, gate|up: `splits` holds the parts' output sizes):
 //
 //   y[rows, cols of p] += (x[rows] @ A[slot, p*R : (p+1)*R]^T) @ Bt[slot, :, cols of p]
 //
