@@ -91,6 +91,7 @@ class ReleaseSessionReq(Message):
     session_id: str
     cache_salt: str | None = None  # a session is its id within its tenant and salt
     tenant: str | None = None
+    lora: str | None = None  # the adapter the session's requests ran under (its identity salts the key)
 
 
 # ---- Scheduler -> TokenizerManager (control replies) ------------------------------------------------------
@@ -116,6 +117,7 @@ class LoraResp(Message):
 
 class ReleaseSessionResp(Message):
     released_tokens: int  # 0: the session held no pin
+    error: str | None = None  # the adapter named is not served (nothing was released)
 
 
 # ---- Scheduler -> Detokenizer -> TokenizerManager --------------------------------------------------------

@@ -119,14 +119,15 @@ def create_app(tm: TokenizerManager, args: ServerArgs) -> FastAPI:
         return FastJSONResponse(results if is_batch or len(results) > 1 else results[0])
 
     @app.delete("/v1/sessions/{session_id}")
-    async def release_session(session_id: str, cache_salt: str | None = None):
+    async def release_session(session_id: str, cache_salt: str | None = None, lora: str | None = None):
         """Unpin a session's cached tokens now (they stay in the cache as ordinary LRU entries). A session
-        is its id within its `cache_salt` (query parameter; none for unsalted requests)."""
+        is its id within its `cache_salt` (query parameter; none for unsalted requests) and, for requests
+        that ran under a LoRA adapter, that adapter (`lora`: its name)."""
         try:
             salt = parse_cache_salt(cache_salt)
         except ValueError as e:
             raise RequestError(str(e), 400) from None
-        released = await tm.release_session(session_id, salt)
+        released = await tm.release_session(session_id, salt, lora)
         if not released:
             return error_response(404, f"session {session_id!r} holds no pinned tokens")
         return {"session_id": session_id, "released_tokens": released}

@@ -211,6 +211,21 @@ def test_cache_is_per_adapter(srv):
         assert generate(srv.url, prompt, lora)["meta_info"]["cached_tokens"] == len(prompt) - 1, lora
 
 
+def test_a_session_under_an_adapter_is_released_by_naming_it(srv):
+    """A session's key holds its adapter's identity: DELETE takes the adapter's name (`lora`) to find it."""
+    sid = "lora-session"
+    body = {"input_ids": [7 + k for k in range(40)], "session_id": sid, "lora_path": "tenant-a"}
+    body["sampling_params"] = {"max_new_tokens": 2, "temperature": 0}
+    assert requests.post(srv.url + "/generate", json=body, timeout=HTTP_TIMEOUT_S).status_code == 200
+    url = f"{srv.url}/v1/sessions/{sid}"
+    assert requests.delete(url, timeout=HTTP_TIMEOUT_S).status_code == 404  # the base model's session of it
+    wrong = requests.delete(url, params={"lora": "nobody"}, timeout=HTTP_TIMEOUT_S)
+    assert wrong.status_code == 400 and "lora: LoRA adapter 'nobody' is not loaded" in wrong.text
+    assert requests.delete(url, params={"lora": "tenant-b"}, timeout=HTTP_TIMEOUT_S).status_code == 404
+    released = requests.delete(url, params={"lora": "tenant-a"}, timeout=HTTP_TIMEOUT_S)
+    assert released.status_code == 200 and released.json()["released_tokens"] >= 40, released.text
+
+
 def test_bad_adapters_are_400s(srv, adapters, tmp_path):
     def load(name: str, path: str, status: int, needle: str):
         r = admin(srv.url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})

@@ -99,6 +99,14 @@ class LoraManager:
             for a in self.adapters.values()
         ]
 
+    def salt_of(self, name: str, salt: str | None) -> str:
+        """The cache salt requests under adapter `name` carry (`bind`'s), for a key built outside a request
+        (a session's release); LoraError when `name` is not loaded."""
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded")
+        return lora_salt(adapter.digest, salt)
+
     # ---- requests ----
     def bind(self, req: Req) -> str | None:
         """Tie a new request to its adapter and salt its cache key with the adapter's identity; the 400's

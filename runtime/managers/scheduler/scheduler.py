@@ -66,6 +66,7 @@ from runtime.messages import (
 )
 from runtime.model_executor.model_runner import ModelRunner
 from runtime.model_executor.sampler import Sampler, SamplingBatchInfo, make_generator
+from runtime.models.lora import LoraError
 from runtime.models.parallel import TensorParallel
 from runtime.server_args import ServerArgs
 
@@ -159,8 +160,17 @@ class Scheduler:
                 state=dashboard_state(self, self.dashboard, msg.tenant, msg.admin, msg.max_nodes)
             )
         elif isinstance(msg, ReleaseSessionReq):
-            sid = (msg.tenant, msg.cache_salt, msg.session_id)
-            return ReleaseSessionResp(released_tokens=self.sessions.release(sid))
+            salt = msg.cache_salt
+            if msg.lora is not None:  # the adapter's identity is part of its sessions' keys
+                if self.lora is None:
+                    return ReleaseSessionResp(0, "this server serves no LoRA adapters")
+                try:
+                    salt = self.lora.salt_of(msg.lora, salt)
+                except LoraError as e:
+                    return ReleaseSessionResp(0, str(e))
+            return ReleaseSessionResp(
+                released_tokens=self.sessions.release((msg.tenant, salt, msg.session_id))
+            )
         elif isinstance(msg, (LoadLoraReq, UnloadLoraReq)):
             return lora_control(self.lora, msg)
         else:

@@ -533,12 +533,17 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheResp:
         return await self._control(FlushCacheReq(), FlushCacheResp)
 
-    async def release_session(self, session_id: str, cache_salt: str | None = None) -> int:
-        """Unpin a session of the current tenant (`DELETE /v1/sessions/{id}`); the tokens it pinned (0: none,
-        also for another tenant's session of that id)."""
+    async def release_session(
+        self, session_id: str, cache_salt: str | None = None, lora: str | None = None
+    ) -> int:
+        """Unpin a session of the current tenant (`DELETE /v1/sessions/{id}`), under adapter `lora` when its
+        requests ran under one; the tokens it pinned (0: none, also for another tenant's session of that id).
+        RequestError (400) when `lora` is not served."""
         tenant, salt = self.scope(cache_salt)
-        msg = ReleaseSessionReq(session_id=session_id, cache_salt=salt, tenant=tenant)
+        msg = ReleaseSessionReq(session_id=session_id, cache_salt=salt, tenant=tenant, lora=lora)
         resp = await self._control(msg, ReleaseSessionResp)
+        if resp.error is not None:
+            raise RequestError(f"lora: {resp.error}", 400)
         return resp.released_tokens
 
     async def lora_control(self, msg: LoadLoraReq | UnloadLoraReq) -> LoraResp:
