@@ -160,13 +160,12 @@ def vllm_side(
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
-    import torch
 
     from bench.harness.peers import VLLM, free_port, peer_spec
     from bench.serving import LaunchedServer
 
     port = free_port()
-    spec = peer_spec(VLLM, port, torch.get_num_threads())
+    spec = peer_spec(VLLM, port, common.usable_cores())  # the Engine's threads (step_costs pinned torch to 1)
     lora_args = ["--enable-lora", "--max-loras", str(len(paths)), "--max-lora-rank", str(rank)]
     lora_args += ["--lora-modules", *(f"{n}={p}" for n, p in paths.items())]
     cmd = spec.command + lora_args

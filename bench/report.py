@@ -103,10 +103,43 @@ def headline(results_dir: Path) -> str:
         ]
     )
     rows.append(["start-up to healthy, s", *(num(servers[s]["start_s"]) for s in sides), ""])
+    docs = [("peers_decode", dec), ("peers_serving", srv), ("peers_agent_loop", agt)]
+    for name in ("sized_1b", "sized_8b"):  # bench/sized.py: a Q4_K_M file (vLLM: its bfloat16 folder)
+        if (results_dir / f"{name}.json").is_file():
+            doc = load(name, results_dir)
+            rows += _sized_headline_rows(doc)
+            docs.append((name, doc))
+    if (results_dir / "lora.json").is_file() and "vllm" in (lora_doc := load("lora", results_dir))["results"]:
+        r = lora_doc["results"]
+        cells = [f"{t['lora_mixed'] / t['base']:.2f}×" for t in (r["tok_s"], r["vllm"]["tok_s"])]
+        rows.append(["LoRA: 32 requests over 8 adapters, out tok/s ÷ the base model's", *cells, "–", ""])
+        docs.append(("lora", lora_doc))
     out = table(["", "`radixlm serve`", "vLLM-CPU", "llama-server", "radixlm ÷ best peer"], rows)
-    docs = (("peers_decode", dec), ("peers_serving", srv), ("peers_agent_loop", agt))
     notes = [source(n, d) for n, d in docs]
     return out + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+
+
+def _sized_headline_rows(doc: dict) -> list[list[str]]:
+    """The headline's rows of one bench/sized.py result: decode at 1 and 32 streams, the 2,000-token TTFT."""
+    per, size = doc["results"]["sides"], doc["config"]["size"].upper()
+    measured = {s: f for s, f in per.items() if "skipped" not in f}
+    order = ("radixlm", "vllm", "llama-server")
+    figures = {
+        "decode tok/s, 1 stream": lambda f: (f.get("decode_1") or {}).get("decode_tok_s"),
+        "decode tok/s, 32 streams": lambda f: (f.get("decode_32") or {}).get("decode_tok_s"),
+        "TTFT of 2,000 tokens, s (ratio: best peer ÷ radixlm)": lambda f: (f.get("ttft") or {}).get("ttft_s"),
+    }
+    rows = []
+    for label, get in figures.items():
+        vals = [get(measured[s]) if s in measured else None for s in order]
+        if vals[0] is None:
+            continue
+        peers = [v for v in vals[1:] if v]
+        lower = label.startswith("TTFT")
+        best = (min(peers) if lower else max(peers)) if peers else None
+        cell = "" if best is None else ratio(best, vals[0]) if lower else ratio(vals[0], best)
+        rows.append([f"{size} Q4_K_M file: {label}", *(num(v, 2 if lower else 1) for v in vals), cell])
+    return rows
 
 
 def speculative(results_dir: Path) -> str:
