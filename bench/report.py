@@ -350,7 +350,12 @@ def lora(results_dir: Path) -> str:
     return out + "\n\n" + source("lora", doc) + "\n"
 
 
-SIZED_SIDES = (("radixlm", "`radixlm serve`"), ("llama-server", "llama-server"), ("vllm", "vLLM-CPU (bf16)"))
+SIZED_SIDES = (
+    ("radixlm", "`radixlm serve`"),
+    ("radixlm-nospec", "radixlm, speculation off"),
+    ("llama-server", "llama-server"),
+    ("vllm", "vLLM-CPU (bf16)"),
+)
 
 
 def _sized_rows(doc: dict) -> list[list[str]]:
@@ -379,12 +384,12 @@ def _sized_rows(doc: dict) -> list[list[str]]:
         rows.append(row(label, lambda f, bs=bs: (f.get(f"decode_{bs}") or {}).get("decode_tok_s")))
     bw = [measured.get(s, {}).get("decode_bandwidth_gb_s") for s, _ in SIZED_SIDES]
     label = f"{size}: weights read at 1 stream, GB/s (share of a {copy:.1f} GB/s copy)"
-    rows.append([label, *(f"{v:.1f} ({v / copy:.0%})" if v else "–" for v in bw), "", ""])
+    rows.append([label, *(f"{v:.1f} ({v / copy:.0%})" if v else "–" for v in bw), "", ""])  # no ratio
     rows.append(row("TTFT of 2,000 tokens, s", lambda f: (f.get("ttft") or {}).get("ttft_s"), 2, lower=True))
     if cfg.get("agents"):
         label = f"agent loop, {cfg['agents']} agents × {cfg['agent_steps']} steps: steps/s"
         rows.append(row(label, lambda f: (f.get("agent_loop") or {}).get("steps_per_s"), 2))
-    return rows
+    return [r for r in rows if any(c != "–" for c in r[1 : 1 + len(SIZED_SIDES)])]  # rows not measured: out
 
 
 def sized(results_dir: Path) -> str:
@@ -408,6 +413,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "workloads": workloads,
     "step_profile": step_profile,
     "lora": lora,
+    "sized": sized,
 }
 
 

@@ -10,7 +10,9 @@ Sides, one server at a time, each on `--threads` threads:
 - `radixlm`: `radixlm serve --model FILE.gguf` with its default flags (quantization auto, speculative
   decoding on: what a user gets);
 - `llama-server`: the same file;
-- `vllm`: the bfloat16 folder (skipped, and said so, when its weights and KV space do not fit in memory).
+- `vllm`: the bfloat16 folder (skipped, and said so, when its weights and KV space do not fit in memory);
+- `radixlm-nospec`: radixlm with `--speculative-algorithm none` (the kernels' own batch-1 bandwidth: with
+  speculation a forward may yield several tokens, often so on a random model's repetitive output).
 
 Rows: decode rate at 1, 4 and 32 streams (`bench.harness.peers.server_decode`: random prompts of 128 tokens,
 greedy with ignore_eos, rate = streams x (N - 1) / (t(N) - t(1))); the time to first token of a 2,000-token
@@ -59,7 +61,10 @@ from bench.harness.peers import (
 )
 
 RADIXLM = "radixlm"
-SIDES = (RADIXLM, LLAMA_SERVER, VLLM)
+# radixlm with speculative decoding off: its batch-1 weight bandwidth is the kernels' own (with speculation,
+# one forward may yield several tokens, as it often does on a random model's repetitive output)
+RADIXLM_NOSPEC = "radixlm-nospec"
+SIDES = (RADIXLM, LLAMA_SERVER, VLLM, RADIXLM_NOSPEC)
 # The shapes of Llama-3.2-1B and Llama-3.1-8B (their configs), on SmolLM2's vocabulary. The context is 8,192
 # tokens without rope scaling: decode speed does not depend on it, and vLLM sizes its KV space to fit it.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -252,7 +257,7 @@ def launch(
     port = free_port()
     log = log_dir / f"sized_{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    if name == RADIXLM:
+    if name in (RADIXLM, RADIXLM_NOSPEC):
         cmd = [
             sys.executable, "-m", "runtime.launch_server",
             "--model", str(gguf),
@@ -260,6 +265,7 @@ def launch(
             "--num-threads", str(threads),
             "--port", str(port),
         ]  # fmt: skip
+        cmd += ["--speculative-algorithm", "none"] if name == RADIXLM_NOSPEC else []
         server = LaunchedServer(cmd, port, log, timeout=900.0)
         record = {"command_line": " ".join(["python", *cmd[1:]]), "start_s": server.start_seconds}
         return server, record
@@ -325,7 +331,7 @@ def agent_loop(url: str, name: str, agents: int, steps: int, max_tokens: int) ->
 
     args = SimpleNamespace(tool_choice="required", parallel_tool_calls=False, max_tokens=max_tokens)
     side = OpenChatSide(
-        name, openai_step(url, args), {}, 0.0, url, flush_path(name), has_counters=name == RADIXLM
+        name, openai_step(url, args), {}, 0.0, url, flush_path(name), has_counters=name not in PEERS
     )
     fig, _ = measure(side, cat.tasks(agents, 0), cat.tasks(1, 1), steps)
     keep = ("steps_per_s", "step_latency_s", "cache_hit_rate", "valid_calls", "tool_calls", "errors")
@@ -417,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SHAPES), default="1b")
     p.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name for the GGUF file")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    p.add_argument("--sides", default=",".join(SIDES[:3]), help=f"comma-separated, of {', '.join(SIDES)}")
     p.add_argument("--threads", type=int, default=0, help="threads of every side (0: all usable cores)")
     p.add_argument("--streams", type=lambda s: common.csv_list(s, int), default=[1, 4, 32])
     p.add_argument("--steps", type=int, default=64, help="decoded tokens per stream (32 streams: half)")
@@ -442,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = memory_bandwidth(threads)
     print(f"[sized] memory bandwidth on {threads} threads: {bandwidth}", flush=True)
     per_side: dict[str, dict[str, Any]] = {}
-    log_dir = Path(args.results_dir or common.RESULTS_DIR) / "logs"
+    log_dir = model_dir(args.size)  # the servers' logs beside the model files (ignored by git)
     for name in sides:
         if name == VLLM:
             ok, why = fits_vllm(folder)
