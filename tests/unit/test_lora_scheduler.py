@@ -103,6 +103,31 @@ def test_mixed_batch_equals_peft_and_cache_keeps_adapters_apart(
         assert res[rid]["ids"] == expected[(name, len(PROMPT))], rid
 
 
+def test_speculative_verification_runs_each_adapter_on_its_own_rows(
+    tiny_model_dir, default_tokenizer, adapters
+):
+    """With drafts proposed (the prompt repeats itself, so n-gram lookup drafts its continuation), verify
+    forwards run mixed adapter batches: every output still equals transformers + peft's greedy one."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPT + PROMPT[:6]
+    models = {name: peft_model(tiny_model_dir, path) for name, path in adapters.items()}
+    models[None] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    want = {}
+    for name, model in models.items():
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(MAX_NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        want[name] = ids[len(prompt) :]
+    sched = _scheduler(tiny_model_dir, default_tokenizer, adapters, speculative_algorithm="ngram")
+    names = ["a", None, "b"]
+    res = _drain(sched, [_req(f"s{i}", prompt, n) for i, n in enumerate(names)])
+    assert sched.stats["spec_verified_drafts"] > 0  # drafts were verified, under the adapters
+    for i, n in enumerate(names):
+        assert res[f"s{i}"]["error"] is None and res[f"s{i}"]["ids"] == want[n], n
+
+
 def test_more_adapters_than_slots_take_turns(tiny_model_dir, default_tokenizer, adapters, expected):
     """--max-loras 1 with two adapters in the queue: one waits for the slot, the other's last request frees
     it, the slot is reloaded; every output is still the adapter's own."""
