@@ -111,6 +111,26 @@ def encode(a: np.ndarray, qtype: Q, rng: np.random.Generator, gain: float = 1.0)
     return random_blocks(qtype, *a.shape, rng, gain)
 
 
+def write_metadata(w: Any, arch: str, keys: dict[str, Any], pre: str) -> None:
+    """`arch`'s metadata `keys` (strings, float32s, else uint32s) and the test tokenizer (pre-tokenizer `pre`)
+    and chat template, as a converted file holds them."""
+    for key, value in keys.items():
+        if isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", int(value))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(_TOKENS)
+    w.add_token_merges(["h e", "he l"])
+    w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(_TEMPLATE)
+
+
 def write_gguf(
     path: Path,
     model: Any,
@@ -144,22 +164,7 @@ def write_gguf(
         keys |= {"attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim}
     if arch == "llama":  # LlamaModel.set_gguf_parameters adds these two
         keys |= {"vocab_size": cfg.vocab_size, "rope.dimension_count": cfg.hidden_size // heads}
-    keys |= meta or {}
-    for key, value in keys.items():
-        if isinstance(value, str):
-            w.add_string(f"{arch}.{key}", value)
-        elif isinstance(value, float):
-            w.add_float32(f"{arch}.{key}", value)
-        else:
-            w.add_uint32(f"{arch}.{key}", int(value))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if kind.startswith("qwen") else "default")
-    w.add_token_list(_TOKENS)
-    w.add_token_merges(["h e", "he l"])
-    w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(_TEMPLATE)
+    write_metadata(w, arch, keys | (meta or {}), "qwen2" if kind.startswith("qwen") else "default")
     rng = np.random.default_rng(1)
     encoded: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():

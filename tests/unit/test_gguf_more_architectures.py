@@ -40,9 +40,10 @@ from tests.unit.test_gguf_architectures import (
     hf_logits,
     runner_for,
     served_logits,
+    write_metadata,
 )
 from tests.unit.test_gguf_native import MIN_AGREEMENT, agreement
-from tests.unit.test_model_loader import _TEMPLATE, _TOKENS, llamacpp_permute
+from tests.unit.test_model_loader import llamacpp_permute
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -252,21 +253,7 @@ def write_gguf(
     cfg = model.config
     w = gguf.GGUFWriter(str(path), kind)
     w.add_name(f"{kind}-tiny")
-    for key, value in (metadata(kind, cfg) | (meta or {})).items():
-        if isinstance(value, str):
-            w.add_string(f"{kind}.{key}", value)
-        elif isinstance(value, float):
-            w.add_float32(f"{kind}.{key}", value)
-        else:
-            w.add_uint32(f"{kind}.{key}", int(value))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(_TOKENS)
-    w.add_token_merges(["h e", "he l"])
-    w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(_TEMPLATE)
+    write_metadata(w, kind, metadata(kind, cfg) | (meta or {}), "default")
     rng = np.random.default_rng(1)
     back: dict[str, np.ndarray] = {}
     for gname, a in to_gguf(kind, cfg, model.state_dict()).items():
