@@ -2,7 +2,7 @@
 request is pinned on the device for a TTL learned from the program's own gaps when the expected reuse pays
 for the memory, pinned in the host tier when memory is wanted now, left to LRU when reuse is unlikely; an
 explicit `cache_ttl_s` wins; a flood of one-shot programs leaves it no worse than LRU; and a program's
-path that went to the host tier is prefetched into free device slots before its next call."""
+path that went to the host or disk tier is prefetched into free device slots before its next call."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from runtime.managers.scheduler.programs import ProgramTable
 from runtime.managers.scheduler.retention import (
@@ -17,6 +18,7 @@ from runtime.managers.scheduler.retention import (
     MIN_REUSE,
     TTL_MARGIN,
     Retention,
+    load_from_disk,
     load_from_host,
 )
 from runtime.managers.scheduler.sessions import SessionPins
@@ -150,6 +152,50 @@ def test_prefetch_loads_a_programs_host_path_into_free_slots():
     cm.check_accounting([])
     # loading needs the headroom too, and stops at the budget
     assert load_from_host(cm, key, budget=100, headroom=0) == 0  # all on the device already
+
+
+def test_a_path_demoted_to_disk_is_read_back_during_the_tool_pause(tmp_path):
+    """Disk tier only: a program's finished call under memory pressure is demoted to the disk; another
+    request evicts its device copy; while the program's tool runs (no request waits) `prefetch` reads the
+    blocks back into free device slots, so its next call matches them on the device; no slot is lost."""
+    from tests.unit.test_disk_tier import BLOCK, POOL, fill
+    from tests.unit.test_disk_tier import make_cm as make_disk_cm
+
+    cm = make_disk_cm(tmp_path)
+    pins = SessionPins(cm.cache, max_pinned_tokens=POOL, host=None)
+    table = ProgramTable()
+    ret = Retention(table, pins, cm, max_ttl_s=3600.0)
+    _returning_program(table, ret)
+    prompt = [1000 + i for i in range(2 * BLOCK + 5)]
+    r = fill(cm, prompt)
+    r.rid, r.options = "last", RequestOptions(program_id="agent")
+    ret.arrived(r, table.arrive(r, 2000.0))
+    table.finish(r, 2000.5)
+    key = r.cache_key(r.kv_len)
+    cm.release(r)  # its full blocks are offered to the disk as it leaves
+    assert cm.disk.flush()
+    d = ret.retain(r, key, demand=POOL)  # others want the whole pool: demoted, not pinned
+    assert d.action == "disk" and ret.counts["retain_disk"] == 1 and not pins._pins
+    held = cm.alloc_slots(POOL)  # another request takes the whole pool: the device copy is evicted
+    assert cm.cache.match_prefix(key).indices.numel() == 0
+    assert ret.prefetch() == 0  # no room: nothing is taken from anyone
+    cm.allocator.free(held)
+    cm.check_accounting([])
+    assert ret.prefetch() == 2 * BLOCK  # the tool pause: the full blocks come back
+    hit = cm.cache.match_prefix(key).indices
+    assert hit.numel() == 2 * BLOCK
+    kv = cm.disk.device_pool
+    want = torch.tensor(prompt[: 2 * BLOCK], dtype=torch.float32)
+    for layer in range(kv.num_layers):
+        assert torch.equal(kv.k[layer][hit][:, 0, 0], want + layer)
+        assert torch.equal(kv.v[layer][hit][:, 1, 3], want - layer)
+    assert ret.counts["prefetches"] == 1 and ret.prefetch() == 0  # done once
+    cm.check_accounting([])
+    nxt = fill(cm, key + [7, 8, 9])  # the program's next call: its history is on the device already
+    assert nxt.cache_owned_len == 2 * BLOCK and cm.disk.counts["disk_loaded_tokens"] == 2 * BLOCK
+    cm.release(nxt)
+    cm.check_accounting([])
+    assert load_from_disk(cm, key, cm.disk.block_names(key), budget=1000, headroom=0) == 0  # all there
 
 
 def _gen(rid, prompt, max_new=2, **options):

@@ -1,5 +1,5 @@
 """Automatic retention (`--kv-retention auto`): keep a program's KV between its calls without the client
-asking, and load it back from the host tier before its next call.
+asking, and load it back from the host or disk tier before its next call.
 
 When a request of a program (`programs.py`) finishes and it gave no `cache_ttl_s` (an explicit TTL is the
 client's and wins: `sessions.SessionPins` pins it as asked), `Retention.retain` decides, after Continuum's
@@ -16,8 +16,10 @@ cost/benefit (arXiv 2511.02230):
   token.
 - **What is done.** p > rho and p >= MIN_REUSE: pin on the device for the TTL. Else, with a host tier and
   p >= MIN_REUSE: pin in the host tier (copied there, its device copy left to LRU), and `prefetch` loads it
-  back when the pool has room. Else nothing: the path is an ordinary LRU entry (which eviction still copies
-  to the host tier).
+  back when the pool has room. Else, with only a disk tier (`--kv-disk-dir`) and p >= MIN_REUSE: demoted
+  to the disk (its full blocks were offered to the disk as the request left, like every cached prefix; the
+  device copy is left to LRU), and `prefetch` reads it back. Else nothing: the path is an ordinary LRU entry
+  (which eviction still copies to the host tier).
 
 Never worse than LRU under pressure: automatic pins count against --max-pinned-tokens like any pin, and while
 a waiting request cannot be admitted the scheduler calls `relieve`, which releases the oldest automatic device
@@ -25,12 +27,13 @@ pin, one per step, so memory goes back to LRU order before any request waits for
 return (a flood of one-shot programs) drive p toward 0 and stop being pinned.
 
 Prefetch (KVFlow, arXiv 2507.07400): a program whose reuse is expected (p >= MIN_REUSE) is remembered until
-its next request arrives or its TTL passes. When no request waits, `prefetch` looks at a few of them per
-step; one whose path the host tier holds past the device's, when the free and evictable slots hold that part
-plus PREFETCH_HEADROOM of the pool, is copied back (evicting the least recently used cache entries to the
-host tier if the free list is short; never a live request's memory) and inserted into the radix cache, at
-most PREFETCH_TOKENS_PER_STEP per step. Each finish is prefetched at most once, so two programs cannot evict
-each other back and forth. The program's next request then finds it on the device.
+its next request arrives or its TTL passes. When no request waits (the program's tool runs), `prefetch` looks
+at a few of them per step; one whose path the host tier, then the disk tier, holds past the device's, when
+the free and evictable slots hold that part plus PREFETCH_HEADROOM of the pool, is copied back (evicting the
+least recently used cache entries to the host tier if the free list is short; never a live request's memory)
+and inserted into the radix cache, at most PREFETCH_TOKENS_PER_STEP per step. Each finish is prefetched at
+most once, so two programs cannot evict each other back and forth. The program's next request then finds it
+on the device.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ MAX_EXPECTED_TOKENS = 1 << 18  # their keys' tokens together
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "device" (pinned on the device), "host" (pinned in the host tier) or "lru" (not pinned)
+    # "device" (pinned on the device), "host" (pinned in the host tier), "disk" (left to LRU on the device,
+    # read back from the disk tier) or "lru" (not pinned, not expected back)
+    action: str
     ttl_s: float
     reuse: float  # p: the expected chance the program reuses the path within ttl_s
     pressure: float  # rho at the time
@@ -90,10 +95,12 @@ class Retention:
         self._auto: OrderedDict[tuple, None] = OrderedDict()  # pins this policy took, oldest first
         # programs whose path is expected back: pin sid -> (cache key, until), oldest first
         self._expected: OrderedDict[tuple, tuple[list[int], float]] = OrderedDict()
+        self._disk_names: dict[tuple, list[str]] = {}  # an expected key's disk block names, hashed once
         self.expected_tokens = 0
         self.counts = dict(
             retain_device=0,
             retain_host=0,
+            retain_disk=0,
             retain_lru=0,
             retain_relieved=0,
             prefetched_tokens=0,
@@ -135,6 +142,8 @@ class Retention:
             action = "device"
         elif p >= MIN_REUSE and self.pins.host is not None:
             action = "host"
+        elif p >= MIN_REUSE and self.cm.disk is not None:
+            action = "disk"
         else:
             action = "lru"
         return Decision(action, ttl, p, rho)
@@ -157,7 +166,8 @@ class Retention:
             action = "lru"
         if action == "device":
             self._auto[sid] = None
-        if d.reuse >= MIN_REUSE and self.cm.host is not None:  # (a device pin may be relieved and evicted)
+        tiers = self.cm.host is not None or self.cm.disk is not None
+        if d.reuse >= MIN_REUSE and tiers:  # (a device pin may be relieved and evicted)
             self._expect(sid, key, time.monotonic() + d.ttl_s)
         self.counts[f"retain_{action}"] += 1
         return Decision(action, d.ttl_s, d.reuse, d.pressure)
@@ -182,20 +192,21 @@ class Retention:
         self._expected[sid] = (key, until)
         self.expected_tokens += len(key)
         while len(self._expected) > MAX_EXPECTED or self.expected_tokens > MAX_EXPECTED_TOKENS:
-            self.expected_tokens -= len(self._expected.popitem(last=False)[1][0])
+            self._forget_expected(next(iter(self._expected)))
 
     def _forget_expected(self, sid: tuple) -> None:
+        self._disk_names.pop(sid, None)
         entry = self._expected.pop(sid, None)
         if entry is not None:
             self.expected_tokens -= len(entry[0])
 
     def prefetch(self, now: float | None = None) -> int:
-        """Load expected programs' paths from the host tier into free device slots (no eviction); returns the
-        tokens loaded. Call it only when no request waits. Up to PREFETCH_CHECKS_PER_STEP programs are looked
-        at, round robin; a program stays expected until its next request arrives or its TTL passes (its path
-        may be evicted from the device later)."""
+        """Load expected programs' paths from the host tier, then the disk tier, into free or LRU device
+        slots; returns the tokens loaded. Call it only when no request waits. Up to PREFETCH_CHECKS_PER_STEP
+        programs are looked at, round robin; a program stays expected until its next request arrives or its
+        TTL passes (its path may be evicted from the device later)."""
         cm = self.cm
-        if cm.host is None or not self._expected:
+        if (cm.host is None and cm.disk is None) or not self._expected:
             return 0
         now = time.monotonic() if now is None else now
         budget, loaded = PREFETCH_TOKENS_PER_STEP, 0
@@ -206,7 +217,11 @@ class Retention:
                 self._forget_expected(sid)
                 continue
             self._expected.move_to_end(sid)
-            got = load_from_host(cm, key, budget - loaded, headroom)
+            got = load_from_host(cm, key, budget - loaded, headroom) if cm.host is not None else 0
+            if got == 0 and cm.disk is not None:  # the host holds nothing past the device: the disk may
+                if sid not in self._disk_names:
+                    self._disk_names[sid] = cm.disk.block_names(key)
+                got = load_from_disk(cm, key, self._disk_names[sid], budget - loaded, headroom)
             if got is None:  # no room now: try again on a later step
                 break
             if got:  # loaded once per finish: a later eviction is LRU's call, not undone again
@@ -268,3 +283,40 @@ def load_from_host(cm: CacheManager, key: list[int], budget: int, headroom: int)
         cm.host.unlock(hit.last_node)
         cm.cache.unlock(node)
     return need
+
+
+def load_from_disk(
+    cm: CacheManager, key: list[int], names: list[str], budget: int, headroom: int
+) -> int | None:
+    """`load_from_host` for the disk tier: read the blocks the disk holds of `key` (block names `names`) past
+    the device match into device slots and insert them into the radix cache. Returns the tokens loaded (0:
+    nothing more on disk, or its first file failed its checks), None when the free and evictable slots lack
+    them plus `headroom`, or they exceed `budget`. The files are read only once the room is there."""
+    d_res = cm.cache.match_prefix(key)
+    d = d_res.indices.numel()
+    n = cm.disk.cached_len(names)
+    if n <= d:
+        return 0
+    if n - d > budget:
+        return None
+    node = cm.cache.exact_node(d_res.last_node, d)
+    cm.cache.lock(node)  # the evictions below must not take the device part we extend
+    try:
+        if cm.allocator.available() + cm.cache.evictable_size() < n - d + headroom:
+            return None
+        got = cm.disk.read(key, names, d, n)
+        if got is None:
+            return 0
+        k, v, m = got
+        slots = cm.allocator.alloc(m)
+        if slots is None:
+            cm.allocator.free(cm.cache.evict(m - cm.allocator.available()))
+            slots = cm.allocator.alloc(m)
+        if slots is None:  # not expected: the room was counted above
+            return None
+        cm.disk.load(k, v, slots)
+        dup = cm.cache.insert(key[: d + m], torch.cat([d_res.indices.to(slots.device), slots]))
+        cm.allocator.free(slots[: max(0, dup - d)])  # not expected: nothing was inserted meanwhile
+    finally:
+        cm.cache.unlock(node)
+    return m

@@ -94,7 +94,14 @@ class Scheduler:
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
         host, disk = make_tiers(args, model_dir, self.runner)
-        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator, host, disk)
+        self.cm = CacheManager(
+            cache,
+            self.runner.req_to_token_pool,
+            self.runner.allocator,
+            host,
+            disk,
+            sliding_window=max(self.runner.config.sliding_windows, default=0),
+        )
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
@@ -648,7 +655,7 @@ class Scheduler:
         pinned = False
         if auto and key:
             decision = self.retention.retain(req, key, self._kv_demand())
-            pinned = decision is not None and decision.action != "lru"
+            pinned = decision is not None and decision.action in ("device", "host")
         elif session:
             pinned = bool(key) and self.sessions.pin(req.session_key, key, req.cache_ttl_s)
         if session:
