@@ -317,6 +317,28 @@ def test_each_run_of_run_batch_is_a_program_of_its_own(backend: ToyBackend, toy:
     assert pinned._body("t", {}, "auto-id")["program_id"] == "mine"  # the options' own id wins
 
 
+def test_run_batch_gives_every_call_of_a_run_its_runs_program_id_forks_included(
+    backend: ToyBackend, toy: ToyServer
+):
+    @lang.function
+    def tree(s, topic):
+        s += f"About {topic}. "
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"Branch {i}: "
+        forks += lang.gen("x", max_tokens=2)
+        s += "Then: " + lang.gen("y", max_tokens=2)
+
+    tree.run_batch([{"topic": t} for t in "xyz"], backend=backend, progress_bar=False)
+    ids: dict[str, list[str]] = {}
+    for body in toy.bodies:
+        ids.setdefault(body["text"].split(".")[0], []).append(body["program_id"])
+    assert sorted(ids) == ["About x", "About y", "About z"]
+    assert all(len(v) == 4 for v in ids.values())  # the prefill, two forks' gens and the run's own gen
+    assert all(len(set(v)) == 1 for v in ids.values())  # ... all under the run's one program id
+    assert len({v[0] for v in ids.values()}) == 3  # three runs: three programs
+
+
 def test_stream_yields_chunks_and_final_text(backend: ToyBackend):
     state = chat.run(question="Why?", backend=backend, stream=True)
     chunks = list(state.text_iter("answer"))
