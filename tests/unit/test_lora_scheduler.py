@@ -180,3 +180,41 @@ def test_no_lora_server_refuses_adapter_requests(tiny_model_dir, default_tokeniz
     res = _drain(sched, [_req("x", PROMPT, "a")])
     assert res["x"]["error"][0] == 400 and "--enable-lora" in res["x"]["error"][1]
     assert "--enable-lora" in sched.handle(LoadLoraReq(name="a", path="/nowhere")).error
+
+
+def test_host_tier_keeps_adapters_apart(tiny_model_dir, default_tokenizer, adapters):
+    """A prompt cached under adapter a and moved to the host KV tier is a host hit for a only: b and the
+    base model recompute it, and each output still equals transformers (+ peft)'s."""
+    from transformers import AutoModelForCausalLM
+
+    long_prompt = [4] + [(37 * i) % 500 + 10 for i in range(99)]
+    refs = {n: peft_model(tiny_model_dir, p) for n, p in adapters.items()}
+    refs[None] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    want = {}
+    for name, model in refs.items():
+        ids = list(long_prompt)
+        with torch.no_grad():
+            for _ in range(MAX_NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        want[name] = ids[len(long_prompt) :]
+    sched = _scheduler(
+        tiny_model_dir, default_tokenizer, adapters, max_total_tokens=256, kv_host_tier_gb=0.01
+    )
+
+    def one(rid: str, prompt: list[int], lora: str | None) -> tuple[list[int], int, int]:
+        sched.handle(_req(rid, prompt, lora))
+        ids, cached, host = [], 0, 0
+        while sched.has_work():
+            for o in sched.step():
+                assert o.error is None, o.error
+                ids += o.new_token_ids
+                cached, host = max(cached, o.cached_tokens), max(host, o.cached_tokens_host)
+            sched.check_accounting()
+        return ids, cached, host
+
+    assert one("a0", long_prompt, "a")[0] == want["a"]
+    one("evict", [5] + [(11 * i) % 500 + 10 for i in range(199)], None)  # a's KV moves to the host tier
+    assert one("b", long_prompt, "b") == (want["b"], 0, 0)
+    assert one("base", long_prompt, None) == (want[None], 0, 0)
+    ids, cached, host = one("a1", long_prompt, "a")
+    assert ids == want["a"] and cached == len(long_prompt) - 1 and host > 0
