@@ -46,7 +46,14 @@ class PagedKV(Protocol):
     head_dim: int
     dtype: torch.dtype
 
+    # layers whose K/V live in a second, smaller pool (empty: one pool); `translate(layer, slots)` gives
+    # the rows of k[layer] / v[layer] holding the tokens of `slots` (the slots themselves outside that set).
+    # Only backends that translate (torch_native, cpu) are given a pool with sliding layers.
+    sliding_layers: frozenset[int]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def translate(self, layer: int, slots: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -65,8 +72,8 @@ class AttentionLayer:
     head_dim: int
     scaling: float
     # 0: global attention. W > 0: the query at position p attends to keys p - W + 1 .. p only (transformers'
-    # `kv_idx > q_idx - sliding_window`). The pool still holds every position's K/V; a backend reads the
-    # window.
+    # `kv_idx > q_idx - sliding_window`). A backend reads only the window; the pool may have freed older
+    # positions' K/V of such a layer (`PagedKV.sliding_layers`).
     sliding_window: int = 0
     # gpt-oss: float32 [num_heads], one learned logit per query head that joins the head's softmax
     # denominator as a key with no value: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). None: no
@@ -78,6 +85,8 @@ class AttentionBackend(ABC):
     name: str = "base"
     supports_sliding_window: bool = False  # honours AttentionLayer.sliding_window (else the runner refuses)
     supports_sinks: bool = False  # honours AttentionLayer.sinks (else the runner refuses)
+    # reads sliding layers through `PagedKV.translate` (else the runner keeps every layer in one pool)
+    supports_sliding_pool: bool = False
 
     def __init__(self, kv_pool: PagedKV, req_to_token_pool: ReqToTokenTable):
         self.kv_pool = kv_pool

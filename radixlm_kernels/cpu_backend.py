@@ -100,7 +100,10 @@ class CpuPagedBackend(TorchNativeBackend):
         if self._masked_path(layer, batch):  # write through the pool, then torch_native's SDPA path
             return super().forward(q, k, v, layer, batch)
         args = self._op_args(layer, batch)
-        return torch.ops.radixlm.paged_attention_kv(q, k, v, batch.out_cache_loc, *args)
+        loc = batch.out_cache_loc
+        if layer.sliding_window:  # the sliding layers' own rows (a sliding pool) or the slots themselves
+            loc = self._window_table(layer.sliding_window, batch)[4]
+        return torch.ops.radixlm.paged_attention_kv(q, k, v, loc, *args)
 
     def _attend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         return torch.ops.radixlm.paged_attention(q, *self._op_args(layer, batch))
@@ -111,7 +114,7 @@ class CpuPagedBackend(TorchNativeBackend):
             return (
                 self.kv_pool.k[layer.layer_id],
                 self.kv_pool.v[layer.layer_id],
-                *self._window_table(layer.sliding_window, batch),
+                *self._window_table(layer.sliding_window, batch)[:4],
                 layer.scaling,
             )
         return (
@@ -128,8 +131,9 @@ class CpuPagedBackend(TorchNativeBackend):
         """A sliding-window layer's (req_to_token, req_pool_indices, seq_lens, ext_lens) for the op: one
         pseudo-request per query token, whose row of a per-batch table holds the slots of that token's window
         (positions max(0, p - window + 1) .. p), so the op's causal walk over a row reads exactly the window.
-        Built once per batch and window, shared by the layers of that window; None when it would hold more
-        than WINDOW_TABLE_MAX slots."""
+        Then the new tokens' slots to write. Both are the rows of the layer's K/V tensors: with a sliding
+        pool (`KVPool.translate`) its rows, not the full slots. Built once per batch and window, shared by
+        the layers of that window; None when it would hold more than WINDOW_TABLE_MAX slots."""
         if window not in self._windows:
             ext = self._ext_lens.to(batch.seq_lens.device)
             n = int(ext.sum())
@@ -148,11 +152,13 @@ class CpuPagedBackend(TorchNativeBackend):
                 max=table.shape[1] - 1
             )
             rows = batch.req_pool_indices.repeat_interleave(ext, output_size=n)
+            layer = min(self.kv_pool.sliding_layers, default=-1)  # all sliding layers share one mapping
             self._windows[window] = (
-                table[rows[:, None], cols].contiguous(),
+                self.kv_pool.translate(layer, table[rows[:, None], cols]).contiguous(),
                 torch.arange(n, device=ext.device),
                 lens.contiguous(),
                 torch.ones(n, dtype=torch.int64, device=ext.device),
+                self.kv_pool.translate(layer, batch.out_cache_loc),
             )
         return self._windows[window]
 

@@ -173,6 +173,7 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_sliding_window = True
     supports_sinks = True
+    supports_sliding_pool = True
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
         self._window_meta: dict[int, tuple] = {}  # sliding window -> its decode slots, built on first use
@@ -230,8 +231,9 @@ class TorchNativeBackend(AttentionBackend):
                 b = min(ext, a + WINDOW_QUERY_BLOCK)
                 lo, hi = max(0, prefix + a - w + 1), prefix + b  # keys [lo, hi) of this block's windows
                 qi = q[start + a : start + b].transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
-                ki = k_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
-                vi = v_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                rows = self.kv_pool.translate(layer.layer_id, slots[lo:hi])
+                ki = k_buf.index_select(0, rows).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vi = v_buf.index_select(0, rows).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 mask = window_mask(prefix + a, b - a, lo, hi - lo, w, q.device)
                 o = F.scaled_dot_product_attention(
                     qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
@@ -258,8 +260,9 @@ class TorchNativeBackend(AttentionBackend):
                 b = min(ext, a + WINDOW_QUERY_BLOCK) if w else ext
                 lo, hi = (max(0, prefix + a - w + 1) if w else 0), prefix + b
                 qi = q[start + a : start + b].transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
-                ki = k_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
-                vi = v_buf.index_select(0, slots[lo:hi]).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                rows = self.kv_pool.translate(layer.layer_id, slots[lo:hi])
+                ki = k_buf.index_select(0, rows).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vi = v_buf.index_select(0, rows).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 if w:
                     mask = window_mask(prefix + a, b - a, lo, hi - lo, w, q.device)
                     o, lse = masked_attention_with_lse(qi, ki, vi, mask, layer.scaling)
@@ -282,7 +285,7 @@ class TorchNativeBackend(AttentionBackend):
                     layer.sliding_window,
                 )
                 meta = self._window_meta[layer.sliding_window] = (
-                    slots.flatten(),
+                    self.kv_pool.translate(layer.layer_id, slots.flatten()),  # the layer's rows
                     tuple(slots.shape),
                     None if bool(valid.all()) else valid[:, None, None, :],
                 )

@@ -81,6 +81,11 @@ class ServerArgs:
         0.4, "share of running requests' remaining max_new_tokens reserved at admission"
     )
     disable_radix_cache: bool = _opt(False, "never reuse cached prefixes (baseline for comparison)")
+    disable_sliding_window_pool: bool = _opt(
+        False,
+        "keep sliding-window layers' K/V for every token in the one KV pool (default: their own smaller "
+        "pool holding each request's window; also off with a KV tier, --tp-size > 1, triton or flashinfer)",
+    )
     attention_backend: str = _opt(
         "auto",
         "attention kernels; auto = flashinfer/triton on GPU, cpu (C++ paged attention, built on first use) "

@@ -8,9 +8,23 @@ Three objects with one job each:
 
 Accounting invariant (checked by the scheduler when idle and by tests):
     allocator.available() + slots held by the radix cache + slots held by running requests == size
+
+Sliding-window layers (a per-layer-group pool): with `sliding_size` set, the layers in `sliding_layers`
+keep their K/V in tensors of `sliding_size + 1` rows instead of `size + 1`. Slots everywhere else (the
+request table, the radix cache, `out_cache_loc`) stay *full* slots; `full_to_sliding[full_slot]` is the
+sliding row that holds that token's K/V for the sliding layers, 0 (the dummy row) where none is held.
+`KVPool.translate` maps a full slot tensor to the rows a layer reads. `SlidingSlotAllocator` hands out a
+full slot and a sliding row together, frees both together, and can free the sliding row alone
+(`free_sliding`: the token is older than every window that will still read it). A token whose sliding row
+was freed keeps its full slot and stays valid for the full-attention layers; whoever reads a sliding layer
+must only read tokens that still hold one (the cache manager's rule, `sliding_usable_len`). Second
+invariant:
+    sliding free rows + rows mapped from full slots == sliding_size, and no free full slot holds a row
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -84,8 +98,80 @@ class SlotAllocator:
         return self._free[: self._num_free]
 
 
+class SlidingSlotAllocator(SlotAllocator):
+    """A `SlotAllocator` of full slots whose every allocated slot also holds a row of the sliding-layer pool
+    (`full_to_sliding[slot]`, shared with the `KVPool`). `alloc(n)` fails (None) when either pool has fewer
+    than n free; `available()` counts full slots (`sliding_available()` the rows); `free` gives back both,
+    `free_sliding` only the rows (the full slots stay allocated, their sliding K/V gone)."""
+
+    def __init__(self, size: int, sliding_size: int, full_to_sliding: torch.Tensor, device="cpu"):
+        if not 0 < sliding_size <= size:
+            raise ValueError(f"sliding_size must be in 1..size ({size}), got {sliding_size}")
+        if full_to_sliding.shape != (size + 1,):
+            raise ValueError(f"full_to_sliding must have size + 1 = {size + 1} entries")
+        self.sliding = SlotAllocator(sliding_size, device)
+        self.full_to_sliding = full_to_sliding
+        super().__init__(size, device)
+
+    def clear(self) -> None:
+        super().clear()
+        self.sliding.clear()
+        self.full_to_sliding.zero_()
+
+    def sliding_available(self) -> int:
+        return self.sliding.available()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > self.sliding.available():
+            return None
+        full = super().alloc(n)
+        if full is None:
+            return None
+        self.full_to_sliding[full] = self.sliding.alloc(n)
+        return full
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.free_sliding(slots)
+        super().free(slots)
+
+    def free_sliding(self, slots: torch.Tensor) -> int:
+        """Give back the sliding rows of full `slots` (those that hold one); returns how many."""
+        if slots.numel() == 0:
+            return 0
+        slots = slots.to(self.full_to_sliding.device).flatten()
+        rows = self.full_to_sliding[slots]
+        held = rows[rows != 0]
+        self.sliding.free(held)
+        self.full_to_sliding[slots] = 0
+        return held.numel()
+
+    def sliding_held(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool [len(slots)]: which full slots still hold a sliding row."""
+        return self.full_to_sliding[slots.to(self.full_to_sliding.device)] != 0
+
+    def check(self) -> None:
+        """Raise AssertionError if a sliding row is lost, held twice, or held by a free full slot."""
+        mapped = self.full_to_sliding[1:]
+        rows = mapped[mapped != 0]
+        free_rows = self.sliding.free_slots()
+        assert rows.numel() + free_rows.numel() == self.sliding.size, (
+            f"sliding KV accounting broken: {rows.numel()} mapped + {free_rows.numel()} free != "
+            f"sliding pool size {self.sliding.size}"
+        )
+        both = torch.cat([rows.cpu(), free_rows.cpu()])
+        assert torch.unique(both).numel() == self.sliding.size, "sliding KV accounting broken: a row twice"
+        assert not bool((self.full_to_sliding[self.free_slots()] != 0).any()), (
+            "sliding KV accounting broken: a free full slot still holds a sliding row"
+        )
+        assert int(self.full_to_sliding[0]) == 0, "the dummy slot 0 must map to the dummy row"
+
+
 class KVPool:
-    """Per-layer K/V storage: k[layer] and v[layer] are [size + 1, num_kv_heads, head_dim]."""
+    """Per-layer K/V storage: k[layer] and v[layer] are [size + 1, num_kv_heads, head_dim], or, for the
+    layers in `sliding_layers` when `sliding_size` > 0, [sliding_size + 1, ...] rows addressed through
+    `full_to_sliding` (see the module docstring)."""
 
     def __init__(
         self,
@@ -95,18 +181,36 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        sliding_layers: Sequence[int] = (),
+        sliding_size: int = 0,
     ):
         self.size = size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (size + 1, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.sliding_size = sliding_size if sliding_layers else 0
+        self.sliding_layers = frozenset(sliding_layers) if self.sliding_size else frozenset()
+        # full slot -> sliding row (0: none held); None without a sliding pool
+        self.full_to_sliding = (
+            torch.zeros(size + 1, dtype=torch.int64, device=device) if self.sliding_size else None
+        )
+        rows = [self.sliding_size if i in self.sliding_layers else size for i in range(num_layers)]
+        self.k = [torch.zeros((r + 1, num_kv_heads, head_dim), dtype=dtype, device=device) for r in rows]
+        self.v = [torch.zeros((r + 1, num_kv_heads, head_dim), dtype=dtype, device=device) for r in rows]
+
+    def translate(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of `k[layer]` / `v[layer]` that hold full `slots` (any shape): `slots` itself for a
+        layer in the full pool, their sliding rows (0, the dummy, where none is held) for a sliding layer."""
+        if layer not in self.sliding_layers:
+            return slots
+        if slots.dim() == 1:
+            return self.full_to_sliding.index_select(0, slots)
+        return self.full_to_sliding[slots]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [num_tokens, num_kv_heads, head_dim] for `slots` [num_tokens]."""
+        """k, v: [num_tokens, num_kv_heads, head_dim] for full `slots` [num_tokens]."""
+        slots = self.translate(layer, slots)
         # index_copy_ rather than `buf[slots] = x`: the advanced-indexing path is far slower on CPU.
         self.k[layer].index_copy_(0, slots, k.to(self.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.dtype))

@@ -22,6 +22,14 @@ matched ones, and every ancestor. A later split keeps that protection: the new u
 lower half's `lock_ref` and LRU time, so `unlock(last_node)` still releases exactly what `lock` took.
 
 Matched indices are only safe to use while `last_node` is locked (or until the next `evict`).
+
+Sliding-window layers' K/V (`memory_pool`'s sliding pool) is tracked per node, not stored: with
+`sliding_held` set (a function telling which slots still hold a sliding row), each node counts its tokens
+that do (`TreeNode.sliding`), and the tree sums them over unlocked and locked nodes
+(`sliding_evictable_size`, `sliding_protected_size`). `evict_sliding` drops the sliding K/V of unlocked
+nodes, least recently used first and inner nodes as well as leaves, and keeps the nodes: their full
+layers' K/V still serves prefixes. The tree does not decide what such a node is still good for; the cache
+manager cuts a match back to where every sliding layer's window is held (`cache_manager.sliding_usable_len`).
 """
 
 from __future__ import annotations
@@ -86,7 +94,7 @@ class TreeNode:
 
     _ids = itertools.count()
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "sliding")
 
     def __init__(self, key: Key = (), value: torch.Tensor | None = None, parent: TreeNode | None = None):
         self.children: dict[int, TreeNode] = {}  # first token of the child's key -> child
@@ -96,6 +104,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = 0  # cache-local monotonic tick; larger == more recently used
         self.id = next(TreeNode._ids)  # creation order: deterministic LRU tie-break
+        self.sliding = 0  # tokens whose slots still hold sliding-layer K/V (with `RadixCache.sliding_held`)
 
     def is_leaf(self) -> bool:
         return not self.children
@@ -160,6 +169,17 @@ class BasePrefixCache(ABC):
         """Number of non-root nodes."""
         return 0
 
+    def sliding_evictable_size(self) -> int:
+        """Tokens of unlocked nodes holding sliding-layer K/V (see `RadixCache`)."""
+        return 0
+
+    def sliding_protected_size(self) -> int:
+        return 0
+
+    def evict_sliding(self, num_tokens: int) -> torch.Tensor:
+        """Slots whose sliding-layer K/V the caller may free, the nodes kept (see `RadixCache`)."""
+        return _empty_slots()
+
     @abstractmethod
     def all_slots(self) -> torch.Tensor:
         """Every slot held by the cache (for accounting checks)."""
@@ -188,6 +208,13 @@ class RadixCache(BasePrefixCache):
         # Told what the tree caches and drops, as (path key, where the change starts on it), and of resets:
         # `stored(key, start)`, `removed(key, start)`, `cleared()` (the scheduler's KV events, `kv_events`)
         self.events: Any = None
+        # bool [n] of n slots: which still hold sliding-layer K/V (a sliding pool); None: no such pool
+        self.sliding_held: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._sliding_evictable = 0
+        self._sliding_protected = 0
+
+    def _count_sliding(self, value: torch.Tensor) -> int:
+        return int(self.sliding_held(value).sum()) if self.sliding_held is not None else 0
 
     # ---- lookup / insert -------------------------------------------------------------------------
     def _descend(self, key: Key) -> list[tuple[TreeNode, int]]:
@@ -233,6 +260,8 @@ class RadixCache(BasePrefixCache):
                 leaf.last_access = now
                 node.children[key[pos]] = leaf
                 self._evictable += len(leaf.key)
+                leaf.sliding = self._count_sliding(leaf.value)
+                self._sliding_evictable += leaf.sliding
                 self._num_nodes += 1
                 if self.events is not None:
                     self.events.stored(key, pos)
@@ -263,6 +292,9 @@ class RadixCache(BasePrefixCache):
         upper = TreeNode(node.key[:at], node.value[:at].clone(), parent=node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        if node.sliding:
+            upper.sliding = self._count_sliding(upper.value)
+            node.sliding -= upper.sliding
         self._num_nodes += 1
         node.parent.children[node.key[0]] = upper
         node.key = node.key[at:]
@@ -279,6 +311,8 @@ class RadixCache(BasePrefixCache):
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
+                self._sliding_evictable -= node.sliding
+                self._sliding_protected += node.sliding
             node.lock_ref += 1
             node.last_access = now
 
@@ -291,6 +325,8 @@ class RadixCache(BasePrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
+                self._sliding_protected -= node.sliding
+                self._sliding_evictable += node.sliding
 
     def path(self, node: TreeNode) -> tuple[Key, torch.Tensor]:
         """The whole key from the root to the end of `node`, and its slots."""
@@ -333,6 +369,7 @@ class RadixCache(BasePrefixCache):
             del parent.children[leaf.key[0]]
             leaf.parent = None  # detached: a stale lock/unlock on it now fails loudly
             self._evictable -= len(leaf.key)
+            self._sliding_evictable -= leaf.sliding
             self._num_nodes -= 1
             freed.append(leaf.value)
             num_freed += len(leaf.key)
@@ -340,9 +377,36 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return torch.cat(freed) if freed else _empty_slots()
 
+    def evict_sliding(self, num_tokens: int) -> torch.Tensor:
+        """Drop the sliding-layer K/V of unlocked nodes that hold some, least recently used first, until
+        >= num_tokens of it is dropped or none is left; returns the nodes' slots (the caller frees their
+        sliding rows only: the nodes and their full-layer K/V stay)."""
+        if num_tokens <= 0 or self.sliding_held is None:
+            return _empty_slots()
+        nodes = sorted(
+            (n for n in self._nodes() if n.sliding and n.lock_ref == 0), key=lambda n: (n.last_access, n.id)
+        )
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        for node in nodes:
+            if num_freed >= num_tokens:
+                break
+            freed.append(node.value)
+            num_freed += node.sliding
+            self._sliding_evictable -= node.sliding
+            node.sliding = 0
+        return torch.cat(freed) if freed else _empty_slots()
+
     # ---- sizes and accounting -------------------------------------------------------------------
     def evictable_size(self) -> int:
         return self._evictable
+
+    def sliding_evictable_size(self) -> int:
+        """Tokens of unlocked nodes that hold sliding-layer K/V (0 without `sliding_held`)."""
+        return self._sliding_evictable
+
+    def sliding_protected_size(self) -> int:
+        return self._sliding_protected
 
     def protected_size(self) -> int:
         return self._protected
@@ -364,6 +428,7 @@ class RadixCache(BasePrefixCache):
         self.root.children = {}  # keep the root object: requests that matched nothing still hold it
         self._evictable = 0
         self._protected = 0
+        self._sliding_evictable = self._sliding_protected = 0
         self._num_nodes = 0
         if self.events is not None:
             self.events.cleared()
@@ -381,7 +446,7 @@ class RadixCache(BasePrefixCache):
     def check_integrity(self) -> None:
         root = self.root
         assert root.parent is None and root.key == () and root.value.numel() == 0, "malformed root"
-        evictable = protected = 0
+        evictable = protected = sliding_evictable = sliding_protected = 0
         seen: set[int] = set()
         stack = [root]
         while stack:
@@ -397,15 +462,24 @@ class RadixCache(BasePrefixCache):
                 assert child.value.numel() == len(child.key), f"{child!r}: len(key) != len(value)"
                 assert child.lock_ref >= 0, f"{child!r} has a negative lock_ref"
                 child_locks += child.lock_ref
+                if self.sliding_held is not None:
+                    held = self._count_sliding(child.value)
+                    assert child.sliding == held, f"{child!r}: sliding count {child.sliding} != held {held}"
                 if child.lock_ref > 0:
                     protected += len(child.key)
+                    sliding_protected += child.sliding
                 else:
                     evictable += len(child.key)
+                    sliding_evictable += child.sliding
                 stack.append(child)
             if node is not root:
                 assert node.lock_ref >= child_locks, f"{node!r}: lock_ref < sum of children's ({child_locks})"
         assert evictable == self._evictable, f"evictable_size {self._evictable} != recomputed {evictable}"
         assert protected == self._protected, f"protected_size {self._protected} != recomputed {protected}"
+        assert (sliding_evictable, sliding_protected) == (self._sliding_evictable, self._sliding_protected), (
+            f"sliding sizes ({self._sliding_evictable}, {self._sliding_protected}) != recomputed "
+            f"({sliding_evictable}, {sliding_protected})"
+        )
         assert len(seen) - 1 == self._num_nodes, f"num_nodes {self._num_nodes} != counted {len(seen) - 1}"
         slots = self.all_slots()
         assert torch.unique(slots).numel() == slots.numel(), "a KV slot is held by two tree positions"

@@ -14,7 +14,7 @@ import torch
 
 from radixlm_kernels import create_backend, resolve_backend_name
 from runtime import allocator
-from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlotAllocator
+from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlidingSlotAllocator, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.frozen_modules import freeze_attributes
 from runtime.models.gemma3 import Gemma3ForCausalLM
@@ -58,7 +58,13 @@ class ModelRunner:
         tp: TensorParallel | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        sliding_pool_tokens: int | None = None,
+        prefill_chunk: int = 0,
     ):
+        """`sliding_pool_tokens`: rows of the sliding-window layers' own KV pool (`memory_pool.KVPool`'s
+        `sliding_size`); -1 sizes it (`sliding_pool_size`, with `prefill_chunk` the longest extend); None
+        keeps every layer in one pool, as do models without sliding layers, tensor parallelism, and
+        backends that do not translate sliding rows (triton, flashinfer)."""
         from runtime.models.model_loader import iter_weights, load_hf_config
         from runtime.models.quantized_linear import quantize_model
 
@@ -120,13 +126,36 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max_running_requests + 1, self.context_length + 8, self.device
         )
-        self.allocator = SlotAllocator(max_total_tokens, self.device)
-        self.kv_pool = KVPool(
-            max_total_tokens, cfg.num_layers, self.local_kv_heads, cfg.head_dim, self.kv_dtype, self.device
-        )
         self.backend_name = _load_backend_ops(
             resolve_backend_name(attention_backend, self.device.type), explicit=attention_backend != "auto"
         )
+        sliding = [i for i in range(cfg.num_layers) if cfg.sliding_window(i)]
+        if sliding_pool_tokens == -1:
+            sliding_pool_tokens = sliding_pool_size(
+                max_total_tokens,
+                max(cfg.sliding_windows, default=0),
+                max_running_requests,
+                prefill_chunk if prefill_chunk > 0 else self.context_length,
+            )
+        if not (sliding and tp.size == 1 and self.backend_name in SLIDING_POOL_BACKENDS):
+            sliding_pool_tokens = None
+        sliding_size = min(sliding_pool_tokens or 0, max_total_tokens)
+        self.kv_pool = KVPool(
+            max_total_tokens,
+            cfg.num_layers,
+            self.local_kv_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+            sliding_layers=sliding,
+            sliding_size=sliding_size,
+        )
+        if sliding_size:
+            self.allocator = SlidingSlotAllocator(
+                max_total_tokens, sliding_size, self.kv_pool.full_to_sliding, self.device
+            )
+        else:
+            self.allocator = SlotAllocator(max_total_tokens, self.device)
         self.backend = create_backend(self.backend_name, self.kv_pool, self.req_to_token_pool)
         if cfg.sliding_windows and not self.backend.supports_sliding_window:
             raise ValueError(
@@ -168,7 +197,7 @@ class ModelRunner:
             freeze_attributes(self.model)
         logger.info(
             "model loaded in %.2fs: %s, %d layers, dtype=%s, KV %s, quantization=%s, device=%s, backend=%s, "
-            "KV pool %d tokens (%.0f MiB), tp rank %d/%d",
+            "KV pool %d tokens (%.0f MiB; sliding layers %d of them), tp rank %d/%d",
             self.load_seconds,
             cfg.architecture,
             cfg.num_layers,
@@ -178,7 +207,8 @@ class ModelRunner:
             device,
             self.backend_name,
             max_total_tokens,
-            max_total_tokens * self.kv_pool.bytes_per_token() / 2**20,
+            self.kv_pool.nbytes() / 2**20,
+            sliding_size or max_total_tokens,
             tp.rank,
             tp.size,
         )
@@ -204,6 +234,11 @@ class ModelRunner:
             tp=tp,
             max_loras=args.max_loras if args.lora_enabled else 0,
             max_lora_rank=args.max_lora_rank,
+            # the tiers copy every layer's K/V by full slot: they keep one pool
+            sliding_pool_tokens=None
+            if args.disable_sliding_window_pool or args.kv_host_tier_gb or args.kv_disk_dir
+            else -1,
+            prefill_chunk=args.chunked_prefill_size,
         )
 
     @property
@@ -300,6 +335,25 @@ def _load_backend_ops(name: str, explicit: bool) -> str:
         logger.warning("attention backend cpu unavailable (%s); using torch_native", e)
         return "torch_native"
     return name
+
+
+# Backends that read sliding layers through `KVPool.translate`.
+SLIDING_POOL_BACKENDS = ("torch_native", "cpu")
+# Sliding rows a running request may hold past its window: its decode run (the cache manager's DECODE_RUN)
+# and the positions a verify step appends.
+SLIDING_SLACK_PER_REQUEST = 64
+# Share of the full pool the sliding pool adds for what the radix cache keeps of finished requests.
+SLIDING_CACHE_SHARE = 0.25
+
+
+def sliding_pool_size(full: int, window: int, max_running: int, longest_extend: int) -> int:
+    """Rows of the sliding-layer pool: every running request's window and slack, one extend of
+    `longest_extend` tokens (it takes rows for all its tokens before freeing those out of the window), and
+    SLIDING_CACHE_SHARE of the full pool for the radix cache; never more than the full pool."""
+    need = (
+        max_running * (window + SLIDING_SLACK_PER_REQUEST) + longest_extend + int(SLIDING_CACHE_SHARE * full)
+    )
+    return min(full, need)
 
 
 def _available_host_memory() -> int:

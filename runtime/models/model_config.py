@@ -8,8 +8,9 @@ Gemma 3's layer differs enough to have its own module (`runtime.models.gemma3`);
 So does gpt-oss's (`runtime.models.gpt_oss`: attention sinks, its own mixture of experts, yarn rope).
 
 Sliding-window layers (Mistral's and Phi-3's `sliding_window`, any `layer_types` entry "sliding_attention")
-are `sliding_windows[layer]` > 0: the attention backends read only the window, while the KV pool still holds
-every position, so a cached prefix is reusable exactly as for global layers (docs/architecture.md).
+are `sliding_windows[layer]` > 0: the attention backends read only the window, and the KV pool keeps those
+layers' K/V in a smaller pool of windows (`runtime.mem_cache.memory_pool`; the prefix reuse rule is in
+docs/architecture.md).
 """
 
 from __future__ import annotations

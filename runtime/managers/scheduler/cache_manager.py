@@ -21,6 +21,24 @@ With a host tier (`--kv-host-tier-gb`) the cache's evictions are copied there fi
 prefix the host holds beyond the device match back into fresh device slots (inserted into the cache like any
 computed KV) instead of leaving it to be recomputed. When the pool has no room for it now, `start` records
 that on the request (`tier_unloaded_len`) and the prefill adder lets it wait for room.
+
+Sliding-window layers with their own pool (`memory_pool.SlidingSlotAllocator`, `sliding_window` > 0, the
+largest window of the model's sliding layers, W):
+  * a running request frees the sliding rows of its own tokens (not the cache-owned prefix) older than its
+    window each time it appends: before computing position p the sliding layers read only positions
+    p - W + 1 .. p, so rows of positions below `kv_len - W + 1` go back (`_free_out_of_window`);
+  * the radix cache may drop a node's sliding K/V under pressure and keep the node (`evict_sliding`), and a
+    finished request's tokens are cached with the rows it already freed missing;
+  * so a cached prefix is reusable only up to a match end m where every sliding layer still holds the
+    W - 1 tokens before m (positions max(0, m - W + 1) .. m - 1: what the first recomputed token, at m,
+    attends to besides itself); a longer match is cut back to the longest such m
+    (`sliding_usable_len`), and everything past it is recomputed. m = 0 always qualifies;
+  * a rollback (`drop_kv_from`) to a position whose window was partly freed gives the request's KV back
+    (recomputed at its next admission), as a rollback into the cache-owned prefix does;
+  * `available()` is the smaller of what the full and the sliding pool can supply, so admission never
+    takes more rows than there are.
+Accounting adds: sliding free rows + rows held by full slots == sliding pool size, and a free full slot
+holds no row (`SlidingSlotAllocator.check`).
 """
 
 from __future__ import annotations
@@ -34,11 +52,23 @@ import torch
 from runtime.managers.scheduler.req import Req
 from runtime.mem_cache.disk_tier import BLOCK, DiskTier
 from runtime.mem_cache.host_tier import HostTier, host_tier_tokens
-from runtime.mem_cache.memory_pool import ReqToTokenPool, SlotAllocator
+from runtime.mem_cache.memory_pool import ReqToTokenPool, SlidingSlotAllocator, SlotAllocator
 from runtime.mem_cache.radix_cache import BasePrefixCache, RadixCache
 from runtime.models.model_loader import weights_fingerprint
 
 DECODE_RUN = 32  # slots a decoding request takes from the pool at a time (~3 pages of one layer's K)
+
+
+def sliding_usable_len(held: torch.Tensor, window: int) -> int:
+    """The longest m <= len(held) such that `held[max(0, m - window + 1):m]` is all True: how much of a
+    cached prefix whose tokens hold sliding-layer K/V where `held` (bool [n]) is True can be reused."""
+    m = held.numel()
+    missing = (~held).nonzero().flatten().tolist()
+    for b in reversed(missing):  # b < m: the latest missing token not yet ruled out
+        if m - window + 1 > b:  # the window before m starts after it
+            return m
+        m = b  # every end in (b, m] sees b: the longest candidate left ends right at b
+    return m
 
 
 class CacheManager:
@@ -49,7 +79,10 @@ class CacheManager:
         allocator: SlotAllocator,
         host: HostTier | None = None,
         disk: DiskTier | None = None,
+        sliding_window: int = 0,
     ):
+        """`sliding_window`: the model's largest sliding window (0: none); it takes effect only with a
+        `SlidingSlotAllocator` (the sliding layers' own pool)."""
         self.cache = cache
         self.req_pool = req_pool
         self.allocator = allocator
@@ -60,6 +93,14 @@ class CacheManager:
         if host is not None:
             assert isinstance(cache, RadixCache), "a host tier sits under the radix cache"
             cache.on_evict = host.save
+        self.sliding: SlidingSlotAllocator | None = None
+        self.window = 0
+        if isinstance(allocator, SlidingSlotAllocator) and sliding_window > 0:
+            assert host is None and disk is None, "the KV tiers copy one pool: no sliding pool under them"
+            self.sliding, self.window = allocator, sliding_window
+            if isinstance(cache, RadixCache):
+                cache.sliding_held = allocator.sliding_held
+        self._sliding_done: dict[int, int] = {}  # request row -> positions below it hold no sliding row
 
     # ---- lookup ----------------------------------------------------------------------------------------
     def match(self, req: Req, tiers: bool = False) -> int:
@@ -70,6 +111,7 @@ class CacheManager:
         key = tuple(req.cache_key(req.prefix_limit()))
         res = self.cache.match_prefix(key)
         req.match_len, req.match_node, req.match_indices = len(res.indices), res.last_node, res.indices
+        self._cut_to_sliding(req)
         if tiers:
             held = req.match_len
             if self.host is not None and len(key) > held:
@@ -78,6 +120,15 @@ class CacheManager:
                 held = max(held, self.disk.cached_len(self._disk_names(req, key)))
             req.tier_match_len = held - req.match_len
         return req.match_len
+
+    def _cut_to_sliding(self, req: Req) -> None:
+        """Cut the request's match back to where every sliding layer holds its window (`sliding_usable_len`);
+        `match_node` stays (`exact_node` walks up to the shorter length)."""
+        if self.sliding is None or not req.match_len:
+            return
+        m = sliding_usable_len(self.sliding.sliding_held(req.match_indices), self.window)
+        if m < req.match_len:
+            req.match_len, req.match_indices = m, req.match_indices[:m]
 
     def _disk_names(self, req: Req, key: tuple[int, ...]) -> list[str]:
         """The disk block names of `key`, kept on the request: a waiting request's key does not change, and
@@ -88,8 +139,24 @@ class CacheManager:
         return memo[1]
 
     def available(self) -> int:
-        """Slots obtainable right now: free, evictable, and the unused slots of decode runs."""
-        return self.allocator.available() + self.cache.evictable_size() + self._run_slots
+        """Slots obtainable right now: free, evictable, and the unused slots of decode runs (with a sliding
+        pool, the smaller of that and the same count of its rows)."""
+        full = self.allocator.available() + self.cache.evictable_size() + self._run_slots
+        if self.sliding is None:
+            return full
+        rows = self.sliding.sliding_available() + self.cache.sliding_evictable_size() + self._run_slots
+        return min(full, rows)
+
+    def _free_now(self) -> int:
+        """Slots `allocator.alloc` can give without evicting."""
+        if self.sliding is None:
+            return self.allocator.available()
+        return min(self.allocator.available(), self.sliding.sliding_available())
+
+    def _evictable_now(self) -> int:
+        if self.sliding is None:
+            return self.cache.evictable_size()
+        return min(self.cache.evictable_size(), self.cache.sliding_evictable_size())
 
     # ---- slots -------------------------------------------------------------------------------------------
     def alloc_slots(self, n: int) -> torch.Tensor | None:
@@ -105,6 +172,8 @@ class CacheManager:
         slots = self.allocator.alloc(n)
         if slots is None:
             self.allocator.free(self.cache.evict(n - self.allocator.available()))
+            if self.sliding is not None:  # then only the sliding K/V of cached nodes, keeping the nodes
+                self.sliding.free_sliding(self.cache.evict_sliding(n - self.sliding.sliding_available()))
             slots = self.allocator.alloc(n)
         return slots
 
@@ -122,9 +191,9 @@ class CacheManager:
                 max(s, min(DECODE_RUN, r.remaining_new_tokens + c)) if s else 0
                 for r, s, c in zip(reqs, short, counts)
             ]
-            if sum(want) > self.allocator.available():
+            if sum(want) > self._free_now():
                 want = short
-                if need > self.allocator.available() + self.cache.evictable_size():
+                if need > self._free_now() + self._evictable_now():
                     self._drop_runs()
                     want = list(counts)
             got = self._alloc_evicting(sum(want))
@@ -168,6 +237,7 @@ class CacheManager:
             # evicted since `match` (lpm matches the whole queue first; a tier load admitted before this
             # request made room): its match is gone, find what is left
             self.match(req)
+        self._cut_to_sliding(req)  # again: a sliding eviction since `match` may have cut it shorter
         req.match_node = self.cache.exact_node(req.match_node, req.match_len)
         unlocked = self.available()
         self.cache.lock(req.match_node)
@@ -251,6 +321,8 @@ class CacheManager:
 
     def append_slots(self, req: Req, slots: torch.Tensor) -> None:
         """Record slots for the request's next tokens (their KV is written by the coming forward)."""
+        if self.sliding is not None:
+            self._free_out_of_window([req])
         self.req_pool.write(req.req_pool_idx, req.kv_len, slots)
         req.kv_len += slots.numel()
 
@@ -259,9 +331,34 @@ class CacheManager:
         if len(reqs) == 1:
             self.append_slots(reqs[0], slots)
             return
+        if self.sliding is not None:
+            self._free_out_of_window(reqs)
         self.req_pool.write_each([r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], slots)
         for req in reqs:
             req.kv_len += 1
+
+    def _free_out_of_window(self, reqs: list[Req]) -> None:
+        """Before the requests compute from position `kv_len` on: free the sliding rows of their own tokens
+        below `kv_len - window + 1` (no sliding layer reads them again). A decode step frees one position a
+        request: gathered in one read."""
+        done, table = self._sliding_done, self.req_pool.req_to_token
+        rows, positions, ranges = [], [], []
+        for req in reqs:
+            row = req.req_pool_idx
+            lo = max(done.get(row, 0), req.cache_owned_len)
+            hi = req.kv_len - self.window + 1
+            if hi <= lo:
+                continue
+            done[row] = hi
+            if hi - lo == 1:
+                rows.append(row)
+                positions.append(lo)
+            else:
+                ranges.append(table[row, lo:hi])
+        if rows:
+            ranges.append(table[torch.tensor(rows), torch.tensor(positions)])
+        if ranges:
+            self.sliding.free_sliding(torch.cat(ranges) if len(ranges) > 1 else ranges[0])
 
     def drop_kv_from(self, req: Req, pos: int) -> None:
         """The tokens from position `pos` on are rejected (a verify) or about to be rewritten (jump-forward):
@@ -271,7 +368,9 @@ class CacheManager:
         the request holds belongs to a token it keeps, so releasing or caching it later is sound."""
         if req.req_pool_idx is None or pos >= req.kv_len:
             return
-        if pos < req.cache_owned_len:
+        if pos < req.cache_owned_len or (
+            self.sliding is not None and pos - self.window + 1 < self._sliding_done.get(req.req_pool_idx, 0)
+        ):  # into the cache's prefix, or to a position whose window lost sliding rows
             self.release(req, cache_tokens=False)
             return
         dropped = self.req_pool.read(req.req_pool_idx, req.kv_len, pos).tolist()
@@ -286,6 +385,8 @@ class CacheManager:
         if not self.cache.enabled or req.kv_len <= req.cache_owned_len:
             return
         key = req.cache_key(req.kv_len)
+        if self.sliding is not None and not self._cache_keeps_window(req, key):
+            return  # it inserts its tokens when it leaves instead
         slots = self.req_pool.read(req.req_pool_idx, req.kv_len).clone()
         if self.disk is not None:
             self.disk.offer(key, slots)
@@ -298,6 +399,14 @@ class CacheManager:
         self.cache.lock(node)
         self.cache.unlock(req.locked_node)
         req.locked_node, req.cache_owned_len = node, req.kv_len
+
+    def _cache_keeps_window(self, req: Req, key) -> bool:
+        """Whether publishing would keep the request's window whole: where the cache already holds the
+        request's tokens, the request's row takes the cache's slots (its own are freed), and those must
+        still hold sliding rows for the positions the next token reads."""
+        cached = self.cache.match_prefix(key).indices
+        lo = max(req.cache_owned_len, req.kv_len - self.window + 1)
+        return cached.numel() <= lo or bool(self.sliding.sliding_held(cached[lo:]).all())
 
     def release(self, req: Req, cache_tokens: bool = True) -> None:
         """Return a request's KV: its tokens go into the cache (duplicates freed), then its lock and row."""
@@ -315,6 +424,7 @@ class CacheManager:
             self.allocator.free(slots[req.cache_owned_len :])
         self.cache.unlock(req.locked_node)
         self._drop_run(row)
+        self._sliding_done.pop(row, None)
         self.req_pool.free(row)
         req.req_pool_idx, req.locked_node, req.kv_len, req.cache_owned_len = None, None, 0, 0
 
@@ -344,8 +454,20 @@ class CacheManager:
             "decode_run_tokens": self._run_slots,
             "token_usage": 1 - (alloc.available() + cache.evictable_size()) / alloc.size,
             "radix_cache_enabled": cache.enabled,
+            **self._sliding_info(),
             **host,
             **disk,
+        }
+
+    def _sliding_info(self) -> dict:
+        if self.sliding is None:
+            return {"sliding_pool_tokens": 0}
+        rows = self.sliding.sliding
+        return {
+            "sliding_pool_tokens": rows.size,
+            "sliding_free_rows": rows.available(),
+            "sliding_window": self.window,
+            "cache_sliding_tokens": self.cache.sliding_evictable_size() + self.cache.sliding_protected_size(),
         }
 
     def save_to_disk(self, timeout_s: float = 55.0) -> None:
@@ -382,6 +504,9 @@ class CacheManager:
         self.cache.check_integrity()
         if self.host is not None:
             self.host.check()
+        if self.sliding is not None:
+            assert set(self._sliding_done) <= rows, "KV accounting broken: sliding marks of rows not live"
+            self.sliding.check()
 
 
 def make_tiers(args, model_dir: str, runner) -> tuple[HostTier | None, DiskTier | None]:

@@ -94,7 +94,14 @@ class Scheduler:
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         cache = NoPrefixCache() if args.disable_radix_cache else RadixCache()
         host, disk = make_tiers(args, model_dir, self.runner)
-        self.cm = CacheManager(cache, self.runner.req_to_token_pool, self.runner.allocator, host, disk)
+        self.cm = CacheManager(
+            cache,
+            self.runner.req_to_token_pool,
+            self.runner.allocator,
+            host,
+            disk,
+            sliding_window=max(self.runner.config.sliding_windows, default=0),
+        )
         self.sampler = Sampler()
         self.stop = StopChecker(self.tokenizer, self.runner.config.eos_token_ids)
         self.grammars = GrammarManager(self.tokenizer, self.runner.vocab_size, args)
