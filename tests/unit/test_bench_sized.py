@@ -67,3 +67,119 @@ def test_figures_become_rows_with_radixlm_ahead_above_one(tmp_path: Path):
     assert head["1B Q4_K_M file: decode tok/s, 32 streams"] == ["300.0", "–", "150.0", "2.00×"]
     assert head["1B Q4_K_M file: TTFT of 2,000 tokens, s (ratio: best peer ÷ radixlm)"][-1] == "2.00×"
     assert "bench/results/sized_1b.json" in report.sized(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ the MoE file
+MOE_TINY = {
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 8,
+    "num_experts_per_tok": 2, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "tie_word_embeddings": False, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("moe") / "model-Q4_K_M.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sized.SHAPES, "tiny-moe", MOE_TINY)
+        sized.write_moe_gguf("tiny-moe", path)
+    return path
+
+
+def test_the_moe_file_has_the_converters_tensors_in_q4_k_ms_types(moe_file: Path):
+    """qwen3moe's keys and tensor names (stacked experts [n_expert, out, in], the router, q/k norms) with
+    llama-quantize's Q4_K_M types: attn_v and ffn_down_exps Q6_K on its layers, the LM head Q6_K, the rest
+    Q4_K, norms and the router F32."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from runtime.models.gguf_arch import open_reader
+
+    reader = open_reader(str(moe_file))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    assert meta["general.architecture"] == "qwen3moe" and meta["general.file_type"] == 15
+    assert meta["qwen3moe.expert_count"] == 8 and meta["qwen3moe.expert_used_count"] == 2
+    assert meta["qwen3moe.expert_feed_forward_length"] == 256 and meta["qwen3moe.block_count"] == 8
+    tensors = {t.name: t for t in reader.tensors}
+    gate = tensors["blk.3.ffn_gate_exps.weight"]
+    assert [int(d) for d in gate.shape] == [256, 256, 8]  # ggml's order: in, out, n_expert
+    assert [int(d) for d in tensors["blk.3.ffn_down_exps.weight"].shape] == [256, 256, 8]
+    assert [int(d) for d in tensors["blk.0.attn_k.weight"].shape] == [256, 128]
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == Q.F32
+    assert tensors["blk.0.attn_q_norm.weight"].tensor_type == Q.F32
+    assert tensors["output.weight"].tensor_type == Q.Q6_K
+    wide = [i for i in range(8) if tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type == Q.Q6_K]
+    assert wide == [i for i in range(8) if sized.more_bits(i, 8)] == [0, 3, 6, 7]
+    assert tensors["blk.3.attn_v.weight"].tensor_type == Q.Q6_K
+    assert tensors["blk.1.attn_v.weight"].tensor_type == tensors["blk.1.ffn_gate_exps.weight"].tensor_type
+    assert tensors["blk.1.attn_v.weight"].tensor_type == Q.Q4_K
+    # random blocks whose weights spread as N(0, 0.02) would: finite, centred, that deviation
+    for name in ("blk.1.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"):
+        t = tensors[name]
+        w = dequantize(np.asarray(t.data), t.tensor_type)
+        assert np.isfinite(w).all() and abs(float(w.mean())) < 2e-3, name
+        assert 0.017 < float(w.std()) < 0.023, name
+    # a token reads the routed experts' share of the stacked tensors, everything else whole
+    exps = sum(int(t.n_bytes) for n, t in tensors.items() if "_exps." in n)
+    rest = sum(int(t.n_bytes) for n, t in tensors.items() if "_exps." not in n and n != "token_embd.weight")
+    assert sized.gguf_read_bytes(moe_file) == int(rest + exps * 2 / 8)
+
+
+def test_the_moe_file_serves_in_radixlm_with_the_bundled_tokenizer(moe_file: Path, tmp_path: Path):
+    """radixlm loads the file (gguf_native: the experts' blocks in place) and its logits are finite and not
+    flat; the tokenizer it builds from the file's vocabulary encodes as the bundled model's does."""
+    import torch
+
+    from runtime.models import model_loader as ml
+    from tests.unit.test_gguf_architectures import runner_for, served_logits
+
+    folder = ml.resolve_model_path(str(moe_file), str(tmp_path / "cache"))
+    text = "Hello, world! <|im_start|>user\nCall the tool.<|im_end|>"
+    bundled = ml.load_tokenizer(ml.resolve_model_path("default"))
+    assert ml.load_tokenizer(folder).encode(text) == bundled.encode(text)
+    runner = runner_for(folder, quantization="gguf_native")
+    logits = served_logits(runner, [list(range(100, 130))])[0]
+    assert bool(torch.isfinite(logits).all())
+    assert float(logits.std(-1).min()) > 0.1  # hidden 256: logits spread ~0.02 x 16
+
+
+def test_the_30b_plan_is_a_q4_k_m_sized_file():
+    """Qwen3-30B-A3B's shape in the Q4_K_M mix: ~18 GB on disk, ~1.7 GB read a token (8 of 128 experts)."""
+    import numpy as np
+
+    per_block = {"Q4_K": sized.Q4_K_BYTES, "Q6_K": sized.Q6_K_BYTES}
+    plan = sized.moe_tensors(sized.SHAPES["30b-a3b"], 49152)
+    size = {
+        n: int(np.prod(d)) * 4 if q == "F32" else int(np.prod(d)) // 256 * per_block[q] for n, q, d in plan
+    }
+    assert 17e9 < sum(size.values()) < 19e9
+    active = sum(v * (8 / 128 if "_exps." in n else 1) for n, v in size.items() if n != "token_embd.weight")
+    assert 1.5e9 < active < 2.0e9
+    assert sum(1 for n, q, _ in plan if n.endswith("ffn_down_exps.weight") and q == "Q6_K") == 24
+
+
+def test_the_moe_result_is_one_headline_row_and_its_sized_rows():
+    """A mixture of experts' result: one README row with both decode figures in each cell (vLLM skipped:
+    no folder), and the docs rows with the weights a token reads and each side's peak memory."""
+    sides = {
+        "radixlm": {**_side(2.0), "decode_8": {"decode_tok_s": 40.0}, "weights_read_per_token_gb": 1.7,
+                    "peak_rss_gb": {"start_up": 18.0, "run": 19.5}},
+        "llama-server": {**_side(1.0), "decode_8": {"decode_tok_s": 50.0}, "weights_read_per_token_gb": 1.7,
+                         "peak_rss_gb": {"start_up": 18.5, "run": 19.0}},
+        "vllm": {"skipped": "no bfloat16 folder"},
+    }  # fmt: skip
+    doc = {
+        "name": "sized_30b_a3b",
+        "config": {"command": "python -m bench.sized --size 30b-a3b", "size": "30b-a3b", "streams": [1, 8],
+                   "shape": sized.SHAPES["30b-a3b"], "agents": 0},
+        "environment": {"cpu_cores": 2, "cpu_model": "X", "cpu_flags": ["avx2"]},
+        "results": {"sides": sides, "memory_bandwidth": {"copy_gb_s": 50.0}},
+    }  # fmt: skip
+    (head,) = report._sized_headline_rows(doc)
+    assert head == ["30B-A3B MoE Q4_K_M file: decode tok/s, 1 / 8 streams", "60.0 / 40.0", "–", "30.0 / 50.0",
+                    "2.00× / 0.80×"]  # fmt: skip
+    rows = {r[0]: r[1:] for r in report._sized_rows(doc)}
+    assert rows["30B-A3B: decode tok/s, 8 streams"][:3] == ["40.0", "–", "50.0"]
+    assert rows["30B-A3B: weights read a token, GB"][:4] == ["1.70", "–", "1.70", "–"]
+    assert rows["30B-A3B: peak resident memory, GB (mapped file pages included)"][:3] == ["19.5", "–", "19.0"]
