@@ -13,9 +13,9 @@ naming the tensor and its type; so is tensor parallelism.
 
 Per architecture (`runtime.models.gguf_arch.ARCHS`): Gemma 3 builds `Gemma3ForCausalLM` (its norms stored as
 1 + w are taken back to w); Phi-3's fused attn_qkv and ffn_up (gate | up) are one GGUFLinear each; a
-mixture of experts (qwen3moe) serves each expert's gate|up and down as GGUFLinears over that expert's rows of
-the stacked ffn_*_exps tensors (one expert is a contiguous byte range of them: a slice of the mapped file,
-nothing dequantized) through `SparseMoeBlock`'s grouped expert op; its router (ffn_gate_inp) is float32.
+mixture of experts (qwen3moe) serves its stacked ffn_*_exps tensors' blocks as they are (one expert is a
+contiguous byte range of each; the K types interleaved expert by expert) through the fused MoE op
+(`runtime.models.moe_fused.GGUFExperts`: one C++ call per layer); its router (ffn_gate_inp) is float32.
 
 The folder `--model FILE.gguf` resolves to (`runtime.models.gguf.resolve_gguf`) holds only the config, the
 tokenizer and the marker naming this file: no weights are written.
@@ -46,6 +46,7 @@ from runtime.models.gguf_linear import (
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.moe import SparseMoeBlock
+from runtime.models.moe_fused import GGUFExperts
 from runtime.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm.gguf_model")
@@ -139,20 +140,16 @@ class _Loader:
         w = _float(self.get(name))
         return w - self.arch.norm_shift if self.arch.norm_shift else w
 
-    def experts(self, block: str, hidden: int, inter: int) -> list[tuple[nn.Module, nn.Module]] | None:
-        """Per expert (gate|up GGUFLinear, down GGUFLinear) over its rows of the stacked ffn_*_exps tensors
-        (slices of the mapped file); None when a part is not of a block kernel's type (served as float)."""
+    def experts(self, block: str) -> GGUFExperts | None:
+        """The stacked ffn_{gate,up,down}_exps tensors' blocks for the fused MoE op (views of the mapped file,
+        or their interleaved copies); None when a part is not of a block kernel's type (served as float)."""
         gate, up, down = (self.get(f"{block}ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
         if not all(int(t.tensor_type) in KERNEL_TYPES for t in (gate, up, down)):
             return None
-        g, u, d = (_expert_rows(t) for t in (gate, up, down))  # uint8 [n_expert, rows, row bytes]
-        layers: list[tuple[nn.Module, nn.Module]] = []
-        for e in range(g.shape[0]):
-            gate_up = GGUFLinear(hidden, [(int(gate.tensor_type), g[e]), (int(up.tensor_type), u[e])])
-            layers.append((gate_up, GGUFLinear(inter, [(int(down.tensor_type), d[e])])))
+        fused = GGUFExperts([(int(t.tensor_type), _expert_rows(t)) for t in (gate, up, down)])
         for t in (gate, up, down):
-            self.counts[t.tensor_type.name] = self.counts.get(t.tensor_type.name, 0) + g.shape[0]
-        return layers
+            self.counts[t.tensor_type.name] = self.counts.get(t.tensor_type.name, 0) + fused.num_experts
+        return fused
 
     def _rows(self, rows: torch.Tensor, heads: int | None) -> torch.Tensor:
         """Q/K rows back into HF order where llama.cpp permuted them (a copy); other rows untouched."""
@@ -206,11 +203,11 @@ def load_gguf_model(
             )
         attn.o_proj = ld.linear([b + "attn_output.weight"], [None], q_rows, None)
         if isinstance(mlp, SparseMoeBlock):
-            experts = ld.experts(b, hidden, mlp.inter_full)
+            experts = ld.experts(b)
             if experts is None:
                 float_experts[i] = b
             else:
-                mlp.use_expert_layers(experts)
+                mlp.use_fused_experts(experts)
             continue
         gate_up = [b + "ffn_up.weight"] if arch.fused else [b + "ffn_gate.weight", b + "ffn_up.weight"]
         mlp.gate_up_proj = ld.linear(gate_up, [None] * len(gate_up), hidden, None)

@@ -4,7 +4,7 @@ the paged KV pool. Gemma 3 reuses its pieces (`runtime.models.gemma3`).
 Projections are fused (q|k|v and gate|up) so each layer runs four matmuls; attention goes through the
 `AttentionBackend`, which owns the KV pool reads and writes. Numerics follow transformers: RMSNorm in fp32
 then cast, rotate-half rope with fp32 angles. A mixture-of-experts layer's MLP is
-`runtime.models.moe.SparseMoeBlock`: its eager grouped expert op, on the fused CPU path too.
+`runtime.models.moe.SparseMoeBlock`: on the CPU its experts run as one C++ call (`runtime.models.moe_fused`).
 
 Under tensor parallelism (`runtime.models.parallel`) each rank holds its heads, its slice of the MLP and of
 the vocabulary; norms and rope are replicated. Weights are loaded from the full checkpoint, each layer
@@ -227,7 +227,7 @@ class LlamaForCausalLM(nn.Module):
                 (m.num_heads, m.num_kv_heads, m.num_kv_heads),
             )
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-            if isinstance(mlp, SparseMoeBlock):  # (its forward, None): the eager grouped op, no C++ kernel
+            if isinstance(mlp, SparseMoeBlock):  # (its forward, None): routing and the fused expert op
                 mlp_calls = ((mlp.forward, ()), None)
             else:
                 mlp_calls = (linear_call(mlp.gate_up_proj), linear_call(mlp.down_proj))

@@ -1,12 +1,16 @@
 """Mixture-of-experts MLP (Qwen3-MoE, Mixtral): softmax top-k routing and the grouped expert op.
 
-The router's logits are float32 (its weight is kept float32 whatever the model's dtype). `grouped_moe`
-groups the batch's (token, choice) rows by expert and runs one gate|up and one down matmul per expert hit
-(index_select in, index_add_ out), so a step reads only the routed experts' weights: at decode batch 1, top-k
-of them. This is the eager path on every device and dtype; no fused C++ MoE kernel exists yet. Under a
-quantization `quantize_model` replaces each expert's gate|up and down by two quantized linear layers
-(`SparseMoeBlock.quantize_experts`), which `grouped_moe_layers` runs with the same grouping; the router
-stays float32.
+The router's logits are float32 (its weight is kept float32 whatever the model's dtype). On the CPU a layer's
+experts run as one C++ call (runtime/models/moe_fused.py, csrc/moe_fused.cpp): the batch's (token, choice)
+rows grouped by expert, each token's activation quantized to int8 once, every hit expert's gate|up, SiLU,
+down and the weighted sum in one OpenMP-parallel op, for GGUF blocks, w4a8 blocks and float32 / bfloat16
+weights. `grouped_moe` (stacked float weights) and `grouped_moe_layers` (one pair of layers per expert) are
+the same computation as a Python loop over the experts hit (one gate|up and one down matmul each, index_select
+in, index_add_ out): the reference, and the path on other devices or with $RADIXLM_MOE_FUSED=0. Either way a
+step reads only the routed experts' weights: at decode batch 1, top-k of them. Under a quantization
+`quantize_model` replaces each expert's gate|up and down by two quantized linear layers
+(`SparseMoeBlock.quantize_experts`; w4a8's are then stacked for the fused op); a GGUF file's experts are its
+stacked blocks (`use_fused_experts`); the router stays float32.
 
 Under tensor parallelism each rank holds rows [start, stop) of every expert's intermediate features (like
 the dense MLP), the router is replicated (so every rank routes alike), and the partial outputs are summed
@@ -15,13 +19,18 @@ with one all_reduce.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models import moe_fused
+from runtime.models.native_kernels import KernelUnavailable
 from runtime.models.parallel import TensorParallel, split_range
+
+logger = logging.getLogger("radixlm.moe")
 
 # HF checkpoint names of an expert's projections -> (our parameter, part within an expert)
 EXPERT_PROJECTIONS = {
@@ -121,7 +130,8 @@ def reference_moe(
 
 class SparseMoeBlock(nn.Module):
     """The MoE MLP of one decoder layer: the router (`gate_weight` [E, H], float32) and the experts' fused
-    gate|up (`w13` [E, 2 * I_rank, H]) and down (`w2` [E, H, I_rank]) of this rank's intermediate slice."""
+    gate|up (`w13` [E, 2 * I_rank, H]) and down (`w2` [E, H, I_rank]) of this rank's intermediate slice, or,
+    once quantized, one pair of layers per expert (`experts`) and/or a fused-op module (`fused`)."""
 
     def __init__(
         self,
@@ -141,13 +151,25 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
         self.experts: nn.ModuleList | None = None  # set by `quantize_experts` (w13 and w2 then go)
-        self._expert_calls: list[tuple] = []
+        # (x, topk_weights, topk_ids) -> [T, H] in one C++ call over quantized experts (moe_fused.py)
+        self.fused: nn.Module | None = None
+        self._expert_calls: list[tuple] = []  # the per-expert loop's (gate|up, down) callables
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.gate_weight, self.top_k, self.renormalize)
-        if self.experts is not None:
-            return self.tp.all_reduce(grouped_moe_layers(x, self._expert_calls, weights, ids))
-        return self.tp.all_reduce(grouped_moe(x, self.w13, self.w2, weights, ids))
+        return self.tp.all_reduce(self.run_experts(x, weights, ids))
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): the fused op on the CPU (unless
+        $RADIXLM_MOE_FUSED=0), else the per-expert loop."""
+        if x.device.type == "cpu" and moe_fused.enabled():
+            if self.fused is not None:
+                return self.fused(x.contiguous(), weights, ids)
+            if not self._expert_calls and _float_op_available():
+                return moe_fused.fused_float_moe(x, self.w13, self.w2, weights, ids)
+        if self._expert_calls:
+            return grouped_moe_layers(x, self._expert_calls, weights, ids)
+        return grouped_moe(x, self.w13, self.w2, weights, ids)
 
     def quantize_experts(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
         """Replace the stacked expert weights by `make(weight [N, K])` layers, two per expert (gate|up, down);
@@ -159,12 +181,29 @@ class SparseMoeBlock(nn.Module):
 
     def use_expert_layers(self, layers: Sequence[tuple[nn.Module, nn.Module]]) -> None:
         """Serve expert e by layers[e] = (gate|up [*, H] -> [*, 2I], down [*, I] -> [*, H]), e.g. quantized
-        linear layers or a GGUF file's blocks; the stacked w13 / w2 go."""
+        linear layers; the stacked w13 / w2 go. w4a8 layers are also stacked for the fused op (the layers then
+        hold views of the stacks); other kinds run the per-expert loop."""
         if len(layers) != self.num_experts:
             raise ValueError(f"{len(layers)} expert layers for {self.num_experts} experts")
         self.experts = nn.ModuleList(nn.ModuleList([gate_up, down]) for gate_up, down in layers)
         del self.w13, self.w2
         self._expert_calls = [(gate_up.forward, down.forward) for gate_up, down in self.experts]
+        from runtime.models.w4a8 import W4A8Linear
+
+        if all(isinstance(m, W4A8Linear) for pair in layers for m in pair):
+            try:
+                self.fused = moe_fused.W4A8Experts(layers)
+            except (ValueError, KernelUnavailable) as e:
+                logger.warning("w4a8 experts run the per-expert loop: %s", e)
+
+    def use_fused_experts(self, fused: nn.Module) -> None:
+        """Serve the experts by `fused` (e.g. `moe_fused.GGUFExperts`: a GGUF file's stacked blocks); its
+        `expert_calls()` give the per-expert loop over the same bytes. The stacked w13 / w2 go."""
+        if fused.num_experts != self.num_experts:
+            raise ValueError(f"{fused.num_experts} fused experts for {self.num_experts} experts")
+        self.fused = fused
+        del self.w13, self.w2
+        self._expert_calls = fused.expert_calls()
 
     def load_parts(self, attr: str) -> int:
         """How many checkpoint tensors make up parameter `attr` (for the loader's missing-weight check)."""
@@ -189,6 +228,21 @@ class SparseMoeBlock(nn.Module):
             self.w2.data[part].copy_(full[:, self.start : self.stop])
         else:
             raise ValueError(f"no parameter {attr!r}")
+
+
+_float_op: list[bool] = []  # [whether the fused op's library loaded], once per process
+
+
+def _float_op_available() -> bool:
+    """Whether the fused op's library is loaded (built on first use); False, logged once, without it."""
+    if not _float_op:
+        try:
+            moe_fused.load_kernels()
+            _float_op.append(True)
+        except KernelUnavailable as e:
+            logger.warning("mixture-of-experts layers run the per-expert loop: %s", e)
+            _float_op.append(False)
+    return _float_op[0]
 
 
 def _check_shape(full: torch.Tensor, want: tuple[int, ...]) -> None:

@@ -15,7 +15,8 @@ first stores the new tokens' K/V; used by the `cpu` attention backend), `fused_l
 rope, SiLU * up, RMSNorm and residual add + RMSNorm in one call each, used by float32 models on the CPU),
 `gguf_gemm` (runtime/models/gguf_linear.py: y = x @ W^T straight from a GGUF file's blocks, every common
 type, and the rows of a quantized embedding) and `lora_sgmv` (`LORA_SGMV`: every LoRA adapter's update of
-one projection over the batch's rows sorted by adapter, runtime/models/lora.py).
+one projection over the batch's rows sorted by adapter, runtime/models/lora.py); `moe_fused`
+(runtime/models/moe_fused.py: a mixture-of-experts MLP in one call, compiled with the w4a8 and GGUF sources).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from gguf.quants import dequantize
 
 from runtime.models import model_loader as ml
 from runtime.models.gguf_linear import GGUFLinear
+from runtime.models.moe_fused import GGUFExperts
 from tests.unit.test_gguf_architectures import (
     VOCAB,
     assert_refused,
@@ -339,11 +340,13 @@ def test_quantized_file_served_in_place_agrees(
     encoded = write_gguf(tmp_path / "q.gguf", model, kind, qtype=qtype, types=types)
     runner = serve(tmp_path, "q.gguf", kind, "gguf_native")
     layers = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
+    experts = [m for m in runner.model.modules() if isinstance(m, GGUFExperts)]
     n = model.config.num_hidden_layers
-    per_layer = 2 + 2 * model.config.num_experts if kind == "qwen3moe" else 4
-    assert len(layers) == per_layer * n + 1  # every projection, each expert's two and the head: the blocks
+    per_layer = 2 if kind == "qwen3moe" else 4
+    assert len(layers) == per_layer * n + 1  # every projection and the head: the blocks
+    assert len(experts) == (n if kind == "qwen3moe" else 0)  # a layer's experts: the stacked blocks
     if mix == "Q4_K_M":
-        assert {"Q4_K", "Q6_K"} <= {k for m in layers for k in m.kind.split("+")}
+        assert {"Q4_K", "Q6_K"} <= {k for m in layers + experts for k in m.kind.split("+")}
     ours, ref = served_logits(runner, PROMPTS), hf_logits(with_weights(model, encoded), PROMPTS)
     agree = agreement(ours, ref)
     assert agree >= MIN_AGREEMENT, f"top-1 agreement {agree:.3f}"
@@ -352,20 +355,21 @@ def test_quantized_file_served_in_place_agrees(
 
 
 def test_each_expert_reads_its_own_rows(tmp_path: Path, models: dict[str, Any]) -> None:
-    """Expert e's two GGUFLinears compute with expert e's slice of the stacked tensors (int8 activations
-    apart), not a neighbour's; the stacked float weights are gone."""
+    """Expert e's gate|up and down (`GGUFExperts.expert_calls`: the bytes the fused op reads for it)
+    compute with expert e's slice of the stacked tensors (int8 activations apart), not a neighbour's; the
+    stacked float weights are gone."""
     model = models["qwen3moe"]
     encoded = write_gguf(tmp_path / "e.gguf", model, "qwen3moe", qtype=Q.Q8_0)
     runner = serve(tmp_path, "e.gguf", "qwen3moe", "gguf_native")
     block = runner.model.layers[1].mlp
-    assert not hasattr(block, "w13") and len(block.experts) == model.config.num_experts
+    assert not hasattr(block, "w13") and block.fused.num_experts == model.config.num_experts
     gate_up, down = (
         encoded["model.layers.1.mlp.experts.gate_up_proj"],
         encoded["model.layers.1.mlp.experts.down_proj"],
     )
     x = torch.randn(5, model.config.hidden_size)
     h = torch.randn(5, model.config.moe_intermediate_size)
-    for e, (gu, d) in enumerate(block.experts):
+    for e, (gu, d) in enumerate(block.fused.expert_calls()):
         for layer, inp, stacked in ((gu, x, gate_up), (d, h, down)):
             got = layer(inp)
             errors = [((got - inp @ stacked[j].T).norm() / got.norm()).item() for j in range(len(stacked))]

@@ -1,0 +1,213 @@
+"""The fused CPU mixture-of-experts op (csrc/moe_fused.cpp): a whole MoE MLP in one C++ call.
+
+For T tokens routed top-k, the op groups the (token, choice) rows by expert, quantizes each token's
+activation to int8 once, runs every hit expert's gate|up, SiLU(gate) * up, its down projection and the
+weighted sum into the output, parallel over (expert, 16 output rows) with OpenMP, reading only the routed
+experts' weights and running no Python per expert. It computes what `runtime.models.moe.grouped_moe_layers`
+computes over the same blocks (that loop stays the reference, and the path for other devices), with the block
+kernels of csrc/w4a8_gemm.cpp and csrc/gguf_gemm.cpp, compiled into this library from their sources.
+
+Three ops, one per weight format, each behind a module `SparseMoeBlock` calls:
+- `GGUFExperts`: a GGUF file's stacked ffn_{gate,up,down}_exps blocks ([E, rows, row bytes], any type the GGUF
+  kernels read; Q4_K / Q5_K / Q6_K (and Q8_0 on request) repacked per expert into the interleaved layout where
+  the build serves it, as `GGUFLinear` does);
+- `W4A8Experts`: w4a8's Q4_1 / Q8_0 layers stacked [E, groups, bytes] (the per-expert `W4A8Linear`s then
+  hold views of the stacks: one copy in memory);
+- `fused_float_moe`: float32 / bfloat16 stacked w13 / w2 (ATen matmuls per hit expert, from C++).
+
+$RADIXLM_MOE_FUSED=0 turns the op off (`enabled()`): SparseMoeBlock then runs the Python loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.models.native_kernels import CSRC, NativeLibrary
+
+ENABLE_ENV = "RADIXLM_MOE_FUSED"  # "0": SparseMoeBlock runs the per-expert Python loop
+PORTABLE_ENV = "RADIXLM_MOE_FUSED_PORTABLE"  # 1: build the scalar loops (tests compare them)
+AVX2_ENV = "RADIXLM_MOE_FUSED_AVX2"  # 1: build the AVX2 paths on an AVX-512 CPU
+INCLUDED = (CSRC / "w4a8_gemm.cpp", CSRC / "gguf_gemm.cpp")  # compiled into this library
+
+
+_LIB = torch.library.Library("radixlm", "FRAGMENT")
+_LIB.define(
+    "moe_gguf(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor gate, Tensor up, Tensor down, "
+    "int[] types) -> Tensor"
+)
+_LIB.define(
+    "moe_w4a8(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor qs13, Tensor d13, Tensor? m13, "
+    "Tensor qs2, Tensor d2, Tensor? m2, int inter) -> Tensor"
+)
+_LIB.define("moe_float(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, Tensor w2) -> Tensor")
+
+
+@torch.library.register_fake("radixlm::moe_gguf", lib=_LIB)
+def _moe_gguf_fake(x, topk_weights, topk_ids, gate, up, down, types):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("radixlm::moe_w4a8", lib=_LIB)
+def _moe_w4a8_fake(x, topk_weights, topk_ids, qs13, d13, m13, qs2, d2, m2, inter):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("radixlm::moe_float", lib=_LIB)
+def _moe_float_fake(x, topk_weights, topk_ids, w13, w2):
+    return torch.empty_like(x)
+
+
+class _FusedLibrary(NativeLibrary):
+    """The library's cache key also covers the kernel sources it includes (a -D of their digest)."""
+
+    def compile_command(self) -> list[str]:
+        command = super().compile_command()
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in INCLUDED)).hexdigest()[:16]
+        return [command[0], f"-DRADIXLM_MOE_INCLUDED={digest}", *command[1:]]
+
+
+LIBRARY = _FusedLibrary(
+    "moe_fused",
+    CSRC / "moe_fused.cpp",
+    "the fused MoE kernel",
+    f"set {ENABLE_ENV}=0 (the per-expert loop)",
+    flag_envs={PORTABLE_ENV: "-DRADIXLM_PORTABLE", AVX2_ENV: "-DRADIXLM_FORCE_AVX2"},
+)
+_GGUF = torch.ops.radixlm.moe_gguf.default
+_W4A8 = torch.ops.radixlm.moe_w4a8.default
+_FLOAT = torch.ops.radixlm.moe_float.default
+
+
+def load_kernels() -> Path:
+    """Build (once per cache key) and load the library. Raises KernelUnavailable."""
+    return LIBRARY.load()
+
+
+def enabled() -> bool:
+    """Whether SparseMoeBlock uses the fused op on the CPU (unless $RADIXLM_MOE_FUSED is "0")."""
+    return os.environ.get(ENABLE_ENV, "1") != "0"
+
+
+def fused_float_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """`grouped_moe` in one C++ call (float32 or bfloat16 x, w13 [E, 2I, H], w2 [E, H, I] of x's dtype)."""
+    load_kernels()
+    return _FLOAT(x.contiguous(), topk_weights.float().contiguous(), topk_ids.long().contiguous(), w13, w2)
+
+
+class GGUFExperts(nn.Module):
+    """A GGUF file's experts: `parts` = [(GGML type, uint8 [E, rows, row bytes])] for gate [E, I, ·], up
+    [E, I, ·] and down [E, H, ·] (views of the mapped file). Parts of the types `interleaved` (default:
+    `gguf_linear.default_interleaved()`) are repacked expert by expert into the kernel's interleaved layout
+    where this build serves it (a copy of the same size); the others stay as given."""
+
+    def __init__(self, parts: Sequence[tuple[int, torch.Tensor]], interleaved: Sequence[int] | None = None):
+        super().__init__()
+        from runtime.models import gguf_linear
+        from runtime.models.gguf_linear import KERNEL_TYPES, default_interleaved, interleave, row_bytes
+
+        load_kernels()
+        gguf_linear.load_kernels()  # `expert_calls` (the loop) runs its op
+        if len(parts) != 3:
+            raise ValueError(f"GGUFExperts takes gate, up and down parts, got {len(parts)}")
+        interleaved = default_interleaved() if interleaved is None else interleaved
+        (_, g), (_, u), (_, d) = parts
+        if (
+            g.dim() != 3
+            or u.dim() != 3
+            or u.shape[:2] != g.shape[:2]
+            or d.dim() != 3
+            or d.shape[0] != g.shape[0]
+        ):
+            raise ValueError(
+                f"GGUFExperts: gate {list(g.shape)}, up {list(u.shape)}, down {list(d.shape)} are not "
+                "[experts, rows, row bytes] of one expert count, gate and up of one row count"
+            )
+        self.num_experts, self.inter, self.hidden = int(g.shape[0]), int(g.shape[1]), int(d.shape[1])
+        self.types: list[int] = []
+        for i, (name, (qtype, w), cols) in enumerate(
+            zip(("gate", "up", "down"), parts, (self.hidden, self.hidden, self.inter), strict=True)
+        ):
+            if int(qtype) not in KERNEL_TYPES:
+                raise ValueError(f"GGUFExperts {name}: GGML type {qtype} has no kernel")
+            if w.dtype != torch.uint8 or w.shape[2] != row_bytes(int(qtype), cols):
+                raise ValueError(
+                    f"GGUFExperts {name}: expected uint8 rows of {row_bytes(int(qtype), cols)} bytes, got "
+                    f"{w.dtype} {list(w.shape)}"
+                )
+            kernel_type = int(qtype)
+            if kernel_type in interleaved:
+                moved = [interleave(kernel_type, w[e]) for e in range(w.shape[0])]
+                kernel_type = moved[0][0]
+                w = torch.stack([m for _, m in moved]) if kernel_type != int(qtype) else w
+            self.types.append(kernel_type)
+            self.register_buffer(f"w{i}", w.contiguous(), persistent=False)
+        names = sorted({KERNEL_TYPES[t & 255][0] for t in self.types})
+        self.kind = "+".join(names)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return _GGUF(x, topk_weights, topk_ids, self.w0, self.w1, self.w2, self.types)
+
+    def expert_calls(self) -> list[tuple[Callable, Callable]]:
+        """Per expert (gate|up, down) callables over the same bytes through `radixlm::gguf_linear` (what
+        `grouped_moe_layers` runs: the reference)."""
+        from runtime.models.gguf_linear import _OP
+
+        t = self.types
+        return [
+            (
+                lambda x, e=e: _OP(x, [self.w0[e], self.w1[e]], t[:2]),
+                lambda x, e=e: _OP(x, [self.w2[e]], t[2:]),
+            )
+            for e in range(self.num_experts)
+        ]
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"
+
+
+class W4A8Experts(nn.Module):
+    """w4a8 experts stacked for the fused op, from per-expert (gate|up, down) `W4A8Linear` layers of one kind
+    and no bias: their blocks are copied into [E, ...] stacks once and each layer's buffers become views of
+    them, so the layers (the loop's reference) and the op share one copy. ValueError when the layers do not
+    fit (a bias, mixed kinds, shapes that differ)."""
+
+    def __init__(self, layers: Sequence[tuple[nn.Module, nn.Module]]):
+        super().__init__()
+        from runtime.models.w4a8 import W4A8Linear
+
+        load_kernels()
+        for gate_up, down in layers:
+            for layer in (gate_up, down):
+                if not isinstance(layer, W4A8Linear) or layer.bias is not None or layer.reduce_tp is not None:
+                    raise ValueError("W4A8Experts takes W4A8Linear layers without bias or TP reduce")
+        self.num_experts = len(layers)
+        self.inter = layers[0][0].out_features // 2
+        for part, name in ((0, "13"), (1, "2")):
+            mods = [pair[part] for pair in layers]
+            if len({(m.kind, m.out_features, m.in_features) for m in mods}) != 1:
+                raise ValueError(f"W4A8Experts: the experts' w{name} layers differ in kind or shape")
+            for buf in ("qs", "d", "m"):
+                if getattr(mods[0], buf) is None:
+                    self.register_buffer(f"{buf}{name}", None, persistent=False)
+                    continue
+                stacked = torch.stack([getattr(m, buf) for m in mods])
+                self.register_buffer(f"{buf}{name}", stacked, persistent=False)
+                for e, m in enumerate(mods):
+                    setattr(m, buf, stacked[e])
+        self.kind = layers[0][0].kind
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return _W4A8(
+            x, topk_weights, topk_ids, self.qs13, self.d13, self.m13, self.qs2, self.d2, self.m2, self.inter
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, experts={self.num_experts}, inter={self.inter}"
