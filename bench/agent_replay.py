@@ -26,7 +26,18 @@ it found cached: lost to eviction), as in bench.agent_swarm.
     python -m bench.agent_replay --scale-down
     python -m bench.agent_replay --programs 16 --long-turns 20,40 --catalogue-tokens 1400
 
-The issue's peers (vLLM-CPU, llama-server) are not sides here yet.
+Peer sides, the same trace and the same replay threads on the same `--threads`: `vllm` (vLLM-CPU, the bf16
+folder of the default model, prefix caching on, its own KV space of `peers.VLLM_KV_CACHE_GIB` GiB) and
+`llama-server` (the default model's GGUF file, `peers.LLAMA_SERVER_SLOTS` slots of the longest program's
+context, prompt caching on). Each call posts the prompt's token ids to the server's own endpoint that returns
+the generated ids (vLLM: `/v1/completions` with `return_token_ids`; llama-server: `/completion` with
+`return_tokens`), so every side grows the same histories. Neither peer takes a pool size in tokens: their KV
+holds the whole working set (an advantage to them, recorded as `kv_pool` per side), and they know no
+program ids. Their cached tokens per call are what they report (`usage.prompt_tokens_details.cached_tokens`,
+`timings.cache_n`), so recomputed prefill is counted the same way; a peer that reports none gives null
+("n/a").
+
+    python -m bench.agent_replay --scale-down --sides fcfs,lpm,program,program+auto,vllm,llama-server
 """
 
 from __future__ import annotations
@@ -42,8 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import common
+from bench.harness.peers import LLAMA_SERVER, PEERS, VLLM
 
-SIDES = ("fcfs", "lpm", "program", "program+auto")
+RADIXLM_SIDES = ("fcfs", "lpm", "program", "program+auto")
+SIDES = (*RADIXLM_SIDES, VLLM, LLAMA_SERVER)
 VOCAB = (100, 40000)  # token ids drawn from here (the default model's vocabulary has 49,152)
 
 
@@ -115,13 +128,17 @@ class ProgramRun:
     prompt: int = 0
     cached: int = 0
     recomputed: int = 0
+    reported: bool = True  # every call's cached tokens were reported (a peer may not)
     error: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record(self, latency: float, prompt: int, cached: int, before: int) -> None:
+    def record(self, latency: float, prompt: int, cached: int | None, before: int) -> None:
         with self.lock:
             self.latencies.append(latency)
             self.prompt += prompt
+            if cached is None:
+                self.reported = False
+                return
             self.cached += cached
             self.recomputed += max(0, before - cached)
 
@@ -139,24 +156,46 @@ def computed_before(previous: list[int] | None, prompt: list[int]) -> int:
     return n
 
 
-def _call(http, url: str, prompt: list[int], program: str, args, run: ProgramRun, previous) -> list[int]:
+def _post(http, url: str, path: str, body: dict) -> dict:
+    r = http.post(url + path, json=body, timeout=3600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
+    return r.json()
+
+
+def generate(
+    http, url: str, kind: str, prompt: list[int], program: str, n: int
+) -> tuple[list[int], int, int | None]:
+    """One greedy call of `n` tokens (`ignore_eos`) on a server of `kind` (radixlm, vllm, llama-server):
+    (the generated ids, the prompt's tokens, its cached tokens as the server reports them, else None)."""
+    if kind == VLLM:
+        body = {"model": "default", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        out = _post(http, url, "/v1/completions", {**body, "return_token_ids": True})
+        usage = out.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return list(out["choices"][0]["token_ids"]), int(usage.get("prompt_tokens", len(prompt))), cached
+    if kind == LLAMA_SERVER:
+        body = {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": True}
+        out = _post(http, url, "/completion", {**body, "return_tokens": True})
+        cached = (out.get("timings") or {}).get("cache_n")
+        return list(out["tokens"]), int(out.get("tokens_evaluated", len(prompt))), cached
     body = {
         "input_ids": prompt,
         "program_id": program,
-        "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
     }
-    t0 = time.perf_counter()
-    r = http.post(url + "/generate", json=body, timeout=3600)
-    r.raise_for_status()
-    out = r.json()
+    out = _post(http, url, "/generate", body)
     meta = out["meta_info"]
-    run.record(
-        time.perf_counter() - t0,
-        meta["prompt_tokens"],
-        meta["cached_tokens"],
-        computed_before(previous, prompt),
-    )
-    return out["output_ids"]
+    return out["output_ids"], meta["prompt_tokens"], meta["cached_tokens"]
+
+
+def _call(http, url: str, prompt: list[int], program: str, args, run: ProgramRun, previous) -> list[int]:
+    t0 = time.perf_counter()
+    ids, n_prompt, cached = generate(http, url, args.kind, prompt, program, args.max_new_tokens)
+    if len(ids) != args.max_new_tokens:
+        raise RuntimeError(f"asked {args.max_new_tokens} tokens with ignore_eos, got {len(ids)}")
+    run.record(time.perf_counter() - t0, n_prompt, cached, computed_before(previous, prompt))
+    return ids
 
 
 def _sub_agent(
@@ -216,9 +255,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def longest_program(trace: dict[str, Any], args) -> int:
+    """Tokens of the longest history a call sends or grows (a program's, forks' outputs included)."""
+    most = 0
+    for p in trace["programs"]:
+        n = len(trace["catalogue"]) + len(p["task"])
+        for c in p["calls"]:
+            n += args.max_new_tokens + len(c["tool"])
+            for sub in c["fork"] or ():
+                n += len(sub["task"]) + sub["calls"] * (args.max_new_tokens + len(sub["task"]))
+        most = max(most, n)
+    return most
+
+
+def peer_side_spec(side: str, port: int, args, trace: dict[str, Any]):
+    """How a peer side starts (`bench.harness.peers`): vLLM as `peer_spec` has it; llama-server on the default
+    model's GGUF with slots long enough for the longest program. `notes["kv_pool"]` says what its KV holds."""
+    from bench.harness.peers import LLAMA_SERVER_SLOTS, VLLM_KV_CACHE_GIB, llama_server_spec, peer_spec
+
+    if side == VLLM:
+        spec = peer_spec(VLLM, port, args.threads)
+        spec.notes["kv_pool"] = f"{VLLM_KV_CACHE_GIB} GiB (VLLM_CPU_KVCACHE_SPACE)"
+        return spec
+    from bench.harness.llamacpp import gguf_file
+
+    slot_ctx = -(-(longest_program(trace, args) + 64) // 1024) * 1024
+    spec = llama_server_spec(gguf_file("default"), port, args.threads, slot_ctx)
+    spec.notes["kv_pool"] = f"{LLAMA_SERVER_SLOTS} slots x {slot_ctx} tokens"
+    return spec
+
+
 def side_flags(side: str, args, pool: int) -> list[str]:
     policy = side.split("+")[0]
     flags = ["--max-total-tokens", str(pool), "--dtype", args.dtype, "--schedule-policy", policy]
+    flags += ["--num-threads", str(args.threads)]
     flags += ["--log-level", "warning"]
     if side.endswith("+auto"):
         flags += ["--kv-retention", "auto"]
@@ -231,10 +301,26 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
     from bench.serving import LaunchedServer
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(port), *side_flags(side, args, pool)]
     log = Path(args.results_dir) / f"{args.name or 'agent_replay'}_{side.replace('+', '_')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    server = LaunchedServer(cmd, port, log)
+    args.kind = side if side in PEERS else "radixlm"
+    if side in PEERS:
+        spec = peer_side_spec(side, port, args, trace)
+        server = LaunchedServer(spec.command, port, log, spec.health_path, spec.start_timeout_s, spec.env)
+        launched: dict[str, Any] = {**spec.record(), "start_s": server.start_seconds}
+        kv_pool = spec.notes.get("kv_pool")
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "runtime.launch_server",
+            "--port",
+            str(port),
+            *side_flags(side, args, pool),
+        ]
+        server = LaunchedServer(cmd, port, log)
+        launched = {"command_line": " ".join(["python", *cmd[1:]]), "start_s": server.start_seconds}
+        kv_pool = f"{pool} tokens"
     try:
         runs = [ProgramRun() for _ in trace["programs"]]
         t_zero = time.perf_counter() + 0.5
@@ -247,7 +333,7 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
         for t in threads:
             t.join()
         wall = max(r.end for r in runs) - t_zero
-        info = requests.get(server.url + "/get_server_info", timeout=30).json()
+        info = {} if side in PEERS else requests.get(server.url + "/get_server_info", timeout=30).json()
     finally:
         server.stop()
     jct = [r.end - r.start for r in runs]
@@ -255,9 +341,11 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
     shorts = [j for j, p in zip(jct, trace["programs"]) if not p["long"]]
     lat = [x for r in runs for x in r.latencies]
     prompt, cached = sum(r.prompt for r in runs), sum(r.cached for r in runs)
+    reported = all(r.reported for r in runs)
     return {
         "side": side,
-        "command": " ".join(cmd[1:]),
+        "server_command": launched,
+        "kv_pool": kv_pool,
         "errors": [f"{p['id']}: {r.error}" for p, r in zip(trace["programs"], runs) if r.error],
         "calls": len(lat),
         "jct_s": common.summarize(jct),
@@ -268,10 +356,12 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
         "wall_s": wall,
         "call_latency_s": common.summarize(lat),
         "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "prefill_tokens": prompt - cached,
-        "prefill_recomputed": sum(r.recomputed for r in runs),
-        "server": {
+        "cached_tokens": cached if reported else None,
+        "prefill_tokens": prompt - cached if reported else None,
+        "prefill_recomputed": sum(r.recomputed for r in runs) if reported else None,
+        "server": {}
+        if side in PEERS
+        else {
             k: info.get(k)
             for k in (
                 "retractions",
@@ -310,7 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pause-scale", type=float, default=1.0)
     p.add_argument("--arrival-gap-s", type=float, default=2.0)
     p.add_argument("--pool-fraction", type=float, default=1 / 3)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtype", default="float32", help="radixlm sides' dtype (vLLM runs bf16, llama-server the GGUF)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="every side's compute threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--repeats",
@@ -333,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in sides if s not in SIDES]
     if bad:
         p.error(f"unknown side(s) {bad}; known: {', '.join(SIDES)}")
+    from bench.harness.peers import check_installed
+
+    check_installed([s for s in sides if s in PEERS])  # before any side runs: the install hint
     common.setup_env()
     config: dict[str, Any] = {"command": common.command_line(), "sides": sides, "traces": []}
     config.update({k: v for k, v in vars(args).items() if k not in ("results_dir", "name", "sides")})
@@ -357,14 +453,17 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         for side in sides:
+            load = (
+                common.load_average()
+            )  # the machine's load as the side starts (timings are rough above 1.5)
             res = run_side(side, trace, args, pool)
-            res["seed"] = args.seed
+            res["seed"], res["load_at_start"], res["load_at_end"] = args.seed, load, common.load_average()
             runs[side].append(res)
             print(
                 f"{side:>13}: JCT p50 {res['jct_s']['p50']:.2f} s p90 {res['jct_s']['p90']:.2f} s p99 "
                 f"{res['jct_s']['p99']:.2f} s (short p50 {res['jct_short_s']['p50']:.2f} s, long p50 "
                 f"{res['jct_long_s']['p50']:.2f} s), {res['programs_per_min']:.2f} programs/min, recomputed "
-                f"{res['prefill_recomputed']}, errors {len(res['errors'])}",
+                f"{_na(res['prefill_recomputed'])}, errors {len(res['errors'])}",
                 flush=True,
             )
     args.seed = first_seed
@@ -375,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['side']:>13} (median of {len(r['runs'])}): JCT p50 {r['jct_p50_s']:.2f} s p90 "
             f"{r['jct_p90_s']:.2f} s p99 {r['jct_p99_s']:.2f} s, short p50 {r['jct_short_p50_s']:.2f} s, "
-            f"{r['programs_per_min']:.2f} programs/min, recomputed {r['prefill_recomputed']:.0f}",
+            f"{r['programs_per_min']:.2f} programs/min, recomputed {_na(r['prefill_recomputed'])}",
             flush=True,
         )
     common.write_results(
@@ -384,11 +483,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(run["errors"] for r in results for run in r["runs"]) else 0
 
 
-def summarize_side(side: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """A side's medians over its runs (one per trace), with the runs themselves."""
+def _na(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
 
-    def med(get) -> float:
-        return common.percentile([get(r) for r in runs], 50)
+
+def summarize_side(side: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A side's medians over its runs (one per trace), with the runs themselves; a count some run lacks (a
+    peer that reports no cached tokens) is None."""
+
+    def med(get) -> float | None:
+        values = [get(r) for r in runs]
+        return None if any(v is None for v in values) else common.percentile(values, 50)
 
     return {
         "side": side,
@@ -401,6 +506,7 @@ def summarize_side(side: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "call_latency_p99_s": med(lambda r: r["call_latency_s"]["p99"]),
         "prefill_tokens": med(lambda r: r["prefill_tokens"]),
         "prefill_recomputed": med(lambda r: r["prefill_recomputed"]),
+        "kv_pool": runs[0]["kv_pool"] if runs else None,
         "runs": runs,
     }
 

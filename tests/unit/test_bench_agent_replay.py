@@ -1,0 +1,72 @@
+"""bench/agent_replay.py without servers: the seeded trace, the prefix a call's prompt shares with what the
+server computed before, the slots llama-server needs for the longest program, the per-side medians (a peer
+that reports no cached tokens gives None, not 0), and an unknown side refused by name."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from bench import agent_replay as ar
+
+
+def _args(**over):
+    base = dict(seed=3, programs=6, long_fraction=0.5, long_turns=(4, 6), short_turns=(2, 3), fork_prob=0.5)
+    base.update(catalogue_tokens=50, task_tokens=20, growth_tokens=10, max_new_tokens=4, arrival_gap_s=2.0)
+    base.update(pause_median_s=1.0, pause_p95_s=10.0, pause_scale=1.0)
+    return SimpleNamespace(**{**base, **over})
+
+
+def test_the_trace_is_seeded_and_follows_its_parameters():
+    a, b = ar.make_trace(_args()), ar.make_trace(_args())
+    assert a == b
+    assert a != ar.make_trace(_args(seed=4))
+    assert len(a["catalogue"]) == 50 and len(a["programs"]) == 6
+    for p in a["programs"]:
+        lo, hi = (4, 6) if p["long"] else (2, 3)
+        assert lo <= len(p["calls"]) <= hi
+        assert all(c["fork"] is None for c in p["calls"]) or p["long"]  # only long programs fork
+    starts = [p["start"] for p in a["programs"]]
+    assert starts == sorted(starts) and starts[0] == 0.0
+
+
+def test_the_longest_program_bounds_every_history_it_sends():
+    args = _args()
+    trace = ar.make_trace(args)
+    most = ar.longest_program(trace, args)
+    for p in trace["programs"]:
+        n = len(trace["catalogue"]) + len(p["task"])
+        for c in p["calls"]:
+            n += args.max_new_tokens + len(c["tool"])
+            n += args.max_new_tokens * len(c["fork"] or ())  # each fork's output joins the parent's history
+            for sub in c["fork"] or ():  # a sub-agent's own prompt: the parent's history and its task
+                assert n + len(sub["task"]) <= most
+        assert n <= most
+
+
+def test_computed_before_is_the_shared_prefix_less_the_last_tokens():
+    assert ar.computed_before(None, [1, 2, 3]) == 0
+    assert ar.computed_before([1, 2, 3, 9], [1, 2, 3, 9, 5, 6]) == 3  # the output's last token has no KV
+    assert ar.computed_before([1, 2, 7, 8], [1, 2, 3, 4]) == 2
+
+
+def test_a_side_without_reported_cached_tokens_has_none_not_zero():
+    def run(p50, rec):
+        jct = {"p50": p50, "p90": p50, "p99": p50}
+        return {
+            "jct_s": jct, "jct_short_s": jct, "jct_long_s": jct, "programs_per_min": 1.0,
+            "call_latency_s": jct, "prefill_tokens": rec, "prefill_recomputed": rec, "kv_pool": "x",
+        }  # fmt: skip
+
+    peer = ar.summarize_side("llama-server", [run(3.0, None), run(5.0, 10)])
+    assert peer["prefill_recomputed"] is None and peer["jct_p50_s"] == 4.0
+    ours = ar.summarize_side("lpm", [run(3.0, 20), run(5.0, 10), run(4.0, 30)])
+    assert ours["prefill_recomputed"] == 20 and ours["kv_pool"] == "x"
+    assert ar._na(None) == "n/a" and ar._na(12.0) == "12"
+
+
+def test_an_unknown_side_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        ar.main(["--sides", "lpm,sglang"])
+    assert "sglang" in capsys.readouterr().err
