@@ -29,7 +29,10 @@ import queue
 import secrets
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,6 +78,12 @@ class DiskTier:
         self.counts = dict(
             disk_written_blocks=0, disk_loaded_tokens=0, disk_rejected_files=0, disk_dropped=0, disk_evicted=0
         )
+        # KV cache events (--kv-events-config; set by the scheduler): `announce(key, BLOCK, n)` hashes a
+        # path's first n files' blocks in the scheduler's thread; the writer reports a written file's blocks,
+        # and the cap (or a failed read) a deleted one's, through `_events`, drained each step (`take_events`)
+        self.announce: Callable[[list[int], int, int], list[Any]] | None = None
+        self._announced: dict[str, Any] = {}  # a written file's blocks, for its removal (under self._lock)
+        self._events: deque[tuple[str, Any]] = deque()  # ("stored" | "removed", blocks): thread-safe ends
         self._writer = threading.Thread(target=self._write_loop, name="radixlm-kv-disk", daemon=True)
         self._writer.start()
 
@@ -115,6 +124,7 @@ class DiskTier:
         block is dropped (serving must not wait for the disk), unless `wait_s` allows waiting for room (a
         graceful stop, which offers the whole cache at once)."""
         names = self.block_names(key)
+        blocks = self.announce(key, BLOCK, len(names)) if self.announce is not None else None
         queued = 0
         for i, name in enumerate(names):
             with self._lock:
@@ -133,7 +143,8 @@ class DiskTier:
                 "v": v,
             }
             try:
-                self._queue.put((name, entry), block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
+                item = (name, entry, blocks[i] if blocks else None)
+                self._queue.put(item, block=wait_s > 0, timeout=wait_s if wait_s > 0 else None)
                 queued += 1
             except queue.Full:
                 with self._lock:
@@ -154,7 +165,7 @@ class DiskTier:
             finally:
                 self._queue.task_done()
 
-    def _write(self, name: str, entry: dict) -> None:
+    def _write(self, name: str, entry: dict, blocks: Any = None) -> None:
         path = os.path.join(self.dir, name + SUFFIX)
         tmp = f"{path}.tmp{secrets.token_hex(8)}"
         try:
@@ -173,6 +184,9 @@ class DiskTier:
             self._used += size - (old.size if old else 0)
             # a written block counts as hit once: a new prefix competes with old ones at the current age
             self._index[name] = _File(size, time.time(), 1, self._age + 1)
+            if blocks is not None:
+                self._announced[name] = blocks
+                self._events.append(("stored", blocks))
         self.counts["disk_written_blocks"] += 1
         self._enforce_cap()
 
@@ -189,12 +203,21 @@ class DiskTier:
                 victims.append(name)
                 self._used -= self._index.pop(name).size
                 self._age = max(self._age, score)
+                if (blocks := self._announced.pop(name, None)) is not None:
+                    self._events.append(("removed", blocks))
             self.counts["disk_evicted"] += len(victims)
         for name in victims:
             try:
                 os.unlink(os.path.join(self.dir, name + SUFFIX))
             except FileNotFoundError:
                 pass
+
+    def take_events(self) -> list[tuple[str, Any]]:
+        """The ("stored" | "removed", blocks) reports since the last call, in the order they happened."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every queued block is written (graceful shutdown); False on timeout."""
@@ -261,6 +284,8 @@ class DiskTier:
         with self._lock:
             if (f := self._index.pop(name, None)) is not None:
                 self._used -= f.size
+            if (blocks := self._announced.pop(name, None)) is not None:
+                self._events.append(("removed", blocks))
         try:
             os.unlink(path)
         except OSError:

@@ -217,3 +217,58 @@ def test_a_data_parallel_replica_publishes_its_rank_on_its_own_ports():
     finally:
         sub.close(0)
         pub.close()
+
+
+def test_disk_tier_files_are_announced_once_written_and_removed_when_the_cap_deletes_them(
+    tiny_model_dir, default_tokenizer, tmp_path
+):
+    """A cached prompt's 64-token disk files are a "DISK" BlockStored, with the device's own hashes, once the
+    writer has written them; a file the size cap deletes is a "DISK" BlockRemoved of the same hashes."""
+    config = '{"enable_kv_cache_events": true, "publisher": "null"}'
+    s = make_scheduler(
+        tiny_model_dir,
+        default_tokenizer,
+        kv_events_config=config,
+        kv_events_block_size=16,
+        kv_disk_dir=str(tmp_path / "kv"),
+    )
+
+    def run(rid: str, prompt: list[int]) -> list:
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True, temperature=0)
+        s.handle(GenerateReq(rid=rid, input_ids=prompt, params=params))
+        while s.has_work():
+            s.step()
+        assert s.cm.disk.flush()
+        return s.collect_events()
+
+    first = list(range(20, 160))  # 140 tokens: 2 disk files (128 tokens), 8 blocks of 16
+    events = run("a", first)
+    device = [h for e in events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+    disk = [e for e in events if isinstance(e, BlockStored) and e.medium == "DISK"]
+    assert [len(e.block_hashes) for e in disk] == [4, 4]
+    assert [h for e in disk for h in e.block_hashes] == device[:8] == path_hashes(first, 8, 16)
+    assert disk[0].parent_block_hash is None and disk[1].parent_block_hash == device[3]
+    assert disk[1].token_ids == first[64:128]
+
+    files = sorted((tmp_path / "kv").iterdir())
+    # room for two files (token ids past 255 pickle a little longer): the next prompt's two evict the first's
+    s.cm.disk.cap_bytes = sum(f.stat().st_size for f in files) + 1024
+    events = run("b", list(range(300, 440)))
+    removed = {
+        h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK" for h in e.block_hashes
+    }
+    stored = [h for e in events if isinstance(e, BlockStored) and e.medium == "DISK" for h in e.block_hashes]
+    assert len(stored) == 8 and removed == set(device[:8])
+
+
+def test_span_blocks_give_a_straddling_block_to_the_span_that_completes_it():
+    """Blocks of 48 over files of 64: file i announces the blocks whose last token lies in it, the path
+    hashed once, each span's parent the block before it."""
+    events = BlockEvents(48, "DISK")
+    key = list(range(1000, 1192))  # 3 files of 64 tokens, 4 blocks of 48
+    spans = events.span_blocks(key, 64, 3)
+    hashes = path_hashes(key, 4, 48)
+    assert [s.hashes for s in spans] == [hashes[:1], hashes[1:2], hashes[2:4]]
+    assert [s.parent for s in spans] == [None, hashes[0], hashes[1]]
+    assert spans[2].tokens == key[96:192]
+    assert BlockEvents(128, "DISK").span_blocks(key, 64, 3)[0] is None  # no block ends in the first file

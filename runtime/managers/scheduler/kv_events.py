@@ -10,9 +10,14 @@ NVIDIA Dynamo's KV router and vLLM's own subscriber count in:
 - `AllBlocksCleared`: a flush.
 
 `medium` is the tier: the device tier's blocks are "GPU" or "CPU" (where the model runs), the host tier's
-(`--kv-host-tier-gb`) "HOST". A leaf the device evicts into the host tier is a `BlockRemoved` of the
-device medium and a `BlockStored` of "HOST"; one loaded back is a `BlockStored` of the device medium (the
-host tier keeps its copy); the host tier's own evictions are `BlockRemoved` of "HOST".
+(`--kv-host-tier-gb`) "HOST", the disk tier's (`--kv-disk-dir`) "DISK". A leaf the device evicts into the
+host tier is a `BlockRemoved` of the device medium and a `BlockStored` of "HOST"; one loaded back is a
+`BlockStored` of the device medium (the host tier keeps its copy); the host tier's own evictions are
+`BlockRemoved` of "HOST". The disk tier writes files of 64 tokens in a background thread: a file's blocks are
+a `BlockStored` of "DISK" in the first batch after it is written (the hashes are computed when the prefix is
+offered, in the scheduler's thread) and a `BlockRemoved` of "DISK" when the size cap deletes it; a block that
+straddles two files (a block size that does not divide 64) belongs to the later one. Files found on disk at
+start-up are served but not announced (their tokens are only read when loaded).
 
 A block's hash chains its path: sha256(parent hash as 8 bytes big-endian (0 for the first block), then each
 token id as 4 bytes little-endian, then the salt id as 8 bytes little-endian when the path is salted),
@@ -112,6 +117,26 @@ def path_hashes(key: tuple[int, ...] | list[int], n_blocks: int, block_size: int
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Complete blocks first..last-1 of one path, hashed: what a tier that stores them later (the disk
+    tier's writer thread) announces once it holds them, and again once it drops them."""
+
+    hashes: list[int]
+    parent: int | None
+    tokens: list[int]
+    salt_id: int
+
+
+def _blocks(key, hashes: list[int], first: int, last: int, b: int) -> Blocks:
+    return Blocks(
+        hashes=hashes[first:last],
+        parent=hashes[first - 1] if first else None,
+        tokens=[t & _TOKEN_MASK for t in key[first * b : last * b]],
+        salt_id=key[0] >> 32,
+    )
+
+
 class BlockEvents:
     """The radix tree's listener (`RadixCache.events`): collects one step's events for the publisher."""
 
@@ -128,23 +153,44 @@ class BlockEvents:
         """`key[start:]` was just cached (a new leaf of the path `key`)."""
         b = self.block_size
         first, last = start // b, len(key) // b
-        if last <= first:
-            return
-        hashes = path_hashes(key, last, b)
-        tokens = [t & _TOKEN_MASK for t in key[first * b : last * b]]
-        salt_id = key[0] >> 32
+        if last > first:
+            self.stored_blocks(_blocks(key, path_hashes(key, last, b), first, last, b))
+
+    def stored_blocks(self, blocks: Blocks) -> None:
+        """Blocks hashed earlier (`span_blocks`) are now held by this listener's tier."""
+        n = len(blocks.hashes)
         self.pending.append(
             BlockStored(
-                block_hashes=hashes[first:],
-                parent_block_hash=hashes[first - 1] if first else None,
-                token_ids=tokens,
-                block_size=b,
+                block_hashes=blocks.hashes,
+                parent_block_hash=blocks.parent,
+                token_ids=blocks.tokens,
+                block_size=self.block_size,
                 lora_id=None,
                 lora_name=None,
                 medium=self.medium,
-                extra_keys=[(f"salt:{salt_id:x}",)] * (last - first) if salt_id else None,
+                extra_keys=[(f"salt:{blocks.salt_id:x}",)] * n if blocks.salt_id else None,
             )
         )
+
+    def removed_blocks(self, blocks: Blocks) -> None:
+        """Blocks hashed earlier (`span_blocks`) are no longer held by this listener's tier."""
+        self.pending.append(BlockRemoved(block_hashes=blocks.hashes, medium=self.medium))
+
+    def report(self, kind: str, blocks: Blocks) -> None:
+        """A tier's ("stored" | "removed", blocks) report (`DiskTier.take_events`)."""
+        (self.stored_blocks if kind == "stored" else self.removed_blocks)(blocks)
+
+    def span_blocks(self, key: list[int] | tuple[int, ...], span: int, n_spans: int) -> list[Blocks | None]:
+        """The blocks of each of the first `n_spans` spans of `span` tokens of `key` (a tier that stores a
+        path in pieces, the disk tier's files): span i holds the complete blocks whose last token lies in it
+        (None: none does). The path is hashed once."""
+        b = self.block_size
+        hashes = path_hashes(key, n_spans * span // b, b)
+        out: list[Blocks | None] = []
+        for i in range(n_spans):
+            first, last = i * span // b, (i + 1) * span // b
+            out.append(_blocks(key, hashes, first, last, b) if last > first else None)
+        return out
 
     def removed(self, key: tuple[int, ...], start: int) -> None:
         """`key[start:]` was just evicted (a leaf of the path `key`): every complete block past `start`'s

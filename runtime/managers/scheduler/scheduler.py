@@ -137,12 +137,16 @@ class Scheduler:
         events_config = KVEventsConfig.parse(args.kv_events_config)
         self.kv_events: BlockEvents | None = None
         self.kv_publisher: ZmqEventPublisher | None = None
+        self._disk_events: BlockEvents | None = None  # the disk tier's listener ("DISK")
         if events_config is not None:
             medium = "GPU" if self.runner.device.type == "cuda" else "CPU"
             self.kv_events = BlockEvents(args.kv_events_block_size, medium)
             self.cm.cache.events = self.kv_events
             if self.cm.host is not None:
                 self.cm.host.tree.events = self.kv_events.tier("HOST")
+            if self.cm.disk is not None:
+                self._disk_events = self.kv_events.tier("DISK")
+                self.cm.disk.announce = self._disk_events.span_blocks
             self.kv_publisher = ZmqEventPublisher(events_config, data_parallel_rank=args.dp_rank)
         self.threads: ThreadGovernor | None = None  # set by the scheduler process (`cpu_share`)
         # hits, scopes, misses and pool history for GET /dashboard (`dashboard_state`)
@@ -312,8 +316,16 @@ class Scheduler:
         """Send what the cache did since the last call as one event batch, and answer replay requests (the
         process loop calls it after every step and every message)."""
         if self.kv_publisher is not None:
-            self.kv_publisher.publish(self.kv_events.take())
+            self.kv_publisher.publish(self.collect_events())
             self.kv_publisher.serve_replay()
+
+    def collect_events(self) -> list:
+        """Every tier's cache events since the last call: the disk tier's writer reports in the order it
+        wrote and deleted, after what the device and host trees did this step."""
+        if self._disk_events is not None:
+            for kind, blocks in self.cm.disk.take_events():
+                self._disk_events.report(kind, blocks)
+        return self.kv_events.take()
 
     # ---- failure boundary ----------------------------------------------------------------------------------
     @contextmanager
