@@ -18,6 +18,9 @@ Supervision contract:
 - every child is started with PDEATHSIG, so even kill -9 of this process leaves no replica or router behind.
 - the API keys reach the replicas and the router through their environment, never their command line
   (which `ps` shows every user); the router is started through `router_main` for that.
+- every replica learns all the replicas' URLs from RADIXLM_DP_REPLICAS: a replica that takes a LoRA load
+  or unload passes it on to the others (`lora_routes.py`), so all serve the same adapters. sglang-router
+  does not forward those routes (a 404): an admin sends them to any replica's port.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ _FRONT_ONLY = {
 }  # fmt: skip
 # Never on a command line: the keys go through the environment (`child_env`).
 _SECRETS = {"api_key", "api_key_file", "admin_api_key", "admin_api_key_file"}
+REPLICAS_ENV = "RADIXLM_DP_REPLICAS"  # the replicas' URLs, comma-separated, in each replica's environment
 
 
 class RouterNotInstalled(RuntimeError):
@@ -97,6 +101,8 @@ def replica_cli_args(args: ServerArgs, port: int) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):  # every bool option defaults to False: a set one is a bare flag
             out.append(flag)
+        elif isinstance(value, tuple):  # a list of words (nargs="*"), e.g. --lora-modules a=PATH b=PATH
+            out += [flag, *value]
         else:
             out += [flag, str(value)]
     return out
@@ -130,10 +136,18 @@ def router_cli_args(args: ServerArgs, worker_urls: list[str], prometheus_port: i
     return out  # the router's --api-key is added by `router_main`, from its environment
 
 
+def replica_urls(args: ServerArgs) -> list[str]:
+    return [f"http://127.0.0.1:{port}" for port in args.dp_replica_ports]
+
+
 def child_env(args: ServerArgs, router: bool = False) -> dict[str, str]:
     """This process's environment with the keys a replica (or, `router`, the router: the API key only)
-    must have, and without those it must not."""
+    must have, and without those it must not; a replica's also lists every replica (REPLICAS_ENV)."""
     env = dict(os.environ)
+    if router:
+        env.pop(REPLICAS_ENV, None)
+    else:
+        env[REPLICAS_ENV] = ",".join(replica_urls(args))
     for name, var in KEY_SOURCES:
         value = getattr(args, name)
         if value is None or (router and var == ADMIN_API_KEY_ENV):
@@ -218,9 +232,9 @@ class DataParallelServer:
     # ---- start-up ---------------------------------------------------------------------------------------
     def _start(self) -> None:
         args = self.args
-        for port in args.dp_replica_ports:
+        for port, url in zip(args.dp_replica_ports, replica_urls(args)):
             cmd = [sys.executable, "-m", "runtime.launch_server", *replica_cli_args(args, port)]
-            self.replicas[f"http://127.0.0.1:{port}"] = _spawn(cmd, child_env(args))
+            self.replicas[url] = _spawn(cmd, child_env(args))
         logger.info(
             "starting %d replicas on 127.0.0.1 ports %d..%d (%d threads each)",
             args.dp_size,

@@ -62,6 +62,7 @@ def test_replica_command_round_trips_every_user_option(monkeypatch):
             "--port", "31000", "--host", "0.0.0.0", "--dp-size", "2", "--router-policy", "round_robin",
             "--max-total-tokens", "5000", "--disable-radix-cache", "--schedule-policy", "fcfs",
             "--new-token-ratio", "0.25", "--api-key", "k", "--num-threads", "3",
+            "--lora-modules", "a=/adapters/a", "b=/adapters/b",
         ]
     )  # fmt: skip
     argv = dp.replica_cli_args(front, 31002)
@@ -72,6 +73,9 @@ def test_replica_command_round_trips_every_user_option(monkeypatch):
         front, host="127.0.0.1", port=31002, dp_size=1, router_policy="cache_aware", dp_rank=1
     )
     assert replica == expected  # the second replica (base port 31001): rank 1, for its KV events
+    # every replica learns all the replicas (a LoRA load passes from one to the others); the router not
+    assert dp.child_env(front)[dp.REPLICAS_ENV] == "http://127.0.0.1:31001,http://127.0.0.1:31002"
+    assert dp.REPLICAS_ENV not in dp.child_env(front, router=True)
 
 
 def test_replica_threads_split_the_cpus(monkeypatch):
