@@ -107,6 +107,8 @@ def headline(results_dir: Path) -> str:
     for name in SIZED:  # bench/sized.py: a Q4_K_M file (vLLM: its bfloat16 folder)
         if (results_dir / f"{name}.json").is_file():
             doc = load(name, results_dir)
+            if doc["config"].get("weight_layout_env"):  # not the servers' default layout: docs table only
+                continue
             rows += _sized_headline_rows(doc)
             docs.append((name, doc))  # its note: _sized_source
     if (results_dir / "lora.json").is_file() and "vllm" in (lora_doc := load("lora", results_dir))["results"]:

@@ -183,3 +183,28 @@ def test_the_moe_result_is_one_headline_row_and_its_sized_rows():
     assert rows["30B-A3B: decode tok/s, 8 streams"][:3] == ["40.0", "–", "50.0"]
     assert rows["30B-A3B: weights read a token, GB"][:4] == ["1.70", "–", "1.70", "–"]
     assert rows["30B-A3B: peak resident memory, GB (mapped file pages included)"][:3] == ["19.5", "–", "19.0"]
+
+
+def test_a_run_on_mapped_weights_stays_out_of_the_headline_and_says_so(tmp_path: Path):
+    """The README headline takes a sized result only at the servers' default weight layout; the docs note of
+    a run with the layout switches names them, and the load where the machine was busy."""
+    import shutil
+
+    for name in ("peers_decode", "peers_serving", "peers_agent_loop"):
+        shutil.copy(report.RESULTS / f"{name}.json", tmp_path)
+    side = {**_side(1.0), "decode_8": {"decode_tok_s": 5.0}, "load_before": {"load_1m": 9.5}}
+    doc = {
+        "name": "sized_30b_a3b",
+        "config": {"command": "python -m bench.sized --size 30b-a3b", "size": "30b-a3b", "streams": [1, 8],
+                   "shape": sized.SHAPES["30b-a3b"], "agents": 0,
+                   "weight_layout_env": {"RADIXLM_GGUF_INTERLEAVE": "0", "LLAMA_ARG_REPACK": "0"}},
+        "environment": {"cpu_cores": 2, "cpu_model": "X", "cpu_flags": ["avx2"]},
+        "results": {"sides": {"radixlm": side, "llama-server": side}, "memory_bandwidth": {"copy_gb_s": 9.0}},
+    }  # fmt: skip
+    (tmp_path / "sized_30b_a3b.json").write_text(json.dumps(doc))
+    assert "30B-A3B" not in report.headline(tmp_path)
+    note = report.sized(tmp_path).strip().splitlines()[-1]
+    assert "`RADIXLM_GGUF_INTERLEAVE=0 LLAMA_ARG_REPACK=0`" in note and "load average up to 9.5" in note
+    doc["config"]["weight_layout_env"] = {}
+    (tmp_path / "sized_30b_a3b.json").write_text(json.dumps(doc))
+    assert "30B-A3B MoE Q4_K_M file: decode tok/s, 1 / 8 streams" in report.headline(tmp_path)
