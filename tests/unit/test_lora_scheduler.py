@@ -218,3 +218,18 @@ def test_host_tier_keeps_adapters_apart(tiny_model_dir, default_tokenizer, adapt
     assert one("base", long_prompt, None) == (want[None], 0, 0)
     ids, cached, host = one("a1", long_prompt, "a")
     assert ids == want["a"] and cached == len(long_prompt) - 1 and host > 0
+
+
+def test_adapter_requests_stay_out_of_the_shared_draft_index(
+    tiny_model_dir, default_tokenizer, adapters, expected
+):
+    """`suffix` speculation's index is shared by every request; an adapter's request is salted with the
+    adapter, so it neither feeds the index nor drafts from it. Outputs still equal transformers + peft's."""
+    sched = _scheduler(tiny_model_dir, default_tokenizer, adapters, speculative_algorithm="suffix")
+    shared = sched.spec.drafter.shared
+    res = _drain(sched, [_req("a", PROMPT, "a"), _req("b", PROMPT, "b")])
+    assert [res[r]["ids"] for r in "ab"] == [expected[("a", len(PROMPT))], expected[("b", len(PROMPT))]]
+    assert len(shared) == 0
+    res = _drain(sched, [_req("base", PROMPT, None)])
+    assert res["base"]["ids"] == expected[(None, len(PROMPT))]
+    assert len(shared) > 0  # the base model's request did feed it
