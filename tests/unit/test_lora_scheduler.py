@@ -4,6 +4,8 @@ batches mixed with the base model, KV cached under one adapter is a hit for that
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -233,3 +235,44 @@ def test_adapter_requests_stay_out_of_the_shared_draft_index(
     res = _drain(sched, [_req("base", PROMPT, None)])
     assert res["base"]["ids"] == expected[(None, len(PROMPT))]
     assert len(shared) > 0  # the base model's request did feed it
+
+
+def test_disk_tier_keeps_adapters_apart_across_a_restart(
+    tiny_model_dir, default_tokenizer, adapters, tmp_path
+):
+    """Blocks written to the disk tier under adapter a are read back, after a restart, by a's requests only
+    (their names hash the adapter's salt): b and the base model recompute the prompt; outputs equal
+    transformers (+ peft)'s."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [4] + [(29 * i) % 500 + 10 for i in range(139)]  # two full 64-token blocks and a tail
+    refs = {n: peft_model(tiny_model_dir, p) for n, p in adapters.items()}
+    refs[None] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    want = {}
+    for name, model in refs.items():
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(MAX_NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        want[name] = ids[len(prompt) :]
+
+    def one(sched, rid: str, lora: str | None) -> tuple[list[int], int]:
+        sched.handle(_req(rid, prompt, lora))
+        ids, disk = [], 0
+        while sched.has_work():
+            for o in sched.step():
+                assert o.error is None, o.error
+                ids += o.new_token_ids
+                disk = max(disk, o.cached_tokens_disk)
+            sched.check_accounting()
+        return ids, disk
+
+    first = _scheduler(tiny_model_dir, default_tokenizer, adapters, kv_disk_dir=str(tmp_path))
+    assert one(first, "a0", "a") == (want["a"], 0)
+    first.cm.save_to_disk()
+    assert len(os.listdir(tmp_path)) >= 2
+    restarted = _scheduler(tiny_model_dir, default_tokenizer, adapters, kv_disk_dir=str(tmp_path))
+    assert one(restarted, "b", "b") == (want["b"], 0)
+    assert one(restarted, "base", None) == (want[None], 0)
+    ids, disk = one(restarted, "a1", "a")
+    assert ids == want["a"] and disk >= 128
