@@ -14,7 +14,9 @@ real HTTP (native `/generate` with token ids, so lengths are exact, and each cal
 - programs start at Poisson arrivals (mean gap `--arrival-gap-s`).
 
 The KV pool is `--pool-fraction` (a third) of the working set (the catalogue + every program's final
-history), so programs evict each other while their tools run.
+history), so programs evict each other while their tools run; at least the longest history plus a call's
+output and 64 tokens (a request the pool cannot hold fails rather than waits), which a trace of few programs
+reaches.
 
 Sides (`--sides`): `fcfs`, `lpm`, `program` (`--schedule-policy`), and `program+auto` (`program` with
 `--kv-retention auto`). Per side: job completion time (a program's first call sent to its last call
@@ -438,11 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         args.seed = first_seed + rep
         trace = make_trace(args)
         ws = working_set(trace, args)
-        pool = max(256, int(ws * args.pool_fraction))
+        # at least the longest history and a call's output: a request the pool cannot hold fails, not waits
+        longest = longest_program(trace, args)
+        pool = max(256, int(ws * args.pool_fraction), longest + args.max_new_tokens + 64)
         shape = {
             "seed": args.seed,
             "working_set_tokens": ws,
             "kv_pool_tokens": pool,
+            "longest_program_tokens": longest,
             "long_programs": sum(p["long"] for p in trace["programs"]),
             "calls_planned": sum(len(p["calls"]) for p in trace["programs"]),
         }
