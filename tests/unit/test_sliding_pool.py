@@ -240,3 +240,19 @@ def test_long_generation_holds_a_bounded_number_of_rows(model, default_tokenizer
     assert most_rows <= bound < most_full // 2, (most_rows, bound, most_full)
     assert outs["r1"] == hf_greedy(hf, reqs[1], 150)
     assert_all_free(sched)
+
+
+def test_speculative_verify_rolls_back_within_the_window(model, default_tokenizer):
+    """Prompt-lookup drafts over a prompt that repeats itself (several windows long): verify steps append
+    drafts and roll rejected ones back, the rows behind the window freed meanwhile; the outputs equal
+    transformers' greedy ones and every slot and row comes back."""
+    path, hf, window = model
+    rng = random.Random(6)
+    motif = [rng.randrange(3, 512) for _ in range(window + 3)]
+    reqs = [motif * 3 + motif[:4], [rng.randrange(3, 512) for _ in range(2 * window)] + motif * 2]
+    sched = sliding_scheduler(path, default_tokenizer, speculative_algorithm="ngram")
+    res = run(sched, reqs, max_new=40)
+    assert res["stats"]["spec_verify_steps"] > 0
+    for i, p in enumerate(reqs):
+        assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 40), f"request {i}"
+    assert_all_free(sched)
