@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from runtime.models import moe_fused
-from runtime.models.gguf_linear import INTERLEAVED_TYPES, kernel_isa
+from runtime.models.gguf_linear import INTERLEAVED_TYPES, interleave, kernel_isa
 from runtime.models.moe import SparseMoeBlock, grouped_moe, grouped_moe_layers
 from runtime.models.parallel import TensorParallel
 from runtime.models.w4a8 import W4A8Linear
@@ -64,13 +64,17 @@ def check(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5 * scale + 1e-6)
 
 
-def gguf_experts(types: tuple[int, int, int], hidden: int, inter: int, interleaved) -> moe_fused.GGUFExperts:
+def file_parts(types: tuple[int, int, int], hidden: int, inter: int) -> list[tuple[int, torch.Tensor]]:
+    """Random (type, uint8 [E, rows, row bytes]) gate [E, inter, ·], up and down [E, hidden, ·]."""
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
-    parts = [
+    return [
         (t, torch.stack([random_blocks(t, rows, cols, seed=100 * i + e) for e in range(E)]))
         for i, (t, (rows, cols)) in enumerate(zip(types, shapes, strict=True))
     ]
-    return moe_fused.GGUFExperts(parts, interleaved=interleaved)
+
+
+def gguf_experts(types: tuple[int, int, int], hidden: int, inter: int, interleaved) -> moe_fused.GGUFExperts:
+    return moe_fused.GGUFExperts(file_parts(types, hidden, inter), interleaved=interleaved)
 
 
 GGUF_CASES = {
@@ -87,11 +91,17 @@ GGUF_CASES = {
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
 def test_gguf_matches_the_loop(case: str, layout: str) -> None:
     types, hidden, inter = GGUF_CASES[case]
-    ex = gguf_experts(types, hidden, inter, () if layout == "file" else INTERLEAVED_TYPES)
+    parts = file_parts(types, hidden, inter)
+    ex = moe_fused.GGUFExperts(parts, interleaved=() if layout == "file" else INTERLEAVED_TYPES)
     if layout == "interleaved":
         if kernel_isa() != "avx512_vnni":
             pytest.skip("the interleaved layout is built on AVX512-VNNI only")
         assert [t >= 256 for t in ex.types] == [t in INTERLEAVED_TYPES for t in types]
+        # the experts repacked in one go hold what each expert's rows repacked on their own hold
+        for i, (t, raw) in enumerate(parts):
+            if t in INTERLEAVED_TYPES:
+                for e in range(E):
+                    assert torch.equal(getattr(ex, f"w{i}")[e], interleave(t, raw[e])[1])
     calls = ex.expert_calls()
     for t in (1, 4, 64):
         for mode in ROUTINGS:

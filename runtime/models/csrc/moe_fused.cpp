@@ -6,7 +6,7 @@
 //   1. x is quantized to int8 once per token (per block of 32 or 256 as the weights' type asks), and the
 //      quantized rows gathered into grouped order;
 //   2. each hit expert's gate and up rows times its tokens' rows -> h [rows, 2I];
-//   3. a = silu(h_gate) * h_up, quantized per row -> the down projection's activations;
+//   3. a = silu(h_gate) * h_up (ATen's SiLU), quantized per row -> the down projection's activations;
 //   4. each hit expert's down rows -> y [rows, H];
 //   5. out[t] = sum over t's k rows of weight * y (one thread per token: no atomics, a fixed order).
 // Only the hit experts' weights are read. Tokens are taken 512 at a time (the scratch stays ~50 MB).
@@ -118,16 +118,9 @@ void combine(const Routing& r, const float* w, const float* y, int64_t H, float*
   });
 }
 
-// a[r, i] = silu(h[r, i]) * h[r, I + i] for h [rows, 2I]
-void silu_mul(const float* h, int64_t rows, int64_t I, float* a) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = h[r * 2 * I + i];
-        a[r * I + i] = g / (1.f + std::exp(-g)) * h[r * 2 * I + I + i];
-      }
-  });
-}
+// silu(h[:, :I]) * h[:, I:] for h [rows, 2I] float32: ATen's vectorized SiLU, the loop's F.silu(gate) * up
+// bit for bit (a scalar std::exp here cost ~15 ms of a 256-token prefill's ~210 ms per layer).
+at::Tensor silu_mul(const at::Tensor& h, int64_t I) { return at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)); }
 
 struct Unit {
   int64_t hit;   // index into Routing::hit
@@ -290,7 +283,10 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
       gather_acts(tokens, r, H, grouped[q]);
     }
     // 2. gate | up of every hit expert -> h [R, 2I]
-    std::vector<float> h(R * 2 * I), act(R * I), y(R * H);
+    // scratch as uninitialized tensors (every element is written before it is read)
+    at::Tensor h = at::empty({R, 2 * I}, x.options()), y = at::empty({R, H}, x.options());
+    float* hp = h.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
     const std::vector<Unit> up_units = make_units(r, 2, I);
     at::parallel_for(0, static_cast<int64_t>(up_units.size()), 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
@@ -298,13 +294,13 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
         const GGUFPart& p = parts[un.part];
         const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
         gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, H, grouped[p.qk == 32 ? 0 : 1], r0, r1,
-                  un.n0, std::min(un.n0 + UNIT_ROWS, I), h.data() + r0 * 2 * I + un.part * I, 2 * I);
+                  un.n0, std::min(un.n0 + UNIT_ROWS, I), hp + r0 * 2 * I + un.part * I, 2 * I);
       }
     });
     // 3. silu(gate) * up, quantized per row for the down projection
-    silu_mul(h.data(), R, I, act.data());
+    const at::Tensor act = silu_mul(h, I);  // [R, I]
     gg::Acts acts;
-    gg::quantize_rows(act.data(), R, I, parts[2].qk, acts);
+    gg::quantize_rows(act.data_ptr<float>(), R, I, parts[2].qk, acts);
     // 4. down of every hit expert -> y [R, H]
     const std::vector<Unit> down_units = make_units(r, 1, H);
     const GGUFPart& p = parts[2];
@@ -313,11 +309,11 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
         const Unit& un = down_units[u];
         const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
         gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, I, acts, r0, r1, un.n0,
-                  std::min(un.n0 + UNIT_ROWS, H), y.data() + r0 * H, H);
+                  std::min(un.n0 + UNIT_ROWS, H), yp + r0 * H, H);
       }
     });
     // 5. the weighted sum per token
-    combine(r, topk_weights.data_ptr<float>() + c0 * k, y.data(), H, out.data_ptr<float>() + c0 * H);
+    combine(r, topk_weights.data_ptr<float>() + c0 * k, yp, H, out.data_ptr<float>() + c0 * H);
   }
   return out;
 }
@@ -414,27 +410,29 @@ at::Tensor moe_w4a8(const at::Tensor& x, const at::Tensor& topk_weights, const a
       std::memcpy(grouped.sa.data() + row * nb, tokens.sa.data() + t * nb, nb * sizeof(float));
       std::memcpy(grouped.asum.data() + row * nb, tokens.asum.data() + t * nb, nb * sizeof(int32_t));
     }
-    std::vector<float> h(R * 2 * I), act(R * I), y(R * H);
+    at::Tensor h = at::empty({R, 2 * I}, x.options()), y = at::empty({R, H}, x.options());
+    float* hp = h.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
     const std::vector<Unit> up_units = make_units(r, 1, w13.groups * w4::NG);
     at::parallel_for(0, static_cast<int64_t>(up_units.size()), 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const Unit& un = up_units[u];
         const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-        w4_unit(w13, r.hit[un.hit], un.n0 / w4::NG, grouped, r0, r1, h.data() + r0 * 2 * I, 2 * I);
+        w4_unit(w13, r.hit[un.hit], un.n0 / w4::NG, grouped, r0, r1, hp + r0 * 2 * I, 2 * I);
       }
     });
-    silu_mul(h.data(), R, I, act.data());
+    const at::Tensor act = silu_mul(h, I);
     W4Acts acts;
-    acts.quantize(act.data(), R, I);
+    acts.quantize(act.data_ptr<float>(), R, I);
     const std::vector<Unit> down_units = make_units(r, 1, w2.groups * w4::NG);
     at::parallel_for(0, static_cast<int64_t>(down_units.size()), 1, [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1; ++u) {
         const Unit& un = down_units[u];
         const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-        w4_unit(w2, r.hit[un.hit], un.n0 / w4::NG, acts, r0, r1, y.data() + r0 * H, H);
+        w4_unit(w2, r.hit[un.hit], un.n0 / w4::NG, acts, r0, r1, yp + r0 * H, H);
       }
     });
-    combine(r, topk_weights.data_ptr<float>() + c0 * k, y.data(), H, out.data_ptr<float>() + c0 * H);
+    combine(r, topk_weights.data_ptr<float>() + c0 * k, yp, H, out.data_ptr<float>() + c0 * H);
   }
   return out;
 }
