@@ -256,3 +256,56 @@ def test_speculative_verify_rolls_back_within_the_window(model, default_tokenize
     for i, p in enumerate(reqs):
         assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 40), f"request {i}"
     assert_all_free(sched)
+
+
+def test_short_sliding_pool_evicts_cached_rows_and_stays_exact(model, default_tokenizer):
+    """A sliding pool of 120 rows under a 2048-slot full pool: the cache's rows of finished requests must
+    be dropped (`evict_sliding`, nodes kept) for later requests to run, admission never overdraws the rows,
+    and every output is still transformers' greedy one."""
+    from runtime.managers.scheduler.scheduler import Scheduler
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.server_args import ServerArgs
+
+    path, hf, window = model
+    runner = ModelRunner(
+        path,
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        max_running_requests=2,
+        attention_backend="torch_native",
+        sliding_pool_tokens=120,
+    )
+    args = ServerArgs(
+        model=path,
+        dtype="float32",
+        quantization="none",
+        kv_cache_dtype="float32",
+        device="cpu",
+        log_interval=0,
+        attention_backend="torch_native",
+        max_total_tokens=2048,
+        max_running_requests=2,
+        chunked_prefill_size=16,
+        speculative_algorithm="none",
+    )
+    sched = Scheduler(args, path, runner=runner, tokenizer=default_tokenizer)
+    cm = sched.cm
+    assert cm.sliding.sliding.size == 120
+    dropped = []
+    evict_sliding = cm.cache.evict_sliding
+
+    def spy(n):
+        out = evict_sliding(n)
+        dropped.append(out.numel())
+        return out
+
+    cm.cache.evict_sliding = spy
+    rng = random.Random(8)
+    system = [rng.randrange(3, 512) for _ in range(3 * window)]
+    reqs = [system + [rng.randrange(3, 512) for _ in range(rng.randrange(8, 20))] for _ in range(12)]
+    res = run(sched, reqs, max_new=10, arrive_every=3)
+    assert sum(dropped) > 0, "the cache's sliding rows were dropped to make room"
+    for i, p in enumerate(reqs):
+        assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 10), f"request {i}"
+    assert_all_free(sched)
