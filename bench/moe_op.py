@@ -7,9 +7,9 @@ Formats: "gguf Q4_K_M" (gate / up Q4_K, down Q6_K: a Q4_K_M file's experts, rand
 (random float weights quantized). The loop is what served them before the op: `grouped_moe_layers` over one
 pair of layers per expert (`GGUFLinear` / `W4A8Linear`, each a C++ call; index_select in, index_add_ out).
 Each call routes the batch anew (random top-8 of 128, cycling through 64 routings), so, as in decode, the
-experts' weights (~390 MB a layer at Q4_K_M) come from DRAM. ms = median and min_ms = minimum over --iters
-calls after a warm-up; ratio = loop ms / fused ms (ratio_min: of the minima, the steadier figure on a shared
-machine).
+experts' weights (~390 MB a layer at Q4_K_M) come from DRAM. The two sides are called alternately (on a
+shared machine both then meet the same load); ms = median and min_ms = minimum over --iters calls after a
+warm-up; ratio = loop ms / fused ms (ratio_min: of the minima).
 """
 
 from __future__ import annotations
@@ -27,16 +27,19 @@ import torch
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
 
 
-def _time(fn, iters: int) -> tuple[float, float]:
-    """(median, min) seconds per call over `iters` calls after a warm-up."""
+def _time_pair(loop, fused, iters: int) -> list[tuple[float, float]]:
+    """[(median, min) seconds per call] of `loop` and `fused`, called alternately (on a shared machine both
+    sides then meet the same load) over `iters` rounds after a warm-up."""
     for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+        loop(0)
+        fused(0)
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(iters):
+        for side, fn in enumerate((loop, fused)):
+            t0 = time.perf_counter()
+            fn(i)
+            times[side].append(time.perf_counter() - t0)
+    return [(statistics.median(t), min(t)) for t in times]
 
 
 def _routings(batch: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -86,6 +89,11 @@ def _w4a8_layer() -> tuple[torch.nn.Module, list[tuple]]:
     return W4A8Experts(layers), [(a.forward, b.forward) for a, b in layers]
 
 
+def _loop_args(calls: list[tuple], case: tuple) -> tuple:
+    x, w, ids = case
+    return x, calls, w, ids
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -106,16 +114,12 @@ def main() -> None:
             torch.set_num_threads(threads)
             for batch in args.batch:
                 cases = _routings(batch, 64, seed=batch)
-                for side, fn in (
-                    ("loop", lambda x, w, i, calls=calls: grouped_moe_layers(x, calls, w, i)),
-                    ("fused", fused),
-                ):
-                    it = iter(range(10**9))
-
-                    def call(fn=fn, it=it, cases=cases):
-                        return fn(*cases[next(it) % len(cases)])
-
-                    med, low = _time(call, args.iters)
+                timed = _time_pair(
+                    lambda i, calls=calls, cases=cases: grouped_moe_layers(*_loop_args(calls, cases[i % 64])),
+                    lambda i, fused=fused, cases=cases: fused(*cases[i % 64]),
+                    args.iters,
+                )
+                for side, (med, low) in zip(("loop", "fused"), timed, strict=True):
                     row = {"format": name, "threads": threads, "batch": batch, "side": side}
                     results.append(row | {"ms": med * 1e3, "min_ms": low * 1e3})
                 lo, fu = results[-2], results[-1]
