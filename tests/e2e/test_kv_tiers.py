@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -74,7 +75,12 @@ def test_openai_usage_splits_cached_tokens_by_tier(srv):
 
 def test_a_restart_with_the_same_disk_dir_serves_from_disk(tmp_path):
     """Stop (SIGTERM) a server with --kv-disk-dir, start another on the same directory: a prompt cached by
-    the first is loaded from disk by the second; a server in another dtype refuses those entries."""
+    the first is loaded from disk by the second; a server in another dtype refuses those entries.
+
+    The second server and the other-dtype one start side by side (their startups overlap on the second
+    core): both start after the first has stopped and flushed its files, and the other dtype's blocks have
+    other names (the dtype is hashed into each name, runtime/mem_cache/disk_tier.py), so whatever it writes
+    cannot stand in for the prompt's float32 blocks that the second must find."""
     disk = ["--kv-disk-dir", str(tmp_path / "kv"), "--max-total-tokens", "2048"]
     prompt = long_prompt(100)
     first = ServerProcess(extra_args=disk).start()
@@ -83,17 +89,19 @@ def test_a_restart_with_the_same_disk_dir_serves_from_disk(tmp_path):
     finally:
         assert first.stop(grace_s=60) == 0, first.log_tail()
     assert any(n.endswith(".kv") for n in os.listdir(tmp_path / "kv"))
-    second = ServerProcess(extra_args=disk).start()
+    second = ServerProcess(extra_args=disk)
+    other = ServerProcess(extra_args=[*disk, "--dtype", "bfloat16"])
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(s.start) for s in (second, other)]
     try:
+        for started in starts:
+            started.result()  # raises the startup error of either
         meta = generate(second.url, prompt)
         tiers = meta["cached_tokens_by_tier"]
         assert tiers["disk"] >= 64 and tiers["disk"] + tiers["device"] == meta["cached_tokens"], meta
         assert server_info(second.url)["disk_loaded_tokens"] >= tiers["disk"]
-    finally:
-        assert second.stop(grace_s=60) == 0, second.log_tail()
-    other = ServerProcess(extra_args=[*disk, "--dtype", "bfloat16"]).start()
-    try:
         meta = generate(other.url, prompt)
         assert meta["cached_tokens_by_tier"]["disk"] == 0, meta  # another dtype's entries: never used
     finally:
-        assert other.stop(grace_s=60) == 0, other.log_tail()
+        codes = [s.stop(grace_s=60) for s in (second, other)]
+    assert codes == [0, 0], (second.log_tail(), other.log_tail())
