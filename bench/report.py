@@ -441,11 +441,50 @@ def sized(results_dir: Path) -> str:
     return out + "\n\n" + "\n".join(f"- {_sized_source(n, d)}" for n, d in docs) + "\n"
 
 
+AGENT_REPLAY_LABELS = {
+    "fcfs": "radixlm `fcfs`",
+    "lpm": "`lpm` (default)",
+    "program": "`program`",
+    "program+auto": "`program` + `--kv-retention auto`",
+    "vllm": "vLLM-CPU",
+    "llama-server": "llama-server",
+}
+
+
+def agent_replay(results_dir: Path) -> str:
+    """bench.agent_replay: a trace of agent programs over HTTP; radixlm's queue orders, then the peers."""
+    doc = load("agent_replay_sides", results_dir)
+    sides = doc["results"]["sides"]
+
+    def recomputed(r: dict) -> str:
+        return "n/a" if r["prefill_recomputed"] is None else f"{r['prefill_recomputed']:,.0f}"
+
+    rows = [
+        ["job time p50 / p90 / p99, s"]
+        + [f"{r['jct_p50_s']:.1f} / {r['jct_p90_s']:.1f} / {r['jct_p99_s']:.1f}" for r in sides],
+        ["programs per minute"] + [f"{r['programs_per_min']:.2f}" for r in sides],
+        ["prefill tokens recomputed"] + [recomputed(r) for r in sides],
+        ["KV pool"] + [r.get("kv_pool") or "–" for r in sides],
+    ]
+    out = table(["agent programs", *(AGENT_REPLAY_LABELS.get(r["side"], r["side"]) for r in sides)], rows)
+    cfg, runs = doc["config"], [run for r in sides for run in r["runs"]]
+    loads = [run[k]["load_1m"] for run in runs for k in ("load_at_start", "load_at_end") if k in run]
+    shape = cfg["traces"][0]
+    busy = f"load average {min(loads):.1f}–{max(loads):.1f}" if loads else "load not recorded"
+    note = (
+        f"`bench.agent_replay`: {cfg['programs']} tool-using programs ({shape['long_programs']} long, "
+        f"{shape['calls_planned']} calls) over HTTP, {len(cfg['traces'])} trace(s), radixlm's KV pool "
+        f"{shape['kv_pool_tokens']:,} tokens for a {shape['working_set_tokens']:,}-token working set; {busy}"
+        + (" (quiet)." if loads and max(loads) < 1.5 else " (a busy machine: rough figures).")
+    )
+    return out + "\n\n" + note + " " + source("agent_replay_sides", doc) + "\n"
+
 
 TABLES: dict[str, Callable[[Path], str]] = {
     "headline": headline,
     "speculative": speculative,
     "agent_swarm": agent_swarm,
+    "agent_replay": agent_replay,
     "serving_dp": serving_dp,
     "burst": burst,
     "decode_w4a8": decode_w4a8,
