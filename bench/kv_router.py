@@ -270,7 +270,7 @@ def measure_dynamo(args: Any, task_list: list[str], warm: list[str]) -> dict[str
 
     python = common.REPO_ROOT / DYNAMO_VENV / "bin" / "python"
     if not python.exists():
-        raise SystemExit(f"dynamo-kv side: {python} is missing; see docs/benchmarks.md, KV router")
+        raise SystemExit(f"dynamo-kv side: {python} is missing; run bash bench/dynamo_venv.sh")
     t0 = time.perf_counter()
     model_dir = resolve_model_path("default")
     events_port = agent_loop._free_port()
@@ -286,16 +286,17 @@ def measure_dynamo(args: Any, task_list: list[str], warm: list[str]) -> dict[str
     ]  # fmt: skip
     stem = Path(args.results_dir) / f"{args.name or 'kv_router'}_dynamo"
     try:
-        for rank, url in enumerate(replicas):
-            wcmd = [
-                str(python), str(common.REPO_ROOT / "bench" / "router_dynamo_worker.py"),
-                "--replica-url", url, "--kv-events-endpoint", f"tcp://127.0.0.1:{events_port + rank}",
-                "--model-path", model_dir, "--dp-rank", str(rank),
-            ]  # fmt: skip
-            procs.append(_Proc(wcmd, Path(f"{stem}_worker{rank}.log"), env))
+        wcmd = [
+            str(python),
+            str(common.REPO_ROOT / "bench" / "router_dynamo_worker.py"),
+            "--model-path",
+            model_dir,
+        ]
+        for rank, url in enumerate(replicas):  # replica r publishes on events_port + r
+            wcmd += ["--replica", f"{url}=tcp://127.0.0.1:{events_port + rank}"]
+        procs.append(_Proc(wcmd, Path(f"{stem}_worker.log"), env))
         procs.append(_Proc(front_cmd, Path(f"{stem}_frontend.log"), env))
         _wait_model(f"http://127.0.0.1:{front_port}", procs, 600)
-        time.sleep(5.0)  # the second worker's registration
         url = f"http://127.0.0.1:{front_port}"
         fig = _run_measured(url, replicas, args, task_list, warm, completions_step(url, model_dir, args))
     finally:
@@ -310,7 +311,7 @@ def measure_dynamo(args: Any, task_list: list[str], warm: list[str]) -> dict[str
             **kw,
             "command": " ".join(cmd[1:]),
             "frontend": " ".join(front_cmd[1:]),
-            "worker": "bench/router_dynamo_worker.py",
+            "worker": " ".join(wcmd[1:]),
         },
     )
     return fig
@@ -369,18 +370,6 @@ def main(argv: list[str] | None = None) -> dict:
     env["load_before"] = common.load_average()
     task_list = cat.tasks(args.num_agents, args.seed)
     warm = cat.tasks(1, args.seed + 1)
-    per_side: dict[str, dict[str, Any]] = {}
-    for side in sides:
-        print(f"[kv_router] {side} ...", flush=True)
-        if side == DYNAMO:
-            per_side[side] = measure_dynamo(args, task_list, warm)
-        else:
-            per_side[side] = measure_policy(side, args, task_list, warm)
-    if "round_robin" in per_side:
-        for f in per_side.values():
-            f["speedup_vs_round_robin"] = common.ratio(
-                f["requests_per_s"], per_side["round_robin"]["requests_per_s"]
-            )
     config = {
         "command": common.command_line(),
         "replicas": args.replicas,
@@ -392,11 +381,24 @@ def main(argv: list[str] | None = None) -> dict:
         "sides": sides,
         "dtype": args.dtype,
     }
-    results = {"sides": per_side}
     name = args.name or "kv_router"
+    per_side: dict[str, dict[str, Any]] = {}
+    results: dict[str, Any] = {"sides": per_side}
+    for side in sides:
+        print(f"[kv_router] {side} ...", flush=True)
+        if side == DYNAMO:
+            per_side[side] = measure_dynamo(args, task_list, warm)
+        else:
+            per_side[side] = measure_policy(side, args, task_list, warm)
+        if "round_robin" in per_side:
+            for f in per_side.values():
+                f["speedup_vs_round_robin"] = common.ratio(
+                    f["requests_per_s"], per_side["round_robin"]["requests_per_s"]
+                )
+        # after every side, so a side that fails later keeps the others' figures
+        common.write_results(name, config, results, env, args.results_dir)
     print()
     common.print_table(summary_rows(per_side), title="== kv_router ==")
-    common.write_results(name, config, results, env, args.results_dir)
     return results
 
 
