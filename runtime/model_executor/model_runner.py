@@ -119,26 +119,27 @@ class ModelRunner:
         model.use_fused_cpu_ops(self.fused_cpu_ops)
         self.load_seconds = time.perf_counter() - t0
 
-        if max_total_tokens is None:
-            # every rank addresses the same slots: the smallest rank's share sizes them all
-            max_total_tokens = tp.min_int(self._auto_total_tokens())
-        # +1 row so a full pool of running requests plus one being admitted never runs dry of rows.
-        self.req_to_token_pool = ReqToTokenPool(
-            max_running_requests + 1, self.context_length + 8, self.device
-        )
         self.backend_name = _load_backend_ops(
             resolve_backend_name(attention_backend, self.device.type), explicit=attention_backend != "auto"
         )
         sliding = [i for i in range(cfg.num_layers) if cfg.sliding_window(i)]
-        if sliding_pool_tokens == -1:
-            sliding_pool_tokens = sliding_pool_size(
-                max_total_tokens,
-                max(cfg.sliding_windows, default=0),
-                max_running_requests,
-                prefill_chunk if prefill_chunk > 0 else self.context_length,
-            )
         if not (sliding and tp.size == 1 and self.backend_name in SLIDING_POOL_BACKENDS):
             sliding_pool_tokens = None
+        window = max(cfg.sliding_windows, default=0)
+        longest_extend = prefill_chunk if prefill_chunk > 0 else self.context_length
+        if max_total_tokens is None:
+            # every rank addresses the same slots: the smallest rank's share sizes them all
+            fixed = max_running_requests * (window + SLIDING_SLACK_PER_REQUEST) + longest_extend
+            sized = len(sliding) if sliding_pool_tokens == -1 else 0  # layers in a sized sliding pool
+            max_total_tokens = tp.min_int(self._auto_total_tokens(sized, fixed))
+        # +1 row so a full pool of running requests plus one being admitted never runs dry of rows.
+        self.req_to_token_pool = ReqToTokenPool(
+            max_running_requests + 1, self.context_length + 8, self.device
+        )
+        if sliding_pool_tokens == -1:
+            sliding_pool_tokens = sliding_pool_size(
+                max_total_tokens, window, max_running_requests, longest_extend
+            )
         sliding_size = min(sliding_pool_tokens or 0, max_total_tokens)
         self.kv_pool = KVPool(
             max_total_tokens,
@@ -298,14 +299,23 @@ class ModelRunner:
         )
         return runner
 
-    def _auto_total_tokens(self) -> int:
+    def _auto_total_tokens(self, sliding_layers: int = 0, sliding_fixed: int = 0) -> int:
+        """Full-pool tokens that KV_MEMORY_FRACTION of free memory holds; with `sliding_layers` of the layers
+        in a pool sized by `sliding_pool_size` (`sliding_fixed` its rows beyond the cache share), those
+        layers cost their rows, not a token each (`auto_total_tokens`)."""
         c = self.config
-        per_token = KVPool.bytes_per_token_for(c.num_layers, self.local_kv_heads, c.head_dim, self.kv_dtype)
+        full = KVPool.bytes_per_token_for(
+            c.num_layers - sliding_layers, self.local_kv_heads, c.head_dim, self.kv_dtype
+        )
+        rows = KVPool.bytes_per_token_for(sliding_layers, self.local_kv_heads, c.head_dim, self.kv_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             free = _available_host_memory()
-        return int(max(1024, min(MAX_AUTO_TOTAL_TOKENS, free * KV_MEMORY_FRACTION // per_token)))
+        budget = free * KV_MEMORY_FRACTION
+        return int(
+            max(1024, min(MAX_AUTO_TOTAL_TOKENS, auto_total_tokens(budget, full, rows, sliding_fixed)))
+        )
 
 
 def _load_fused_layers() -> bool:
@@ -354,6 +364,17 @@ def sliding_pool_size(full: int, window: int, max_running: int, longest_extend: 
         max_running * (window + SLIDING_SLACK_PER_REQUEST) + longest_extend + int(SLIDING_CACHE_SHARE * full)
     )
     return min(full, need)
+
+
+def auto_total_tokens(budget: float, full_bytes: int, row_bytes: int, fixed_rows: int) -> int:
+    """The most full-pool tokens T whose KV fits `budget` bytes: T * full_bytes for the full layers plus
+    `sliding_pool_size` rows, min(T, fixed_rows + SLIDING_CACHE_SHARE * T), at row_bytes each."""
+    if row_bytes == 0:
+        return int(budget // full_bytes)
+    shared = (budget - fixed_rows * row_bytes) / (full_bytes + SLIDING_CACHE_SHARE * row_bytes)
+    if shared * (1 - SLIDING_CACHE_SHARE) >= fixed_rows:  # the pool is smaller than the full one
+        return int(shared)
+    return int(budget // (full_bytes + row_bytes))  # it would not be: as large as the full pool
 
 
 def _available_host_memory() -> int:

@@ -309,3 +309,24 @@ def test_short_sliding_pool_evicts_cached_rows_and_stays_exact(model, default_to
     for i, p in enumerate(reqs):
         assert res["outs"][f"r{i}"] == hf_greedy(hf, p, 10), f"request {i}"
     assert_all_free(sched)
+
+
+@pytest.mark.parametrize(
+    ("full_bytes", "row_bytes", "fixed"),
+    [(1024, 0, 0), (2048, 10240, 5000), (2048, 10240, 10**7), (0, 4096, 300), (512, 512, 0)],
+)
+def test_auto_total_tokens_spends_the_budget_on_both_pools(full_bytes, row_bytes, fixed):
+    """Without --max-total-tokens the pool takes the most tokens whose full layers and sized sliding pool
+    fit the budget: a few more would not fit."""
+    from runtime.model_executor.model_runner import auto_total_tokens, sliding_pool_size
+
+    budget = 64 << 20
+
+    def cost(t: int) -> int:
+        rows = min(t, fixed + int(0.25 * t)) if row_bytes else 0
+        return t * full_bytes + rows * row_bytes
+
+    t = auto_total_tokens(budget, full_bytes, row_bytes, fixed)
+    assert cost(t) <= budget < cost(t + 4)  # (the cache share rounds: rows grow every 4 tokens)
+    if row_bytes and fixed < t:  # the sizing is `sliding_pool_size`'s: max_running x (window + slack) + chunk
+        assert sliding_pool_size(t, 0, 0, fixed) == min(t, fixed + int(0.25 * t))
