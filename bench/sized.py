@@ -19,13 +19,13 @@ Sides, one server at a time, each on `--threads` threads:
   speculation a forward may yield several tokens, often so on a random model's repetitive output).
 
 Rows: decode rate at 1, 4 and 32 streams (`bench.harness.peers.server_decode`: random prompts of 128 tokens,
-greedy with ignore_eos, rate = streams x (N - 1) / (t(N) - t(1))); the time to first token of a 2,000-token
-prompt (no cached prefix, median of 3); the agent loop of `bench.agent_loop` (agents x tool-calling steps
-with the 15-tool catalogue, steps/s). Also the machine's memory bandwidth (a copy kernel on all threads:
-bytes read + written / time), each server's peak resident memory (at start-up and over the run, mapped file
-pages included) and each side's decode bandwidth at one stream: the bytes of weights one
-token reads (every matrix, the LM head included; of the token embedding only its row unless it is the LM
-head too) / the time per token.
+greedy with ignore_eos, rate = streams x (N - 1) / (t(N) - t(1)), N the same at every width); the time to
+first token of a 2,000-token prompt (no cached prefix, median of 3); the agent loop of `bench.agent_loop`
+(agents x tool-calling steps with the 15-tool catalogue, steps/s). Also the machine's memory bandwidth (a copy
+kernel on all threads: bytes read + written / time), each server's peak resident memory (at start-up and over
+the run, mapped file pages included) and each side's decode bandwidth at one stream: the bytes of weights one
+token reads (every matrix, the LM head included; of the token embedding only its row unless it is the LM head
+too) / the time per token.
 
     python -m bench.sized --size 1b
     python -m bench.sized --size 8b --sides radixlm,llama-server
@@ -562,7 +562,7 @@ def measure_side(url: str, name: str, args: Any, read_bytes: int) -> dict[str, A
     out: dict[str, Any] = {"weights_read_per_token_gb": read_bytes / 1e9}
     server_decode(url, "default", 1, PROMPT_LEN, 4, gen)  # warm-up: first-call costs out of the figures
     for bs in args.streams:
-        steps = args.steps if bs < 32 else max(16, args.steps // 2)
+        steps = args.steps  # at 32 streams t(1) is a 4,096-token prefill: fewer tokens left its noise in
         print(f"[sized] {name}: decode at {bs} streams ({steps} tokens) ...", flush=True)
         out[f"decode_{bs}"] = server_decode(url, "default", bs, PROMPT_LEN, steps, gen)
     one = out.get("decode_1", {}).get("step_ms")
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="decode streams (default 1,4,32; 1,8 for 30b-a3b, whose llama-server has 8 slots)",
     )
-    p.add_argument("--steps", type=int, default=64, help="decoded tokens per stream (32 streams: half)")
+    p.add_argument("--steps", type=int, default=64, help="decoded tokens per stream")
     p.add_argument("--agents", type=int, default=8, help="agent-loop agents (0: no agent row)")
     p.add_argument("--agent-steps", type=int, default=4)
     p.add_argument("--no-ttft", dest="ttft", action="store_false")
