@@ -146,6 +146,7 @@ def sliding_scheduler(path: str, tokenizer, **kw):
     return sched
 
 
+@pytest.mark.slow  # whole models through the scheduler (the full suite)
 @pytest.mark.parametrize("backend", ["torch_native", "cpu"])
 def test_prefix_longer_than_window_reused_exactly(model, default_tokenizer, backend):
     """A prompt of several windows is served (its chunks free the rows behind their windows) and cached;
@@ -174,6 +175,7 @@ def test_prefix_longer_than_window_reused_exactly(model, default_tokenizer, back
     assert_all_free(warm)
 
 
+@pytest.mark.slow  # whole models through the scheduler (the full suite)
 def test_match_cut_back_where_the_window_is_gone(model, default_tokenizer):
     """The cache drops every node's sliding K/V (the nodes stay): the same prefix then matches its full
     length in the tree but is usable only to 0, and the extended prompt, recomputed, is still exact. A
@@ -210,6 +212,7 @@ def test_match_cut_back_where_the_window_is_gone(model, default_tokenizer):
     assert_all_free(sched)
 
 
+@pytest.mark.slow  # whole models through the scheduler (the full suite)
 def test_long_generation_holds_a_bounded_number_of_rows(model, default_tokenizer):
     """Three requests generate 150 tokens each: the full pool's used slots grow with every token, the
     sliding rows in use stay within each request's window and decode run (plus the cached prompts), and
@@ -242,6 +245,7 @@ def test_long_generation_holds_a_bounded_number_of_rows(model, default_tokenizer
     assert_all_free(sched)
 
 
+@pytest.mark.slow  # whole models through the scheduler (the full suite)
 def test_speculative_verify_rolls_back_within_the_window(model, default_tokenizer):
     """Prompt-lookup drafts over a prompt that repeats itself (several windows long): verify steps append
     drafts and roll rejected ones back, the rows behind the window freed meanwhile; the outputs equal
@@ -258,6 +262,7 @@ def test_speculative_verify_rolls_back_within_the_window(model, default_tokenize
     assert_all_free(sched)
 
 
+@pytest.mark.slow  # whole models through the scheduler (the full suite)
 def test_short_sliding_pool_evicts_cached_rows_and_stays_exact(model, default_tokenizer):
     """A sliding pool of 120 rows under a 2048-slot full pool: the cache's rows of finished requests must
     be dropped (`evict_sliding`, nodes kept) for later requests to run, admission never overdraws the rows,
