@@ -9,7 +9,8 @@
 //   3. a = silu(h_gate) * h_up (ATen's SiLU), quantized per row -> the down projection's activations;
 //   4. each hit expert's down rows -> y [rows, H];
 //   5. out[t] = sum over t's k rows of weight * y (one thread per token: no atomics, a fixed order).
-// Only the hit experts' weights are read. Tokens are taken 512 at a time (the scratch stays ~50 MB).
+// Only the hit experts' weights are read. Each step's units are split over the threads by their rows (an
+// expert most tokens chose is shared). Tokens are taken 512 at a time (the scratch stays ~50 MB).
 //
 // Weight formats (the op per format; each reuses the block kernels of the single-matrix ops, compiled into
 // this library by including their sources below, so the arithmetic is theirs byte for byte):
@@ -135,6 +136,26 @@ std::vector<Unit> make_units(const Routing& r, int64_t parts, int64_t N) {
     for (int64_t p = 0; p < parts; ++p)
       for (int64_t n0 = 0; n0 < N; n0 += UNIT_ROWS) units.push_back({h, p, n0});
   return units;
+}
+
+// body(u) for every unit, the units split over the threads in contiguous ranges of about equal cost (a unit's
+// activation rows in the kernels' 4-row tiles), so an expert most tokens chose is not one thread's alone.
+template <typename F>
+void for_units(const std::vector<Unit>& units, const Routing& r, const F& body) {
+  const int64_t n = static_cast<int64_t>(units.size());
+  std::vector<int64_t> cost(n + 1, 0);  // cost[i]: of units [0, i)
+  for (int64_t i = 0; i < n; ++i)
+    cost[i + 1] = cost[i] + (r.start[units[i].hit + 1] - r.start[units[i].hit] + 3) / 4;
+  const int64_t total = cost[n];
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      // the units whose prefix cost lies in [total * t / threads, total * (t + 1) / threads)
+      const int64_t lo = std::lower_bound(cost.begin(), cost.end(), total * t / threads) - cost.begin();
+      const int64_t hi = std::lower_bound(cost.begin(), cost.end(), total * (t + 1) / threads) - cost.begin();
+      for (int64_t u = lo; u < std::min(hi, n); ++u) body(units[u]);
+    }
+  });
 }
 
 // ------------------------------------------------------------------------------------------------- GGUF
@@ -288,14 +309,11 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
     float* hp = h.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const std::vector<Unit> up_units = make_units(r, 2, I);
-    at::parallel_for(0, static_cast<int64_t>(up_units.size()), 1, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        const Unit& un = up_units[u];
-        const GGUFPart& p = parts[un.part];
-        const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-        gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, H, grouped[p.qk == 32 ? 0 : 1], r0, r1,
-                  un.n0, std::min(un.n0 + UNIT_ROWS, I), hp + r0 * 2 * I + un.part * I, 2 * I);
-      }
+    for_units(up_units, r, [&](const Unit& un) {
+      const GGUFPart& p = parts[un.part];
+      const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
+      gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, H, grouped[p.qk == 32 ? 0 : 1], r0, r1,
+                un.n0, std::min(un.n0 + UNIT_ROWS, I), hp + r0 * 2 * I + un.part * I, 2 * I);
     });
     // 3. silu(gate) * up, quantized per row for the down projection
     const at::Tensor act = silu_mul(h, I);  // [R, I]
@@ -304,13 +322,10 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
     // 4. down of every hit expert -> y [R, H]
     const std::vector<Unit> down_units = make_units(r, 1, H);
     const GGUFPart& p = parts[2];
-    at::parallel_for(0, static_cast<int64_t>(down_units.size()), 1, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        const Unit& un = down_units[u];
-        const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-        gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, I, acts, r0, r1, un.n0,
-                  std::min(un.n0 + UNIT_ROWS, H), yp + r0 * H, H);
-      }
+    for_units(down_units, r, [&](const Unit& un) {
+      const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
+      gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, I, acts, r0, r1, un.n0,
+                std::min(un.n0 + UNIT_ROWS, H), yp + r0 * H, H);
     });
     // 5. the weighted sum per token
     combine(r, topk_weights.data_ptr<float>() + c0 * k, yp, H, out.data_ptr<float>() + c0 * H);
@@ -414,23 +429,17 @@ at::Tensor moe_w4a8(const at::Tensor& x, const at::Tensor& topk_weights, const a
     float* hp = h.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const std::vector<Unit> up_units = make_units(r, 1, w13.groups * w4::NG);
-    at::parallel_for(0, static_cast<int64_t>(up_units.size()), 1, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        const Unit& un = up_units[u];
-        const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-        w4_unit(w13, r.hit[un.hit], un.n0 / w4::NG, grouped, r0, r1, hp + r0 * 2 * I, 2 * I);
-      }
+    for_units(up_units, r, [&](const Unit& un) {
+      const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
+      w4_unit(w13, r.hit[un.hit], un.n0 / w4::NG, grouped, r0, r1, hp + r0 * 2 * I, 2 * I);
     });
     const at::Tensor act = silu_mul(h, I);
     W4Acts acts;
     acts.quantize(act.data_ptr<float>(), R, I);
     const std::vector<Unit> down_units = make_units(r, 1, w2.groups * w4::NG);
-    at::parallel_for(0, static_cast<int64_t>(down_units.size()), 1, [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1; ++u) {
-        const Unit& un = down_units[u];
-        const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-        w4_unit(w2, r.hit[un.hit], un.n0 / w4::NG, acts, r0, r1, yp + r0 * H, H);
-      }
+    for_units(down_units, r, [&](const Unit& un) {
+      const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
+      w4_unit(w2, r.hit[un.hit], un.n0 / w4::NG, acts, r0, r1, yp + r0 * H, H);
     });
     combine(r, topk_weights.data_ptr<float>() + c0 * k, yp, H, out.data_ptr<float>() + c0 * H);
   }
