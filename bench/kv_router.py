@@ -399,6 +399,13 @@ def main(argv: list[str] | None = None) -> dict:
         common.write_results(name, config, results, env, args.results_dir)
     print()
     common.print_table(summary_rows(per_side), title="== kv_router ==")
+    common.bar_chart(
+        common.plot_path(name, args.results_dir),
+        [f["router"] for f in per_side.values()],
+        {"cache hit rate": [f["server_counters"]["cache_hit_rate"] for f in per_side.values()]},
+        "cache hit rate over the replicas",
+        f"{name}: {args.num_agents} agents x {args.steps} steps on {args.replicas} replicas",
+    )
     return results
 
 

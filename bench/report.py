@@ -246,6 +246,26 @@ def serving_dp(results_dir: Path) -> str:
     return out + "\n\n" + source("serving_dp", doc) + "\n"
 
 
+def kv_router(results_dir: Path) -> str:
+    doc = load("kv_router", results_dir)
+    rows = []
+    for f in doc["results"]["sides"].values():
+        c = f["server_counters"]
+        rows.append(
+            [
+                f["router"],
+                f"{100 * (c.get('cache_hit_rate') or 0):.1f}%",
+                f"{f['requests_per_s']:.3f}",
+                "/".join(f"{r['prompt_share']:.2f}" for r in c["replicas"]),
+                f"{f['step_latency_s']['p50']:.1f} s",
+                str(f["errors"]),
+                f"{f['load_before']['load_1m']:.1f}",
+            ]
+        )
+    header = ["router", "cache hit", "req/s", "prompt share per replica", "step p50", "errors", "load"]
+    return table(header, rows) + "\n\n" + source("kv_router", doc) + "\n"
+
+
 def burst(results_dir: Path) -> str:
     doc = load("burst", results_dir)
     rows = []
@@ -486,6 +506,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "agent_swarm": agent_swarm,
     "agent_replay": agent_replay,
     "serving_dp": serving_dp,
+    "kv_router": kv_router,
     "burst": burst,
     "decode_w4a8": decode_w4a8,
     "gpu_decode": gpu_decode,
