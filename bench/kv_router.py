@@ -9,8 +9,8 @@ replica says it cached in its `--kv-events-config` stream (vLLM's wire format), 
 `bench/router_dynamo_worker.py` (one per replica, in `.peers/dynamo-venv`; file discovery and a ZMQ event
 plane, so no etcd or NATS). Dynamo's frontend renders prompts with its own chat template handling, so the
 `dynamo-kv` agents render radixlm's tool prompt and tool-call regex themselves (as `bench.agent_loop`'s
-`hf` side does) and send the text to `/v1/completions` with `guided_regex`; the replicas see the same
-token sequences as on the chat route.
+`hf` side does) and send the text to `/v1/completions` with `guided_regex` (prompts of the same length as
+on the chat route: 1,826 against 1,824 tokens a step in bench/results/kv_router.json).
 
 The workload is `bench.agent_loop`'s: A agents x N tool-calling steps over `bench.agent_catalogue`'s
 ~1.6k-token tool catalogue, every agent at once, each step one `/v1/chat/completions` request through the
