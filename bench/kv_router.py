@@ -117,11 +117,16 @@ def _launch_replicas(policy: str, args: Any, tag: str, kv_events_port: int | Non
 def _run_measured(
     step_url: str, replicas: list[str], args: Any, task_list: list[str], warm: list[str], step=None
 ):
-    """Warm and flush each replica directly, then run the agents through `step_url`; (figures, counters)."""
+    """Warm each replica directly (and compile the regex of a `step` that has one), flush it, then run the
+    agents through `step_url`; the figures with the replicas' counters."""
     import requests
 
     for url in replicas:
         agent_loop.run_agents(_side(url, args), warm, 1)
+        regex = getattr(step, "regex", None)
+        if regex is not None:  # the grammar the measured requests use, compiled before the run
+            body = {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "regex": regex}}
+            requests.post(url + "/generate", json=body, timeout=1800).raise_for_status()
         requests.post(url + "/flush_cache", timeout=120).raise_for_status()
     before, load = [_counters(u) for u in replicas], common.load_average()
     side = (
@@ -206,6 +211,7 @@ def completions_step(url: str, model_dir: str, args: Any):
             time.perf_counter() - t0,
         )
 
+    step.regex = regex  # type: ignore[attr-defined]
     return step
 
 
