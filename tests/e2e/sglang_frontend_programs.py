@@ -3,8 +3,11 @@
 Run by tests/e2e/test_sglang_frontend.py in a subprocess whose PYTHONPATH holds the cached `sglang` frontend
 (importing `sglang` patches transformers; the test process stays clean). Usage:
 
-    python tests/e2e/sglang_frontend_programs.py URL TOKENIZER_DIR
+    python tests/e2e/sglang_frontend_programs.py URL TOKENIZER_DIR [SHARD SHARDS]
 
+With SHARD and SHARDS it runs the programs of shard SHARD (0-based) of SHARDS, so that several processes run
+them side by side against one server (the excluded ones are listed by shard 0): the programs are dealt
+longest first (COST) to the shard with the least so far.
 Prints one JSON line per program: name, outcome, seconds, detail, http_errors. Outcomes: "excluded" (cannot
 run on this backend whatever the server: see EXCLUDED); "ok"; "content"
 (the program's own assertion on the model's answer failed, or its answer did not parse: SGLang writes them
@@ -29,9 +32,23 @@ EXCLUDED = {
     "(SGLang's OpenAI-style API backends only)",
 }
 CHECK_ANSWER_ARG = {"test_select", "test_parallel_encoding", "test_expert_answer"}
+# Seconds a program took on the default model, alone, on 2 loaded cores; the others took 0.7-14 s (OTHER_COST)
+COST = {"test_parallel_decoding": 88, "test_decode_json_regex": 61, "test_decode_int": 45, "test_stream": 40}
+OTHER_COST = 8
 
 
-def main(url: str, tokenizer_dir: str) -> None:
+def shard_programs(names: list[str], shard: int, shards: int) -> list[str]:
+    """The programs of shard `shard`: dealt longest first to the shard with the least cost so far."""
+    loads, mine = [0.0] * shards, []
+    for name in sorted(names, key=lambda n: (-COST.get(n, OTHER_COST), n)):
+        least = loads.index(min(loads))
+        loads[least] += COST.get(name, OTHER_COST)
+        if least == shard:
+            mine.append(name)
+    return sorted(mine)
+
+
+def main(url: str, tokenizer_dir: str, shard: int = 0, shards: int = 1) -> None:
     import sglang as sgl
     import sglang.lang.backend.runtime_endpoint as rt_endpoint
 
@@ -57,10 +74,11 @@ def main(url: str, tokenizer_dir: str) -> None:
     backend = sgl.RuntimeEndpoint(url)
     sgl.set_default_backend(backend)
     backend.endpoint = backend  # test_gen_min_new_tokens reads the model name through sgl.Runtime's .endpoint
-    for name, why in sorted(EXCLUDED.items()):
+    for name, why in sorted(EXCLUDED.items()) if shard == 0 else ():
         row = {"name": name, "outcome": "excluded", "seconds": 0.0, "detail": why, "http_errors": []}
         print(json.dumps(row), flush=True)
-    for name in sorted(n for n in dir(programs) if n.startswith("test_") and n not in EXCLUDED):
+    names = sorted(n for n in dir(programs) if n.startswith("test_") and n not in EXCLUDED)
+    for name in shard_programs(names, shard, shards):
         http_errors.clear()
         t0 = time.perf_counter()
         outcome, detail = "ok", ""
@@ -100,4 +118,4 @@ def _tokenizer_helper(tokenizer_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1].rstrip("/"), sys.argv[2])
+    main(sys.argv[1].rstrip("/"), sys.argv[2], *(int(a) for a in sys.argv[3:5]))
