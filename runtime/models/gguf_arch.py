@@ -107,12 +107,32 @@ def block_tensors(arch: Arch) -> dict[str, str]:
     return names
 
 
-def open_reader(gguf_path: str) -> Any:
-    """gguf-py's reader over the file, or a ValueError naming the file when it is not a whole GGUF file."""
+@functools.cache
+def _reader_class() -> type:
+    """gguf-py's reader, slicing a plain ndarray view of its memory map instead of the np.memmap itself. The
+    reader cuts one array per metadata value and per element of every array value (~300k for a 49k-token
+    vocabulary and its merges), and each np.memmap slice runs memmap's own __array_finalize__: 2.1 s to open
+    the bundled model's file, 0.67 s this way (the values, tensor views and offsets are the same arrays'; the
+    tensors' `data` are ndarrays over the same mapping)."""
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count, dt = int(count), np.dtype(dtype)
+            arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
+
+    return Reader
+
+
+def open_reader(gguf_path: str) -> Any:
+    """gguf-py's reader over the file, or a ValueError naming the file when it is not a whole GGUF file."""
     try:
-        reader = gguf.GGUFReader(gguf_path)
+        reader = _reader_class()(gguf_path)
     except Exception as e:  # gguf-py fails in many ways (ValueError, IndexError, struct/mmap errors)
         raise ValueError(
             f"{gguf_path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
