@@ -125,8 +125,11 @@ def _run_measured(
         agent_loop.run_agents(_side(url, args), warm, 1)
         regex = getattr(step, "regex", None)
         if regex is not None:  # the grammar the measured requests use, compiled before the run
-            body = {"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "regex": regex}}
-            requests.post(url + "/generate", json=body, timeout=1800).raise_for_status()
+            sampling = {"max_new_tokens": args.max_tokens, "temperature": 0, "regex": regex}
+            body = {"text": "Hi", "sampling_params": sampling}
+            r = requests.post(url + "/generate", json=body, timeout=1800)
+            if r.status_code != 200:
+                raise RuntimeError(f"warming the regex on {url}: HTTP {r.status_code}: {r.text[:300]}")
         requests.post(url + "/flush_cache", timeout=120).raise_for_status()
     before, load = [_counters(u) for u in replicas], common.load_average()
     side = (
