@@ -596,10 +596,11 @@ inline float offset_dot(const float* off, const float* sg, int64_t n) {
   return s;
 }
 
-// One part: rows [n0, n1) of W (N rows of K elements of type `info`) against every activation row.
+// One part: rows [n0, n1) of W (N rows of K elements of type `info`) against M activation rows, quantized as
+// `quantize_rows` leaves them (qa [M, K], dl [M, K/4], sg [M, K/16]; the MoE op passes a slice of its rows).
 template <bool SIGNED, int64_t QK, int64_t BYTES, UnpackFn UNPACK>
-void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
-               int64_t ldy, int64_t n0, int64_t n1) {
+void part_rows(const uint8_t* W, int64_t K, const int8_t* qa, const float* dl, const float* sg, int64_t M,
+               float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = K / QK, row_bytes = nb * BYTES;
   // one unpacked row, 64-byte aligned
   struct Free {
@@ -615,8 +616,7 @@ void part_rows(const uint8_t* W, int64_t K, const Acts& a, int64_t M, float* y,
     for (int64_t b = 0; b < nb; ++b)
       UNPACK(row + b * BYTES, u + b * QK, ls + b * QK / 4, off + b * QK / 16);
     for (int64_t m = 0; m < M; ++m) {
-      const float v = row_dot<SIGNED>(u, ls, a.qa.data() + m * K, a.dl.data() + m * K / 4, K) +
-                      offset_dot(off, a.sg.data() + m * K / 16, K / 16);
+      const float v = row_dot<SIGNED>(u, ls, qa + m * K, dl + m * K / 4, K) + offset_dot(off, sg + m * K / 16, K / 16);
       y[m * ldy + n] = v;
     }
   }
@@ -1281,7 +1281,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
 #endif
       switch (type) {
 #define RADIXLM_PART(T, S, QK_, BYTES_, FN) \
-  case T: part_rows<S, QK_, BYTES_, FN>(W, K, a, M, yc, total, n0, n1); break;
+  case T: part_rows<S, QK_, BYTES_, FN>(W, K, a.qa.data(), a.dl.data(), a.sg.data(), M, yc, total, n0, n1); break;
         RADIXLM_PART(Q4_0, false, 32, 18, unpack_q4_0)
         RADIXLM_PART(Q4_1, false, 32, 20, unpack_q4_1)
         RADIXLM_PART(Q5_0, false, 32, 22, unpack_q5<false>)

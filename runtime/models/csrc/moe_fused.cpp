@@ -179,29 +179,6 @@ void gather_acts(const gg::Acts& a, const Routing& r, int64_t K, gg::Acts& out) 
   });
 }
 
-// rows [n0, n1) of W (file layout) times M activation rows from qa/dl/sg: y[m * ldy + n]. The row-buffer
-// loop of gguf_gemm.cpp's part_rows over a view of the activations.
-template <bool SIGNED, int64_t QK, int64_t BYTES, gg::UnpackFn UNPACK>
-void rows_unpacked(const uint8_t* W, int64_t K, const int8_t* qa, const float* dl, const float* sg, int64_t M,
-                   float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK, row_bytes = nb * BYTES;
-  struct Free {
-    void operator()(void* p) const { std::free(p); }
-  };
-  const size_t bytes = static_cast<size_t>(K + K + K / 4) + 256;
-  std::unique_ptr<uint8_t, Free> buf(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
-  uint8_t* u = buf.get();
-  float* ls = reinterpret_cast<float*>(u + K);
-  float* off = ls + K / 4;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = W + n * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) UNPACK(row + b * BYTES, u + b * QK, ls + b * QK / 4, off + b * QK / 16);
-    for (int64_t m = 0; m < M; ++m)
-      y[m * ldy + n] = gg::row_dot<SIGNED>(u, ls, qa + m * K, dl + m * K / 4, K) +
-                       gg::offset_dot(off, sg + m * K / 16, K / 16);
-  }
-}
-
 // Rows [n0, n1) (within one 16-row group) of one expert's part W ([N, rb], kernel type `type`, possibly
 // interleaved) times grouped activation rows [r0, r1) of `a`: y[(m - r0) * ldy + n].
 void gguf_unit(int64_t type, const uint8_t* W, int64_t N, int64_t rb, int64_t K, const gg::Acts& a, int64_t r0,
@@ -233,7 +210,7 @@ void gguf_unit(int64_t type, const uint8_t* W, int64_t N, int64_t rb, int64_t K,
   const int64_t M = r1 - r0;
   switch (base) {
 #define RADIXLM_PART(T, S, QK_, BYTES_, FN) \
-  case gg::T: rows_unpacked<S, QK_, BYTES_, gg::FN>(W, K, qa, dl, sg, M, y, ldy, n0, n1); break;
+  case gg::T: gg::part_rows<S, QK_, BYTES_, gg::FN>(W, K, qa, dl, sg, M, y, ldy, n0, n1); break;
     RADIXLM_PART(Q4_0, false, 32, 18, unpack_q4_0)
     RADIXLM_PART(Q4_1, false, 32, 20, unpack_q4_1)
     RADIXLM_PART(Q5_0, false, 32, 22, unpack_q5<false>)
