@@ -47,7 +47,7 @@ class NullRunner:
         self.allocator = SlotAllocator(max_total_tokens, self.device)
         self.kv_pool = None  # no KV storage: no host or disk tier either
         self.lora = None  # no LoRA adapter slots
-        self.config = type("Config", (), {"eos_token_ids": ()})()
+        self.config = type("Config", (), {"eos_token_ids": (), "sliding_windows": ()})()  # no sliding layers
 
     @property
     def max_total_tokens(self) -> int:
