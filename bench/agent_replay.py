@@ -40,6 +40,13 @@ program ids. Their cached tokens per call are what they report (`usage.prompt_to
 ("n/a").
 
     python -m bench.agent_replay --scale-down --sides fcfs,lpm,program,program+auto,vllm,llama-server
+
+`--no-program-ids` replays a client that names no program at all: the server infers each program from its
+prompts (`programs.Lineage`), and `program+auto`'s recomputed prefill against `lpm`'s (LRU) is the issue's
+no-session target.
+
+    python -m bench.agent_replay --scale-down --no-program-ids --sides lpm,program+auto \\
+        --name agent_replay_anonymous
 """
 
 from __future__ import annotations
@@ -183,9 +190,10 @@ def generate(
         return list(out["tokens"]), int(out.get("tokens_evaluated", len(prompt))), cached
     body = {
         "input_ids": prompt,
-        "program_id": program,
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
     }
+    if program is not None:
+        body["program_id"] = program
     out = _post(http, url, "/generate", body)
     meta = out["meta_info"]
     return out["output_ids"], meta["prompt_tokens"], meta["cached_tokens"]
@@ -193,7 +201,8 @@ def generate(
 
 def _call(http, url: str, prompt: list[int], program: str, args, run: ProgramRun, previous) -> list[int]:
     t0 = time.perf_counter()
-    ids, n_prompt, cached = generate(http, url, args.kind, prompt, program, args.max_new_tokens)
+    named = None if args.no_program_ids else program
+    ids, n_prompt, cached = generate(http, url, args.kind, prompt, named, args.max_new_tokens)
     if len(ids) != args.max_new_tokens:
         raise RuntimeError(f"asked {args.max_new_tokens} tokens with ignore_eos, got {len(ids)}")
     run.record(time.perf_counter() - t0, n_prompt, cached, computed_before(previous, prompt))
@@ -407,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=2, help="every side's compute threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-program-ids",
+        action="store_true",
+        help="calls name no program (a client that sends no session fields): the server infers programs",
+    )
     p.add_argument(
         "--repeats",
         type=int,

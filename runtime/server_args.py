@@ -74,7 +74,7 @@ class ServerArgs:
     schedule_policy: str = _opt(
         "lpm",
         "queue order; program: least attained service of the request's agent program first (its "
-        "`program_id` or `session_id`), lpm within a level",
+        "`program_id` or `session_id`, else the program its prompt continues), lpm within a level",
         ("lpm", "program", "dfs-weight", "fcfs", "random"),
     )
     new_token_ratio: float = _opt(
@@ -257,9 +257,10 @@ class ServerArgs:
     kv_retention: str = _opt(
         "ttl",
         "what keeps a program's KV between its calls: ttl = a session's request pins its tokens for "
-        "`cache_ttl_s` (else --session-ttl-s); auto = a request of a program (`program_id` or `session_id`) "
-        "that gives no `cache_ttl_s` is pinned for a time learned from its program's gaps while that pays "
-        "against memory pressure, else kept in the host tier and prefetched back (see docs/sessions.md)",
+        "`cache_ttl_s` (else --session-ttl-s); auto = a request of a program (its `program_id` or "
+        "`session_id`, else the program its prompt continues) that gives no `cache_ttl_s` is pinned for a "
+        "time learned from its program's gaps while that pays against memory pressure, else kept in the "
+        "host tier and prefetched back (see docs/sessions.md)",
         ("ttl", "auto"),
     )
     max_pinned_tokens: int = _opt(

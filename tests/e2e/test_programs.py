@@ -119,3 +119,29 @@ def test_short_programs_finish_before_the_long_programs_next_step(url):
     info = wait_idle(url)
     assert_no_kv_leak(info)
     assert info["program_requests"] >= 4 + SHORT
+
+
+def test_a_chat_client_naming_no_program_is_one_program_and_retained(url):
+    """An OpenAI chat client that sends no program or session field: each call resends the conversation, so
+    the server infers one program from the prompts and retains its history between calls."""
+    before = server_info(url)
+    messages = [
+        {"role": "system", "content": "You are a careful agent. " * 20},
+        {"role": "user", "content": f"Task {uuid.uuid4().hex}: list three colours."},
+    ]
+    cached = []
+    for turn in range(3):
+        body = {"model": "default", "messages": messages, "max_tokens": 8, "temperature": 0}
+        r = requests.post(url + "/v1/chat/completions", json=body, timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages += [
+            {"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"Tool result {turn}: ok. Go on."},
+        ]
+    info = wait_idle(url)
+    assert info["lineage_continued"] - before["lineage_continued"] == 2, info
+    assert info["retain_device"] - before["retain_device"] >= 2, info
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+    assert_no_kv_leak(info)

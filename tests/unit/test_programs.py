@@ -8,11 +8,14 @@ from __future__ import annotations
 import time
 
 from runtime.managers.scheduler.programs import (
+    FORK_FANOUT,
     MAX_LEVEL,
+    MIN_ANCHOR_TOKENS,
     PROMOTE_AFTER_S,
     QUANTUM_TOKENS,
     ProgramTable,
     level_of,
+    prefix_hashes,
     program_key,
 )
 from runtime.managers.scheduler.schedule_policy import OVERDUE_AFTER_S, order_waiting
@@ -22,10 +25,10 @@ from tests.scheduler_utils import make_scheduler
 from tests.unit.test_host_tier import cache_tokens, make_cm, make_req
 
 
-def _req(prompt, program=None, session=None, rid=None, arrival=None):
+def _req(prompt, program=None, session=None, rid=None, arrival=None, tenant=None):
     r = make_req(prompt)
     r.rid = rid or f"r{id(r)}"
-    r.options = RequestOptions(program_id=program, session_id=session)
+    r.options = RequestOptions(program_id=program, session_id=session, tenant=tenant)
     r.arrival = time.monotonic() if arrival is None else arrival
     return r
 
@@ -135,6 +138,86 @@ def test_program_records_are_bounded():
         table.finish(r, now + 101)
     table.arrive(_req([1], program="later", rid="x"), now + 300)
     assert len(table) <= 8
+
+
+# ---- programs inferred from prompts (requests that name none) -------------------------------------------
+def _ids(seed, n):
+    return [(seed * 7919 + 31 * i) % 4000 + 10 for i in range(n)]
+
+
+def test_prefix_hashes_tell_prefixes_apart_and_match_equal_ones():
+    a = _ids(1, 300)
+    h = prefix_hashes(a)
+    assert len(h) == 300 and len(set(h.tolist())) == 300
+    assert prefix_hashes(a[:120])[-1] == h[119]
+    assert prefix_hashes([*a[:119], a[119] + 1])[-1] != h[119]
+    assert prefix_hashes([0, 0])[-1] != prefix_hashes([0])[-1]  # a zero token still counts
+
+
+def test_a_request_naming_no_program_continues_the_one_whose_prompt_it_extends():
+    table = ProgramTable(infer=True)
+    catalogue = _ids(1, 200)
+    a1 = _req(catalogue + _ids(2, 40), rid="a1")
+    b1 = _req(catalogue + _ids(3, 40), rid="b1")
+    for r in (a1, b1):
+        table.arrive(r)
+        table.finish(r)
+    # sharing the catalogue does not make them one program; each next call joins its own
+    assert program_key(a1) != program_key(b1) and program_key(a1)[2][0] == "lineage"
+    a2 = _req(a1.prompt_ids + _ids(4, 30), rid="a2")
+    b2 = _req(b1.prompt_ids + _ids(5, 30), rid="b2")
+    table.arrive(a2)
+    table.arrive(b2)
+    assert program_key(a2) == program_key(a1) and program_key(b2) == program_key(b1)
+    assert table.get(program_key(a2)).followed == 1  # the gap since a1 finished was learned
+    # a call extending a2 joins through a2's prompt (the longest one it extends), not through a1's
+    a3 = _req(a2.prompt_ids + _ids(6, 10), rid="a3")
+    table.arrive(a3)
+    assert program_key(a3) == program_key(a1)
+    # a prompt of another tenant, or too short to tell, is its own program
+    other = _req(a1.prompt_ids + _ids(7, 5), rid="t", tenant="someone-else")
+    table.arrive(other)
+    assert program_key(other) != program_key(a1)
+    short = _req(_ids(8, MIN_ANCHOR_TOKENS - 1), rid="s")
+    table.arrive(short)
+    assert program_key(short) is None
+    # a request that names its program is never re-assigned
+    named = _req(a1.prompt_ids + [1, 2], program="mine", rid="n")
+    table.arrive(named)
+    assert program_key(named)[2] == ("program", "mine")
+    info = table.info()
+    assert info["lineage_continued"] == 3 and info["lineage_started"] == 3, info
+
+
+def test_one_prompt_is_continued_by_at_most_fork_fanout_requests():
+    table = ProgramTable(infer=True)
+    system = _req(_ids(1, 64), rid="warm-up")
+    table.arrive(system)
+    followers = [_req(system.prompt_ids + _ids(10 + i, 20), rid=f"f{i}") for i in range(FORK_FANOUT + 3)]
+    for r in followers:
+        table.arrive(r)
+    same = [r for r in followers if program_key(r) == program_key(system)]
+    # a fork's sub-agents join; a flood of programs behind one prompt does not
+    assert len(same) == FORK_FANOUT
+
+
+def test_inferred_prompts_are_bounded_and_forgotten():
+    table = ProgramTable(infer=True, idle_s=100.0)
+    table.lineage.max_anchors = 16
+    now = time.monotonic()
+    for i in range(100):
+        table.arrive(_req(_ids(i, 20 + i % 7), rid=f"r{i}"), now)
+    assert len(table.lineage) == 16 and len(table.lineage._lengths) == 16
+    late = _req(_ids(99, 20 + 99 % 7) + [5], rid="late")
+    table.arrive(late, now + 101)  # every remembered prompt is past idle_s: none is continued
+    assert len(table.lineage) == 1 and table.lineage.counts["lineage_continued"] == 0
+
+
+def test_without_inference_a_request_naming_no_program_is_its_own():
+    table = ProgramTable()
+    r = _req(_ids(1, 64))
+    table.arrive(r)
+    assert program_key(r) is None and "lineage_prompts" not in table.info()
 
 
 # ---- the scheduler, tiny model -----------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_retain_pins_demotes_or_leaves_the_path_and_keeps_the_accounting():
     cm.check_accounting([])
 
 
-def test_relieve_releases_automatic_pins_oldest_first_and_never_explicit_ones():
+def test_relieve_releases_the_automatic_pin_of_least_reuse_first_and_never_explicit_ones():
     cm, pins, table, ret = _setup(pool=64, host=64)
     explicit = list(range(200, 210))
     cache_tokens(cm, explicit)
@@ -123,10 +123,11 @@ def test_relieve_releases_automatic_pins_oldest_first_and_never_explicit_ones():
         cache_tokens(cm, key)
         r = _call(table, ret, key, f"agent{i}", f"x{i}", 3000.0)
         prog = table.finish(r, 3000.0)
-        prog.followed, prog.finished = 5, 6  # it returns
+        prog.followed, prog.finished = (5, 6) if i == 0 else (3, 6)  # both return, the newer one less often
         assert ret.retain(r, key, demand=0).action == "device"
     assert cm.cache.protected_size() == 30
-    assert ret.relieve() and cm.cache.match_prefix(keys[0]).last_node.lock_ref == 0
+    assert ret.relieve() and cm.cache.match_prefix(keys[1]).last_node.lock_ref == 0  # the newer: less reuse
+    assert cm.cache.match_prefix(keys[0]).last_node.lock_ref > 0
     assert ret.relieve() and cm.cache.protected_size() == 10  # the client's pin stays
     assert not ret.relieve()
     cm.check_accounting([])
@@ -232,6 +233,32 @@ def test_an_explicit_ttl_wins_and_a_program_without_one_is_retained(tiny_model_d
     assert (None, None, ("program", "p1")) in s.sessions._pins
 
 
+def test_a_client_naming_no_program_keeps_its_history_where_lru_loses_it(tiny_model_dir, default_tokenizer):
+    """An agent that sends no program or session field: its calls are one program by their prompts (each
+    resends the last one's), so its history stays pinned while one-shot requests pass; under LRU (`ttl`) the
+    one-shots evict it, being newer."""
+    rng = random.Random(3)
+    agent = [rng.randrange(10, 500) for _ in range(60)]
+    found = {}
+    for mode in ("ttl", "auto"):
+        s = make_scheduler(
+            tiny_model_dir, default_tokenizer, kv_retention=mode, max_total_tokens=256, max_pinned_tokens=192
+        )
+        history = list(agent)
+        for turn in range(3):  # the agent's calls and tool results: it comes back, and the server learns it
+            out: list[int] = []
+            _run(s, _gen(f"{mode}-a{turn}", history, max_new=2), out)
+            history = history + out + [rng.randrange(10, 500) for _ in range(10)]
+        _run(s, _gen(f"{mode}-x", [rng.randrange(10, 500) for _ in range(60)]))  # one-shots of others
+        _run(s, _gen(f"{mode}-y", [rng.randrange(10, 500) for _ in range(150)]))  # needs evictions
+        found[mode] = _run(s, _gen(f"{mode}-a3", history, max_new=2)).cached_tokens
+        info = s.server_info()
+        if mode == "auto":
+            # the agent's calls joined one program, and the one-shot's pin went first
+            assert info["lineage_continued"] == 3 and info["retain_relieved"] == 1, info
+    assert found["ttl"] < 60 <= found["auto"], found
+
+
 def _flood_trace(seed=5):
     """A shared system prompt; one-shot programs (a fresh program id each) and, every 8th call, the next
     turn of one returning agent whose prompt extends its previous one."""
@@ -248,10 +275,13 @@ def _flood_trace(seed=5):
     return trace
 
 
-@pytest.mark.parametrize("with_host", [False, True])
-def test_a_flood_of_one_shot_programs_is_never_worse_than_lru(tiny_model_dir, default_tokenizer, with_host):
+@pytest.mark.parametrize("with_host,named", [(False, True), (True, True), (False, False)])
+def test_a_flood_of_one_shot_programs_is_never_worse_than_lru(
+    tiny_model_dir, default_tokenizer, with_host, named
+):
     """The same trace under LRU (`ttl`, no sessions: nothing pinned) and `auto`: automatic retention finds
-    at least as many cached tokens, and learns to stop pinning programs that never come back."""
+    at least as many cached tokens, and learns to stop pinning programs that never come back; also when
+    the client names no programs (`named` False: they are inferred from the prompts)."""
     cached = {}
     for mode in ("ttl", "auto"):
         s = make_scheduler(
@@ -264,7 +294,8 @@ def test_a_flood_of_one_shot_programs_is_never_worse_than_lru(tiny_model_dir, de
         )
         total = 0
         for k, (program, prompt) in enumerate(_flood_trace()):
-            out = _run(s, _gen(f"{mode}{k}", prompt, max_new=2, program_id=program))
+            options = {"program_id": program} if named else {}
+            out = _run(s, _gen(f"{mode}{k}", prompt, max_new=2, **options))
             total += out.cached_tokens
         cached[mode] = total
         if mode == "auto":

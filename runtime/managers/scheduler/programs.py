@@ -2,7 +2,10 @@
 
 A *program* is the requests that name the same `program_id` (the DSL gives every call of one `@function`
 run, forks and `run_batch` items included, its own), or else the same `session_id`, within one tenant and
-cache salt. A request that names neither is a program of its own.
+cache salt. A request that names neither belongs, when the server infers programs (`--schedule-policy
+program` or `--kv-retention auto`), to the program of the earlier request whose whole prompt its prompt
+begins with (`Lineage`: an agent's next call resends its history, a fork's sub-agents extend their parent's);
+else it starts a program of its own.
 
 `ProgramTable` keeps, per program: its *attained service* (tokens computed for it so far: every prefill
 chunk when it is admitted, every generated token when its request leaves), the requests it has live now, and
@@ -25,10 +28,13 @@ MAX_PROGRAMS records are kept (the least recently active idle ones go first), ea
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from runtime.managers.scheduler.req import Req
 
@@ -38,19 +44,112 @@ PROMOTE_AFTER_S = 10.0  # a waiting request's level drops by one per this many s
 GAP_SAMPLES = 32  # gaps kept per program (the newest)
 MAX_PROGRAMS = 4096  # program records kept (idle ones beyond it go, least recently active first)
 PROGRAM_IDLE_S = 3600.0  # an idle program's record is forgotten after this long
+MIN_ANCHOR_TOKENS = 16  # shorter prompts are not told apart by their text: they start programs of their own
+MAX_ANCHORS = 4096  # prompts remembered for inferring programs (the oldest go first)
+FORK_FANOUT = 4  # requests that may continue one prompt (a call's next call and its forks' sub-agents)
 
-ProgramKey = tuple  # (tenant, cache salt, ("program", id) | ("session", id))
+ProgramKey = tuple  # (tenant, cache salt, ("program", id) | ("session", id) | ("lineage", n))
 
 
 def program_key(req: Req) -> ProgramKey | None:
-    """The program a request belongs to (None: it names none and is a program of its own)."""
+    """The program a request belongs to (None: it names none, none was inferred, and it is a program of
+    its own)."""
     opts = req.options
     pid = getattr(opts, "program_id", None)
     if pid is not None:
         return (opts.tenant, opts.cache_salt, ("program", pid))
     if opts.session_id is not None:
         return (opts.tenant, opts.cache_salt, ("session", opts.session_id))
+    if req.lineage is not None:
+        return (opts.tenant, opts.cache_salt, ("lineage", req.lineage))
     return None
+
+
+_HASH_BASE = np.uint64(0x9E3779B97F4A7C15)
+
+
+def prefix_hashes(ids: list[int]) -> np.ndarray:
+    """h[L - 1] identifies ids[:L]: the sum of (id + 1) x B**position, modulo 2**64 (numpy's unsigned
+    arithmetic wraps), so every prefix's hash is one vectorised pass."""
+    powers = np.full(len(ids), _HASH_BASE, dtype=np.uint64)
+    powers[0] = 1
+    return np.cumsum((np.asarray(ids, dtype=np.uint64) + np.uint64(1)) * np.cumprod(powers))
+
+
+@dataclass
+class _Anchor:
+    program: int  # the lineage number of the request whose whole prompt this is
+    seen: float  # when that request arrived (time.monotonic())
+    followers: int = 0  # requests that continued it so far (at most FORK_FANOUT)
+
+
+class Lineage:
+    """Infers the program of a request that names none, from its prompt alone: a request whose prompt
+    begins with the whole prompt of an earlier one (same tenant and cache salt, at least MIN_ANCHOR_TOKENS
+    tokens, seen within PROGRAM_IDLE_S) continues that request's program, the longest such prompt winning;
+    else it starts a new one. An agent resends its history with every call and a sub-agent extends its
+    parent's, so both join their program; two programs that share only a system prompt or a tool catalogue
+    do not (neither prompt is the whole of the other). A prompt is continued by at most FORK_FANOUT requests,
+    so one bare system prompt sent first (a warm-up) cannot merge every later program into one.
+
+    Memory and time: at most MAX_ANCHORS prompts are remembered, as hashes of their whole text (the oldest go
+    first); a request's arrival costs one pass over its prompt and a lookup per remembered prompt length."""
+
+    def __init__(self, max_anchors: int = MAX_ANCHORS, idle_s: float = PROGRAM_IDLE_S):
+        self.max_anchors, self.idle_s = max_anchors, idle_s
+        # (tenant, salt, length, hash) -> anchor, oldest first
+        self._anchors: OrderedDict[tuple, _Anchor] = OrderedDict()
+        self._lengths: list[int] = []  # the remembered prompts' lengths, sorted, one entry per prompt
+        self._next = 0
+        self.counts = dict(lineage_continued=0, lineage_started=0)
+
+    def __len__(self) -> int:
+        return len(self._anchors)
+
+    def assign(self, req: Req, now: float) -> int | None:
+        """The lineage number of `req`'s program (None: its prompt is too short to tell)."""
+        ids = req.prompt_ids
+        if len(ids) < MIN_ANCHOR_TOKENS:
+            return None
+        self._forget(now)
+        scope = (req.options.tenant, req.options.cache_salt)
+        hashes = prefix_hashes(ids)
+        program = None
+        end = bisect.bisect_right(self._lengths, len(ids))
+        last = None
+        for length in reversed(self._lengths[:end]):  # longest first
+            if length == last:
+                continue
+            last = length
+            anchor = self._anchors.get((*scope, length, int(hashes[length - 1])))
+            if anchor is not None and anchor.followers < FORK_FANOUT:
+                anchor.followers += 1
+                program = anchor.program
+                break
+        if program is None:
+            program, self._next = self._next, self._next + 1
+            self.counts["lineage_started"] += 1
+        else:
+            self.counts["lineage_continued"] += 1
+        key = (*scope, len(ids), int(hashes[-1]))
+        if key in self._anchors:  # the same prompt again: its newest sender's program goes on from it
+            self._drop(key)
+        self._anchors[key] = _Anchor(program, now)
+        bisect.insort(self._lengths, len(ids))
+        while len(self._anchors) > self.max_anchors:
+            self._drop(next(iter(self._anchors)))
+        return program
+
+    def _forget(self, now: float) -> None:
+        while self._anchors:
+            key, anchor = next(iter(self._anchors.items()))
+            if now - anchor.seen < self.idle_s:
+                break
+            self._drop(key)
+
+    def _drop(self, key: tuple) -> None:
+        del self._anchors[key]
+        del self._lengths[bisect.bisect_left(self._lengths, key[2])]
 
 
 @dataclass
@@ -73,8 +172,11 @@ def level_of(service: int) -> int:
 
 
 class ProgramTable:
-    def __init__(self, max_programs: int = MAX_PROGRAMS, idle_s: float = PROGRAM_IDLE_S):
+    def __init__(self, max_programs: int = MAX_PROGRAMS, idle_s: float = PROGRAM_IDLE_S, infer: bool = False):
+        """`infer`: a request naming no program or session joins the program its prompt continues
+        (`Lineage`)."""
         self.max_programs, self.idle_s = max_programs, idle_s
+        self.lineage = Lineage(idle_s=idle_s) if infer else None
         self._programs: OrderedDict[ProgramKey, Program] = OrderedDict()  # least recently active first
         # program_idle: times a program's live set became empty; program_gaps: of those, the times another
         # of its requests came later (the pooled follow-up rate)
@@ -87,11 +189,15 @@ class ProgramTable:
         return self._programs.get(key) if key is not None else None
 
     def arrive(self, req: Req, now: float | None = None) -> Program | None:
-        """A request entered the scheduler: record the gap since its program went idle."""
+        """A request entered the scheduler: record the gap since its program went idle (inferring its
+        program first when it names none and the table infers programs)."""
+        now = time.monotonic() if now is None else now
+        opts = req.options
+        if self.lineage is not None and getattr(opts, "program_id", None) is None and opts.session_id is None:
+            req.lineage = self.lineage.assign(req, now)
         key = program_key(req)
         if key is None:
             return None
-        now = time.monotonic() if now is None else now
         prog = self._programs.pop(key, None)
         if prog is None:
             prog = Program()
@@ -162,4 +268,6 @@ class ProgramTable:
             self.counts["programs_forgotten"] += 1
 
     def info(self) -> dict:
-        return {"programs_tracked": len(self._programs), **self.counts}
+        lineage = self.lineage
+        inferred = {} if lineage is None else {"lineage_prompts": len(lineage), **lineage.counts}
+        return {"programs_tracked": len(self._programs), **self.counts, **inferred}

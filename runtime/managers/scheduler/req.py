@@ -77,6 +77,7 @@ class Req:
     spec: Any = None  # drafting.SpecState: speculative decoding's index and counters (None: never drafted)
     lora_adapter: Any = None  # models.lora.Adapter bound at arrival (`lora_manager`); None: the base model
     lora_slot: int = -1  # its adapter's pool slot while admitted
+    lineage: int | None = None  # the program inferred from its prompt when it names none (`programs.Lineage`)
 
     @classmethod
     def from_message(cls, msg: GenerateReq, timeout_s: float | None = None) -> Req:

@@ -22,8 +22,9 @@ cost/benefit (arXiv 2511.02230):
   (which eviction still copies to the host tier).
 
 Never worse than LRU under pressure: automatic pins count against --max-pinned-tokens like any pin, and while
-a waiting request cannot be admitted the scheduler calls `relieve`, which releases the oldest automatic device
-pin, one per step, so memory goes back to LRU order before any request waits for it. Programs that never
+a waiting request cannot be admitted the scheduler calls `relieve`, which releases the automatic device pin
+of least expected reuse (the oldest among equals), one per step, so memory goes back to LRU order before any
+request waits for it. Programs that never
 return (a flood of one-shot programs) drive p toward 0 and stop being pinned.
 
 Prefetch (KVFlow, arXiv 2507.07400): a program whose reuse is expected (p >= MIN_REUSE) is remembered until
@@ -92,7 +93,7 @@ class Retention:
     ):
         self.programs, self.pins, self.cm, self.max_ttl_s = programs, pins, cm, max_ttl_s
         self.pooled: deque[float] = deque(maxlen=POOLED_GAPS)
-        self._auto: OrderedDict[tuple, None] = OrderedDict()  # pins this policy took, oldest first
+        self._auto: OrderedDict[tuple, float] = OrderedDict()  # pins this policy took -> p, oldest first
         # programs whose path is expected back: pin sid -> (cache key, until), oldest first
         self._expected: OrderedDict[tuple, tuple[list[int], float]] = OrderedDict()
         self._disk_names: dict[tuple, list[str]] = {}  # an expected key's disk block names, hashed once
@@ -165,7 +166,7 @@ class Retention:
         elif action == "host" and not self.pins.pin_on_host(sid, key, d.ttl_s):
             action = "lru"
         if action == "device":
-            self._auto[sid] = None
+            self._auto[sid] = d.reuse
         tiers = self.cm.host is not None or self.cm.disk is not None
         if d.reuse >= MIN_REUSE and tiers:  # (a device pin may be relieved and evicted)
             self._expect(sid, key, time.monotonic() + d.ttl_s)
@@ -173,10 +174,11 @@ class Retention:
         return Decision(action, d.ttl_s, d.reuse, d.pressure)
 
     def relieve(self) -> bool:
-        """A waiting request could not be admitted: release the oldest automatic device pin (it becomes an
-        ordinary LRU entry). False when there is none."""
+        """A waiting request could not be admitted: release the automatic device pin of least expected reuse,
+        the oldest among equals (it becomes an ordinary LRU entry). False when there is none."""
         while self._auto:
-            sid, _ = self._auto.popitem(last=False)
+            sid = min(self._auto, key=self._auto.__getitem__)  # min keeps the first (oldest) of equals
+            del self._auto[sid]
             pin = self.pins._pins.get(sid)
             if pin is not None and not pin.on_host:
                 self.pins.release(sid, reason="evicted_for_memory")

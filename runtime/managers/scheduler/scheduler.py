@@ -111,7 +111,8 @@ class Scheduler:
         tenant_tokens = max_pinned // 2 if tenant_tokens < 0 else tenant_tokens
         self.sessions = SessionPins(self.cm.cache, max_pinned, host, args.tenant_max_pins, tenant_tokens)
         # agent programs: their attained service (`--schedule-policy program`) and automatic retention
-        self.programs = ProgramTable()
+        # requests that name no program are given one from their prompt where programs steer anything
+        self.programs = ProgramTable(infer=args.schedule_policy == "program" or args.kv_retention == "auto")
         self.retention = (
             Retention(self.programs, self.sessions, self.cm, args.max_session_ttl_s)
             if args.kv_retention == "auto"

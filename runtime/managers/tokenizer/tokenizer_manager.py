@@ -261,9 +261,10 @@ class TokenizerManager:
 
     def session_ttl(self, req: GenerateReq) -> float | None:
         """Seconds the request's tokens stay pinned after it finishes (0: it names no session; None: it gave
-        none and --kv-retention auto lets the scheduler decide)."""
+        none and --kv-retention auto lets the scheduler decide, for its named or inferred program)."""
         if req.options.session_id is None:
-            return 0.0 if req.options.program_id is None else None
+            auto = self.args.kv_retention == "auto"
+            return None if auto or req.options.program_id is not None else 0.0
         ttl = req.options.cache_ttl_s
         if ttl is None and self.args.kv_retention == "auto":
             return None
