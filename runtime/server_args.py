@@ -77,6 +77,13 @@ class ServerArgs:
         "`program_id` or `session_id`, else the program its prompt continues), lpm within a level",
         ("lpm", "program", "dfs-weight", "fcfs", "random"),
     )
+    scheduling_policy: str = _opt(
+        "priority",
+        "vLLM's switch for the `priority` field: priority = waiting requests are admitted lowest value first "
+        "and may retract running ones of a higher value; fcfs = a request naming a priority other than 0 is "
+        "refused with HTTP 400, as vLLM refuses it",
+        ("priority", "fcfs"),
+    )
     new_token_ratio: float = _opt(
         0.4, "share of running requests' remaining max_new_tokens reserved at admission"
     )

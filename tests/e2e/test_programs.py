@@ -1,4 +1,5 @@
-"""Program-level scheduling over HTTP (`--schedule-policy program`, `--kv-retention auto`): a long agent
+"""Program-level scheduling over HTTP (`--schedule-policy program`, `--kv-retention auto`, and vLLM's
+`--scheduling-policy fcfs`, which refuses a `priority`): a long agent
 program and many short ones share a server that runs one request at a time; the long program's next call
 arrives before the short programs' calls, yet every short one finishes before it completes. Its earlier calls
 were retained without the client asking, and nothing leaks."""
@@ -29,6 +30,8 @@ def url():
             "1",
             "--max-total-tokens",
             "8192",
+            "--scheduling-policy",
+            "fcfs",
         ]
     ).start()
     try:
@@ -145,3 +148,20 @@ def test_a_chat_client_naming_no_program_is_one_program_and_retained(url):
     assert info["retain_device"] - before["retain_device"] >= 2, info
     assert cached[1] > 0 and cached[2] > cached[1], cached
     assert_no_kv_leak(info)
+
+
+def test_a_priority_is_refused_under_scheduling_policy_fcfs(url):
+    """vLLM's `--scheduling-policy fcfs`: a request naming a priority is a 400 naming the field; priority 0 is
+    served."""
+    body = {"text": "Hi.", "sampling_params": {"max_new_tokens": 2}, "priority": 2}
+    r = requests.post(url + "/generate", json=body, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 400 and "'priority'" in r.text and "fcfs" in r.text, r.text
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    r = requests.post(url + "/v1/chat/completions", json={**chat, "priority": -1}, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 400 and "'priority'" in r.text, r.text
+    assert (
+        requests.post(
+            url + "/v1/chat/completions", json={**chat, "priority": 0}, timeout=HTTP_TIMEOUT_S
+        ).status_code
+        == 200
+    )

@@ -346,6 +346,12 @@ class TokenizerManager:
                 f"logprob_start_len ({req.logprob_start_len}) must be < the prompt length ({len(ids)})", 400
             )
         await self.validate_grammar(req.params)
+        if req.options.priority and self.args.scheduling_policy == "fcfs":
+            raise RequestError(
+                f"'priority' is {req.options.priority}, but this server runs --scheduling-policy fcfs "
+                "(restart it with --scheduling-policy priority, or send priority 0)",
+                400,
+            )
         ttl = self.session_ttl(req)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}", 400)
