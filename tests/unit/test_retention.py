@@ -241,9 +241,9 @@ def test_a_client_naming_no_program_keeps_its_history_where_lru_loses_it(tiny_mo
     agent = [rng.randrange(10, 500) for _ in range(60)]
     found = {}
     for mode in ("ttl", "auto"):
-        s = make_scheduler(
-            tiny_model_dir, default_tokenizer, kv_retention=mode, max_total_tokens=256, max_pinned_tokens=192
-        )
+        # the default --max-pinned-tokens (a quarter of the pool, 64) is below the agent's history: automatic
+        # pins have their own cap (three quarters of the pool)
+        s = make_scheduler(tiny_model_dir, default_tokenizer, kv_retention=mode, max_total_tokens=256)
         history = list(agent)
         for turn in range(3):  # the agent's calls and tool results: it comes back, and the server learns it
             out: list[int] = []
@@ -257,6 +257,25 @@ def test_a_client_naming_no_program_keeps_its_history_where_lru_loses_it(tiny_mo
             # the agent's calls joined one program, and the one-shot's pin went first
             assert info["lineage_continued"] == 3 and info["retain_relieved"] == 1, info
     assert found["ttl"] < 60 <= found["auto"], found
+
+
+def test_automatic_pins_have_their_own_cap_and_zero_disables_them(tiny_model_dir, default_tokenizer):
+    prompt = list(range(20, 120))  # 100 tokens: above a quarter of the pool, within three quarters
+    for cap, pinned in ((-1, True), (0, False)):
+        s = make_scheduler(
+            tiny_model_dir,
+            default_tokenizer,
+            kv_retention="auto",
+            max_total_tokens=256,
+            max_pinned_tokens=cap,
+        )
+        assert s.retention.device_limit() == (192 if cap else 0)
+        _run(s, _gen(f"p{cap}", prompt, program_id="agent"))
+        assert ((None, None, ("program", "agent")) in s.sessions._pins) is pinned
+        assert s.server_info()["retain_device"] == int(pinned)
+        # an explicit session's pin is still held to --max-pinned-tokens
+        _run(s, _gen(f"s{cap}", [3] + prompt, session_id="chat", cache_ttl_s=30.0))
+        assert (None, None, "chat") not in s.sessions._pins
 
 
 def _flood_trace(seed=5):

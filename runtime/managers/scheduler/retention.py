@@ -21,11 +21,13 @@ cost/benefit (arXiv 2511.02230):
   device copy is left to LRU), and `prefetch` reads it back. Else nothing: the path is an ordinary LRU entry
   (which eviction still copies to the host tier).
 
-Never worse than LRU under pressure: automatic pins count against --max-pinned-tokens like any pin, and while
-a waiting request cannot be admitted the scheduler calls `relieve`, which releases the automatic device pin
-of least expected reuse (the oldest among equals), one per step, so memory goes back to LRU order before any
-request waits for it. Programs that never
-return (a flood of one-shot programs) drive p toward 0 and stop being pinned.
+Never worse than LRU under pressure: automatic pins may hold up to (1 - HEADROOM) of the pool (or
+--max-pinned-tokens where that is larger: the explicit pins' cap, sized for pins that never give way, would
+refuse most agent histories); while a waiting request cannot be admitted the scheduler calls `relieve`,
+which releases the automatic device pin of least expected reuse (the oldest among equals), one per step,
+and a decode step short of slots releases pins before it retracts anything, so memory goes back to LRU
+order before any request waits for it. Programs that never return (a flood of one-shot programs) drive p
+toward 0 and stop being pinned.
 
 Prefetch (KVFlow, arXiv 2507.07400): a program whose reuse is expected (p >= MIN_REUSE) is remembered until
 its next request arrives or its TTL passes. When no request waits (the program's tool runs), `prefetch` looks
@@ -161,7 +163,7 @@ class Retention:
         self.pins.release(sid, reason=None)
         self._auto.pop(sid, None)
         action = d.action
-        if action == "device" and not self.pins.pin(sid, key, d.ttl_s):
+        if action == "device" and not self.pins.pin(sid, key, d.ttl_s, self.device_limit()):
             action = "lru"
         elif action == "host" and not self.pins.pin_on_host(sid, key, d.ttl_s):
             action = "lru"
@@ -172,6 +174,14 @@ class Retention:
             self._expect(sid, key, time.monotonic() + d.ttl_s)
         self.counts[f"retain_{action}"] += 1
         return Decision(action, d.ttl_s, d.reuse, d.pressure)
+
+    def device_limit(self) -> int:
+        """The device pins' tokens an automatic pin may bring them to: (1 - HEADROOM) of the pool, or
+        --max-pinned-tokens where that is larger (0 there disables every pin). An automatic pin gives way
+        whenever a waiting request or a decode step needs its memory (`relieve`, `release_oldest`), so it
+        is not held to the explicit pins' cap, which is sized for pins that do not."""
+        cap = self.pins.max_pinned_tokens
+        return 0 if cap == 0 else max(cap, int((1 - HEADROOM) * self.cm.allocator.size))
 
     def relieve(self) -> bool:
         """A waiting request could not be admitted: release the automatic device pin of least expected reuse,

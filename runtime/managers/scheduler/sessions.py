@@ -117,12 +117,15 @@ class SessionPins:
             )
         return None
 
-    def pin(self, sid: SessionKey, key: list[int], ttl_s: float) -> bool:
+    def pin(self, sid: SessionKey, key: list[int], ttl_s: float, limit: int | None = None) -> bool:
         """Lock the cached path of `key` (a request's cache key, just inserted) for `ttl_s` seconds; False
-        when nothing was pinned (TTL 0, no cache, or longer than a limit)."""
+        when nothing was pinned (TTL 0, no cache, or longer than a limit). `limit`: the pinned tokens this pin
+        may bring the device pins to (default --max-pinned-tokens; automatic retention's pins, which give
+        way under pressure, have their own)."""
         self._release(sid, reason=None)
         tenant = sid[0]
-        if ttl_s <= 0 or not self.cache.enabled or len(key) > self.max_pinned_tokens:
+        limit = self.max_pinned_tokens if limit is None else limit
+        if ttl_s <= 0 or not self.cache.enabled or len(key) > limit:
             return False
         if tenant is not None and self.tenant_max_tokens and len(key) > self.tenant_max_tokens:
             return False
@@ -136,7 +139,7 @@ class SessionPins:
             ):
                 own = next(s for s in self._pins if s[0] == tenant)
                 self._release(own, reason="evicted_for_tenant_quota")
-        while self.pinned_tokens + res.indices.numel() > self.max_pinned_tokens:
+        while self.pinned_tokens + res.indices.numel() > limit:
             oldest = next((s for s, p in self._pins.items() if not p.on_host), None)
             if oldest is None:
                 break
