@@ -4,9 +4,9 @@ GGUF file).
 `GGUFLinear` holds each part of a (possibly fused) projection as the file's bytes, a uint8 tensor [rows, row
 bytes] that is a view of the memory-mapped file where the rows need no reordering, and computes y = x @ W^T in
 one call of `radixlm::gguf_linear` (csrc/gguf_gemm.cpp): every part's blocks are unpacked row by row and
-multiplied by int8 activations quantized per block of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or 256 (Q2_K..Q6_K),
-llama.cpp's arithmetic for the same file. Parts may differ in type (a Q4_K_M file's attn_v is Q6_K beside
-Q4_K q and k). `reference_dequantize` is gguf-py's dequantization, the kernel's test oracle.
+multiplied by int8 activations quantized per block of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) or 256
+(Q2_K..Q6_K), llama.cpp's arithmetic for the same file. Parts may differ in type (a Q4_K_M file's attn_v is
+Q6_K beside Q4_K q and k). `reference_dequantize` is gguf-py's dequantization, the kernel's test oracle.
 
 On the AVX512-VNNI build, Q4_K, Q5_K and Q6_K parts (and Q8_0 with $RADIXLM_GGUF_INTERLEAVE=all) are instead
 repacked once at construction into the kernel's interleaved layout (`interleave`): the same bits moved so
@@ -49,6 +49,7 @@ KERNEL_TYPES = {
     6: ("Q5_0", 32, 22),
     7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
+    39: ("MXFP4", 32, 17),  # gpt-oss's experts (runtime/models/mxfp4.py repacks a checkpoint's blocks to it)
     10: ("Q2_K", 256, 84),
     11: ("Q3_K", 256, 110),
     12: ("Q4_K", 256, 144),

@@ -10,7 +10,8 @@ kernels of csrc/w4a8_gemm.cpp and csrc/gguf_gemm.cpp, compiled into this library
 Three ops, one per weight format, each behind a module `SparseMoeBlock` calls:
 - `GGUFExperts`: a GGUF file's stacked ffn_{gate,up,down}_exps blocks ([E, rows, row bytes], any type the GGUF
   kernels read; Q4_K / Q5_K / Q6_K (and Q8_0 on request) in the interleaved layout, each expert's rows as if
-  repacked on their own, where the build serves it, as `GGUFLinear` does);
+  repacked on their own, where the build serves it, as `GGUFLinear` does); optionally with gate|up and down
+  biases and gpt-oss's clamped SwiGLU in place of SiLU (`ExpertActivation`): gpt-oss's MXFP4 experts;
 - `W4A8Experts`: w4a8's Q4_1 / Q8_0 layers stacked [E, groups, bytes] (the per-expert `W4A8Linear`s then
   hold views of the stacks: one copy in memory);
 - `fused_float_moe`: float32 / bfloat16 stacked w13 / w2 (ATen matmuls per hit expert, from C++).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +41,8 @@ INCLUDED = (CSRC / "w4a8_gemm.cpp", CSRC / "gguf_gemm.cpp")  # compiled into thi
 _LIB = torch.library.Library("radixlm", "FRAGMENT")
 _LIB.define(
     "moe_gguf(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor gate, Tensor up, Tensor down, "
-    "int[] types) -> Tensor"
+    "int[] types, Tensor? b13=None, Tensor? b2=None, str activation='silu', float alpha=0., float limit=0.) "
+    "-> Tensor"
 )
 _LIB.define(
     "moe_w4a8(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor qs13, Tensor d13, Tensor? m13, "
@@ -49,7 +52,20 @@ _LIB.define("moe_float(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w1
 
 
 @torch.library.register_fake("radixlm::moe_gguf", lib=_LIB)
-def _moe_gguf_fake(x, topk_weights, topk_ids, gate, up, down, types):
+def _moe_gguf_fake(
+    x,
+    topk_weights,
+    topk_ids,
+    gate,
+    up,
+    down,
+    types,
+    b13=None,
+    b2=None,
+    activation="silu",
+    alpha=0.0,
+    limit=0.0,
+):
     return torch.empty_like(x)
 
 
@@ -102,14 +118,36 @@ def fused_float_moe(
     return _FLOAT(x.contiguous(), topk_weights.float().contiguous(), topk_ids.long().contiguous(), w13, w2)
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """An expert's activation of (gate, up): "silu" (silu(gate) * up) or "clamped_swiglu" (gpt-oss's: gate
+    clamped above at `limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate))."""
+
+    kind: str = "silu"
+    alpha: float = 0.0
+    limit: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"expert activation is silu or clamped_swiglu, got {self.kind!r}")
+
+
 class GGUFExperts(nn.Module):
     """A GGUF file's experts: `parts` = [(GGML type, uint8 [E, rows, row bytes])] for gate [E, I, ·], up
     [E, I, ·] and down [E, H, ·] (views of the mapped file). Parts of the types `interleaved` (default:
     `gguf_linear.default_interleaved()`) are repacked into the kernel's interleaved layout where this build
     serves it (a copy of the same size, each expert's rows as if repacked on their own); the others stay as
-    given."""
+    given. `b13` (float32 [E, 2I]: gate's biases then up's) and `b2` ([E, H]) are optional biases;
+    `activation` the expert's activation."""
 
-    def __init__(self, parts: Sequence[tuple[int, torch.Tensor]], interleaved: Sequence[int] | None = None):
+    def __init__(
+        self,
+        parts: Sequence[tuple[int, torch.Tensor]],
+        interleaved: Sequence[int] | None = None,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        activation: ExpertActivation = ExpertActivation(),
+    ):
         super().__init__()
         from runtime.models import gguf_linear
         from runtime.models.gguf_linear import (
@@ -164,14 +202,33 @@ class GGUFExperts(nn.Module):
             self.register_buffer(f"w{i}", w.contiguous(), persistent=False)
         names = sorted({KERNEL_TYPES[t & 255][0] for t in self.types})
         self.kind = "+".join(names)
+        for name, bias, shape in (
+            ("b13", b13, (self.num_experts, 2 * self.inter)),
+            ("b2", b2, (self.num_experts, self.hidden)),
+        ):
+            if bias is not None and tuple(bias.shape) != shape:
+                raise ValueError(f"GGUFExperts {name}: expected {list(shape)}, got {list(bias.shape)}")
+            self.register_buffer(
+                name, None if bias is None else bias.detach().float().contiguous(), persistent=False
+            )
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return _GGUF(x, topk_weights, topk_ids, self.w0, self.w1, self.w2, self.types)
+        a = self.activation
+        if a.kind == "silu" and self.b13 is None and self.b2 is None:
+            return _GGUF(x, topk_weights, topk_ids, self.w0, self.w1, self.w2, self.types)
+        return _GGUF(
+            x, topk_weights, topk_ids, self.w0, self.w1, self.w2, self.types, self.b13, self.b2, a.kind,
+            a.alpha, a.limit,
+        )  # fmt: skip
 
     def expert_calls(self) -> list[tuple[Callable, Callable]]:
         """Per expert (gate|up, down) callables over the same bytes through `radixlm::gguf_linear` (what
-        `grouped_moe_layers` runs: the reference)."""
+        `grouped_moe_layers` runs: the reference) of SiLU experts without biases; ValueError for others."""
         from runtime.models.gguf_linear import _OP
+
+        if self.activation.kind != "silu" or self.b13 is not None or self.b2 is not None:
+            raise ValueError("GGUFExperts.expert_calls: the per-expert loop runs SiLU experts without biases")
 
         t = self.types
         return [
@@ -183,7 +240,10 @@ class GGUFExperts(nn.Module):
         ]
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}"
+        return (
+            f"{self.kind}, experts={self.num_experts}, hidden={self.hidden}, inter={self.inter}, "
+            f"activation={self.activation.kind}, biases={self.b13 is not None}/{self.b2 is not None}"
+        )
 
 
 class W4A8Experts(nn.Module):

@@ -1,7 +1,9 @@
 """The fused CPU MoE op (runtime/models/moe_fused.py, csrc/moe_fused.cpp) against the per-expert Python loop
 (`grouped_moe_layers` / `grouped_moe`) over the same weights, for every weight format it serves: GGUF
-blocks (Q4_K / Q5_K / Q6_K / Q8_0 and the 32-blocks, in the file's layout and the interleaved one, gate / up /
-down of mixed types as in a Q4_K_M file), w4a8 Q4_1 / Q8_0, float32 and bfloat16. Routings: random, every
+blocks (Q4_K / Q5_K / Q6_K / Q8_0 and the 32-blocks, MXFP4 included, in the file's layout and the
+interleaved one, gate / up / down of mixed types as in a Q4_K_M file), w4a8 Q4_1 / Q8_0, float32 and
+bfloat16; and gpt-oss's expert (MXFP4 blocks with gate|up and down biases, its clamped SwiGLU) against a
+per-expert loop over the same blocks and, loosely, over their float dequantization. Routings: random, every
 expert hit, some experts hit by nobody, all tokens on one expert; batch 1, 4 and 64, on 2 threads. The scalar
 and AVX2 builds are compared with the default one in a subprocess each. SparseMoeBlock serves GGUF / w4a8 /
 float experts through the op on the CPU, and the loop under $RADIXLM_MOE_FUSED=0.
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runtime.models import moe_fused
 from runtime.models.gguf_linear import INTERLEAVED_TYPES, interleave, kernel_isa
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from test_gguf_kernels import random_blocks  # noqa: E402
 
 E, K_TOP = 8, 2
-Q4_0, Q4_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K = 2, 3, 8, 10, 12, 13, 14
+Q4_0, Q4_1, Q8_0, Q2_K, Q4_K, Q5_K, Q6_K, MXFP4 = 2, 3, 8, 10, 12, 13, 14, 39
 ROUTINGS = ("random", "every", "unhit", "one")
 
 
@@ -84,6 +87,7 @@ GGUF_CASES = {
     "Q8_0": ((Q8_0, Q8_0, Q8_0), 128, 96),
     "Q8_0+Q4_K": ((Q8_0, Q4_K, Q8_0), 256, 256),  # gate and up quantize x per 32 and per 256
     "Q4_0+Q4_1+Q2_K": ((Q4_0, Q4_1, Q2_K), 256, 256),
+    "MXFP4": ((MXFP4, MXFP4, MXFP4), 256, 96),
 }
 
 
@@ -239,3 +243,108 @@ def test_other_builds_agree(env: str, tmp_path) -> None:
         outs[name] = torch.load(path)
     for got, want in zip(outs["other"], outs["default"], strict=True):
         check(got, want)
+
+
+def mxfp4_parts(hidden: int, inter: int, seed: int = 0) -> list[tuple[int, torch.Tensor]]:
+    """Random MXFP4 gate, up [E, inter, ·] and down [E, hidden, ·] with weights of gpt-oss's size: exponents
+    119..124, so |w| <= 6 * 2**-4."""
+    parts = file_parts((MXFP4, MXFP4, MXFP4), hidden, inter)
+    gen = torch.Generator().manual_seed(seed)
+    for _, w in parts:
+        blocks = w.view(E, w.shape[1], -1, 17)
+        blocks[..., 0] = torch.randint(119, 125, blocks.shape[:-1], generator=gen, dtype=torch.uint8)
+    return parts
+
+
+def swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of h [n, 2I] (gate | up), as GptOssMoe.swiglu computes it."""
+    inter = h.shape[1] // 2
+    gate, up = h[:, :inter].clamp(max=limit), h[:, inter:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_loop(x, w, ids, gate_up, down, b13, b2, act) -> torch.Tensor:
+    """sum over (token, choice) of weight * (down(act(gate_up(x) + b13[e])) + b2[e]), expert by expert."""
+    from runtime.models.moe import _expert_groups
+
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e, rows, weights in _expert_groups(w, ids, E):
+        h = gate_up(e, x.index_select(0, rows)) + b13[e]
+        out.index_add_(0, rows, (down(e, act(h)) + b2[e]) * weights)
+    return out
+
+
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+def test_gpt_oss_experts_match_the_loop(activation: str) -> None:
+    """gpt-oss's expert over MXFP4 blocks: biases on gate|up and down, its clamped SwiGLU (or SiLU with the
+    biases), against the loop of per-expert `gguf_linear` calls over the same blocks (the same int8 dots:
+    float32 summation error), and against the float loop over gguf-py's dequantization (the activations'
+    int8 rounding apart)."""
+    from runtime.models.gguf_linear import _OP, reference_dequantize
+
+    hidden, inter, alpha, limit = 256, 96, 1.702, 1.5  # a small limit: both clamps are hit
+    parts = mxfp4_parts(hidden, inter)
+    gen = torch.Generator().manual_seed(5)
+    b13, b2 = torch.randn(E, 2 * inter, generator=gen), torch.randn(E, hidden, generator=gen)
+    kind = moe_fused.ExpertActivation(activation, alpha, limit)
+    ex = moe_fused.GGUFExperts(parts, b13=b13, b2=b2, activation=kind)
+    assert ex.types == [MXFP4] * 3
+    (_, g), (_, u), (_, d) = parts
+    if activation == "silu":
+        act = lambda h: F.silu(h[:, :inter]) * h[:, inter:]  # noqa: E731
+    else:
+        act = lambda h: swiglu(h, alpha, limit)  # noqa: E731
+    deq = [
+        torch.stack([reference_dequantize(p[e], MXFP4, p.shape[1], cols) for e in range(E)])
+        for p, cols in ((g, hidden), (u, hidden), (d, inter))
+    ]
+    w13, w2 = torch.cat(deq[:2], dim=1), deq[2]  # [E, 2I, H], [E, H, I]
+    clamped = [0, 0]
+    for t in (1, 4, 64):
+        for mode in ROUTINGS:
+            if mode == "every" and t * K_TOP < E:
+                continue
+            w, ids = routing(t, mode, seed=t)
+            x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(t))
+            got = ex(x, w, ids)
+            want = expert_loop(
+                x, w, ids, lambda e, xs: _OP(xs, [g[e], u[e]], [MXFP4] * 2),
+                lambda e, a: _OP(a.contiguous(), [d[e]], [MXFP4]), b13, b2, act,
+            )  # fmt: skip
+            check(got, want)
+            flt = expert_loop(x, w, ids, lambda e, xs: xs @ w13[e].T, lambda e, a: a @ w2[e].T, b13, b2, act)
+            assert (got - flt).norm() / flt.norm() < 0.05
+            h = x @ w13.reshape(-1, hidden).T
+            clamped[0] += int((h.reshape(t, E, 2 * inter)[..., :inter] > limit).sum())
+            clamped[1] += int((h.reshape(t, E, 2 * inter)[..., inter:] < -limit).sum())
+    assert min(clamped) > 0
+
+
+def test_gpt_oss_experts_without_biases_and_bad_input() -> None:
+    """The activation alone (no biases) equals the loop without them; bad biases and activations are
+    refused."""
+    from runtime.models.gguf_linear import _OP
+
+    hidden, inter = 128, 64
+    parts = mxfp4_parts(hidden, inter, seed=1)
+    kind = moe_fused.ExpertActivation("clamped_swiglu", 1.702, 7.0)
+    ex = moe_fused.GGUFExperts(parts, activation=kind)
+    (_, g), (_, u), (_, d) = parts
+    w, ids = routing(6, "random", seed=2)
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(2))
+    zero13, zero2 = torch.zeros(E, 2 * inter), torch.zeros(E, hidden)
+    want = expert_loop(
+        x, w, ids, lambda e, xs: _OP(xs, [g[e], u[e]], [MXFP4] * 2),
+        lambda e, a: _OP(a.contiguous(), [d[e]], [MXFP4]), zero13, zero2, lambda h: swiglu(h, 1.702, 7.0),
+    )  # fmt: skip
+    check(ex(x, w, ids), want)
+    with pytest.raises(ValueError, match="expert_calls"):
+        ex.expert_calls()
+    with pytest.raises(ValueError, match="b13: expected"):
+        moe_fused.GGUFExperts(parts, b13=torch.zeros(E, inter), activation=kind)
+    with pytest.raises(ValueError, match="silu or clamped_swiglu"):
+        moe_fused.ExpertActivation("gelu")
+    with pytest.raises(RuntimeError, match="activation is silu or clamped_swiglu"):
+        torch.ops.radixlm.moe_gguf(x, w, ids, ex.w0, ex.w1, ex.w2, ex.types, None, None, "gelu")
+    with pytest.raises(RuntimeError, match="b2 must be contiguous float32"):
+        torch.ops.radixlm.moe_gguf(x, w, ids, ex.w0, ex.w1, ex.w2, ex.types, None, zero2.double())

@@ -1,8 +1,9 @@
 """The GGUF block kernels (runtime/models/csrc/gguf_gemm.cpp) against gguf-py's reference dequantization.
 
-Each block type is checked on random blocks (any bytes with finite fp16 scales are a valid block) at 1, 2, 3,
-4 and 37 activation rows: the kernel's output equals the activations as the kernel quantizes them (mirrored
-in Python, `quantize_activations`) times gguf-py's dequantized weight, to float32 summation error. Q4_K,
+Each block type is checked on random blocks (any bytes with finite fp16 scales are a valid block; MXFP4's E8M0
+exponents are drawn from 110..135, finite and far from float32's range) at 1, 2, 3, 4 and 37 activation rows:
+the kernel's output equals the activations as the kernel quantizes them (mirrored in Python,
+`quantize_activations`) times gguf-py's dequantized weight, to float32 summation error. Q4_K,
 Q5_K, Q6_K and Q8_0 are checked in the file's layout and in the interleaved one the AVX512-VNNI build serves
 them in (whole groups of 16 rows and a remainder; odd block counts). The scalar and AVX2 builds are compared
 with the default one in a subprocess each.
@@ -43,6 +44,8 @@ SCALE_FIELDS = {
     13: (0, 2),
     14: (208,),
 }
+MXFP4 = 39  # its scale is one E8M0 exponent byte at offset 0, not an fp16 field
+MXFP4_EXPONENTS = (110, 136)  # drawn from [110, 136): 2**-17 .. 2**8 (255 is E8M0's NaN)
 
 
 def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -50,7 +53,9 @@ def random_blocks(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tens
     _, block, size = KERNEL_TYPES[qtype]
     rng = np.random.default_rng(seed + qtype)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
+    if qtype == MXFP4:
+        raw[..., 0] = rng.integers(*MXFP4_EXPONENTS, size=(rows, cols // block), dtype=np.uint8)
+    for off in SCALE_FIELDS.get(qtype, ()):
         scales = rng.uniform(0.001, 0.1, size=(rows, cols // block)) * rng.choice(
             [-1, 1], (rows, cols // block)
         )
@@ -144,7 +149,8 @@ def test_other_builds_agree(env: str) -> None:
         "torch.manual_seed(0)\n"
         "x = torch.randn(3, 512)\n"
         "out = {t: GGUFLinear(512, [(t, random_blocks(t, 19, 512))])(x) for t in KERNEL_TYPES}\n"
-        "out |= {-t: GGUFLinear(96, [(t, random_blocks(t, 7, 96))])(x[:, :96]) for t in (2, 3, 6, 7, 8)}\n"
+        "odd = (2, 3, 6, 7, 8, 39)\n"
+        "out |= {-t: GGUFLinear(96, [(t, random_blocks(t, 7, 96))])(x[:, :96]) for t in odd}\n"
         "torch.save((kernel_isa(), out), sys.argv[1])\n"
     )
     outs = {}
@@ -248,3 +254,20 @@ def test_interleaved_parts_fused_with_file_layout() -> None:
         want, tol = expected(x, w, qtype, w.shape[0], cols)
         assert ((y[:, done : done + w.shape[0]].double() - want).abs() <= tol).all()
         done += w.shape[0]
+
+
+def test_mxfp4_unpacks_every_code_and_exponent_edge() -> None:
+    """MXFP4's u = 2 * e2m1 + 12 and scale 0.5 * 2**(e - 127) for all 16 codes, at the subnormal-scale
+    exponents 0 and 1 and up to 2**100, equal gguf-py's values (w = ls * u - 12 * ls is exact)."""
+    from runtime.models.gguf_linear import dequantize_rows
+
+    codes = np.arange(16, dtype=np.uint8)
+    qs = (codes | (codes[::-1] << 4)).astype(np.uint8)  # low nibbles 0..15, high nibbles 15..0
+    exponents = [0, 1, 2, 100, 127, 130, 227]
+    raw = np.stack([np.concatenate([[e], qs]).astype(np.uint8) for e in exponents])  # [7, 17]
+    w = torch.from_numpy(raw)
+    ref = reference_dequantize(w, MXFP4, len(exponents), 32)
+    assert torch.equal(dequantize_rows(w, MXFP4, 32), ref)
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    assert torch.equal(ref[2, :16], e2m1 * 2.0 ** (2 - 127))
+    assert torch.equal(ref[4, 16:], e2m1.flip(0))

@@ -1,12 +1,16 @@
 // y = x @ W^T straight from a GGUF tensor's blocks (the file's bytes, or the same bits interleaved 16 rows at a
-// time: see "interleaved layout" below), for the common block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of
-// 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
+// time: see "interleaved layout" below), for the common block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 (blocks
+// of 32) and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256).
 //
 // Every type is read the same way. A weight row is first unpacked, block by block, into
 //   u[k]      one unsigned integer per element (0..63; Q8_0 keeps its signed int8),
 //   ls[k/4]   the float scale of each group of 4 elements (the scale of the sub-block it lies in),
 //   off[k/16] the float offset of each group of 16 elements,
 // so that w[k] = ls[k/4] * u[k] + off[k/16] is exactly gguf-py's dequantization (`gguf.quants.dequantize`).
+// MXFP4 (a byte of E8M0 exponent e, then 16 bytes of E2M1 nibbles in Q4_0's element order) fits it too: twice an
+// E2M1 value is one of the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12, so u = 2 * e2m1 + 12 (0..24), ls = 0.5 *
+// 2**(e - 127) and off = -12 * ls, all exact in float32. An exponent of 255 (E8M0's NaN) is not checked per
+// block: the loaders refuse it (runtime/models/mxfp4.py).
 // Activations are quantized per call, per row and block (32 elements for the 32-blocks, 256 for the K types,
 // as llama.cpp's Q8_0 / Q8_K): a = qa * da, qa int8 in -127..127, da = max|a| / 127, rounded half to even.
 // One output is then
@@ -59,7 +63,7 @@ namespace {
 
 // ggml's type ids (GGMLQuantizationType)
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-                 Q6_K = 14 };
+                 Q6_K = 14, MXFP4 = 39 };
 
 inline float h2f(const uint8_t* p) {
   uint16_t v;
@@ -74,6 +78,17 @@ inline float h2f(const uint8_t* p) {
 inline void fill(float* p, int n, float v) {
   for (int i = 0; i < n; ++i) p[i] = v;
 }
+
+// 0.5 * 2**(e - 127) for an E8M0 exponent e < 255, by its bits (subnormal for e < 2), as ggml computes it
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+// MXFP4's u per nibble: 2 * e2m1(code) + 12 (codes 8..15 are the negatives of 0..7)
+constexpr uint8_t MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 #if defined(RADIXLM_AVX2) || defined(RADIXLM_AVX512)
 #define RADIXLM_VEC 1
@@ -91,6 +106,11 @@ inline __m256i nibbles16(const uint8_t* qs) {
   const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i m = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+// MXFP4's 16 nibble bytes -> 32 u values (MXFP4_U looked up by one byte shuffle per 16)
+inline __m256i mxfp4_u32(const uint8_t* qs) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_U)));
+  return _mm256_shuffle_epi8(lut, nibbles16(qs));
 }
 #endif
 
@@ -124,6 +144,21 @@ void unpack_q4_1(const uint8_t* b, uint8_t* u, float* ls, float* off) {
 #endif
   fill(ls, 8, d);
   fill(off, 2, m);
+}
+
+void unpack_mxfp4(const uint8_t* b, uint8_t* u, float* ls, float* off) {
+  const float d = e8m0_half(b[0]);
+  const uint8_t* qs = b + 1;
+#if defined(RADIXLM_VEC)
+  store32(u, mxfp4_u32(qs));
+#else
+  for (int j = 0; j < 16; ++j) {
+    u[j] = MXFP4_U[qs[j] & 0x0F];
+    u[j + 16] = MXFP4_U[qs[j] >> 4];
+  }
+#endif
+  fill(ls, 8, d);
+  fill(off, 2, -12.f * d);
 }
 
 template <bool MIN>
@@ -294,6 +329,7 @@ bool type_info(int64_t t, TypeInfo& info) {
     case Q5_0: info = {32, 22, false, unpack_q5<false>}; return true;
     case Q5_1: info = {32, 24, false, unpack_q5<true>}; return true;
     case Q8_0: info = {32, 34, true, unpack_q8_0}; return true;
+    case MXFP4: info = {32, 17, false, unpack_mxfp4}; return true;
     case Q2_K: info = {256, 84, false, unpack_q2_k}; return true;
     case Q3_K: info = {256, 110, false, unpack_q3_k}; return true;
     case Q4_K: info = {256, 144, false, unpack_q45_k<false>}; return true;
@@ -799,15 +835,20 @@ inline __m256i bytes_from_bits_32(const uint8_t* x) {
   return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
 }
 
-// Q4_0, Q4_1, Q5_0, Q5_1: two blocks of 32 per 512-bit dot; the per-block offset (-8d, m, -16d, m) times the
-// block's activation sum.
+// Q4_0, Q4_1, Q5_0, Q5_1, MXFP4: two blocks of 32 per 512-bit dot; the per-block offset (-8d, m, -16d, m, -12d)
+// times the block's activation sum.
 template <int MR, int64_t T>
 void legacy_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr bool MIN = T == Q4_1 || T == Q5_1, FIVE = T == Q5_0 || T == Q5_1;
-  constexpr int64_t BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
-  constexpr int64_t QS = (MIN ? 4 : 2) + (FIVE ? 4 : 0);
+  constexpr bool MIN = T == Q4_1 || T == Q5_1, FIVE = T == Q5_0 || T == Q5_1, MX = T == MXFP4;
+  constexpr int64_t BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == MXFP4 ? 17 : 24;
+  constexpr int64_t QS = MX ? 1 : (MIN ? 4 : 2) + (FIVE ? 4 : 0);
   const int64_t nb = K / 32, rb = nb * BYTES;
   auto unpack = [](const uint8_t* blk, float& d, float& off) {
+    if constexpr (MX) {
+      d = e8m0_half(blk[0]);
+      off = -12.f * d;
+      return mxfp4_u32(blk + QS);
+    }
     d = h2f(blk);
     off = MIN ? h2f(blk + 2) : (FIVE ? -16.f : -8.f) * d;
     __m256i u = nibbles16(blk + QS);
@@ -871,6 +912,10 @@ void q5_0_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t 
 template <int MR>
 void q5_1_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   legacy_rows<MR, Q5_1>(W, K, a, y, ldy, n0, n1);
+}
+template <int MR>
+void mxfp4_rows(const uint8_t* W, int64_t K, const ActView& a, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  legacy_rows<MR, MXFP4>(W, K, a, y, ldy, n0, n1);
 }
 
 // Q2_K and Q3_K: 2-bit (+ a third bit from hmask) weights, 16 sub-blocks of 16 with integer scales as Q6_K;
@@ -1155,7 +1200,7 @@ void interleaved_group(int64_t type, const uint8_t* G, int64_t off, int64_t nb, 
 
 bool has_rows_path(int64_t type) {
   return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == Q8_0 ||
-         type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1;
+         type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == MXFP4;
 }
 
 // true when (type, M) has a register path and it ran
@@ -1179,6 +1224,7 @@ bool decode_rows(int64_t type, const uint8_t* W, int64_t K, const ActView& a, in
   if (type == Q4_1) RADIXLM_ROWS(q4_1_rows)
   if (type == Q5_0) RADIXLM_ROWS(q5_0_rows)
   if (type == Q5_1) RADIXLM_ROWS(q5_1_rows)
+  if (type == MXFP4) RADIXLM_ROWS(mxfp4_rows)
 #undef RADIXLM_ROWS
   return false;
 }
@@ -1287,6 +1333,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
         RADIXLM_PART(Q5_0, false, 32, 22, unpack_q5<false>)
         RADIXLM_PART(Q5_1, false, 32, 24, unpack_q5<true>)
         RADIXLM_PART(Q8_0, true, 32, 34, unpack_q8_0)
+        RADIXLM_PART(MXFP4, false, 32, 17, unpack_mxfp4)
         RADIXLM_PART(Q2_K, false, 256, 84, unpack_q2_k)
         RADIXLM_PART(Q3_K, false, 256, 110, unpack_q3_k)
         RADIXLM_PART(Q4_K, false, 256, 144, unpack_q45_k<false>)

@@ -1,12 +1,16 @@
 // One call for a mixture-of-experts MLP on the CPU: for T tokens routed top-k (weights [T, k] float32, expert
 // ids [T, k]), out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
+// moe_gguf also serves gpt-oss's expert: gate and up with biases (b13 [E, 2I]), its clamped SwiGLU
+// (gate clamped above at `limit`, up to [-limit, limit], act = (up + 1) * gate * sigmoid(alpha * gate)), and
+// down with a bias (b2 [E, H]); each is optional and the plain path pays nothing for them.
 //
 // The T * k (token, choice) rows are grouped by expert (a counting sort: tokens ascending within an expert),
 // and every step runs over all hit experts at once, parallel over (expert, 16 output rows) work units:
 //   1. x is quantized to int8 once per token (per block of 32 or 256 as the weights' type asks), and the
 //      quantized rows gathered into grouped order;
 //   2. each hit expert's gate and up rows times its tokens' rows -> h [rows, 2I];
-//   3. a = silu(h_gate) * h_up (ATen's SiLU), quantized per row -> the down projection's activations;
+//   3. a = silu(h_gate) * h_up (ATen's SiLU; or the clamped SwiGLU), quantized per row -> the down
+//      projection's activations;
 //   4. each hit expert's down rows -> y [rows, H];
 //   5. out[t] = sum over t's k rows of weight * y (one thread per token: no atomics, a fixed order).
 // Only the hit experts' weights are read. Each step's units are split over the threads by their rows (an
@@ -123,6 +127,30 @@ void combine(const Routing& r, const float* w, const float* y, int64_t H, float*
 // bit for bit (a scalar std::exp here cost ~15 ms of a 256-token prefill's ~210 ms per layer).
 at::Tensor silu_mul(const at::Tensor& h, int64_t I) { return at::silu(h.narrow(1, 0, I)).mul_(h.narrow(1, I, I)); }
 
+// gpt-oss's clamped SwiGLU of h [rows, 2I] float32 (gate | up), in ATen ops in the order of
+// runtime.models.gpt_oss.GptOssMoe.swiglu (so bit for bit the loop's)
+at::Tensor clamped_swiglu(const at::Tensor& h, int64_t I, double alpha, double limit) {
+  const at::Tensor gate = h.narrow(1, 0, I).clamp_max(limit);
+  const at::Tensor up = h.narrow(1, I, I).clamp(-limit, limit);
+  return ((up + 1) * (gate * at::sigmoid(gate * alpha))).contiguous();
+}
+
+// y[m * ldy + n] += b[n] for m < rows, n in [n0, n1)
+inline void add_bias(float* y, int64_t ldy, int64_t rows, const float* b, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * ldy + n] += b[n];
+}
+
+// A float32 [E, n] bias, or nullptr when absent.
+const float* bias_of(const c10::optional<at::Tensor>& b, int64_t E, int64_t n, const char* name) {
+  if (!b.has_value()) return nullptr;
+  TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 2 && b->is_contiguous() && b->size(0) == E &&
+                  b->size(1) == n,
+              "moe_gguf: ", name, " must be contiguous float32 [", E, ", ", n, "], got ", b->scalar_type(), " ",
+              b->sizes());
+  return b->data_ptr<float>();
+}
+
 struct Unit {
   int64_t hit;   // index into Routing::hit
   int64_t part;  // which weight part (gate 0 / up 1; 0 for a fused or down part)
@@ -216,6 +244,7 @@ void gguf_unit(int64_t type, const uint8_t* W, int64_t N, int64_t rb, int64_t K,
     RADIXLM_PART(Q5_0, false, 32, 22, unpack_q5<false>)
     RADIXLM_PART(Q5_1, false, 32, 24, unpack_q5<true>)
     RADIXLM_PART(Q8_0, true, 32, 34, unpack_q8_0)
+    RADIXLM_PART(MXFP4, false, 32, 17, unpack_mxfp4)
     RADIXLM_PART(Q2_K, false, 256, 84, unpack_q2_k)
     RADIXLM_PART(Q3_K, false, 256, 110, unpack_q3_k)
     RADIXLM_PART(Q4_K, false, 256, 144, unpack_q45_k<false>)
@@ -256,14 +285,22 @@ void check_routing(const at::Tensor& x, const at::Tensor& weights, const at::Ten
               ids.scalar_type(), " ", ids.sizes());
 }
 
+// `activation`: "silu" (silu(gate) * up) or "clamped_swiglu" (gpt-oss's, with `alpha` and `limit`); b13
+// [E, 2I] (gate's then up's) and b2 [E, H] float32 biases, each optional.
 at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                    const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types) {
+                    const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down, at::IntArrayRef types,
+                    const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                    c10::string_view activation, double alpha, double limit) {
   check_routing(x, topk_weights, topk_ids, "moe_gguf");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "moe_gguf takes float32 activations, got ", x.scalar_type());
   TORCH_CHECK(types.size() == 3, "moe_gguf: types holds the gate's, up's and down's type");
+  const bool clamped = activation == "clamped_swiglu";
+  TORCH_CHECK(clamped || activation == "silu", "moe_gguf: activation is silu or clamped_swiglu, got ", activation);
   const int64_t T = x.size(0), H = x.size(1), k = topk_ids.size(1), E = gate.size(0), I = gate.size(1);
   const GGUFPart parts[3] = {gguf_part(gate, types[0], E, I, H, "gate"), gguf_part(up, types[1], E, I, H, "up"),
                              gguf_part(down, types[2], E, H, I, "down")};
+  const float* bias13 = bias_of(b13, E, 2 * I, "b13");
+  const float* bias2 = bias_of(b2, E, H, "b2");
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const float* xp = x.data_ptr<float>();
@@ -289,11 +326,14 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
     for_units(up_units, r, [&](const Unit& un) {
       const GGUFPart& p = parts[un.part];
       const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
+      const int64_t n1 = std::min(un.n0 + UNIT_ROWS, I);
+      float* hu = hp + r0 * 2 * I + un.part * I;
       gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, H, grouped[p.qk == 32 ? 0 : 1], r0, r1,
-                un.n0, std::min(un.n0 + UNIT_ROWS, I), hp + r0 * 2 * I + un.part * I, 2 * I);
+                un.n0, n1, hu, 2 * I);
+      if (bias13 != nullptr) add_bias(hu, 2 * I, r1 - r0, bias13 + r.hit[un.hit] * 2 * I + un.part * I, un.n0, n1);
     });
-    // 3. silu(gate) * up, quantized per row for the down projection
-    const at::Tensor act = silu_mul(h, I);  // [R, I]
+    // 3. the activation, quantized per row for the down projection
+    const at::Tensor act = clamped ? clamped_swiglu(h, I, alpha, limit) : silu_mul(h, I);  // [R, I]
     gg::Acts acts;
     gg::quantize_rows(act.data_ptr<float>(), R, I, parts[2].qk, acts);
     // 4. down of every hit expert -> y [R, H]
@@ -301,8 +341,9 @@ at::Tensor moe_gguf(const at::Tensor& x, const at::Tensor& topk_weights, const a
     const GGUFPart& p = parts[2];
     for_units(down_units, r, [&](const Unit& un) {
       const int64_t r0 = r.start[un.hit], r1 = r.start[un.hit + 1];
-      gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, I, acts, r0, r1, un.n0,
-                std::min(un.n0 + UNIT_ROWS, H), yp + r0 * H, H);
+      const int64_t n1 = std::min(un.n0 + UNIT_ROWS, H);
+      gguf_unit(p.type, p.w + r.hit[un.hit] * p.expert_bytes, p.N, p.rb, I, acts, r0, r1, un.n0, n1, yp + r0 * H, H);
+      if (bias2 != nullptr) add_bias(yp + r0 * H, H, r1 - r0, bias2 + r.hit[un.hit] * H, un.n0, n1);
     });
     // 5. the weighted sum per token
     combine(r, topk_weights.data_ptr<float>() + c0 * k, yp, H, out.data_ptr<float>() + c0 * H);
