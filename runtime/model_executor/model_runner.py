@@ -87,10 +87,18 @@ class ModelRunner:
         with torch.device("meta"):
             model_class = model_class_for(cfg.architecture)
             model = model_class(cfg, tp)
-        if quantization not in ("none", "auto") and not getattr(model_class, "quantizable", True):
+        if quantization == "mxfp4":  # a checkpoint's MXFP4 experts kept as blocks (gpt-oss)
+            if not hasattr(model, "keep_mxfp4_experts") or self.device.type != "cpu":
+                raise ValueError(
+                    f"--quantization mxfp4 serves gpt-oss's MXFP4 experts on the CPU, not {cfg.architecture} "
+                    f"on {self.device.type}: use --quantization none"
+                )
+            model.keep_mxfp4_experts()  # before the float experts are allocated
+        elif quantization not in ("none", "auto") and not getattr(model_class, "quantizable", True):
             raise ValueError(
                 f"{cfg.architecture} cannot be served with --quantization {quantization}: use "
-                "--quantization none (its float weights, MXFP4 experts dequantized at load)"
+                "--quantization mxfp4 (an MXFP4 checkpoint's experts kept as blocks, on the CPU) or none "
+                "(its float weights, MXFP4 experts dequantized at load)"
             )
         if max_loras > 0 and not getattr(model_class, "supports_lora", True):
             raise ValueError(f"{cfg.architecture} cannot serve LoRA adapters: leave --max-loras at 0")
@@ -101,7 +109,8 @@ class ModelRunner:
         else:
             model = model.to_empty(device=self.device).to(self.dtype)
             model.load_weights(iter_weights(model_dir))
-            quantize_model(model, quantization, model_dir)
+            if quantization != "mxfp4":  # mxfp4's experts were kept as blocks by load_weights
+                quantize_model(model, quantization, model_dir)
         self.quantization = quantization
         self.lora = None  # runtime.models.lora.LoraPool when LoRA adapters are served (max_loras > 0)
         if max_loras > 0:

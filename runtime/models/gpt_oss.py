@@ -14,19 +14,30 @@ Where gpt-oss's layer differs from Llama's (transformers' modeling_gpt_oss.py is
 
 Checkpoints: transformers stores the experts stacked and transposed for `x @ W` (`gate_up_proj`
 [E, H, 2I] with gate and up interleaved by column, `down_proj` [E, I, H]); OpenAI's released checkpoints
-store them as MXFP4 (`*_blocks` + `*_scales`, [E, out, in] once dequantized, `runtime.models.mxfp4`), which
-are dequantized at load. Either way the experts are held as `w13` [E, 2I, H] (gate rows then up rows) and
-`w2` [E, H, I] in the model's dtype.
+store them as MXFP4 (`*_blocks` + `*_scales`, [E, out, in] once dequantized, gate and up interleaved by
+output row, `runtime.models.mxfp4`). Such experts are served one of two ways:
+- `--quantization mxfp4` (what `auto` picks for an MXFP4 checkpoint on the CPU, as vLLM serves MXFP4 as it
+  is): kept as MXFP4, the same bits repacked into ggml's blocks (`mxfp4.to_ggml_blocks`: gate [E, I, ·],
+  up [E, I, ·], down [E, H, ·], 17 bytes per 32 weights, as in the checkpoint), and each layer's experts run
+  as one call of the fused MoE op (`moe_fused.GGUFExperts` with the biases and the clamped SwiGLU) with
+  int8 activations per block of 32, so gpt-oss-20b's experts take ~10 GB instead of ~38 GB in bfloat16;
+- `--quantization none` (and every device but the CPU): dequantized at load and held as `w13` [E, 2I, H]
+  (gate rows then up rows) and `w2` [E, H, I] in the model's dtype, run by the per-expert loop, as float
+  checkpoints are.
 
 Under tensor parallelism each rank holds its heads (q/k/v rows with their biases, o's columns, the heads'
 sinks), its slice of every expert's intermediate features, and its vocabulary slice; o's bias and the
 experts' down biases are added once (rank 0 / after the sum); the router and the norms are replicated.
+Experts kept as MXFP4 are sliced by whole blocks: each rank's slice of the intermediate features must start
+and end on a multiple of 32 (gpt-oss-20b's 2880 over 2 ranks: 1440 each), else the start is refused.
 
-Limits, refused at start: any --quantization but none, and attention backends without sinks
-(`AttentionBackend.supports_sinks`: the model runner checks). The layers run eagerly (no fused C++ layer
-path). Greedy-equal to transformers in float32 (tests/unit/test_gpt_oss.py); bfloat16 runs, but differs
-from transformers' bfloat16 beyond round-off where transformers keeps the norm weights float32 and routes
-in bfloat16 (here the norm weights are the model's dtype and routing is float32).
+Limits, refused at start: any --quantization but mxfp4 (MXFP4 checkpoints only) and none, and attention
+backends without sinks (`AttentionBackend.supports_sinks`: the model runner checks). The layers run eagerly
+(no fused C++ layer path). Greedy-equal to transformers in float32 (tests/unit/test_gpt_oss.py); bfloat16
+runs, but differs from transformers' bfloat16 beyond round-off where transformers keeps the norm weights
+float32 and routes in bfloat16 (here the norm weights are the model's dtype and routing is float32). MXFP4
+experts kept as blocks differ from their dequantization by the activations' int8 rounding (logits within a
+few percent, greedy tokens alike in the tests).
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from radixlm_kernels.base import AttentionLayer
 from runtime.models.llama import LlamaForCausalLM, Rotary
 from runtime.models.model_config import ModelConfig
 from runtime.models.moe import _expert_groups
-from runtime.models.mxfp4 import dequantize_mxfp4
+from runtime.models.mxfp4 import BLOCK, GGML_MXFP4, dequantize_mxfp4, to_ggml_blocks
 from runtime.models.parallel import (
     ColumnParallelLinear,
     HeadShard,
@@ -109,7 +120,11 @@ class GptOssMoe(nn.Module):
     """Router (`router_weight` [E, H], `router_bias` [E]; replicated, so every rank routes alike) and this
     rank's slice [start, stop) of every expert's I intermediate features: `w13` [E, 2I_rank, H] gate rows
     then up rows, `b13` [E, 2I_rank], `w2` [E, H, I_rank]; `b2` [E, H] is added by rank 0 only, and the
-    ranks' partial outputs are summed (one all_reduce)."""
+    ranks' partial outputs are summed (one all_reduce).
+
+    With `keep_mxfp4()` (before the weights load) w13 and w2 are not held: the checkpoint's MXFP4 experts
+    are kept as ggml blocks (`put_mxfp4`) and served by `experts` (`moe_fused.GGUFExperts`, built by
+    `finish_mxfp4` once every piece is loaded) in one fused call per layer."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
@@ -126,6 +141,54 @@ class GptOssMoe(nn.Module):
         self.b13 = nn.Parameter(torch.empty(e, 2 * inter))
         self.w2 = nn.Parameter(torch.empty(e, hidden, inter))
         self.b2 = nn.Parameter(torch.empty(e, hidden))
+        self.mxfp4: dict[str, torch.Tensor] | None = None  # under keep_mxfp4: ggml blocks by part
+        self.experts: nn.Module | None = None  # the fused op's experts, once the MXFP4 blocks are in
+
+    def keep_mxfp4(self) -> None:
+        """Serve the experts from their MXFP4 blocks: drop w13 / w2 (before they are allocated); ValueError
+        when this rank's slice of the intermediate features does not fall on whole blocks of 32."""
+        if self.start % BLOCK or self.stop % BLOCK:
+            raise ValueError(
+                f"gpt-oss's MXFP4 experts cannot be split over {self.tp.size} ranks: this rank's "
+                f"intermediate features [{self.start}, {self.stop}) of {self.inter_full} do not fall on "
+                f"whole blocks of {BLOCK}; use a --tp-size that divides {self.inter_full // BLOCK} blocks "
+                "evenly, or --quantization none (the experts dequantized at load)"
+            )
+        self.w13 = self.w2 = None
+        self.mxfp4 = {}
+
+    def put_mxfp4(self, leaf: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """This rank's slice of a checkpoint's `gate_up_proj` (blocks [E, 2I, H / 32, 16], gate rows even,
+        up rows odd) or `down_proj` ([E, H, I / 32, 16]) MXFP4 blocks, kept as ggml's blocks."""
+        assert self.mxfp4 is not None
+        e, hidden = self.num_experts, self.router_weight.shape[1]
+        want = {
+            "gate_up_proj": (e, 2 * self.inter_full, hidden // BLOCK, BLOCK // 2),
+            "down_proj": (e, hidden, self.inter_full // BLOCK, BLOCK // 2),
+        }[leaf]
+        if tuple(blocks.shape) != want:
+            raise ValueError(f"MXFP4 {leaf}_blocks has shape {tuple(blocks.shape)}, expected {want}")
+        if leaf == "gate_up_proj":
+            rows = slice(self.start, self.stop)
+            self.mxfp4["gate"] = to_ggml_blocks(blocks[:, 0::2][:, rows], scales[:, 0::2][:, rows])
+            self.mxfp4["up"] = to_ggml_blocks(blocks[:, 1::2][:, rows], scales[:, 1::2][:, rows])
+        else:
+            cols = slice(self.start // BLOCK, self.stop // BLOCK)
+            self.mxfp4["down"] = to_ggml_blocks(blocks[:, :, cols], scales[:, :, cols])
+
+    def finish_mxfp4(self) -> None:
+        """Build the fused experts from the kept blocks and the loaded biases."""
+        from runtime.models.moe_fused import ExpertActivation, GGUFExperts
+
+        assert self.mxfp4 is not None
+        self.experts = GGUFExperts(
+            [(GGML_MXFP4, self.mxfp4[part]) for part in ("gate", "up", "down")],
+            interleaved=(),
+            b13=self.b13.detach(),
+            b2=self.b2.detach() if self.add_b2 else None,
+            activation=ExpertActivation("clamped_swiglu", self.alpha, self.limit),
+        )
+        self.mxfp4 = {}  # the blocks are the experts' buffers now
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): top-k of the router's logits (float32), softmaxed
@@ -142,8 +205,12 @@ class GptOssMoe(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]; one gate|up and one down matmul per expert hit, summed in float32."""
+        """x [T, H] -> [T, H]: the fused op over the MXFP4 blocks, or one gate|up and one down matmul per
+        expert hit; summed in float32."""
         weights, ids = self.route(x)
+        if self.experts is not None:  # one fused call over the MXFP4 blocks
+            out = self.experts(x.float().contiguous(), weights, ids)
+            return self.tp.all_reduce(out).to(x.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, rows, w in _expert_groups(weights, ids, self.num_experts):
             h = self.swiglu(F.linear(x.index_select(0, rows), self.w13[e], self.b13[e]))
@@ -181,6 +248,13 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.fused_cpu_ops = False
         self._fused_plan = None
         self.tie_weights()
+
+    def keep_mxfp4_experts(self) -> None:
+        """Keep the checkpoint's MXFP4 experts as blocks (`--quantization mxfp4`), called on the model as
+        built, before its weights are allocated and loaded; ValueError where the tensor-parallel slices cut
+        blocks."""
+        for layer in self.layers:
+            layer.mlp.keep_mxfp4()
 
     def use_fused_cpu_ops(self, enable: bool = True) -> None:
         """No fused C++ layer path: the layers always run eagerly."""
@@ -272,6 +346,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 put(name, tensor)
         if pending:
             raise ValueError(f"MXFP4 weights without their blocks or scales: {sorted(pending)[:5]}")
+        for i, layer in enumerate(self.layers):
+            if layer.mlp.mxfp4 is not None:
+                absent = {"gate", "up", "down"} - set(layer.mlp.mxfp4)
+                if absent:
+                    raise ValueError(f"MXFP4 experts missing from checkpoint: layer {i}'s {sorted(absent)}")
         missing = []
         for pname in params:
             if ".qkv_proj." in pname:
@@ -289,6 +368,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             )
         for layer in self.layers:
             layer.self_attn.bind_sinks()
+            if layer.mlp.mxfp4 is not None:
+                layer.mlp.finish_mxfp4()
 
     def _put_expert(
         self, put, layer: str, leaf: str, tensor: torch.Tensor, scales: torch.Tensor | None = None
@@ -298,6 +379,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
         and up are interleaved (even outputs gate, odd up); they load as w13's (and b13's) gate rows, then
         up rows."""
         mlp = self.get_submodule(f"{layer}.mlp")
+        if mlp.mxfp4 is not None and leaf in ("gate_up_proj", "down_proj"):
+            if scales is None:
+                raise ValueError(
+                    f"{layer}.mlp.experts.{leaf} is a float tensor: --quantization mxfp4 serves checkpoints "
+                    "whose experts are MXFP4; use --quantization none"
+                )
+            mlp.put_mxfp4(leaf, tensor, scales)
+            return
         if scales is not None:
             tensor = dequantize_mxfp4(tensor, scales, mlp.w13.dtype)  # [E, out, in]
         elif leaf in ("gate_up_proj", "down_proj"):

@@ -11,7 +11,11 @@ int4 cuts the bytes read per step by 4x / ~7x; activations stay float32. Methods
 - gguf: the GGUF file's own Q4_1 blocks, run exactly by the int4 kernel (Q8_0 re-quantized per channel);
 - gguf_native: a GGUF file's own blocks of every common type (Q4_0..Q8_0, Q2_K..Q6_K) used in place, times
   int8 activations per block, in radixlm's C++ kernels (runtime/models/gguf_linear.py); what `auto` picks for
-  a GGUF file nobody measured, where the kernels run fast.
+  a GGUF file nobody measured, where the kernels run fast;
+- mxfp4: a checkpoint's MXFP4 experts (gpt-oss) kept as blocks, read in place by the GGUF block kernels'
+  fused MoE op with int8 activations per block of 32 (runtime/models/mxfp4.py); the other layers run as
+  loaded, in any --dtype. What `auto` picks for an MXFP4 checkpoint (`is_mxfp4_checkpoint`) on the CPU, as
+  vLLM serves MXFP4 as it is; `none` dequantizes the experts at load.
 
 Measured cost (bench/quant_matmul.py, 2-core EPYC, torch 2.13): both weight-only kernels are slower than
 fp32 `F.linear` (int8 2-18x, int4 5-23x at M=1..32, 1 thread), so they trade speed for memory here; w8a8's
@@ -35,11 +39,12 @@ load a model.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8", "gguf_native")
+QUANTIZATION_METHODS = ("none", "int8", "int4", "gguf", "w8a8", "w4a8", "gguf_native", "mxfp4")
 QUANTIZATION_CHOICES = ("auto", *QUANTIZATION_METHODS)  # `--quantization`: a method, or auto (measured)
 
 
@@ -54,11 +59,14 @@ def check_supported(method: str, device: str, dtype: str) -> None:
             "w8a8": "fbgemm's dynamic int8 linear",
             "w4a8": "radixlm's Q4_1 / Q8_0 CPU kernel",
             "gguf_native": "radixlm's GGUF block CPU kernels",
+            "mxfp4": "radixlm's GGUF block CPU kernels (MXFP4 experts)",
         }.get(method, "torch's CPU weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu)")
         raise ValueError(
             f"--quantization {method} uses {kernels}; device {device!r} is not supported: "
             "use --quantization none"
         )
+    if method == "mxfp4":
+        return  # only the experts are read as blocks (float32 activations in the op); the rest runs in dtype
     if method == "w8a8":
         import torch
 
@@ -72,6 +80,18 @@ def check_supported(method: str, device: str, dtype: str) -> None:
             f"--quantization {method} needs --dtype float32 activations (got {dtype!r}): its CPU kernels "
             "take float32 activations, and only float32 is tested against the dequantized reference"
         )
+
+
+def is_mxfp4_checkpoint(folder: str) -> bool:
+    """Whether the Hugging Face folder's config.json says its weights are MXFP4 (a `quantization_config`
+    with quant_method mxfp4, as OpenAI's gpt-oss releases); False without a readable config."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
 def check_model(method: str, model: str) -> None:
@@ -268,6 +288,13 @@ def resolve_auto(
             (auto_dtype if dtype == "auto" else dtype),
             "none",
             f"device {device}: the kernels are CPU-only",
+        )
+    if hf_folder is not None and is_mxfp4_checkpoint(hf_folder):
+        return (
+            (auto_dtype if dtype == "auto" else dtype),
+            "mxfp4",
+            "an MXFP4 checkpoint: its experts served as the MXFP4 blocks they are (the fused MoE op, int8 "
+            "activations per block of 32); --quantization none dequantizes them at load",
         )
     if dtype not in ("auto", "float32"):
         return dtype, "none", f"--dtype {dtype} given: every quantization runs float32 activations"

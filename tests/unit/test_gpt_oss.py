@@ -18,6 +18,9 @@ from tests.unit.test_model_parity import Harness, check_against_transformers, hf
 from tests.unit.test_scheduler import assert_all_free, prompts, run
 
 TOL = dict(atol=3e-4, rtol=1e-4)
+# MXFP4 blocks against their dequantization, |logits - want| / |want| per row: 0.0066 at most measured
+MXFP4_LOGIT_TOL = 0.02
+MXFP4_NEAR_TIE = 0.05  # a top-2 logit gap the int8 activations may flip (logits differ by <= 0.04 measured)
 
 
 @pytest.fixture(scope="module")
@@ -156,11 +159,14 @@ def test_torch_native_sinks_equal_direct_softmax(window, prefix):
 
 
 # ---- MXFP4 ---------------------------------------------------------------------------------------------
-def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """blocks uint8 [*shape, 16] (every FP4 code), scales uint8 [*shape] around 127 (small weights)."""
+def random_mxfp4(
+    shape: tuple[int, ...], seed: int, exponents: tuple[int, int] = (120, 130)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """blocks uint8 [*shape, 16] (every FP4 code), scales uint8 [*shape] drawn from [exponents) (by default
+    around 127)."""
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (*shape, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(120, 130, shape, generator=g, dtype=torch.uint8)
+    scales = torch.randint(*exponents, shape, generator=g, dtype=torch.uint8)
     return blocks, scales
 
 
@@ -202,32 +208,199 @@ def test_mxfp4_refuses_bad_inputs():
         dequantize_mxfp4(blocks, scales, torch.float32)
 
 
-def test_mxfp4_checkpoint_loads_as_its_dequantization(tmp_path):
-    """A checkpoint whose experts are MXFP4 blocks + scales (as OpenAI's, with a quantization_config) loads,
-    and its logits equal transformers' model holding the dequantized experts."""
+def save_mxfp4_gpt_oss(tmp_path, config=None, std: float = 0.3, exponents: tuple[int, int] = (120, 130)):
+    """A checkpoint whose experts are MXFP4 blocks + scales (as OpenAI's, with a quantization_config), and
+    transformers' model holding their dequantization."""
     import json
 
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf = random_gpt_oss(gpt_oss_config(), seed=3)
+    config = config or gpt_oss_config()
+    hf = random_gpt_oss(config, seed=3, std=std)
     hf.save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    hidden, inter = 64, 32
+    hidden, inter = config.hidden_size, config.intermediate_size
     for layer_id, layer in enumerate(hf.model.layers):
         experts = layer.mlp.experts
         for proj, (n_out, n_in) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
-            blocks, scales = random_mxfp4((EXPERTS, n_out, n_in // 32), seed=10 * layer_id + len(proj))
+            blocks, scales = random_mxfp4(
+                (EXPERTS, n_out, n_in // 32), seed=10 * layer_id + len(proj), exponents=exponents
+            )
             with torch.no_grad():  # transformers' layout: [E, in, out]
                 getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
             name = f"model.layers.{layer_id}.mlp.experts.{proj}"
             del tensors[name]
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    compare(runner_for(str(tmp_path), "torch_native"), hf, [20], {0: 9})
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def mxfp4_gpt_oss(tmp_path_factory):
+    """(folder, transformers model) of the tiny random gpt-oss with MXFP4 experts of gpt-oss's weight sizes
+    (exponents 116..123: |w| <= 6 * 2**-4). With weights up to 24 (exponents up to 129) the random model's
+    routing sits near ties that int8 activations flip, and the logits of kept blocks and of their
+    dequantization part far apart on some rows (up to 80%) though each MoE layer differs by ~2%."""
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    return str(path), save_mxfp4_gpt_oss(path, exponents=(116, 124))
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantization(mxfp4_gpt_oss):
+    """Under --quantization none an MXFP4 checkpoint's experts are dequantized at load: its logits equal
+    transformers' model holding the dequantized experts."""
+    path, hf = mxfp4_gpt_oss
+    runner = runner_for(path, "torch_native")
+    assert all(layer.mlp.experts is None and layer.mlp.w13 is not None for layer in runner.model.layers)
+    compare(runner, hf, [20], {0: 9})
+
+
+def mxfp4_runner(path: str, quantization: str = "mxfp4"):
+    from runtime.model_executor.model_runner import ModelRunner
+
+    return ModelRunner(
+        path, dtype="float32", device="cpu", max_total_tokens=2048, max_running_requests=8,
+        attention_backend="torch_native", quantization=quantization,
+    )  # fmt: skip
+
+
+def test_mxfp4_experts_kept_as_blocks(mxfp4_gpt_oss):
+    """Under --quantization mxfp4 the experts stay MXFP4: each layer holds them as ggml's uint8 blocks (17
+    bytes per 32 weights: the checkpoint's bytes) and no float copy, and the logits of extends and decode
+    steps are close to the dequantized model's (int8 activations per block of 32 apart) with the same
+    top-1 token at >= 95% of positions (all of them, measured)."""
+    from runtime.models.moe_fused import GGUFExperts
+    from tests.unit.test_model_parity import Harness
+
+    path, hf = mxfp4_gpt_oss
+    hidden, inter = hf.config.hidden_size, hf.config.intermediate_size
+    blocks = mxfp4_runner(path)
+    for layer in blocks.model.layers:
+        mlp = layer.mlp
+        assert mlp.w13 is None and mlp.w2 is None and isinstance(mlp.experts, GGUFExperts)
+        ex = mlp.experts
+        assert ex.types == [39, 39, 39]
+        assert [tuple(w.shape) for w in (ex.w0, ex.w1, ex.w2)] == [
+            (EXPERTS, inter, hidden // 32 * 17),
+            (EXPERTS, inter, hidden // 32 * 17),
+            (EXPERTS, hidden, inter // 32 * 17),
+        ]
+        assert all(w.dtype == torch.uint8 for w in (ex.w0, ex.w1, ex.w2))
+        # the checkpoint's blocks + scales: 2I x H and H x I weights per expert, 17 bytes per 32
+        want_bytes = EXPERTS * (2 * inter * hidden + hidden * inter) // 32 * 17
+        assert sum(w.numel() for w in (ex.w0, ex.w1, ex.w2)) == want_bytes
+        assert all(p.numel() < EXPERTS * hidden * 2 for p in mlp.parameters())  # router and biases only
+    dense = mxfp4_runner(path, "none")
+    g = torch.Generator().manual_seed(4)
+    seqs = {i: torch.randint(3, 512, (n,), generator=g).tolist() for i, n in enumerate([20, 9, 33])}
+    hb, hd = Harness(blocks), Harness(dense)
+    got, want = hb.extend(seqs, all_logits=True), hd.extend(seqs, all_logits=True)
+    for _ in range(3):
+        got = torch.cat([got, hb.decode({i: 7 + i for i in seqs})])
+        want = torch.cat([want, hd.decode({i: 7 + i for i in seqs})])
+    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    assert rel < MXFP4_LOGIT_TOL, rel
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+def test_mxfp4_scheduler_greedy_agrees_with_dequantized(mxfp4_gpt_oss, default_tokenizer):
+    """Through the scheduler (radix cache, prefill chunks of 16), 5 requests x 12 greedy tokens: the MXFP4
+    experts' tokens equal the dequantized model's on >= 80% of positions (compared up to each request's first
+    difference, past which the texts differ), and a difference only where the dequantized model's top two
+    logits are a near tie (within MXFP4_NEAR_TIE, about the logits' measured difference) and the MXFP4 model
+    took the runner-up."""
+    from tests.unit.test_model_parity import Harness
+
+    path, _ = mxfp4_gpt_oss
+    reqs = prompts(5)
+    outs = {}
+    for quantization in ("mxfp4", "none"):
+        sched = make_scheduler(
+            path,
+            default_tokenizer,
+            chunked_prefill_size=16,
+            max_running_requests=3,
+            quantization=quantization,
+        )
+        assert (sched.runner.model.layers[0].mlp.experts is not None) == (quantization == "mxfp4")
+        outs[quantization] = run(sched, reqs, max_new=12, arrive_every=2)["outs"]
+        assert_all_free(sched)
+    dense = mxfp4_runner(path, "none")
+    agree = total = 0
+    for i, p in enumerate(reqs):
+        got, want = outs["mxfp4"][f"r{i}"], outs["none"][f"r{i}"]
+        same = next((j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        agree, total = agree + same, total + len(want)
+        if same < len(want):
+            logits = Harness(dense).extend({0: p + want[:same]})[-1]
+            top = logits.topk(2)
+            assert top.indices.tolist() == [want[same], got[same]], f"request {i}, token {same}"
+            assert top.values[0] - top.values[1] < MXFP4_NEAR_TIE, f"request {i}, token {same}: {top.values}"
+    assert agree >= 0.8 * total, (agree, total)
+
+
+def test_mxfp4_experts_split_over_two_ranks(tmp_path):
+    """Two tensor-parallel ranks of an MXFP4 checkpoint whose intermediate size (64) splits on whole blocks:
+    each rank keeps its 32 features' blocks (gate and up rows, down's block column) and its biases (down's on
+    rank 0 only), and the ranks' partial outputs sum to one rank's (the all_reduce stood in by the sum)."""
+    from runtime.models.gpt_oss import GptOssForCausalLM
+    from runtime.models.model_config import ModelConfig
+    from runtime.models.model_loader import iter_weights, load_hf_config
+    from runtime.models.parallel import TensorParallel
+
+    class Partial(TensorParallel):
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # each rank's partial sum, added below
+            return x
+
+    config = gpt_oss_config()
+    config.intermediate_size = 64
+    save_mxfp4_gpt_oss(tmp_path, config, exponents=(116, 124))
+    cfg = ModelConfig.from_hf(load_hf_config(str(tmp_path)))
+    mlps = []
+    for rank, size in ((0, 1), (0, 2), (1, 2)):
+        model = GptOssForCausalLM(cfg, Partial(rank, size, group=None if size == 1 else object()))
+        model.keep_mxfp4_experts()
+        model.load_weights(iter_weights(str(tmp_path)))
+        mlps.append([layer.mlp for layer in model.layers])
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(6))
+    for whole, r0, r1 in zip(*mlps, strict=True):
+        assert r0.experts.w2.shape == (EXPERTS, 64, 17) and r1.experts.b2 is None
+        assert torch.equal(r0.experts.w0, whole.experts.w0[:, :32]) and torch.equal(
+            r1.experts.w1, whole.experts.w1[:, 32:]
+        )
+        torch.testing.assert_close(r0(x) + r1(x), whole(x), rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_auto_and_refusals(gpt_oss, mxfp4_gpt_oss):
+    """auto keeps an MXFP4 checkpoint's experts as blocks on the CPU only; mxfp4 refuses float experts,
+    other devices, and tensor-parallel slices that cut blocks."""
+    from runtime.model_executor.model_runner import ModelRunner
+    from runtime.models.gpt_oss import GptOssForCausalLM
+    from runtime.models.model_config import ModelConfig
+    from runtime.models.parallel import TensorParallel
+    from runtime.models.quantization import check_supported, is_mxfp4_checkpoint, resolve_auto
+
+    path, hf = mxfp4_gpt_oss
+    assert is_mxfp4_checkpoint(path) and not is_mxfp4_checkpoint(gpt_oss[0])
+    for flags, dtype in ((frozenset(), "float32"), (frozenset({"avx512_bf16"}), "bfloat16")):
+        assert resolve_auto("auto", "cpu", None, flags, True, hf_folder=path)[:2] == (dtype, "mxfp4")
+    assert resolve_auto("auto", "cuda", None, frozenset(), True, hf_folder=path)[1] == "none"
+    assert resolve_auto("auto", "cpu", None, frozenset(), True, hf_folder=gpt_oss[0])[1] == "none"
+    check_supported("mxfp4", "cpu", "bfloat16")
+    with pytest.raises(ValueError, match="not supported"):
+        check_supported("mxfp4", "cuda", "bfloat16")
+    with pytest.raises(ValueError, match="is a float tensor"):
+        mxfp4_runner(gpt_oss[0])
+    with pytest.raises(ValueError, match="serves gpt-oss's MXFP4 experts on the CPU"):
+        ModelRunner(path, dtype="float32", device="meta", quantization="mxfp4")
+    cfg = ModelConfig.from_hf(hf.config)
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg, TensorParallel(0, 2, group=object()))
+    with pytest.raises(ValueError, match=r"features \[0, 16\) of 32 do not fall on whole blocks"):
+        model.keep_mxfp4_experts()
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
