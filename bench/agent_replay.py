@@ -33,10 +33,10 @@ folder of the default model, prefix caching on) and `llama-server` (the default 
 `peers.LLAMA_SERVER_SLOTS` slots, prompt caching on). Each call posts the prompt's token ids to the server's
 own endpoint that returns the generated ids (vLLM: `/v1/completions` with `return_token_ids`; llama-server:
 `/completion` with `return_tokens`), so every side grows the same histories. With `--peer-kv pool` (the
-default) each peer's KV holds the same tokens as radixlm's pool (vLLM `--kv-cache-memory-bytes`, rounded up to
-whole 128-token blocks; llama-server one unified KV of that size shared by its slots, its host-memory prompt
-cache off); with `--peer-kv own` their usual KV holds the whole working set (an advantage to them). `kv_pool`
-per side records it. They know no program ids. Their cached tokens per call are what they report
+default) each peer's KV holds the same tokens as radixlm's pool (vLLM `--num-gpu-blocks-override`, rounded up
+to whole 128-token blocks; llama-server one unified KV of that size shared by its slots, its host-memory
+prompt cache off); with `--peer-kv own` their usual KV holds the whole working set (an advantage to them).
+`kv_pool` per side records it. They know no program ids. Their cached tokens per call are what they report
 (`usage.prompt_tokens_details.cached_tokens`, `timings.cache_n`), so recomputed prefill is counted the same
 way; a peer that reports none gives null ("n/a").
 
@@ -295,7 +295,7 @@ def kv_bytes_per_token(model_dir: str) -> int:
 
 def peer_side_spec(side: str, port: int, args, trace: dict[str, Any], pool: int):
     """How a peer side starts (`bench.harness.peers`). `--peer-kv pool` (the default) gives it radixlm's KV
-    budget, `pool` tokens: vLLM `--kv-cache-memory-bytes` of that many tokens (rounded up to whole
+    budget, `pool` tokens: vLLM that many tokens' blocks (`--num-gpu-blocks-override`, rounded up to whole
     blocks) and a context of `pool`; llama-server one unified KV of `pool` tokens shared by its slots, its
     host-memory prompt cache off (radixlm's sides run no host tier). `--peer-kv own`: each with the KV of
     its usual set-up (vLLM VLLM_KV_CACHE_GIB GiB; llama-server's slots each as long as the longest program),
@@ -310,9 +310,11 @@ def peer_side_spec(side: str, port: int, args, trace: dict[str, Any], pool: int)
             return spec
         blocks = -(-pool // VLLM_BLOCK)
         spec.env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the explicit size
-        size = blocks * VLLM_BLOCK * kv_bytes_per_token(spec.model)
-        spec.command += ["--kv-cache-memory-bytes", str(size), "--max-model-len", str(pool)]
-        spec.notes["kv_pool"] = f"{blocks * VLLM_BLOCK} tokens ({size / 2**20:.1f} MiB)"
+        # the block count is exact (one more: the null block vLLM holds back); the memory only has to cover it
+        size = 2 * (blocks + 1) * VLLM_BLOCK * kv_bytes_per_token(spec.model)
+        spec.command += ["--kv-cache-memory-bytes", str(size), "--num-gpu-blocks-override", str(blocks + 1)]
+        spec.command += ["--max-model-len", str(pool)]
+        spec.notes["kv_pool"] = f"{blocks * VLLM_BLOCK} tokens ({blocks} blocks of {VLLM_BLOCK})"
         return spec
     from bench.harness.llamacpp import gguf_file
 
