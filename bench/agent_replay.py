@@ -34,9 +34,10 @@ folder of the default model, prefix caching on) and `llama-server` (the default 
 own endpoint that returns the generated ids (vLLM: `/v1/completions` with `return_token_ids`; llama-server:
 `/completion` with `return_tokens`), so every side grows the same histories. With `--peer-kv pool` (the
 default) each peer's KV holds the same tokens as radixlm's pool (vLLM `--num-gpu-blocks-override`, rounded up
-to whole 128-token blocks; llama-server one unified KV of that size shared by its slots, its host-memory
-prompt cache off); with `--peer-kv own` their usual KV holds the whole working set (an advantage to them).
-`kv_pool` per side records it. They know no program ids. Their cached tokens per call are what they report
+to whole 128-token blocks; llama-server that KV split into as many slots as hold the longest history (a
+unified KV answers 500 when running requests outgrow it), its host-memory prompt cache off); with `--peer-kv
+own` their usual KV holds the whole working set (an advantage to them). `kv_pool` per side records it. They
+know no program ids. Their cached tokens per call are what they report
 (`usage.prompt_tokens_details.cached_tokens`, `timings.cache_n`), so recomputed prefill is counted the same
 way; a peer that reports none gives null ("n/a").
 
@@ -296,10 +297,10 @@ def kv_bytes_per_token(model_dir: str) -> int:
 def peer_side_spec(side: str, port: int, args, trace: dict[str, Any], pool: int):
     """How a peer side starts (`bench.harness.peers`). `--peer-kv pool` (the default) gives it radixlm's KV
     budget, `pool` tokens: vLLM that many tokens' blocks (`--num-gpu-blocks-override`, rounded up to whole
-    blocks) and a context of `pool`; llama-server one unified KV of `pool` tokens shared by its slots, its
-    host-memory prompt cache off (radixlm's sides run no host tier). `--peer-kv own`: each with the KV of
-    its usual set-up (vLLM VLLM_KV_CACHE_GIB GiB; llama-server's slots each as long as the longest program),
-    which holds the whole working set. `notes["kv_pool"]` says what its KV holds."""
+    blocks) and a context of `pool`; llama-server `pool` tokens split into as many slots as hold the
+    longest history, its host-memory prompt cache off (radixlm's sides run no host tier). `--peer-kv own`:
+    each with the KV of its usual set-up (vLLM VLLM_KV_CACHE_GIB GiB; llama-server's slots each as long as
+    the longest program), which holds the whole working set. `notes["kv_pool"]` says what its KV holds."""
     from bench.harness.peers import LLAMA_SERVER_SLOTS, VLLM_KV_CACHE_GIB, llama_server_spec, peer_spec
 
     equal = args.peer_kv == "pool"
@@ -319,11 +320,17 @@ def peer_side_spec(side: str, port: int, args, trace: dict[str, Any], pool: int)
     from bench.harness.llamacpp import gguf_file
 
     if equal:
-        spec = llama_server_spec(gguf_file("default"), port, args.threads, pool)
+        # as many slots as the pool holds of the longest history, each its share (a unified KV shared by
+        # every slot answers 500 "context size exceeded" when running requests outgrow it, where radixlm and
+        # vLLM queue); requests beyond the slots wait in llama-server's own queue
+        need = longest_program(trace, args) + args.max_new_tokens + 64
+        slots = max(1, pool // need)
+        spec = llama_server_spec(gguf_file("default"), port, args.threads, pool // slots)
         cmd = spec.command
-        cmd[cmd.index("-c") + 1] = str(pool)  # one KV of `pool` tokens ...
-        cmd += ["--kv-unified", "--cache-ram", "0"]  # ... shared by the slots; no host-memory prompt cache
-        spec.notes["kv_pool"] = f"{pool} tokens (unified, {LLAMA_SERVER_SLOTS} slots)"
+        cmd[cmd.index("-np") + 1] = str(slots)
+        cmd[cmd.index("-c") + 1] = str(slots * (pool // slots))
+        cmd += ["--cache-ram", "0"]  # no host-memory prompt cache (radixlm's sides run no host tier)
+        spec.notes["kv_pool"] = f"{slots * (pool // slots)} tokens ({slots} slot{'s' if slots > 1 else ''})"
         return spec
     slot_ctx = -(-(longest_program(trace, args) + 64) // 1024) * 1024
     spec = llama_server_spec(gguf_file("default"), port, args.threads, slot_ctx)
