@@ -482,7 +482,7 @@ def agent_replay(results_dir: Path) -> str:
 
     rows = [
         ["job time p50 / p90 / p99, s"]
-        + [f"{r['jct_p50_s']:.1f} / {r['jct_p90_s']:.1f} / {r['jct_p99_s']:.1f}" for r in sides],
+        + [f"{r['jct_p50_s']:.2f} / {r['jct_p90_s']:.1f} / {r['jct_p99_s']:.1f}" for r in sides],
         ["programs per minute"] + [f"{r['programs_per_min']:.2f}" for r in sides],
         ["prefill tokens recomputed"] + [recomputed(r) for r in sides],
         ["KV pool"] + [r.get("kv_pool") or "–" for r in sides],
