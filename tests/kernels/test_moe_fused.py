@@ -59,6 +59,17 @@ def routing(t: int, mode: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return w / w.sum(1, keepdim=True), ids
 
 
+def routing_cases(hidden: int):
+    """(x [t, hidden] float32, weights, ids) at batch 1, 4 and 64 under every ROUTINGS mode (`every` only
+    where the rows can cover all experts)."""
+    for t in (1, 4, 64):
+        for mode in ROUTINGS:
+            if mode == "every" and t * K_TOP < E:
+                continue
+            w, ids = routing(t, mode, seed=t)
+            yield torch.randn(t, hidden, generator=torch.Generator().manual_seed(t)), w, ids
+
+
 def check(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal to float32 summation error (the same int8 dots; the sums taken in another order)."""
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -107,13 +118,8 @@ def test_gguf_matches_the_loop(case: str, layout: str) -> None:
                 for e in range(E):
                     assert torch.equal(getattr(ex, f"w{i}")[e], interleave(t, raw[e])[1])
     calls = ex.expert_calls()
-    for t in (1, 4, 64):
-        for mode in ROUTINGS:
-            if mode == "every" and t * K_TOP < E:
-                continue
-            w, ids = routing(t, mode, seed=t)
-            x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(t))
-            check(ex(x, w, ids), grouped_moe_layers(x, calls, w, ids))
+    for x, w, ids in routing_cases(hidden):
+        check(ex(x, w, ids), grouped_moe_layers(x, calls, w, ids))
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -133,13 +139,8 @@ def test_w4a8_matches_the_loop(kind: str) -> None:
     assert all(a.qs.data_ptr() == ex.qs13[e].data_ptr() for e, (a, _) in enumerate(layers))
     assert all(torch.equal(a.dequantized_weight(), w) for (a, _), w in zip(layers, want_w13, strict=True))
     calls = [(a.forward, b.forward) for a, b in layers]
-    for t in (1, 4, 64):
-        for mode in ROUTINGS:
-            if mode == "every" and t * K_TOP < E:
-                continue
-            w, ids = routing(t, mode, seed=t)
-            x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(t))
-            check(ex(x, w, ids), grouped_moe_layers(x, calls, w, ids))
+    for x, w, ids in routing_cases(hidden):
+        check(ex(x, w, ids), grouped_moe_layers(x, calls, w, ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -148,17 +149,13 @@ def test_float_matches_the_loop(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(2)
     w13 = (torch.randn(E, 2 * inter, hidden, generator=gen) * 0.1).to(dtype)
     w2 = (torch.randn(E, hidden, inter, generator=gen) * 0.1).to(dtype)
-    for t in (1, 4, 64):
-        for mode in ROUTINGS:
-            if mode == "every" and t * K_TOP < E:
-                continue
-            w, ids = routing(t, mode, seed=t)
-            x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(t)).to(dtype)
-            got, want = moe_fused.fused_float_moe(x, w13, w2, w, ids), grouped_moe(x, w13, w2, w, ids)
-            if dtype == torch.float32:
-                check(got, want)
-            else:  # the same bf16 matmuls; rounded to bf16 at the end
-                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for x, w, ids in routing_cases(hidden):
+        x = x.to(dtype)
+        got, want = moe_fused.fused_float_moe(x, w13, w2, w, ids), grouped_moe(x, w13, w2, w, ids)
+        if dtype == torch.float32:
+            check(got, want)
+        else:  # the same bf16 matmuls; rounded to bf16 at the end
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
 def test_no_tokens_and_bad_input() -> None:
@@ -300,23 +297,19 @@ def test_gpt_oss_experts_match_the_loop(activation: str) -> None:
     ]
     w13, w2 = torch.cat(deq[:2], dim=1), deq[2]  # [E, 2I, H], [E, H, I]
     clamped = [0, 0]
-    for t in (1, 4, 64):
-        for mode in ROUTINGS:
-            if mode == "every" and t * K_TOP < E:
-                continue
-            w, ids = routing(t, mode, seed=t)
-            x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(t))
-            got = ex(x, w, ids)
-            want = expert_loop(
-                x, w, ids, lambda e, xs: _OP(xs, [g[e], u[e]], [MXFP4] * 2),
-                lambda e, a: _OP(a.contiguous(), [d[e]], [MXFP4]), b13, b2, act,
-            )  # fmt: skip
-            check(got, want)
-            flt = expert_loop(x, w, ids, lambda e, xs: xs @ w13[e].T, lambda e, a: a @ w2[e].T, b13, b2, act)
-            assert (got - flt).norm() / flt.norm() < 0.05
-            h = x @ w13.reshape(-1, hidden).T
-            clamped[0] += int((h.reshape(t, E, 2 * inter)[..., :inter] > limit).sum())
-            clamped[1] += int((h.reshape(t, E, 2 * inter)[..., inter:] < -limit).sum())
+    for x, w, ids in routing_cases(hidden):
+        t = x.shape[0]
+        got = ex(x, w, ids)
+        want = expert_loop(
+            x, w, ids, lambda e, xs: _OP(xs, [g[e], u[e]], [MXFP4] * 2),
+            lambda e, a: _OP(a.contiguous(), [d[e]], [MXFP4]), b13, b2, act,
+        )  # fmt: skip
+        check(got, want)
+        flt = expert_loop(x, w, ids, lambda e, xs: xs @ w13[e].T, lambda e, a: a @ w2[e].T, b13, b2, act)
+        assert (got - flt).norm() / flt.norm() < 0.05
+        h = x @ w13.reshape(-1, hidden).T
+        clamped[0] += int((h.reshape(t, E, 2 * inter)[..., :inter] > limit).sum())
+        clamped[1] += int((h.reshape(t, E, 2 * inter)[..., inter:] < -limit).sum())
     assert min(clamped) > 0
 
 
