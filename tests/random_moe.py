@@ -1,4 +1,5 @@
-"""Tiny random-weight mixture-of-experts checkpoints (Qwen3-MoE, Mixtral) for tests, saved as HF folders."""
+"""Tiny random-weight mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral) for tests, saved as HF
+folders."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ COMMON = dict(
 def moe_config(arch: str) -> Any:
     """A tiny config of `arch`: 8 experts, top-2. Qwen3-MoE: layer 1 dense (`mlp_only_layers`), its top-k
     weights not renormalised (`norm_topk_prob=False`, the other branch from Mixtral's)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(
@@ -32,6 +33,18 @@ def moe_config(arch: str) -> Any:
             head_dim=16,
             intermediate_size=96,
             moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        )
+    if arch == "qwen2_moe":  # a shared expert with its sigmoid gate; q/k/v biases; layer 1 dense
+        return Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
             num_experts=8,
             num_experts_per_tok=2,
             decoder_sparse_step=1,

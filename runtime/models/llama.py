@@ -132,9 +132,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, intermediate_size: int | None = None):
         super().__init__()
-        full = cfg.intermediate_size
+        full = intermediate_size or cfg.intermediate_size
         start, stop = split_range(full, tp.size, tp.rank)
         self.inter = stop - start
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(full, start, stop)] * 2)
@@ -155,6 +155,8 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(
                 cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, tp
             )
+            if moe.shared_intermediate_size:  # Qwen2-MoE: a dense expert every token runs, sigmoid-gated
+                self.mlp.add_shared_expert(MLP(cfg, tp, moe.shared_intermediate_size))
         else:
             self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
@@ -55,13 +56,16 @@ class LongRope:
 class MoeConfig:
     """The mixture-of-experts MLP: `num_experts` SiLU-gated experts of `intermediate_size`, softmax top-k
     routing, the k weights renormalised to sum to 1 when `renormalize`; `sparse_layers` lists the layers
-    that have it (the others keep the dense MLP of `ModelConfig.intermediate_size`)."""
+    that have it (the others keep the dense MLP of `ModelConfig.intermediate_size`).
+    `shared_intermediate_size` > 0: every token also runs one shared SiLU-gated expert of that size, scaled
+    by a sigmoid gate of its own (Qwen2-MoE's `shared_expert` and `shared_expert_gate`)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     renormalize: bool
     sparse_layers: frozenset[int]
+    shared_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, cfg: Any, kind: str) -> MoeConfig | None:
@@ -75,7 +79,7 @@ class MoeConfig:
                 True,
                 frozenset(range(cfg.num_hidden_layers)),
             )
-        if kind == "qwen3_moe":  # transformers' Qwen3MoeDecoderLayer picks sparse layers this way
+        if kind in ("qwen3_moe", "qwen2_moe"):  # transformers' decoder layers pick sparse layers this way
             dense, step = set(getattr(cfg, "mlp_only_layers", None) or ()), cfg.decoder_sparse_step
             sparse = frozenset(
                 i
@@ -88,6 +92,7 @@ class MoeConfig:
                 cfg.moe_intermediate_size,
                 cfg.norm_topk_prob,
                 sparse,
+                getattr(cfg, "shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0,
             )
         return None
 
@@ -164,7 +169,7 @@ class ModelConfig:
             rms_norm_eps=cfg.rms_norm_eps,
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=kind == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qkv_bias=kind in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False)),
             qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
             inv_freq=inv_freq,
             rope_attention_scaling=scaling,

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): softmax top-k routing and the grouped expert op.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): softmax top-k routing and the grouped expert op.
 
 The router's logits are float32 (its weight is kept float32 whatever the model's dtype). On the CPU a layer's
 experts run as one C++ call (runtime/models/moe_fused.py, csrc/moe_fused.cpp): the batch's (token, choice)
@@ -12,9 +12,13 @@ step reads only the routed experts' weights: at decode batch 1, top-k of them. U
 (`SparseMoeBlock.quantize_experts`; w4a8's are then stacked for the fused op); a GGUF file's experts are its
 stacked blocks (`use_fused_experts`); the router stays float32.
 
+A shared expert (Qwen2-MoE) is a dense SiLU-gated MLP every token runs beside its routed experts, its output
+scaled by sigmoid(x . shared_gate_weight) (one float32 logit per token) and added to theirs
+(`SparseMoeBlock.add_shared_expert`); it is quantized like any dense MLP.
+
 Under tensor parallelism each rank holds rows [start, stop) of every expert's intermediate features (like
 the dense MLP), the router is replicated (so every rank routes alike), and the partial outputs are summed
-with one all_reduce.
+with one all_reduce; a shared expert is sharded like the dense MLP and its gate replicated.
 """
 
 from __future__ import annotations
@@ -154,10 +158,21 @@ class SparseMoeBlock(nn.Module):
         # (x, topk_weights, topk_ids) -> [T, H] in one C++ call over quantized experts (moe_fused.py)
         self.fused: nn.Module | None = None
         self._expert_calls: list[tuple] = []  # the per-expert loop's (gate|up, down) callables
+        self.shared_expert: nn.Module | None = None  # `add_shared_expert` (Qwen2-MoE)
+
+    def add_shared_expert(self, mlp: nn.Module) -> None:
+        """Run `mlp` (a dense MLP, its output already summed across ranks) on every token beside the routed
+        experts, scaled by sigmoid(x . shared_gate_weight [1, H], float32)."""
+        self.shared_expert = mlp
+        self.shared_gate_weight = nn.Parameter(torch.empty(1, self.gate_weight.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(x, self.gate_weight, self.top_k, self.renormalize)
-        return self.tp.all_reduce(self.run_experts(x, weights, ids))
+        out = self.tp.all_reduce(self.run_experts(x, weights, ids))
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(F.linear(x.float(), self.shared_gate_weight.float())).to(out.dtype)
+            out = out + gate * self.shared_expert(x)
+        return out
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): the fused op on the CPU (unless
@@ -207,16 +222,18 @@ class SparseMoeBlock(nn.Module):
 
     def load_parts(self, attr: str) -> int:
         """How many checkpoint tensors make up parameter `attr` (for the loader's missing-weight check)."""
-        return {"gate_weight": 1, "w13": 2 * self.num_experts, "w2": self.num_experts}[attr]
+        experts = self.num_experts
+        return {"gate_weight": 1, "shared_gate_weight": 1, "w13": 2 * experts, "w2": experts}[attr]
 
     def load_shard(self, attr: str, full: torch.Tensor, part: int = 0) -> None:
         """Take this rank's slice of one full checkpoint tensor. `part` numbers the tensors of `attr`:
         expert e's gate is w13 part 2e, its up 2e + 1; its down is w2 part e."""
         hidden = self.w13.shape[2]
-        if attr == "gate_weight":
-            _check_shape(full, (self.num_experts, hidden))
-            # float32 whatever the model's dtype: the routing decision is made on these logits
-            self.gate_weight.data = full.to(device=self.gate_weight.device, dtype=torch.float32).contiguous()
+        if attr in ("gate_weight", "shared_gate_weight"):
+            param = getattr(self, attr)
+            _check_shape(full, tuple(param.shape))
+            # float32 whatever the model's dtype: routing and the shared expert's gate are decided on these
+            param.data = full.to(device=param.device, dtype=torch.float32).contiguous()
             return
         inter = self.stop - self.start
         if attr == "w13":
@@ -255,13 +272,17 @@ def expert_weight_target(parts: list[str]) -> tuple[list[str], int] | None:
     None when it is not one:
     layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight (Qwen3-MoE),
     layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight (Mixtral) -> layers.L.mlp.{w13,w2};
-    layers.L.{mlp,block_sparse_moe}.gate.weight -> layers.L.mlp.gate_weight."""
+    layers.L.{mlp,block_sparse_moe}.gate.weight -> layers.L.mlp.gate_weight;
+    layers.L.mlp.shared_expert_gate.weight (Qwen2-MoE) -> layers.L.mlp.shared_gate_weight. The shared
+    expert's own projections (layers.L.mlp.shared_expert.*) are a dense MLP's: None here."""
     if len(parts) < 4 or parts[0] != "layers" or parts[2] not in ("mlp", "block_sparse_moe"):
         return None
     base = parts[:2] + ["mlp"]
     rest = parts[3:]
     if rest == ["gate", "weight"]:
         return [*base, "gate_weight"], 0
+    if rest == ["shared_expert_gate", "weight"]:
+        return [*base, "shared_gate_weight"], 0
     if len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit() and rest[3] == "weight":
         target = EXPERT_PROJECTIONS.get(rest[2])
         if target is not None:

@@ -310,7 +310,12 @@ def _targets(model: nn.Module) -> list[tuple[nn.Module, str, list[str], list[int
         qkv = [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]
         out.append((attn, "qkv_proj", qkv, [cfg.num_heads, cfg.num_kv_heads, None]))
         out.append((attn, "o_proj", [b + "attn_output.weight"], [None]))
-        if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts (runtime.models.moe): experts stay float
+        shared = getattr(mlp, "shared_expert", None)  # a mixture of experts' dense shared expert (Qwen2-MoE)
+        if shared is not None:
+            gate_up = [b + "ffn_gate_shexp.weight", b + "ffn_up_shexp.weight"]
+            out.append((shared, "gate_up_proj", gate_up, [None, None]))
+            out.append((shared, "down_proj", [b + "ffn_down_shexp.weight"], [None]))
+        if not hasattr(mlp, "gate_up_proj"):  # a mixture of experts: its experts are `_quantize_experts`'
             continue
         out.append((mlp, "gate_up_proj", [b + "ffn_gate.weight", b + "ffn_up.weight"], [None, None]))
         out.append((mlp, "down_proj", [b + "ffn_down.weight"], [None]))

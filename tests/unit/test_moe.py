@@ -1,7 +1,7 @@
 """Mixture of experts (runtime/models/moe.py): the grouped expert op against a per-token, per-choice loop;
-Qwen3-MoE and Mixtral logits against transformers through the model runner (fused and eager CPU paths), and
-greedy-equal to transformers through the scheduler with the radix cache and chunked prefill; quantized
-experts; tensor parallelism; bfloat16."""
+Qwen3-MoE, Qwen2-MoE (a sigmoid-gated shared expert) and Mixtral logits against transformers through the
+model runner (fused and eager CPU paths), and greedy-equal to transformers through the scheduler with the
+radix cache and chunked prefill; quantized experts; tensor parallelism; bfloat16."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.scheduler_utils import make_scheduler
 from tests.unit.test_model_parity import Harness, check_against_transformers, hf_greedy, hf_logits
 from tests.unit.test_scheduler import assert_all_free, prompts, run
 
-ARCHS = ("qwen3_moe", "mixtral")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 E, H, INTER, K = 8, 48, 24, 2
 POOL_SMALL = dict(
     device="cpu", max_total_tokens=512, max_running_requests=2, attention_backend="torch_native"
@@ -96,8 +96,9 @@ def test_config_maps_sparse_layers(moe_model):
     arch, _, hf = moe_model
     moe = ModelConfig.from_hf(hf.config).moe
     assert moe is not None and (moe.num_experts, moe.top_k) == (8, 2)
-    if arch == "qwen3_moe":  # mlp_only_layers=[1]; norm_topk_prob=False
+    if arch in ("qwen3_moe", "qwen2_moe"):  # mlp_only_layers=[1]; norm_topk_prob=False
         assert moe.sparse_layers == {0, 2} and not moe.renormalize and moe.intermediate_size == 32
+        assert moe.shared_intermediate_size == (64 if arch == "qwen2_moe" else 0)
     else:
         assert moe.sparse_layers == {0, 1, 2} and moe.renormalize
 
@@ -122,7 +123,8 @@ def test_logits_match_transformers(moe_model, fused):
         pytest.skip("the fused CPU layer library did not load")
     runner.model.use_fused_cpu_ops(fused)
     kinds = [type(layer.mlp).__name__ for layer in runner.model.layers]
-    want = ["SparseMoeBlock", "MLP", "SparseMoeBlock"] if arch == "qwen3_moe" else ["SparseMoeBlock"] * 3
+    dense_1 = arch in ("qwen3_moe", "qwen2_moe")  # mlp_only_layers=[1]
+    want = ["SparseMoeBlock", "MLP", "SparseMoeBlock"] if dense_1 else ["SparseMoeBlock"] * 3
     assert kinds == want
     assert all(
         layer.mlp.gate_weight.dtype == torch.float32
@@ -180,6 +182,10 @@ def test_quantization_of_the_experts(moe_model, method):
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
         weights, ids = route(x, block.gate_weight, block.top_k, block.renormalize)
         ref = grouped_moe(x, w13, w2, weights, ids)
+        if block.shared_expert is not None:  # Qwen2-MoE: its quantized shared expert, sigmoid-gated
+            assert isinstance(block.shared_expert.gate_up_proj, kind)
+            gate = torch.sigmoid(x @ block.shared_gate_weight.T)
+            ref = ref + gate * block.shared_expert(x)
         torch.testing.assert_close(block(x), ref, atol=0.03 * ref.abs().max().item(), rtol=0)
     seq = list(range(5, 25))
     logits = Harness(runner).extend({0: seq}, all_logits=True)
