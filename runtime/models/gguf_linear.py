@@ -151,6 +151,20 @@ def file_layout(qtype: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
     return qtype, w
 
 
+MXFP4 = 39
+MXFP4_NAN = 255  # the E8M0 exponent that means NaN: no block of a served tensor may carry it
+
+
+def check_blocks(qtype: int, w: torch.Tensor, what: str) -> None:
+    """Refuse blocks the kernels would turn into NaN: an MXFP4 block whose exponent byte is 255 (the kernels
+    do not test it per block). One pass over the exponent bytes, at load."""
+    if qtype == MXFP4 and w.numel():
+        exponents = w.reshape(-1, KERNEL_TYPES[MXFP4][2])[:, 0]
+        bad = int((exponents == MXFP4_NAN).sum())
+        if bad:
+            raise ValueError(f"{what}: {bad} MXFP4 block(s) with exponent 255 (NaN)")
+
+
 def row_bytes(qtype: int, cols: int) -> int:
     """Bytes of one row of `cols` elements of kernel type `qtype`; ValueError when not whole blocks."""
     name, block, size = KERNEL_TYPES[qtype]
@@ -201,6 +215,7 @@ class GGUFLinear(nn.Module):
                     f"GGUFLinear part {i}: expected uint8 [rows, {row_bytes(qtype, in_features)}], got "
                     f"{w.dtype} {list(w.shape)}"
                 )
+            check_blocks(int(qtype), w, f"GGUFLinear part {i}")
             kernel_type, w = interleave(int(qtype), w) if int(qtype) in interleaved else (int(qtype), w)
             self.types.append(kernel_type)
             # buffers (not a list) so .to(), state_dict and the memory count see them

@@ -187,6 +187,7 @@ class GGUFExperts(nn.Module):
                     f"GGUFExperts {name}: expected uint8 rows of {row_bytes(int(qtype), cols)} bytes, got "
                     f"{w.dtype} {list(w.shape)}"
                 )
+            gguf_linear.check_blocks(int(qtype), w, f"GGUFExperts {name}")
             kernel_type = int(qtype)
             experts, rows, rb = w.shape
             # All experts in one repack: one copy, on transparent huge pages where allowed (a torch.stack of

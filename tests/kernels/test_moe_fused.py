@@ -171,6 +171,10 @@ def test_no_tokens_and_bad_input() -> None:
         ex(torch.zeros(2, 512)[:, ::2], w, ids)
     with pytest.raises(RuntimeError, match="gate has shape"):
         ex(torch.zeros(2, 512), w, ids)
+    nan = mxfp4_parts(64, 32)
+    nan[2][1][E - 1, 0, 0] = 255  # the last expert's down: its first block's exponent is E8M0's NaN
+    with pytest.raises(ValueError, match="GGUFExperts down: 1 MXFP4 block"):
+        moe_fused.GGUFExperts(nan)
     with pytest.raises(ValueError, match="down: expected uint8 rows"):
         moe_fused.GGUFExperts([(Q4_K, ex.w0), (Q4_K, ex.w1), (Q6_K, ex.w0)], interleaved=())
 

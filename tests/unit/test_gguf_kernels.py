@@ -135,6 +135,10 @@ def test_zero_activations_and_bad_shapes() -> None:
         GGUFLinear(512, [(12, w)])
     with pytest.raises(TypeError, match="float32"):
         layer(torch.zeros(1, 256, dtype=torch.bfloat16))
+    nan = random_blocks(MXFP4, 4, 64)
+    nan[2, 17] = 255  # row 2's second block: E8M0's NaN exponent
+    with pytest.raises(ValueError, match="1 MXFP4 block.*exponent 255"):
+        GGUFLinear(64, [(MXFP4, nan)])
 
 
 @pytest.mark.slow

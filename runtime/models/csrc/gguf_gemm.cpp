@@ -10,7 +10,7 @@
 // MXFP4 (a byte of E8M0 exponent e, then 16 bytes of E2M1 nibbles in Q4_0's element order) fits it too: twice an
 // E2M1 value is one of the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12, so u = 2 * e2m1 + 12 (0..24), ls = 0.5 *
 // 2**(e - 127) and off = -12 * ls, all exact in float32. An exponent of 255 (E8M0's NaN) is not checked per
-// block: the loaders refuse it (runtime/models/mxfp4.py).
+// block: the loaders refuse it (runtime/models/mxfp4.py, gguf_linear.check_blocks).
 // Activations are quantized per call, per row and block (32 elements for the 32-blocks, 256 for the K types,
 // as llama.cpp's Q8_0 / Q8_K): a = qa * da, qa int8 in -127..127, da = max|a| / 127, rounded half to even.
 // One output is then
