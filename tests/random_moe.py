@@ -22,35 +22,28 @@ COMMON = dict(
 )
 
 
+# Qwen3-MoE's and Qwen2-MoE's: layer 1 dense (`mlp_only_layers`), top-k weights not renormalised
+QWEN_MOE = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    norm_topk_prob=False,
+)
+
+
 def moe_config(arch: str) -> Any:
-    """A tiny config of `arch`: 8 experts, top-2. Qwen3-MoE: layer 1 dense (`mlp_only_layers`), its top-k
-    weights not renormalised (`norm_topk_prob=False`, the other branch from Mixtral's)."""
+    """A tiny config of `arch`: 8 experts, top-2. Qwen3-MoE and Qwen2-MoE: layer 1 dense (`mlp_only_layers`),
+    their top-k weights not renormalised (`norm_topk_prob=False`, the other branch from Mixtral's); Qwen2-MoE
+    adds a shared expert with its sigmoid gate, and q/k/v biases."""
     from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **COMMON,
-            head_dim=16,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            norm_topk_prob=False,
-        )
-    if arch == "qwen2_moe":  # a shared expert with its sigmoid gate; q/k/v biases; layer 1 dense
-        return Qwen2MoeConfig(
-            **COMMON,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            norm_topk_prob=False,
-        )
+        return Qwen3MoeConfig(**COMMON, **QWEN_MOE, head_dim=16)
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**COMMON, **QWEN_MOE, shared_expert_intermediate_size=64)
     if arch == "mixtral":
         return MixtralConfig(
             **COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=None
