@@ -270,7 +270,7 @@ def test_auto_is_the_default_and_both_errors_name_the_methods(capsys):
     from ServerArgs and from the command line."""
     from runtime.launch_server import parse_args
 
-    methods = "'auto', 'none', 'int8', 'int4', 'gguf', 'w8a8', 'w4a8', 'gguf_native'"
+    methods = "'auto', 'none', 'int8', 'int4', 'gguf', 'w8a8', 'w4a8', 'gguf_native', 'mxfp4'"
     with pytest.raises(ValueError, match=rf"must be one of \({methods}\)"):
         ServerArgs(quantization="fp4")
     with pytest.raises(SystemExit):
