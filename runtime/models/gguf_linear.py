@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from runtime.models.mxfp4 import E8M0_NAN, GGML_MXFP4
 from runtime.models.native_kernels import NativeLibrary
 from runtime.models.parallel import TensorParallel
 
@@ -151,16 +152,12 @@ def file_layout(qtype: int, w: torch.Tensor) -> tuple[int, torch.Tensor]:
     return qtype, w
 
 
-MXFP4 = 39
-MXFP4_NAN = 255  # the E8M0 exponent that means NaN: no block of a served tensor may carry it
-
-
 def check_blocks(qtype: int, w: torch.Tensor, what: str) -> None:
     """Refuse blocks the kernels would turn into NaN: an MXFP4 block whose exponent byte is 255 (the kernels
     do not test it per block). One pass over the exponent bytes, at load."""
-    if qtype == MXFP4 and w.numel():
-        exponents = w.reshape(-1, KERNEL_TYPES[MXFP4][2])[:, 0]
-        bad = int((exponents == MXFP4_NAN).sum())
+    if qtype == GGML_MXFP4 and w.numel():
+        exponents = w.reshape(-1, KERNEL_TYPES[GGML_MXFP4][2])[:, 0]
+        bad = int((exponents == E8M0_NAN).sum())
         if bad:
             raise ValueError(f"{what}: {bad} MXFP4 block(s) with exponent 255 (NaN)")
 

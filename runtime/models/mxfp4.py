@@ -24,6 +24,7 @@ import torch
 
 BLOCK = 32  # elements per scale
 GGML_MXFP4 = 39  # ggml's type id (GGMLQuantizationType.MXFP4): 1 exponent byte + 16 nibble bytes per 32
+E8M0_NAN = 255  # the exponent byte that means NaN: refused wherever blocks are loaded
 ROWS_PER_CHUNK = 1024  # rows dequantized at a time (gpt-oss-20b: 1024 x 2880 values, ~24 MB of int64 codes)
 
 
@@ -48,7 +49,7 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
             f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
             f"(want blocks [..., G, {BLOCK // 2}] and scales [..., G])"
         )
-    if bool((scales == 255).any()):
+    if bool((scales == E8M0_NAN).any()):
         raise ValueError("MXFP4 scale 255 (NaN) in a checkpoint")
 
 

@@ -192,10 +192,10 @@ class ProgramTable:
         """A request entered the scheduler: record the gap since its program went idle (inferring its
         program first when it names none and the table infers programs)."""
         now = time.monotonic() if now is None else now
-        opts = req.options
-        if self.lineage is not None and getattr(opts, "program_id", None) is None and opts.session_id is None:
-            req.lineage = self.lineage.assign(req, now)
         key = program_key(req)
+        if key is None and self.lineage is not None:  # it names no program or session
+            req.lineage = self.lineage.assign(req, now)
+            key = program_key(req)
         if key is None:
             return None
         prog = self._programs.pop(key, None)
