@@ -1,5 +1,5 @@
-"""Tiny random-weight mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral) for tests, saved as HF
-folders."""
+"""Tiny random-weight mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5) for tests, saved
+as HF folders."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ QWEN_MOE = dict(
 def moe_config(arch: str) -> Any:
     """A tiny config of `arch`: 8 experts, top-2. Qwen3-MoE and Qwen2-MoE: layer 1 dense (`mlp_only_layers`),
     their top-k weights not renormalised (`norm_topk_prob=False`, the other branch from Mixtral's); Qwen2-MoE
-    adds a shared expert with its sigmoid gate, and q/k/v biases."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    adds a shared expert with its sigmoid gate, and q/k/v biases. GLM-4.5: layer 0 dense
+    (`first_k_dense_replace`), sigmoid routing limited to 1 of 2 groups of 4 experts, weights renormalised
+    and scaled by 2.5, an ungated shared expert, q/k/v biases, q/k norms and rotary on half of each head."""
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(**COMMON, **QWEN_MOE, head_dim=16)
@@ -48,6 +50,23 @@ def moe_config(arch: str) -> Any:
         return MixtralConfig(
             **COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=None
         )
+    if arch == "glm4_moe":
+        return Glm4MoeConfig(
+            **COMMON,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            attention_bias=True,
+            use_qk_norm=True,
+        )
     raise ValueError(arch)
 
 
@@ -55,4 +74,14 @@ def save_random_moe(path: Path, arch: str, tokenizer: Any = None, *, seed: int =
     """Build `arch`'s tiny config with seeded weights (every matrix, router and stacked experts included,
     from N(0, std), so greedy choices and routing sit far from ties), save it (and `tokenizer`) to `path`,
     and return the float32 transformers model."""
-    return save_seeded(path, moe_config(arch), tokenizer, seed=seed, std=std)
+    model = save_seeded(path, moe_config(arch), tokenizer, seed=seed, std=std)
+    if arch == "glm4_moe":  # its routers' choice bias is a buffer (zeros): make it matter, save again
+        import torch
+
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+        model.save_pretrained(path)
+    return model

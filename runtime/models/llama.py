@@ -23,7 +23,7 @@ from torch import nn
 from radixlm_kernels.base import AttentionBackend, AttentionLayer
 from runtime.models.model_config import ModelConfig
 from runtime.models.model_loader import unfuse_weights
-from runtime.models.moe import SparseMoeBlock, expert_weight_target
+from runtime.models.moe import SparseMoeBlock, expert_weight_target, shared_expert_name
 from runtime.models.parallel import (
     ColumnParallelLinear,
     HeadShard,
@@ -153,10 +153,15 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoeBlock
         if moe is not None and layer_id in moe.sparse_layers:
             self.mlp = SparseMoeBlock(
-                cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.renormalize, tp
+                cfg.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.routing,
+                tp,
+                score_bias=moe.score_bias,
             )
-            if moe.shared_intermediate_size:  # Qwen2-MoE: a dense expert every token runs, sigmoid-gated
-                self.mlp.add_shared_expert(MLP(cfg, tp, moe.shared_intermediate_size))
+            if moe.shared_intermediate_size:  # Qwen2-MoE, GLM-4.5: a dense expert every token runs
+                self.mlp.add_shared_expert(MLP(cfg, tp, moe.shared_intermediate_size), moe.shared_gated)
         else:
             self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -302,13 +307,19 @@ class LlamaForCausalLM(nn.Module):
             "up_proj": ("gate_up_proj", 1),
         }
         loaded: set[str] = set()
+        # GLM-4.5's multi-token-prediction layers follow the decoder's (layers.N.*, N >= num_hidden_layers):
+        # a speculative head radixlm does not serve, skipped as transformers skips them
+        extra = getattr(self.cfg.hf_config, "num_nextn_predict_layers", 0) or 0
+        served = self.cfg.num_layers
         for name, tensor in unfuse_weights(weights, self.cfg):
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")
+            if extra and name.startswith("layers.") and served <= int(name.split(".")[1]) < served + extra:
+                continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue  # tied: the embedding serves as the output projection
-            parts = name.split(".")
+            parts = shared_expert_name(name.split("."))
             part = 0
             if (moe_target := expert_weight_target(parts)) is not None:
                 parts, part = moe_target

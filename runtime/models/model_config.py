@@ -1,8 +1,9 @@
 """The decoder's view of a Hugging Face config: one place that knows the Llama-family variations.
 
 Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) differ only in the
-fields below, so one decoder implementation serves them all. Qwen3-MoE (Qwen3's attention) and Mixtral
-(Mistral's) swap some or all MLPs for a mixture of experts (`MoeConfig`, `runtime.models.moe`). Phi-3 / Phi-4
+fields below, so one decoder implementation serves them all. Qwen3-MoE (Qwen3's attention), Qwen2-MoE,
+Mixtral (Mistral's) and GLM-4.5 (partial rotary, optional q/k norms) swap some or all MLPs for a mixture of
+experts (`MoeConfig`, `runtime.models.moe`). Phi-3 / Phi-4
 is Llama with fused checkpoint tensors (split by the loader), partial rotary and LongRoPE (`LongRope`).
 Gemma 3's layer differs enough to have its own module (`runtime.models.gemma3`); its config is read here too.
 So does gpt-oss's (`runtime.models.gpt_oss`: attention sinks, its own mixture of experts, yarn rope).
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 
+from runtime.models.moe import Routing
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -32,6 +35,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 # Rope variants whose frequencies do not depend on the sequence length (dynamic NTK would). LongRoPE's two
 # sets are chosen once per server by its context length (`LongRope`).
@@ -54,45 +58,64 @@ class LongRope:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The mixture-of-experts MLP: `num_experts` SiLU-gated experts of `intermediate_size`, softmax top-k
-    routing, the k weights renormalised to sum to 1 when `renormalize`; `sparse_layers` lists the layers
-    that have it (the others keep the dense MLP of `ModelConfig.intermediate_size`).
-    `shared_intermediate_size` > 0: every token also runs one shared SiLU-gated expert of that size, scaled
-    by a sigmoid gate of its own (Qwen2-MoE's `shared_expert` and `shared_expert_gate`)."""
+    """The mixture-of-experts MLP: `num_experts` SiLU-gated experts of `intermediate_size`, chosen and weighed
+    per token by `routing`; `sparse_layers` lists the layers that have it (the others keep the dense MLP of
+    `ModelConfig.intermediate_size`). `score_bias`: the router has a learned choice bias per expert
+    (GLM-4.5's e_score_correction_bias). `shared_intermediate_size` > 0: every token also runs one shared
+    SiLU-gated expert of that size, scaled by a sigmoid gate of its own where `shared_gated` (Qwen2-MoE's
+    `shared_expert` and `shared_expert_gate`), added as it is otherwise (GLM-4.5's `shared_experts`)."""
 
     num_experts: int
-    top_k: int
     intermediate_size: int
-    renormalize: bool
+    routing: Routing
     sparse_layers: frozenset[int]
+    score_bias: bool = False
     shared_intermediate_size: int = 0
+    shared_gated: bool = True
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
 
     @classmethod
     def from_hf(cls, cfg: Any, kind: str) -> MoeConfig | None:
+        layers = range(cfg.num_hidden_layers)
         # gpt-oss: every layer sparse; softmax over the k chosen logits = renormalised top-k (its own block,
         # runtime.models.gpt_oss.GptOssMoe, with biases and a clamped SwiGLU)
         if kind in ("mixtral", "gpt_oss"):  # every layer sparse, top-k always renormalised
-            return cls(
-                cfg.num_local_experts,
-                cfg.num_experts_per_tok,
-                cfg.intermediate_size,
-                True,
-                frozenset(range(cfg.num_hidden_layers)),
-            )
+            routing = Routing(cfg.num_experts_per_tok, True)
+            return cls(cfg.num_local_experts, cfg.intermediate_size, routing, frozenset(layers))
         if kind in ("qwen3_moe", "qwen2_moe"):  # transformers' decoder layers pick sparse layers this way
             dense, step = set(getattr(cfg, "mlp_only_layers", None) or ()), cfg.decoder_sparse_step
             sparse = frozenset(
-                i
-                for i in range(cfg.num_hidden_layers)
-                if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0
+                i for i in layers if i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0
             )
             return cls(
                 cfg.num_experts,
-                cfg.num_experts_per_tok,
                 cfg.moe_intermediate_size,
-                cfg.norm_topk_prob,
+                Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob),
                 sparse,
-                getattr(cfg, "shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0,
+                shared_intermediate_size=(
+                    getattr(cfg, "shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+                ),
+            )
+        if kind == "glm4_moe":  # the first `first_k_dense_replace` layers dense; sigmoid routing
+            routing = Routing(
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                "sigmoid",
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.routed_scaling_factor,
+            )
+            return cls(
+                cfg.n_routed_experts,
+                cfg.moe_intermediate_size,
+                routing,
+                frozenset(range(cfg.first_k_dense_replace, cfg.num_hidden_layers)),
+                score_bias=True,
+                shared_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
+                shared_gated=False,
             )
         return None
 
@@ -170,7 +193,7 @@ class ModelConfig:
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=kind in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False)),
-            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text") or bool(getattr(cfg, "use_qk_norm", False)),
             inv_freq=inv_freq,
             rope_attention_scaling=scaling,
             eos_token_ids=eos_ids,

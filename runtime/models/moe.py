@@ -1,30 +1,36 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): softmax top-k routing and the grouped expert op.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5): top-k routing and the grouped expert op.
 
-The router's logits are float32 (its weight is kept float32 whatever the model's dtype). On the CPU a layer's
-experts run as one C++ call (runtime/models/moe_fused.py, csrc/moe_fused.cpp): the batch's (token, choice)
-rows grouped by expert, each token's activation quantized to int8 once, every hit expert's gate|up, SiLU,
-down and the weighted sum in one OpenMP-parallel op, for GGUF blocks, w4a8 blocks and float32 / bfloat16
-weights. `grouped_moe` (stacked float weights) and `grouped_moe_layers` (one pair of layers per expert) are
-the same computation as a Python loop over the experts hit (one gate|up and one down matmul each, index_select
-in, index_add_ out): the reference, and the path on other devices or with $RADIXLM_MOE_FUSED=0. Either way a
-step reads only the routed experts' weights: at decode batch 1, top-k of them. Under a quantization
-`quantize_model` replaces each expert's gate|up and down by two quantized linear layers
-(`SparseMoeBlock.quantize_experts`; w4a8's are then stacked for the fused op); a GGUF file's experts are its
-stacked blocks (`use_fused_experts`); the router stays float32.
+The router's logits are float32 (its weight is kept float32 whatever the model's dtype); `Routing` says how
+they choose and weigh each token's experts: softmax over all experts (Qwen3-MoE, Qwen2-MoE, Mixtral) or an
+independent sigmoid per expert with a learned choice bias and group-limited choice (GLM-4.5, DeepSeek-V3).
 
-A shared expert (Qwen2-MoE) is a dense SiLU-gated MLP every token runs beside its routed experts, its output
-scaled by sigmoid(x . shared_gate_weight) (one float32 logit per token) and added to theirs
-(`SparseMoeBlock.add_shared_expert`); it is quantized like any dense MLP.
+On the CPU a layer's experts run as one C++ call (runtime/models/moe_fused.py, csrc/moe_fused.cpp): the
+batch's (token, choice) rows grouped by expert, each token's activation quantized to int8 once, every hit
+expert's gate|up, SiLU, down and the weighted sum in one OpenMP-parallel op, for GGUF blocks, w4a8 blocks and
+float32 / bfloat16 weights. `grouped_moe` (stacked float weights) and `grouped_moe_layers` (one pair of layers
+per expert) are the same computation as a Python loop over the experts hit (one gate|up and one down matmul
+each, index_select in, index_add_ out): the reference, and the path on other devices or with
+$RADIXLM_MOE_FUSED=0. Either way a step reads only the routed experts' weights: at decode batch 1, top-k of
+them. Under a quantization `quantize_model` replaces each expert's gate|up and down by two quantized linear
+layers (`SparseMoeBlock.quantize_experts`; w4a8's are then stacked for the fused op); a GGUF file's experts
+are its stacked blocks (`use_fused_experts`); the router stays float32.
+
+A shared expert (Qwen2-MoE, GLM-4.5) is a dense SiLU-gated MLP every token runs beside its routed experts,
+its output added to theirs (`SparseMoeBlock.add_shared_expert`): Qwen2-MoE's scaled by
+sigmoid(x . shared_gate_weight) (one float32 logit per token), GLM-4.5's as it is. It is quantized like any
+dense MLP.
 
 Under tensor parallelism each rank holds rows [start, stop) of every expert's intermediate features (like
 the dense MLP), the router is replicated (so every rank routes alike), and the partial outputs are summed
-with one all_reduce; a shared expert is sharded like the dense MLP and its gate replicated.
+with one all_reduce; a shared expert is sharded like the dense MLP and its gate replicated (so is the
+sigmoid router's choice bias).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,15 +53,65 @@ EXPERT_PROJECTIONS = {
 }
 
 
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router's float32 logits [T, E] choose each token's `top_k` experts and weigh them.
+
+    - `softmax` (Qwen3-MoE, Qwen2-MoE, Mixtral): probabilities over all experts; the k largest are chosen
+      and are the weights.
+    - `sigmoid` (GLM-4.5, DeepSeek-V3): each expert's score is sigmoid(logit) on its own. A learned
+      per-expert bias (the checkpoint's e_score_correction_bias, `SparseMoeBlock.score_bias`) is added for
+      choosing only, the weights stay the unbiased scores; with `n_group` > 1 the experts form that many
+      equal groups and only the `topk_group` groups whose two best biased scores sum highest are eligible.
+
+    `renormalize` scales each token's k weights to sum to 1 (the sigmoid rule adds 1e-20 to the sum, as
+    the reference does); `scale` (routed_scaling_factor) multiplies them after."""
+
+    top_k: int
+    renormalize: bool
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"expert scoring {self.scoring!r}: expected one of {', '.join(SCORINGS)}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"expert groups: topk_group {self.topk_group} of n_group {self.n_group}")
+        if self.n_group > 1 and self.scoring != "sigmoid":
+            raise ValueError("group-limited expert choice (n_group > 1) is defined for sigmoid scoring only")
+
+
 def route(
-    x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+    x: torch.Tensor, router_weight: torch.Tensor, routing: Routing, score_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing in float32: x [T, H], router_weight [E, H] -> (weights [T, k] float32,
-    expert ids [T, k] int64). `renormalize` scales each row's k weights to sum to 1."""
+    """x [T, H], router_weight [E, H] (and, for sigmoid scoring, an optional choice bias [E]) -> (weights
+    [T, k] float32, expert ids [T, k] int64), by `routing`'s rule, in float32."""
     logits = F.linear(x.float(), router_weight.float())  # [T, E]
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    k = routing.top_k
+    if routing.scoring == "softmax":
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if routing.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores if score_bias is None else scores + score_bias.float()
+        if routing.n_group > 1:
+            t, e = choice.shape
+            best_two = choice.view(t, routing.n_group, e // routing.n_group).topk(2, dim=-1).values.sum(-1)
+            groups = torch.topk(best_two, routing.topk_group, dim=-1).indices  # [T, topk_group]
+            eligible = torch.zeros_like(best_two, dtype=torch.bool).scatter_(1, groups, True)
+            choice = choice.masked_fill(~eligible.repeat_interleave(e // routing.n_group, dim=1), -torch.inf)
+        ids = torch.topk(choice, k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if routing.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
     return weights, ids
 
 
@@ -133,45 +189,62 @@ def reference_moe(
 
 
 class SparseMoeBlock(nn.Module):
-    """The MoE MLP of one decoder layer: the router (`gate_weight` [E, H], float32) and the experts' fused
-    gate|up (`w13` [E, 2 * I_rank, H]) and down (`w2` [E, H, I_rank]) of this rank's intermediate slice, or,
-    once quantized, one pair of layers per expert (`experts`) and/or a fused-op module (`fused`)."""
+    """The MoE MLP of one decoder layer: the router (`gate_weight` [E, H], float32; for sigmoid routing with a
+    choice bias also `score_bias` [E], float32) and the experts' fused gate|up (`w13` [E, 2 * I_rank, H]) and
+    down (`w2` [E, H, I_rank]) of this rank's intermediate slice, or, once quantized, one pair of layers per
+    expert (`experts`) and/or a fused-op module (`fused`)."""
 
     def __init__(
         self,
         hidden_size: int,
         intermediate_size: int,
         num_experts: int,
-        top_k: int,
-        renormalize: bool,
+        routing: Routing,
         tp: TensorParallel,
+        *,
+        score_bias: bool = False,
     ):
         super().__init__()
-        self.num_experts, self.top_k, self.renormalize, self.tp = num_experts, top_k, renormalize, tp
+        if score_bias and routing.scoring != "sigmoid":
+            raise ValueError("an expert choice bias (e_score_correction_bias) needs sigmoid scoring")
+        if num_experts % routing.n_group or (routing.n_group > 1 and num_experts // routing.n_group < 2):
+            raise ValueError(f"{num_experts} experts do not form {routing.n_group} groups of two or more")
+        self.num_experts, self.routing, self.tp = num_experts, routing, tp
         self.inter_full = intermediate_size
         self.start, self.stop = split_range(intermediate_size, tp.size, tp.rank)
         inter = self.stop - self.start
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.score_bias = nn.Parameter(torch.empty(num_experts)) if score_bias else None
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
         self.experts: nn.ModuleList | None = None  # set by `quantize_experts` (w13 and w2 then go)
         # (x, topk_weights, topk_ids) -> [T, H] in one C++ call over quantized experts (moe_fused.py)
         self.fused: nn.Module | None = None
         self._expert_calls: list[tuple] = []  # the per-expert loop's (gate|up, down) callables
-        self.shared_expert: nn.Module | None = None  # `add_shared_expert` (Qwen2-MoE)
+        self.shared_expert: nn.Module | None = None  # `add_shared_expert` (Qwen2-MoE, GLM-4.5)
+        self.shared_gate_weight: nn.Parameter | None = None
 
-    def add_shared_expert(self, mlp: nn.Module) -> None:
+    def add_shared_expert(self, mlp: nn.Module, gated: bool) -> None:
         """Run `mlp` (a dense MLP, its output already summed across ranks) on every token beside the routed
-        experts, scaled by sigmoid(x . shared_gate_weight [1, H], float32)."""
+        experts; `gated` (Qwen2-MoE): its output scaled by sigmoid(x . shared_gate_weight [1, H], float32)."""
         self.shared_expert = mlp
-        self.shared_gate_weight = nn.Parameter(torch.empty(1, self.gate_weight.shape[1]))
+        if gated:
+            self.shared_gate_weight = nn.Parameter(torch.empty(1, self.gate_weight.shape[1]))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) of x [T, H] by this block's router."""
+        return route(x, self.gate_weight, self.routing, self.score_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(x, self.gate_weight, self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         out = self.tp.all_reduce(self.run_experts(x, weights, ids))
         if self.shared_expert is not None:
-            gate = torch.sigmoid(F.linear(x.float(), self.shared_gate_weight.float())).to(out.dtype)
-            out = out + gate * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_gate_weight is not None:
+                shared = (
+                    torch.sigmoid(F.linear(x.float(), self.shared_gate_weight.float())).to(out.dtype) * shared
+                )
+            out = out + shared
         return out
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -223,13 +296,19 @@ class SparseMoeBlock(nn.Module):
     def load_parts(self, attr: str) -> int:
         """How many checkpoint tensors make up parameter `attr` (for the loader's missing-weight check)."""
         experts = self.num_experts
-        return {"gate_weight": 1, "shared_gate_weight": 1, "w13": 2 * experts, "w2": experts}[attr]
+        return {
+            "gate_weight": 1,
+            "shared_gate_weight": 1,
+            "score_bias": 1,
+            "w13": 2 * experts,
+            "w2": experts,
+        }[attr]
 
     def load_shard(self, attr: str, full: torch.Tensor, part: int = 0) -> None:
         """Take this rank's slice of one full checkpoint tensor. `part` numbers the tensors of `attr`:
         expert e's gate is w13 part 2e, its up 2e + 1; its down is w2 part e."""
         hidden = self.w13.shape[2]
-        if attr in ("gate_weight", "shared_gate_weight"):
+        if attr in ("gate_weight", "shared_gate_weight", "score_bias"):
             param = getattr(self, attr)
             _check_shape(full, tuple(param.shape))
             # float32 whatever the model's dtype: routing and the shared expert's gate are decided on these
@@ -273,8 +352,10 @@ def expert_weight_target(parts: list[str]) -> tuple[list[str], int] | None:
     layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight (Qwen3-MoE),
     layers.L.block_sparse_moe.experts.E.{w1,w3,w2}.weight (Mixtral) -> layers.L.mlp.{w13,w2};
     layers.L.{mlp,block_sparse_moe}.gate.weight -> layers.L.mlp.gate_weight;
-    layers.L.mlp.shared_expert_gate.weight (Qwen2-MoE) -> layers.L.mlp.shared_gate_weight. The shared
-    expert's own projections (layers.L.mlp.shared_expert.*) are a dense MLP's: None here."""
+    layers.L.mlp.shared_expert_gate.weight (Qwen2-MoE) -> layers.L.mlp.shared_gate_weight;
+    layers.L.mlp.gate.e_score_correction_bias (GLM-4.5) -> layers.L.mlp.score_bias. The shared expert's own
+    projections (layers.L.mlp.shared_expert.*, GLM-4.5's shared_experts.*) are a dense MLP's: see
+    `shared_expert_name`."""
     if len(parts) < 4 or parts[0] != "layers" or parts[2] not in ("mlp", "block_sparse_moe"):
         return None
     base = parts[:2] + ["mlp"]
@@ -283,6 +364,8 @@ def expert_weight_target(parts: list[str]) -> tuple[list[str], int] | None:
         return [*base, "gate_weight"], 0
     if rest == ["shared_expert_gate", "weight"]:
         return [*base, "shared_gate_weight"], 0
+    if rest == ["gate", "e_score_correction_bias"]:
+        return [*base, "score_bias"], 0
     if len(rest) == 4 and rest[0] == "experts" and rest[1].isdigit() and rest[3] == "weight":
         target = EXPERT_PROJECTIONS.get(rest[2])
         if target is not None:
@@ -290,3 +373,11 @@ def expert_weight_target(parts: list[str]) -> tuple[list[str], int] | None:
             e = int(rest[1])
             return [*base, attr], (2 * e + half if attr == "w13" else e)
     return None
+
+
+def shared_expert_name(parts: list[str]) -> list[str]:
+    """GLM-4.5's shared expert (layers.L.mlp.shared_experts.*) under Qwen2-MoE's module name (shared_expert);
+    other names unchanged."""
+    if len(parts) > 3 and parts[0] == "layers" and parts[2] == "mlp" and parts[3] == "shared_experts":
+        return [*parts[:3], "shared_expert", *parts[4:]]
+    return parts

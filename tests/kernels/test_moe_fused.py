@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from runtime.models import moe_fused
 from runtime.models.gguf_linear import INTERLEAVED_TYPES, interleave, kernel_isa
-from runtime.models.moe import SparseMoeBlock, grouped_moe, grouped_moe_layers
+from runtime.models.moe import Routing, SparseMoeBlock, grouped_moe, grouped_moe_layers
 from runtime.models.parallel import TensorParallel
 from runtime.models.w4a8 import W4A8Linear
 
@@ -183,7 +183,7 @@ def test_no_tokens_and_bad_input() -> None:
 def test_sparse_moe_block_serves_the_op(fmt: str, monkeypatch) -> None:
     """SparseMoeBlock on the CPU: the op by default, the loop under $RADIXLM_MOE_FUSED=0, same output."""
     hidden, inter = 256, 256
-    block = SparseMoeBlock(hidden, inter, E, K_TOP, True, TensorParallel())
+    block = SparseMoeBlock(hidden, inter, E, Routing(K_TOP, True), TensorParallel())
     gen = torch.Generator().manual_seed(3)
     block.gate_weight.data = torch.randn(E, hidden, generator=gen)
     block.w13.data = torch.randn(E, 2 * inter, hidden, generator=gen) * 0.05
