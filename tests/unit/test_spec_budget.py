@@ -41,6 +41,16 @@ def test_no_fit_and_no_trim_before_enough_steps():
     assert budget.trim(drafts, [100, 100], [0.1, 0.1]) == drafts
 
 
+def test_the_first_fit_comes_once_enough_steps_are_seen():
+    """A fresh server trims from its MIN_STEPS-th step on, not only after a whole refit interval."""
+    budget = DraftBudget()
+    for _ in range(MIN_STEPS):  # verify steps where each row costs as much as the whole fixed part
+        for rows in (2, 5):
+            budget.observe([100], [rows], 1e-3 + 1e-3 * rows, True)
+    assert budget.cost.coef is not None
+    assert budget.trim([[1, 2, 3, 4]], [100], [0.3]) == [[]]
+
+
 def test_cheap_rows_keep_whole_drafts_and_dear_rows_keep_only_likely_ones():
     cheap = DraftBudget()
     _feed(cheap.cost, a=6e-3, b=1e-5, c=0.0)  # memory-bound batch-1 step: a row is ~free
