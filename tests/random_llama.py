@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,19 @@ def save_full_vocab_llama(path: Path, tokenizer: Any, *, max_position_embeddings
     )
 
 
-def save_seeded(path: Path, config: Any, tokenizer: Any, *, seed: int, std: float) -> Any:
+def save_seeded(
+    path: Path,
+    config: Any,
+    tokenizer: Any,
+    *,
+    seed: int,
+    std: float,
+    adjust: Callable[[Any], None] | None = None,
+) -> Any:
     """A transformers model of `config` with seeded weights (every matrix, routers and stacked experts
-    included, from N(0, std); norm weights perturbed, so (1 + w) norms matter), saved with `tokenizer` to
-    `path`; returns the float32 model (the random Gemma, Phi and mixture-of-experts builders share it)."""
+    included, from N(0, std); norm weights perturbed, so (1 + w) norms matter), then `adjust(model)` where
+    given (under no_grad: e.g. buffers the weights above do not cover), saved with `tokenizer` to `path`;
+    returns the float32 model (the random Gemma, Phi and mixture-of-experts builders share it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -60,6 +70,8 @@ def save_seeded(path: Path, config: Any, tokenizer: Any, *, seed: int, std: floa
                 p.normal_(0, std)
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        if adjust is not None:
+            adjust(model)
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

@@ -74,14 +74,15 @@ def save_random_moe(path: Path, arch: str, tokenizer: Any = None, *, seed: int =
     """Build `arch`'s tiny config with seeded weights (every matrix, router and stacked experts included,
     from N(0, std), so greedy choices and routing sit far from ties), save it (and `tokenizer`) to `path`,
     and return the float32 transformers model."""
-    model = save_seeded(path, moe_config(arch), tokenizer, seed=seed, std=std)
-    if arch == "glm4_moe":  # its routers' choice bias is a buffer (zeros): make it matter, save again
+
+    def choice_bias(model: Any) -> None:
+        """GLM-4.5's routers' choice bias is a buffer (zeros at init): random, so that it matters."""
         import torch
 
         g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
-        model.save_pretrained(path)
-    return model
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.1)
+
+    adjust = choice_bias if arch == "glm4_moe" else None
+    return save_seeded(path, moe_config(arch), tokenizer, seed=seed, std=std, adjust=adjust)
