@@ -94,11 +94,14 @@ class ModelRunner:
                     f"on {self.device.type}: use --quantization none"
                 )
             model.keep_mxfp4_experts()  # before the float experts are allocated
-        elif quantization not in ("none", "auto") and not getattr(model_class, "quantizable", True):
+        elif quantization not in ("none", "auto", "gguf_native") and not getattr(
+            model_class, "quantizable", True
+        ):
             raise ValueError(
                 f"{cfg.architecture} cannot be served with --quantization {quantization}: use "
-                "--quantization mxfp4 (an MXFP4 checkpoint's experts kept as blocks, on the CPU) or none "
-                "(its float weights, MXFP4 experts dequantized at load)"
+                "--quantization mxfp4 (an MXFP4 checkpoint's experts kept as blocks, on the CPU), "
+                "gguf_native (a GGUF file's blocks in place) or none (its float weights, MXFP4 experts "
+                "dequantized at load)"
             )
         if max_loras > 0 and not getattr(model_class, "supports_lora", True):
             raise ValueError(f"{cfg.architecture} cannot serve LoRA adapters: leave --max-loras at 0")

@@ -393,6 +393,7 @@ def iter_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     count = nbytes = 0
     spec = ARCHS[arch]
+    held: dict[str, torch.Tensor] = {}  # gpt-oss: gate / up tensors waiting for their partner
     for t in reader.tensors:
         hf = hf_tensor_name(t.name, arch)
         if hf is None:
@@ -401,12 +402,16 @@ def iter_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         count += 1
         nbytes += w.numel() * 4
         stacked = t.name.rsplit(".", 2)[1] in STACKED_EXPERTS
-        if stacked:  # [n_expert, out, in]: one HF tensor per expert
+        if spec.sinks:  # gpt-oss's own checkpoint names (GptOssForCausalLM.load_weights)
+            yield from _gpt_oss_weights(hf, w, held)
+        elif stacked:  # [n_expert, out, in]: one HF tensor per expert
             base, _, leaf = hf.rpartition(".experts.")
             for e in range(w.shape[0]):
                 yield f"{base}.experts.{e}.{leaf}", w[e]
         else:
             yield hf, w
+    if held:
+        raise ValueError(f"{path}: expert tensors without their gate / up partner: {sorted(held)[:3]}")
     logger.info(
         "dequantized %d tensors (%.0f MB of float32) from %s in %.2f s",
         count,
@@ -414,6 +419,37 @@ def iter_gguf_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         path,
         time.perf_counter() - t0,
     )
+
+
+def _gpt_oss_weights(
+    hf: str, w: torch.Tensor, held: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A gpt-oss file's tensor under transformers' names: the sinks without ".weight"; the experts as the
+    checkpoint stacks them, undoing llama.cpp's converter: gate and up ([E, I, H], biases [E, I]) interleaved
+    by output back into `gate_up_proj` [E, H, 2I] (gate at even columns) once both have been read (`held`
+    keeps the first), `down_proj` transposed to [E, I, H], biases as `<proj>_bias`."""
+    if hf.endswith(".self_attn.sinks.weight"):
+        yield hf.removesuffix(".weight"), w
+        return
+    base, sep, leaf = hf.rpartition(".experts.")
+    if not sep:
+        yield hf, w
+        return
+    proj, kind = leaf.split(".")
+    name = f"{base}.experts.{{}}" + ("_bias" if kind == "bias" else "")
+    if proj == "down_proj":
+        yield name.format("down_proj"), w if kind == "bias" else w.transpose(1, 2).contiguous()
+        return
+    partner = f"{base}.experts.{'up_proj' if proj == 'gate_proj' else 'gate_proj'}.{kind}"
+    if partner not in held:
+        held[hf] = w
+        return
+    gate, up = (w, held.pop(partner)) if proj == "gate_proj" else (held.pop(partner), w)
+    both = torch.stack((gate, up), dim=2)  # [E, I, 2(, H)]: row 2j is gate j, 2j + 1 up j
+    if kind == "bias":
+        yield name.format("gate_up_proj"), both.flatten(1)
+    else:
+        yield name.format("gate_up_proj"), both.flatten(1, 2).transpose(1, 2).contiguous()
 
 
 FLOAT_SHARD_BYTES = 2 << 30  # float_folder's safetensors shards (bounds its peak memory)
@@ -488,8 +524,9 @@ def _write_generation_config(config: dict[str, Any], out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-# architectures transformers' GGUF reader has no config for (its AutoTokenizer refuses their files)
-_NO_TRANSFORMERS_CONFIG = ("mistral3",)
+# architectures whose files transformers' AutoTokenizer cannot open, as it reads their config first: it has
+# none for mistral3, and its gpt-oss reader fails on the rope.scaling keys llama.cpp writes (a TypeError)
+_NO_TRANSFORMERS_CONFIG = ("mistral3", "gpt-oss")
 
 
 def _write_tokenizer(gguf_path: str, arch: str, chat_template: str | None, out: Path) -> None:

@@ -35,12 +35,15 @@ class Arch:
     sandwich: bool = False  # Gemma: post_attention_norm, post_ffw_norm, and ffn_norm is the pre-MLP norm
     fused: bool = False  # Phi-3: attn_qkv (rows q | k | v) and ffn_up (rows gate | up), one tensor each
     moe: bool = False  # every layer's MLP is experts: ffn_{gate,up,down}_exps [n_expert, ...], ffn_gate_inp
+    # gpt-oss: attention sinks (attn_sinks [heads]), biases on o, the router and every expert projection,
+    # and post_attention_norm (not ffn_norm) as the pre-MLP norm
+    sinks: bool = False
 
 
 # llama.cpp writes Llama and Mistral-family models (HF MistralForCausalLM) as "llama" and permutes their Q/K
 # rows; "mistral3" (Ministral 3, Mistral Small 3.x text) is the same llama-shaped decoder with YaRN and
-# Llama 4's attention temperature in its metadata, rows permuted alike. Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3
-# and Gemma 3 keep HF's row order (their RoPE rotates half-split pairs in both programs).
+# Llama 4's attention temperature in its metadata, rows permuted alike. Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3,
+# Gemma 3 and gpt-oss keep HF's row order (their RoPE rotates half-split pairs in both programs).
 ARCHS = {
     "llama": Arch("LlamaForCausalLM", "llama", rope_permuted=True, qkv_bias=False, qk_norm=False),
     "mistral3": Arch("LlamaForCausalLM", "llama", rope_permuted=True, qkv_bias=False, qk_norm=False),
@@ -58,6 +61,15 @@ ARCHS = {
         qk_norm=True,
         norm_shift=1.0,
         sandwich=True,
+    ),
+    "gpt-oss": Arch(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        rope_permuted=False,
+        qkv_bias=True,
+        qk_norm=False,
+        moe=True,
+        sinks=True,
     ),
 }
 # Architectures llama.cpp writes that radixlm's decoder cannot run, and why (named in the refusal).
@@ -104,6 +116,13 @@ def block_tensors(arch: Arch) -> dict[str, str]:
             del names[n]
         names["ffn_gate_inp"] = "mlp.gate"
         names |= {g: f"mlp.experts.{hf}" for g, hf in STACKED_EXPERTS.items()}
+    if arch.sinks:
+        del names["ffn_norm"]
+        names |= {
+            "post_attention_norm": "post_attention_layernorm",
+            "attn_sinks": "self_attn.sinks",
+            "ffn_gate_inp": "mlp.router",
+        }
     return names
 
 
@@ -214,13 +233,22 @@ def expected_shapes(config: dict[str, Any], arch: Arch, qkv_bias: bool) -> dict[
                 "self_attn.v_proj.weight": (kv_rows, hidden),
             }
         if arch.moe:
-            n, moe_inter = config["num_experts"], config["moe_intermediate_size"]
+            n, moe_inter = _experts(config)
             layer |= {
-                "mlp.gate.weight": (n, hidden),
+                f"mlp.{'router' if arch.sinks else 'gate'}.weight": (n, hidden),
                 "mlp.experts.gate_proj.weight": (n, moe_inter, hidden),
                 "mlp.experts.up_proj.weight": (n, moe_inter, hidden),
                 "mlp.experts.down_proj.weight": (n, hidden, moe_inter),
             }
+            if arch.sinks:
+                layer |= {
+                    "self_attn.o_proj.bias": (hidden,),
+                    "self_attn.sinks.weight": (config["num_attention_heads"],),
+                    "mlp.router.bias": (n,),
+                    "mlp.experts.gate_proj.bias": (n, moe_inter),
+                    "mlp.experts.up_proj.bias": (n, moe_inter),
+                    "mlp.experts.down_proj.bias": (n, hidden),
+                }
         elif not arch.fused:
             layer |= {
                 "mlp.gate_proj.weight": (inter, hidden),
@@ -243,6 +271,14 @@ def expected_shapes(config: dict[str, Any], arch: Arch, qkv_bias: bool) -> dict[
             layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
         shapes |= {p + k: v for k, v in layer.items()}
     return shapes
+
+
+def _experts(config: dict[str, Any]) -> tuple[int, int]:
+    """(experts, rows of each): Qwen3-MoE's config keys, or gpt-oss's (num_local_experts, and experts as wide
+    as its intermediate_size)."""
+    if "num_local_experts" in config:
+        return config["num_local_experts"], config["intermediate_size"]
+    return config["num_experts"], config["moe_intermediate_size"]
 
 
 def check_tensors(
@@ -306,6 +342,8 @@ def arch_config(name: str, meta: dict[str, Any], tensors: dict[str, Any], config
         }
     if name == "mistral3":
         return _mistral3_config(key, config)
+    if name == "gpt-oss":
+        return _gpt_oss_config(key, config)
     return config
 
 
@@ -416,3 +454,51 @@ def _mistral3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
             beta, int(length), ctx, int(config["max_position_embeddings"]),
         )  # fmt: skip
     return config | {"max_position_embeddings": ctx}
+
+
+# gpt-oss as llama.cpp runs it (models/openai-moe.cpp): the clamped SwiGLU's limit and alpha are constants of
+# its graph (LLM_FFN_SWIGLU_OAI_MOE), not metadata; the layers alternate sliding and global, sliding first,
+# unless attention.sliding_window_pattern says otherwise.
+GPT_OSS_SWIGLU_LIMIT = 7.0
+GPT_OSS_SWA_PATTERN = 2
+
+
+def _gpt_oss_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    """transformers' GptOssConfig keys from a gpt-oss file. YaRN comes from the shared rope keys; a file
+    carries no `truncate`, so its correction range is rounded to whole dimensions as llama.cpp does
+    (transformers' default; OpenAI's own config does not round)."""
+    if key("expert_count") is None or key("expert_used_count") is None:
+        raise ValueError("GGUF metadata lacks gpt-oss.expert_count / expert_used_count")
+    layers, window = config["num_hidden_layers"], int(key("attention.sliding_window", 0) or 0)
+    pattern = key("attention.sliding_window_pattern", GPT_OSS_SWA_PATTERN)
+    if isinstance(pattern, list):  # per layer: True where the layer is sliding
+        sliding = [bool(v) for v in pattern]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    if len(sliding) != layers:
+        raise ValueError(
+            f"gpt-oss.attention.sliding_window_pattern has {len(sliding)} entries for {layers} layers"
+        )
+    base_swa = key("rope.freq_base_swa")
+    if base_swa is not None and f32(base_swa) != config["rope_theta"]:
+        raise ValueError(
+            f"gpt-oss.rope.freq_base_swa {f32(base_swa)} differs from rope.freq_base {config['rope_theta']}: "
+            "one rope base for both layer types is supported"
+        )
+    scale = key("expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ValueError(
+            f"gpt-oss.expert_weights_scale {scale} is not supported (llama.cpp's files have none)"
+        )
+    return config | {
+        "num_local_experts": int(key("expert_count")),
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "intermediate_size": int(key("expert_feed_forward_length", config["intermediate_size"])),
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+        "swiglu_limit": GPT_OSS_SWIGLU_LIMIT,
+        "attention_bias": True,
+        "router_aux_loss_coef": 0.0,
+        "output_router_logits": False,
+    }

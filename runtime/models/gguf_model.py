@@ -140,13 +140,14 @@ class _Loader:
         w = _float(self.get(name))
         return w - self.arch.norm_shift if self.arch.norm_shift else w
 
-    def experts(self, block: str) -> GGUFExperts | None:
+    def experts(self, block: str, **extra: Any) -> GGUFExperts | None:
         """The stacked ffn_{gate,up,down}_exps tensors' blocks for the fused MoE op (views of the mapped file,
-        or their interleaved copies); None when a part is not of a block kernel's type (served as float)."""
+        or their interleaved copies), `extra` passed on (biases, the activation); None when a part is not of a
+        block kernel's type (served as float)."""
         gate, up, down = (self.get(f"{block}ffn_{p}_exps.weight") for p in ("gate", "up", "down"))
         if not all(int(t.tensor_type) in KERNEL_TYPES for t in (gate, up, down)):
             return None
-        fused = GGUFExperts([(int(t.tensor_type), _expert_rows(t)) for t in (gate, up, down)])
+        fused = GGUFExperts([(int(t.tensor_type), _expert_rows(t)) for t in (gate, up, down)], **extra)
         for t in (gate, up, down):
             self.counts[t.tensor_type.name] = self.counts.get(t.tensor_type.name, 0) + fused.num_experts
         return fused
@@ -183,6 +184,10 @@ def load_gguf_model(
     path = gguf_source(model_dir)
     ld = _Loader(path, cfg)
     arch = ld.arch
+    if arch.sinks:
+        model = _gpt_oss(ld, cfg, tp, device)
+        _log_loaded(ld, t0)
+        return model
     with torch.device("meta"):
         model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
         model = model_class(cfg, tp)
@@ -212,21 +217,13 @@ def load_gguf_model(
         gate_up = [b + "ffn_up.weight"] if arch.fused else [b + "ffn_gate.weight", b + "ffn_up.weight"]
         mlp.gate_up_proj = ld.linear(gate_up, [None] * len(gate_up), hidden, None)
         mlp.down_proj = ld.linear([b + "ffn_down.weight"], [None], cfg.intermediate_size, None)
-    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-    model.lm_head = ld.linear([head], [None], hidden, None)
-    embd = ld.get("token_embd.weight")
-    blocks = int(embd.tensor_type) in KERNEL_TYPES
-    if blocks and cfg.tie_word_embeddings and isinstance(model.lm_head, GGUFLinear):
-        # the head's copy (in the kernel's layout): one resident copy of the table, not two
-        model.embed_tokens = GGUFEmbedding(model.lm_head.types[0], model.lm_head.w0, hidden)
-    elif blocks:  # kept as blocks: each lookup dequantizes its rows
-        model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), _raw_rows(embd), hidden)
+    blocks = _embedding_and_head(ld, model, cfg)
     # what is still on the meta device (norms, a float embedding) gets storage and is filled from the file
     for module in model.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
             module.to_empty(device=device, recurse=False)
     if not blocks:
-        model.embed_tokens.load_shard("weight", _float(embd), 0)
+        model.embed_tokens.load_shard("weight", _float(ld.get("token_embd.weight")), 0)
     model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."
@@ -250,15 +247,100 @@ def load_gguf_model(
             layer.mlp.w13.data.copy_(torch.cat([gate, up], dim=1))
             layer.mlp.w2.data.copy_(down)
             ld.counts["F32"] = ld.counts.get("F32", 0) + 3 * gate.shape[0]
+    _check_filled(model, path)
+    _log_loaded(ld, t0)
+    return model
+
+
+def _check_filled(model: nn.Module, path: str) -> None:
     left = [n for n, p in model.named_parameters() if p.is_meta] + [
         n for n, p in model.named_buffers() if p.is_meta
     ]
     if left:
         raise ValueError(f"{path}: no GGUF tensor fills {left[:3]}")
+
+
+def _log_loaded(ld: _Loader, t0: float) -> None:
     logger.info(
         "GGUF %s served in place (%s) in %.2f s; norms float32",
-        path,
+        ld.path,
         ", ".join(f"{n} {k}" for k, n in sorted(ld.counts.items())),
         time.perf_counter() - t0,
     )
+
+
+def _embedding_and_head(ld: _Loader, model: nn.Module, cfg: ModelConfig) -> bool:
+    """The LM head and the token embedding from the file, the embedding kept as blocks where the file's are
+    (sharing the head's copy when tied); False when the embedding is a float tensor still to be filled."""
+    hidden = cfg.hidden_size
+    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    model.lm_head = ld.linear([head], [None], hidden, None)
+    embd = ld.get("token_embd.weight")
+    blocks = int(embd.tensor_type) in KERNEL_TYPES
+    if blocks and cfg.tie_word_embeddings and isinstance(model.lm_head, GGUFLinear):
+        # the head's copy (in the kernel's layout): one resident copy of the table, not two
+        model.embed_tokens = GGUFEmbedding(model.lm_head.types[0], model.lm_head.w0, hidden)
+    elif blocks:  # kept as blocks: each lookup dequantizes its rows
+        model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), _raw_rows(embd), hidden)
+    return blocks
+
+
+def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.device) -> nn.Module:
+    """gpt-oss from its file: q|k|v (with their biases) and o as GGUFLinear, o's bias, the sinks, the router
+    (float32, with its bias) and each layer's experts as one GGUFExperts with their biases and the clamped
+    SwiGLU (MXFP4 experts read in place, as `--quantization mxfp4` serves a checkpoint's); experts stored as
+    floats fill the per-expert loop's w13 / b13 / w2 / b2 instead."""
+    from runtime.models.gpt_oss import GptOssForCausalLM
+    from runtime.models.moe_fused import ExpertActivation
+
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg, tp)
+    hidden, q_rows = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    float_experts = []
+    for i, layer in enumerate(model.layers):
+        b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
+        attn.qkv_proj = ld.linear(
+            [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+            [None] * 3,
+            hidden,
+            [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"],
+        )
+        attn.o_proj = ld.linear([b + "attn_output.weight"], [None], q_rows, None)
+        gate_b, up_b, down_b = (_float(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down"))
+        experts = ld.experts(
+            b,
+            b13=torch.cat([gate_b, up_b], dim=1),
+            b2=down_b,
+            activation=ExpertActivation("clamped_swiglu", mlp.alpha, mlp.limit),
+        )
+        if experts is None:
+            float_experts.append(i)
+            continue
+        mlp.w13 = mlp.w2 = mlp.b13 = mlp.b2 = None
+        mlp.experts = experts
+    blocks = _embedding_and_head(ld, model, cfg)
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+    if not blocks:
+        model.embed_tokens.load_shard("weight", _float(ld.get("token_embd.weight")), 0)
+    model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
+    for i, layer in enumerate(model.layers):
+        b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
+        layer.input_layernorm.weight.data.copy_(ld.norm(b + "attn_norm.weight"))
+        layer.post_attention_layernorm.weight.data.copy_(ld.norm(b + "post_attention_norm.weight"))
+        attn.o_bias.data.copy_(_float(ld.get(b + "attn_output.bias")))
+        attn.sinks.data.copy_(_float(ld.get(b + "attn_sinks.weight")))
+        attn.bind_sinks()
+        mlp.router_weight.data.copy_(_float(ld.get(b + "ffn_gate_inp.weight")))
+        mlp.router_bias.data.copy_(_float(ld.get(b + "ffn_gate_inp.bias")))
+        if i in float_experts:  # [E, out, in] as the file stacks them: gate rows then up rows in w13
+            gate, up, down = (_float(ld.get(f"{b}ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
+            gate_b, up_b, down_b = (_float(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down"))
+            mlp.w13.data.copy_(torch.cat([gate, up], dim=1))
+            mlp.b13.data.copy_(torch.cat([gate_b, up_b], dim=1))
+            mlp.w2.data.copy_(down)
+            mlp.b2.data.copy_(down_b)
+            ld.counts["F32"] = ld.counts.get("F32", 0) + 3 * gate.shape[0]
+    _check_filled(model, ld.path)
     return model

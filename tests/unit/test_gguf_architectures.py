@@ -422,5 +422,7 @@ def test_other_architectures_are_refused_listing_the_supported(tmp_path: Path) -
     data = (tmp_path / "g.gguf").read_bytes().replace(b"qwen2", b"gemm2")  # arch name and its keys
     (tmp_path / "g.gguf").write_bytes(data)
     assert_refused(
-        tmp_path, "g.gguf", r"unsupported GGUF architecture 'gemm2'.*'gemma3', 'llama', .*'qwen2', 'qwen3'"
+        tmp_path,
+        "g.gguf",
+        r"unsupported GGUF architecture 'gemm2'.*'gemma3', 'gpt-oss', 'llama', .*'qwen2', 'qwen3'",
     )
