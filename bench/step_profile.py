@@ -10,6 +10,8 @@ requests over one cached prefix (issue 28's agents over a tool catalogue); each 
 
     python -m bench.step_profile --cases 1x128,4x1400,32x128 --dtype bfloat16 --threads 2
     python -m bench.step_profile --cases 4x1400 --dtype float32 --quantization w4a8 --kv-cache-dtype float16
+    python -m bench.step_profile --model FILE.gguf --cases 1x128,8x128 --dtype float32 \
+        --quantization gguf_native --kv-cache-dtype float16
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def profile_case(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default="1x128,4x1400,32x128", help="BSxCONTEXT,... (default %(default)s)")
+    p.add_argument("--model", default="default", help="the model: 'default', a GGUF file or a folder")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default="none")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto: the model's dtype")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cases = parse_cases(args.cases)
     need = max(bs * (ctx + args.steps * 2 + 8) for bs, ctx, _ in cases) + 64
     runner = ModelRunner(
-        resolve_model_path("default"),
+        resolve_model_path(args.model),
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -186,7 +186,7 @@ def load_gguf_model(
     arch = ld.arch
     if arch.sinks:
         model = _gpt_oss(ld, cfg, tp, device)
-        _log_loaded(ld, t0)
+        _log_loaded(ld, model, t0)
         return model
     with torch.device("meta"):
         model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
@@ -248,7 +248,7 @@ def load_gguf_model(
             layer.mlp.w2.data.copy_(down)
             ld.counts["F32"] = ld.counts.get("F32", 0) + 3 * gate.shape[0]
     _check_filled(model, path)
-    _log_loaded(ld, t0)
+    _log_loaded(ld, model, t0)
     return model
 
 
@@ -260,12 +260,40 @@ def _check_filled(model: nn.Module, path: str) -> None:
         raise ValueError(f"{path}: no GGUF tensor fills {left[:3]}")
 
 
-def _log_loaded(ld: _Loader, t0: float) -> None:
+PAGE = 4096
+
+
+def map_in_place_weights(model: nn.Module, reader: Any) -> int:
+    """Fault in every page of the mapped file that a projection or an expert reads in place (one byte read
+    per page; the embedding's rows are left to their lookups), so that the first requests do not pay for
+    them: a random gpt-oss-20b file's first 8-stream decode ran at 9.4 tok/s against 15.7 once its experts'
+    pages were mapped. Returns the bytes mapped."""
+    lo = reader.data.ctypes.data
+    hi = lo + reader.data.nbytes
+    done, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, GGUFEmbedding):
+            continue
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if t.dtype != torch.uint8 or not lo <= t.data_ptr() < hi or t.data_ptr() in done:
+                continue
+            done.add(t.data_ptr())
+            flat = t.reshape(-1)  # a view: in-place weights are contiguous slices of the mapping
+            int(flat[::PAGE].sum())
+            total += flat.numel()
+    return total
+
+
+def _log_loaded(ld: _Loader, model: nn.Module, t0: float) -> None:
+    t1 = time.perf_counter()
+    mapped = map_in_place_weights(model, ld.reader)
     logger.info(
-        "GGUF %s served in place (%s) in %.2f s; norms float32",
+        "GGUF %s served in place (%s) in %.2f s; norms float32; %.1f GB of it mapped in %.2f s",
         ld.path,
         ", ".join(f"{n} {k}" for k, n in sorted(ld.counts.items())),
-        time.perf_counter() - t0,
+        t1 - t0,
+        mapped / 1e9,
+        time.perf_counter() - t1,
     )
 
 

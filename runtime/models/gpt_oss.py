@@ -18,7 +18,8 @@ store them as MXFP4 (`*_blocks` + `*_scales`, [E, out, in] once dequantized, gat
 output row, `runtime.models.mxfp4`). Such experts are served one of two ways:
 - `--quantization mxfp4` (what `auto` picks for an MXFP4 checkpoint on the CPU, as vLLM serves MXFP4 as it
   is): kept as MXFP4, the same bits repacked into ggml's blocks (`mxfp4.to_ggml_blocks`: gate [E, I, ·],
-  up [E, I, ·], down [E, H, ·], 17 bytes per 32 weights, as in the checkpoint), and each layer's experts run
+  up [E, I, ·], down [E, H, ·], 17 bytes per 32 weights, as in the checkpoint; on AVX512-VNNI moved once more
+  into the kernels' 16-row interleaved layout, same size), and each layer's experts run
   as one call of the fused MoE op (`moe_fused.GGUFExperts` with the biases and the clamped SwiGLU) with
   int8 activations per block of 32, so gpt-oss-20b's experts take ~10 GB instead of ~38 GB in bfloat16;
 - `--quantization none` (and every device but the CPU): dequantized at load and held as `w13` [E, 2I, H]
@@ -183,7 +184,6 @@ class GptOssMoe(nn.Module):
         assert self.mxfp4 is not None
         self.experts = GGUFExperts(
             [(GGML_MXFP4, self.mxfp4[part]) for part in ("gate", "up", "down")],
-            interleaved=(),
             b13=self.b13.detach(),
             b2=self.b2.detach() if self.add_b2 else None,
             activation=ExpertActivation("clamped_swiglu", self.alpha, self.limit),

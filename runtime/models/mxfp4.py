@@ -12,8 +12,8 @@ Two ways to serve them (gpt-oss, `runtime.models.gpt_oss`):
   `quantization.is_mxfp4_checkpoint`):
   `to_ggml_blocks` moves the same bits into ggml's MXFP4 block (type 39: the exponent byte, then 16 bytes
   whose low nibbles are elements 0..15 and high nibbles 16..31), which the GGUF block kernels
-  (csrc/gguf_gemm.cpp) and the fused MoE op read in place with int8 activations per block of 32: 17 bytes
-  per 32 weights, as in the checkpoint;
+  (csrc/gguf_gemm.cpp) and the fused MoE op read with int8 activations per block of 32 (on AVX512-VNNI
+  after one more move into their 16-row interleaved layout): 17 bytes per 32 weights, as in the checkpoint;
 - dequantized (`dequantize_mxfp4`, `--quantization none`, and every device but the CPU): float weights, 4x
   the MXFP4 bytes in bfloat16, 8x in float32.
 """

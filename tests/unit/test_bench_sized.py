@@ -146,17 +146,85 @@ def test_the_moe_file_serves_in_radixlm_with_the_bundled_tokenizer(moe_file: Pat
 
 def test_the_30b_plan_is_a_q4_k_m_sized_file():
     """Qwen3-30B-A3B's shape in the Q4_K_M mix: ~18 GB on disk, ~1.7 GB read a token (8 of 128 experts)."""
-    import numpy as np
 
-    per_block = {"Q4_K": sized.Q4_K_BYTES, "Q6_K": sized.Q6_K_BYTES}
     plan = sized.moe_tensors(sized.SHAPES["30b-a3b"], 49152)
-    size = {
-        n: int(np.prod(d)) * 4 if q == "F32" else int(np.prod(d)) // 256 * per_block[q] for n, q, d in plan
-    }
+    size = plan_bytes(plan)
     assert 17e9 < sum(size.values()) < 19e9
     active = sum(v * (8 / 128 if "_exps." in n else 1) for n, v in size.items() if n != "token_embd.weight")
     assert 1.5e9 < active < 2.0e9
     assert sum(1 for n, q, _ in plan if n.endswith("ffn_down_exps.weight") and q == "Q6_K") == 24
+
+
+def plan_bytes(plan: list) -> dict[str, int]:
+    """Bytes of each tensor of a `write_moe_gguf` plan."""
+    import numpy as np
+
+    out = {}
+    for name, qtype, dims in plan:
+        block, size = (1, 4) if qtype == "F32" else sized.BLOCKS[qtype]
+        out[name] = int(np.prod(dims)) // block * size
+    return out
+
+
+def test_the_gpt_oss_plan_is_an_mxfp4_moe_sized_file():
+    """gpt-oss-20b's shape in llama-quantize's MXFP4_MOE mix on SmolLM2's vocabulary: ~11 GB on disk (the
+    released 12.1 GB file less the 201,088-token vocabulary's rows), ~2.1 GB read a token (4 of 32
+    experts), every expert MXFP4 and every other matrix but the router Q8_0."""
+    shape = sized.SHAPES["gpt-oss-20b"]
+    plan = sized.gpt_oss_tensors(shape, 49152)
+    size = plan_bytes(plan)
+    assert 10.5e9 < sum(size.values()) < 11.5e9
+    active = sum(v * (4 / 32 if "_exps." in n else 1) for n, v in size.items() if n != "token_embd.weight")
+    assert 1.9e9 < active < 2.3e9
+    types = {(n.rsplit(".", 2)[-2], q) for n, q, _ in plan if n.endswith(".weight") and q != "F32"}
+    assert {t for part, t in types if part.endswith("_exps")} == {"MXFP4"}
+    assert {t for part, t in types if not part.endswith("_exps")} == {"Q8_0"}
+    assert sized.file_quant("gpt-oss-20b", None) == "MXFP4_MOE" and sized.file_quant("8b", None) == "Q4_K_M"
+    with pytest.raises(SystemExit, match="written as MXFP4_MOE only"):
+        sized.file_quant("gpt-oss-20b", "Q4_K_M")
+
+
+GPT_OSS_TINY = {
+    "arch": "gpt-oss", "quant": "MXFP4_MOE", "hidden_size": 256, "intermediate_size": 256,
+    "moe_intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "sliding_window": 16,
+    "tie_word_embeddings": False, "rope_theta": 150000.0, "rope_yarn": (32.0, 4096), "rms_norm_eps": 1e-5,
+}  # fmt: skip
+
+
+def test_the_gpt_oss_file_serves_in_radixlm(tmp_path: Path):
+    """A tiny gpt-oss file as the bench writes it: llama.cpp's gpt-oss keys and tensors, MXFP4 blocks whose
+    weights spread as N(0, 0.02); radixlm serves it in place (experts as MXFP4 GGUFExperts) with finite,
+    spread logits."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from runtime.models import model_loader as ml
+    from runtime.models.gguf_arch import open_reader
+    from runtime.models.moe_fused import GGUFExperts
+    from tests.unit.test_gguf_architectures import runner_for, served_logits
+
+    path = tmp_path / "model-MXFP4_MOE.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sized.SHAPES, "tiny-oss", GPT_OSS_TINY)
+        sized.write_moe_gguf("tiny-oss", path)
+    reader = open_reader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    assert meta["general.architecture"] == "gpt-oss" and meta["general.file_type"] == 38
+    assert meta["gpt-oss.attention.sliding_window"] == 16 and meta["gpt-oss.rope.scaling.type"] == "yarn"
+    tensors = {t.name: t for t in reader.tensors}
+    up = tensors["blk.2.ffn_up_exps.weight"]
+    assert up.tensor_type == Q.MXFP4 and tensors["blk.2.attn_q.weight"].tensor_type == Q.Q8_0
+    for t in (up, tensors["blk.2.attn_q.weight"]):
+        w = dequantize(np.asarray(t.data), t.tensor_type)
+        assert np.isfinite(w).all() and abs(float(w.mean())) < 2e-3 and 0.016 < float(w.std()) < 0.026
+    folder = ml.resolve_model_path(str(path), str(tmp_path / "cache"))
+    runner = runner_for(folder, quantization="gguf_native")
+    assert all(isinstance(layer.mlp.experts, GGUFExperts) for layer in runner.model.layers)
+    logits = served_logits(runner, [list(range(100, 140))])[0]
+    assert bool(torch.isfinite(logits).all()) and float(logits.std(-1).min()) > 0.1
 
 
 def test_the_moe_result_is_one_headline_row_and_its_sized_rows():

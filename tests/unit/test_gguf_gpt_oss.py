@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from runtime.models import model_loader as ml
-from runtime.models.gguf_linear import GGUFLinear
+from runtime.models.gguf_linear import INTERLEAVED, GGUFLinear
 from runtime.models.moe_fused import GGUFExperts
 from tests.random_gpt_oss import EXPERTS, WINDOW, gpt_oss_config, random_gpt_oss
 from tests.unit.test_gguf_architectures import VOCAB, runner_for, served_logits, write_metadata
@@ -211,6 +211,22 @@ def test_f32_file_serves_like_transformers(tmp_path: Path, model: Any) -> None:
             assert torch.equal(got.argmax(-1), ref.argmax(-1)), quantization
 
 
+def test_weights_read_in_place_are_mapped_at_load(tmp_path: Path, monkeypatch) -> None:
+    """Start-up faults in every page the projections and experts read from the file in place (Q8_0 here;
+    MXFP4 is copied into the interleaved layout on AVX512-VNNI), so the first requests do not."""
+    from runtime.models import gguf_model
+
+    seen: list[int] = []
+    real = gguf_model.map_in_place_weights
+    monkeypatch.setattr(gguf_model, "map_in_place_weights", lambda m, r: seen.append(real(m, r)) or seen[-1])
+    write_gguf(tmp_path / "m.gguf", tiny_gpt_oss(), mix=True)
+    runner = runner_for(folder_of(tmp_path, "m.gguf"), quantization="gguf_native")
+    kept = [m for m in runner.model.modules() if isinstance(m, (GGUFLinear, GGUFExperts))]
+    in_place = [(m, i) for m in kept for i, t in enumerate(m.types) if not t & INTERLEAVED]
+    want = sum(getattr(m, f"w{i}").numel() for m, i in in_place)
+    assert seen == [want] and want > 0
+
+
 def test_mxfp4_file_served_in_place_agrees(tmp_path: Path) -> None:
     """MXFP4 experts and Q8_0 projections read in place (one GGUFExperts of MXFP4 blocks per layer, q|k|v
     and o as Q8_0 GGUFLinear, the head too) agree with float32 on the file's own dequantized weights. As in
@@ -223,8 +239,9 @@ def test_mxfp4_file_served_in_place_agrees(tmp_path: Path) -> None:
     encoded = write_gguf(tmp_path / "q.gguf", model, mix=True)
     runner = runner_for(folder_of(tmp_path, "q.gguf"), quantization="gguf_native")
     layers = runner.model.layers
-    assert all(isinstance(layer.mlp.experts, GGUFExperts) and layer.mlp.experts.types == [39] * 3
-               for layer in layers)  # fmt: skip
+    experts = [layer.mlp.experts for layer in layers]
+    assert all(isinstance(e, GGUFExperts) for e in experts)
+    assert all([t & ~INTERLEAVED for t in e.types] == [39] * 3 for e in experts)
     assert all(layer.mlp.w13 is None for layer in layers)
     linears = [m for m in runner.model.modules() if isinstance(m, GGUFLinear)]
     assert len(linears) == 2 * len(layers) + 1 and {m.kind for m in linears} == {"Q8_0"}

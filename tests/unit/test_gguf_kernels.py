@@ -275,3 +275,22 @@ def test_mxfp4_unpacks_every_code_and_exponent_edge() -> None:
     e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
     assert torch.equal(ref[2, :16], e2m1 * 2.0 ** (2 - 127))
     assert torch.equal(ref[4, 16:], e2m1.flip(0))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["file", "interleaved"])
+def test_mxfp4_kernel_scales_at_the_exponent_edges(interleaved: bool) -> None:
+    """The kernels' own MXFP4 scales (the interleaved path builds 16 rows' scales from their exponent bytes in
+    float bits) at the subnormal exponents 0 and 1 and up to 2**100: each row of x @ W^T within the int8
+    activations' error of the reference dequantization's."""
+    exponents = [0, 1, 2, 3, 60, 100, 126, 127, 128, 129, 130, 150, 200, 220, 226, 227]  # 16 rows
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(16, 2, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.asarray(exponents, dtype=np.uint8)[:, None]
+    w = torch.from_numpy(raw.reshape(16, 34))
+    layer = GGUFLinear(64, [(MXFP4, w)], interleaved=INTERLEAVED_TYPES if interleaved else ())
+    assert bool(layer.types[0] & INTERLEAVED) == (interleaved and kernel_isa() == "avx512_vnni")
+    x = torch.randn(3, 64)
+    ref = reference_dequantize(w, MXFP4, 16, 64).double()
+    want, got = x.double() @ ref.T, layer(x).double()
+    rel = (got - want).norm(dim=0) / want.norm(dim=0)
+    assert float(rel.max()) < 0.02, rel

@@ -22,7 +22,7 @@
 // decode (1-4 rows) reads each weight byte once and prefill / verify (many rows) reuses the unpacked row.
 // With AVX512-VNNI every type instead has a register path (`decode_rows` below): 64 weights unpacked in
 // registers and multiplied by up to 4 activation rows at a time, sums kept in int32 per super-block. Q4_K,
-// Q5_K, Q6_K and Q8_0 tensors repacked at load into the interleaved layout (`gguf_repack`) take the
+// Q5_K, Q6_K, Q8_0 and MXFP4 tensors repacked at load into the interleaved layout (`gguf_repack`) take the
 // interleaved paths instead (`interleaved_group`: one vpdpbusd advances 16 rows by 4 inputs, at any number
 // of activation rows, 4 at a time), 2x (Q4_K) / 1.5x (Q6_K) faster at one row from L3 and 2-3x at 16-64.
 //
@@ -340,7 +340,7 @@ bool type_info(int64_t t, TypeInfo& info) {
 }
 
 // --------------------------------------------------------------------------------------- interleaved layout
-// For the AVX512 decode paths, a tensor of Q4_K, Q5_K, Q6_K or Q8_0 may be repacked once at load
+// For the AVX512 decode paths, a tensor of Q4_K, Q5_K, Q6_K, Q8_0 or MXFP4 may be repacked once at load
 // (`gguf_repack`): every group of NR = 16 consecutive rows is rewritten so that the same bytes of the 16 rows'
 // block b lie side by side, and one 64-byte load holds 4 consecutive quantized bytes of each of the 16 rows (one
 // 32-bit lane per row), which one vpdpbusd multiplies by 4 broadcast activations. The bits are only moved (Q8_0's
@@ -409,6 +409,11 @@ Layout make_layout(int64_t t) {
       add(0, 2);
       l.lead = 8;
       break;
+    case MXFP4:  // the nibble bytes 4 at a time (elements j..j+3 low, j+16..j+19 high); the exponent byte
+      l.bytes = 17;
+      for (int p = 0; p < 4; ++p) add(1 + 4 * p, 4);
+      add(0, 1);
+      break;
     default: break;
   }
   place_pieces(l);
@@ -417,12 +422,13 @@ Layout make_layout(int64_t t) {
 
 const Layout* interleaved_layout(int64_t t) {
   static const Layout q4k = make_layout(Q4_K), q5k = make_layout(Q5_K), q6k = make_layout(Q6_K),
-                      q80 = make_layout(Q8_0);
+                      q80 = make_layout(Q8_0), mx = make_layout(MXFP4);
   switch (t) {
     case Q4_K: return &q4k;
     case Q5_K: return &q5k;
     case Q6_K: return &q6k;
     case Q8_0: return &q80;
+    case MXFP4: return &mx;
     default: return nullptr;
   }
 }
@@ -1180,6 +1186,49 @@ void q8_0_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActV
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, tot[m]);
 }
 
+// MXFP4: each 64-byte load holds 4 nibble bytes of the 16 rows, i.e. elements j..j+3 (low nibbles) and
+// j+16..j+19 (high) of each; both halves become u = 2 * e2m1 + 12 by one byte shuffle and meet their 4 broadcast
+// activations in a vpdpbusd each. w = (u - 12) * 2^(e - 128): the -12 is taken off as -12 * (the block's
+// activation sum), the 16 rows' scales are built from their exponent bytes in float bits (e8m0_half's, e < 2
+// subnormal). The chunk (272 bytes) keeps no 64-byte alignment: its loads are unaligned.
+template <int MR>
+void mxfp4_group(const uint8_t* G, int64_t, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+  constexpr int64_t CHUNK = NR * 17;
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_U)));
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 tot[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = G + b * CHUNK;
+    __m512i acc[MR], acc2[MR];
+    for (int m = 0; m < MR; ++m) {
+      const int32_t* s16 = a.i16 + (m * K + b * 32) / 16;
+      acc[m] = _mm512_set1_epi32(-12 * (s16[0] + s16[1]));
+      acc2[m] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      const __m512i w = _mm512_loadu_si512(c + 64 * p);
+      const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(w, low));
+      const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(w, 4), low));
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = a.qa + m * K + b * 32 + 4 * p;
+        acc[m] = _mm512_dpbusd_epi32(acc[m], lo, bcast4(x));
+        acc2[m] = _mm512_dpbusd_epi32(acc2[m], hi, bcast4(x + 16));
+      }
+    }
+    const __m512i e = widen16(c + 256);
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __m512 d = _mm512_castsi512_ps(
+        _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
+    for (int m = 0; m < MR; ++m)
+      tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[m], acc2[m])),
+                               _mm512_mul_ps(d, _mm512_set1_ps(a.dl[(m * K + b * 32) / 4])), tot[m]);
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, tot[m]);
+}
+
 // group G (16 rows, `nb` blocks each; at byte `off` of its tensor) of an interleaved part of base type `type`
 // times M <= 4 activation rows
 void interleaved_group(int64_t type, const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, int64_t M,
@@ -1195,6 +1244,7 @@ void interleaved_group(int64_t type, const uint8_t* G, int64_t off, int64_t nb, 
   if (type == Q6_K) RADIXLM_GROUP(q6_k_group)
   if (type == Q8_0) RADIXLM_GROUP(q8_0_group)
   if (type == Q5_K) RADIXLM_GROUP(q5_k_group)
+  if (type == MXFP4) RADIXLM_GROUP(mxfp4_group)
 #undef RADIXLM_GROUP
 }
 
@@ -1402,7 +1452,7 @@ at::Tensor huge_page_bytes(int64_t rows, int64_t cols) {
   return at::from_blob(p, {rows, cols}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
 }
 
-// w (uint8 [rows, row bytes] of `type`, one of Q4_K, Q5_K, Q6_K, Q8_0) in the interleaved layout (see above),
+// w (uint8 [rows, row bytes] of `type`, one of Q4_K, Q5_K, Q6_K, Q8_0, MXFP4) in the interleaved layout (see above),
 // or back to the file's layout when `inverse`; a new tensor of the same shape.
 at::Tensor gguf_repack(const at::Tensor& w, int64_t type, bool inverse) {
   const Layout* lp = interleaved_layout(type);
