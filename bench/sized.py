@@ -107,6 +107,26 @@ SHAPES: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6,
     },
+    # gpt-oss-20b's (its config: 32 experts of 2,880 rows, 4 routed a token, 64 heads of 64 over 8 KV heads,
+    # sliding window of 128 on every other layer, yarn x32 over 4,096 positions), in llama.cpp's MXFP4_MOE mix
+    "gpt-oss-20b": {
+        "arch": "gpt-oss",
+        "quant": "MXFP4_MOE",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "moe_intermediate_size": 2880,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "tie_word_embeddings": False,
+        "rope_theta": 150000.0,
+        "rope_yarn": (32.0, 4096),  # factor, original context
+        "rms_norm_eps": 1e-5,
+    },
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SHARD_BYTES = 2 << 30  # safetensors shards of at most 2 GiB: the 8B folder is written without holding it all
@@ -114,18 +134,33 @@ PROMPT_LEN = 128
 TTFT_PROMPT_LEN = 2000
 # llama-server's tokens per slot (32 slots): 4,096 by default, 3,072 at 8B, where 32 x 4,096 tokens of float16
 # KV (16 GiB) beside the weights would not fit in 24 GiB; the longest prompt here (an agent's) fits both.
-SLOT_CTX = {"1b": 4096, "8b": 3072, "30b-a3b": 2560}
+SLOT_CTX = {"1b": 4096, "8b": 3072, "30b-a3b": 2560, "gpt-oss-20b": 2560}
 # llama-server's slots where 32 would not fit: the 30B-A3B file (18 GB) leaves room for ~2 GB of float16 KV
-# (8 slots of 2,560 tokens; 96 KiB a token), enough for 8 streams and the 2,000-token prompt
-SLOTS = {"30b-a3b": 8}
-DEFAULT_STREAMS = {"30b-a3b": [1, 8]}
+# (8 slots of 2,560 tokens; 96 KiB a token), enough for 8 streams and the 2,000-token prompt; the
+# mixtures of experts are measured at 1 and 8 streams alike
+SLOTS = {"30b-a3b": 8, "gpt-oss-20b": 8}
+DEFAULT_STREAMS = {"30b-a3b": [1, 8], "gpt-oss-20b": [1, 8]}
 # radixlm's and llama-server's switches for serving the file's pages in place instead of repacked copies
 LAYOUT_ENV = ("RADIXLM_GGUF_INTERLEAVE", "LLAMA_ARG_REPACK")
 
 
 # ------------------------------------------------------------------------------------------ the models
 def model_dir(size: str) -> Path:
+    if size.startswith("gpt-oss"):
+        return peers_dir() / "sized" / size
     return peers_dir() / "sized" / (f"qwen3moe-{size}" if "num_experts" in SHAPES[size] else f"llama-{size}")
+
+
+def file_quant(size: str, quant: str | None) -> str:
+    """The GGUF type mix of `size`'s file: `--quant` (Q4_K_M unless given) for the llama shapes, made by
+    llama-quantize; the mix a directly written file has (see `write_moe_gguf`) for the others."""
+    fixed = "Q4_K_M" if "num_experts" in SHAPES[size] else None
+    fixed = SHAPES[size].get("quant", fixed)
+    if fixed is None:
+        return quant or "Q4_K_M"
+    if quant not in (None, fixed):
+        raise SystemExit(f"--quant: the {size} file is written as {fixed} only, not {quant}")
+    return fixed
 
 
 def write_hf_folder(size: str, out: Path, seed: int = 0) -> None:
@@ -197,10 +232,8 @@ def gguf_files(size: str, quant: str) -> tuple[Path | None, Path]:
     root = model_dir(size)
     folder, gguf = root / "hf", root / f"model-{quant}.gguf"
     if "num_experts" in SHAPES[size]:  # written as GGUF directly: no folder (see the comment above QK_K)
-        if quant != "Q4_K_M":
-            raise SystemExit(f"--quant: the {size} file is written as Q4_K_M only, not {quant}")
         if not gguf.is_file():
-            print(f"[sized] writing a random {size} Q4_K_M file to {gguf} ...", flush=True)
+            print(f"[sized] writing a random {size} {quant} file to {gguf} ...", flush=True)
             t0 = time.perf_counter()
             write_moe_gguf(size, gguf)
             print(f"[sized] written in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -257,23 +290,29 @@ def gguf_read_bytes(path: Path) -> int:
     )
 
 
-# ------------------------------------------------------------------------------------------ the MoE file
-# A 30B mixture of experts' bfloat16 folder (61 GB) would not fit where the bench runs, so its file is written
-# as GGUF directly: the tensors and keys llama.cpp's converter writes for qwen3moe, in the types
-# llama-quantize's Q4_K_M gives them, each block random bytes with float16 scales set so that the weights
-# spread about as N(0, 0.02) (see `random_blocks`). Block layouts (ggml's, 256 weights a block):
-# - Q4_K, 144 bytes: d, dmin (float16), 12 bytes of 6-bit sub-block scales sc and mins m, 128 bytes of
-#   4-bit q; w = d * sc * q - dmin * m;
-# - Q6_K, 210 bytes: 192 bytes of 6-bit q, 16 int8 sub-block scales sc, d (float16) last;
-#   w = d * sc * (q - 32).
+# ------------------------------------------------------------------------------------------ the MoE files
+# A mixture of experts' bfloat16 folder (61 GB at 30B-A3B, 42 GB at gpt-oss-20b) would not fit where the bench
+# runs, so its file is written as GGUF directly: the tensors and keys llama.cpp's converter writes for the
+# architecture, in the types llama-quantize gives them, each block random bytes with its scale set so that the
+# weights spread about as N(0, 0.02) (see `random_blocks`). Block layouts (ggml's):
+# - Q4_K, 256 weights in 144 bytes: d, dmin (float16), 12 bytes of 6-bit sub-block scales sc and mins m, 128
+#   bytes of 4-bit q; w = d * sc * q - dmin * m;
+# - Q6_K, 256 weights in 210 bytes: 192 bytes of 6-bit q, 16 int8 sub-block scales sc, d (float16) last;
+#   w = d * sc * (q - 32);
+# - Q8_0, 32 weights in 34 bytes: d (float16), 32 int8 q; w = d * q;
+# - MXFP4, 32 weights in 17 bytes: an E8M0 exponent e, 16 bytes of FP4 E2M1 codes;
+#   w = fp4(code) * 2^(e - 127).
 QK_K = 256
-Q4_K_BYTES, Q6_K_BYTES = 144, 210
+BLOCKS = {"Q4_K": (QK_K, 144), "Q6_K": (QK_K, 210), "Q8_0": (32, 34), "MXFP4": (32, 17)}
 # d of a block (times U(0.8, 1.2)), measured to give weights of standard deviation ~0.02: Q4_K with random
 # 6-bit sc and m (dmin = 7.5 d, so the mean is ~0); Q6_K with sc in 1..16 (a random byte's low 4 bits + 1,
-# keeping d a normal float16 rather than the subnormal a full int8 range would need)
-Q4_K_D, Q6_K_D = 7.7e-5, 1.12e-4
+# keeping d a normal float16 rather than the subnormal a full int8 range would need); Q8_0 over random int8
+# (standard deviation 73.9). MXFP4's exponent: random codes have a standard deviation of 2.93, so 2^-7
+# (e = 120) gives ~0.023.
+Q4_K_D, Q6_K_D, Q8_0_D = 7.7e-5, 1.12e-4, 2.7e-4
+MXFP4_EXPONENT = 120
 WEIGHT_STD = 0.02
-LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+LLAMA_FTYPE = {"Q4_K_M": 15, "MXFP4_MOE": 38}
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -308,25 +347,56 @@ def moe_tensors(shape: dict[str, Any], vocab: int) -> list[tuple[str, str, tuple
     return out + [("output_norm.weight", "F32", (hidden,)), ("output.weight", "Q6_K", (vocab, hidden))]
 
 
+def gpt_oss_tensors(shape: dict[str, Any], vocab: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """The same for a gpt-oss file in llama-quantize's MXFP4_MOE mix: the experts MXFP4, every other matrix
+    Q8_0; norms, biases, sinks and the router F32."""
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    hd, heads, kv = shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    n, inter = shape["num_experts"], shape["moe_intermediate_size"]
+    out: list[tuple[str, str, tuple[int, ...]]] = [("token_embd.weight", "Q8_0", (vocab, hidden))]
+    for i in range(layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", "F32", (hidden,))]
+        for proj, rows in (("attn_q", heads * hd), ("attn_k", kv * hd), ("attn_v", kv * hd)):
+            out += [(f"{b}{proj}.weight", "Q8_0", (rows, hidden)), (f"{b}{proj}.bias", "F32", (rows,))]
+        out += [
+            (b + "attn_output.weight", "Q8_0", (hidden, heads * hd)),
+            (b + "attn_output.bias", "F32", (hidden,)),
+            (b + "attn_sinks.weight", "F32", (heads,)),
+            (b + "post_attention_norm.weight", "F32", (hidden,)),
+            (b + "ffn_gate_inp.weight", "F32", (n, hidden)),
+            (b + "ffn_gate_inp.bias", "F32", (n,)),
+        ]
+        for proj, rows, cols in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+            out += [(f"{b}ffn_{proj}_exps.weight", "MXFP4", (n, rows, cols)),
+                    (f"{b}ffn_{proj}_exps.bias", "F32", (n, rows))]  # fmt: skip
+    return out + [("output_norm.weight", "F32", (hidden,)), ("output.weight", "Q8_0", (vocab, hidden))]
+
+
 def random_blocks(qtype: str, shape: tuple[int, ...], rng: Any) -> Any:
     """uint8 [*shape[:-1], blocks x block bytes]: random `qtype` blocks of weights spread ~N(0, 0.02)."""
     import numpy as np
 
-    if shape[-1] % QK_K:
-        raise ValueError(f"{qtype} rows of {shape[-1]} weights are not whole blocks of {QK_K}")
-    size = Q4_K_BYTES if qtype == "Q4_K" else Q6_K_BYTES
-    blocks = int(np.prod(shape)) // QK_K
+    block, size = BLOCKS[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"{qtype} rows of {shape[-1]} weights are not whole blocks of {block}")
+    blocks = int(np.prod(shape)) // block
     raw = rng.bit_generator.random_raw((blocks * size + 7) // 8).view(np.uint8)[: blocks * size]
     raw = raw.reshape(blocks, size)
     if qtype == "Q4_K":
         d = (rng.uniform(0.8, 1.2, blocks) * Q4_K_D).astype(np.float16)
         raw[:, 0:2] = d.view(np.uint8).reshape(blocks, 2)
         raw[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8).reshape(blocks, 2)
-    else:
+    elif qtype == "Q6_K":
         raw[:, 192:208] = (raw[:, 192:208] & 15) + 1
         d = (rng.uniform(0.8, 1.2, blocks) * Q6_K_D).astype(np.float16)
         raw[:, 208:210] = d.view(np.uint8).reshape(blocks, 2)
-    return raw.reshape(*shape[:-1], shape[-1] // QK_K * size)
+    elif qtype == "Q8_0":
+        d = (rng.uniform(0.8, 1.2, blocks) * Q8_0_D).astype(np.float16)
+        raw[:, 0:2] = d.view(np.uint8).reshape(blocks, 2)
+    else:
+        raw[:, 0] = MXFP4_EXPONENT
+    return raw.reshape(*shape[:-1], shape[-1] // block * size)
 
 
 def tokenizer_metadata(w: Any, src: Path, vocab: int) -> None:
@@ -363,19 +433,21 @@ def tokenizer_metadata(w: Any, src: Path, vocab: int) -> None:
 
 
 def write_moe_gguf(size: str, out: Path, seed: int = 0) -> None:
-    """A random Qwen3-MoE of `size`'s shape as a Q4_K_M-typed qwen3moe GGUF file, tensor by tensor (never the
-    whole model in memory): see the comment above QK_K."""
+    """A random mixture of experts of `size`'s shape as a GGUF file of its architecture (qwen3moe in the
+    Q4_K_M mix, or gpt-oss in MXFP4_MOE's), tensor by tensor (never the whole model in memory): see the
+    comment above QK_K. Norms are 1, biases and sinks 0, routers N(0, 0.02) in float32."""
     import gguf
     import numpy as np
 
     from runtime.models.model_loader import resolve_model_path
 
     shape, src = SHAPES[size], Path(resolve_model_path("default"))
+    arch = shape.get("arch", "qwen3moe")
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     tmp = out.with_suffix(".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(tmp), "qwen3moe")
-    w.add_name(f"random-qwen3moe-{size}")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(f"random-{arch}-{size}")
     w.add_vocab_size(vocab)
     w.add_context_length(8192)
     w.add_embedding_length(shape["hidden_size"])
@@ -390,16 +462,23 @@ def write_moe_gguf(size: str, out: Path, seed: int = 0) -> None:
     w.add_key_length(shape["head_dim"])
     w.add_value_length(shape["head_dim"])
     w.add_expert_feed_forward_length(shape["moe_intermediate_size"])
-    w.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    if "sliding_window" in shape:
+        w.add_sliding_window(shape["sliding_window"])
+    if "rope_yarn" in shape:
+        factor, original = shape["rope_yarn"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        w.add_rope_scaling_orig_ctx_len(original)
+    w.add_file_type(LLAMA_FTYPE[shape.get("quant", "Q4_K_M")])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tokenizer_metadata(w, src, vocab)
-    plan = moe_tensors(shape, vocab)
+    plan = (gpt_oss_tensors if arch == "gpt-oss" else moe_tensors)(shape, vocab)
     for name, qtype, dims in plan:
         if qtype == "F32":
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
         else:
-            size_b = Q4_K_BYTES if qtype == "Q4_K" else Q6_K_BYTES
-            byte_shape = (*dims[:-1], dims[-1] // QK_K * size_b)
+            block, size_b = BLOCKS[qtype]
+            byte_shape = (*dims[:-1], dims[-1] // block * size_b)
             raw = gguf.GGMLQuantizationType[qtype]
             w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw)
     w.write_header_to_file()
@@ -411,8 +490,10 @@ def write_moe_gguf(size: str, out: Path, seed: int = 0) -> None:
             w.write_tensor_data(random_blocks(qtype, dims, rng))
         elif name.endswith("ffn_gate_inp.weight"):  # the router: N(0, 0.02), float32 as llama.cpp keeps it
             w.write_tensor_data(rng.standard_normal(dims, dtype=np.float32) * np.float32(WEIGHT_STD))
-        else:
+        elif name.endswith("norm.weight"):
             w.write_tensor_data(np.ones(dims, dtype=np.float32))
+        else:  # biases and sinks
+            w.write_tensor_data(np.zeros(dims, dtype=np.float32))
     w.close()
     tmp.rename(out)
 
@@ -649,14 +730,20 @@ def _on_sigterm(*_: Any) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SHAPES), default="1b")
-    p.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name for the GGUF file")
+    p.add_argument(
+        "--quant",
+        default=None,
+        help="llama-quantize's type name for the GGUF file (default Q4_K_M; the mixtures of experts' files "
+        "are written in one mix each: Q4_K_M for 30b-a3b, MXFP4_MOE for gpt-oss-20b)",
+    )
     p.add_argument("--sides", default=",".join(SIDES[:3]), help=f"comma-separated, of {', '.join(SIDES)}")
     p.add_argument("--threads", type=int, default=0, help="threads of every side (0: all usable cores)")
     p.add_argument(
         "--streams",
         type=lambda s: common.csv_list(s, int),
         default=None,
-        help="decode streams (default 1,4,32; 1,8 for 30b-a3b, whose llama-server has 8 slots)",
+        help="decode streams (default 1,4,32; 1,8 for the mixtures of experts, whose llama-server has 8 "
+        "slots)",
     )
     p.add_argument("--steps", type=int, default=64, help="decoded tokens per stream")
     p.add_argument("--agents", type=int, default=8, help="agent-loop agents (0: no agent row)")
@@ -676,6 +763,7 @@ def main(argv: list[str] | None = None) -> dict:
     common.setup_env()
     signal.signal(signal.SIGTERM, _on_sigterm)
     threads = args.threads or common.usable_cores()
+    args.quant = file_quant(args.size, args.quant)
     folder, gguf = gguf_files(args.size, args.quant)
     env = common.environment()
     bandwidth = memory_bandwidth(threads)
@@ -684,7 +772,7 @@ def main(argv: list[str] | None = None) -> dict:
     log_dir = model_dir(args.size)  # the servers' logs beside the model files (ignored by git)
     for name in sides:
         if name == VLLM and folder is None:
-            why = "no bfloat16 folder: the file is written as GGUF directly (a 61 GB folder does not fit)"
+            why = "no bfloat16 folder: the file is written as GGUF directly (its folder would not fit here)"
             per_side[name] = {"skipped": why}
             print(f"[sized] vllm skipped: {why}", flush=True)
             continue
