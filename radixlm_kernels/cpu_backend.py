@@ -81,13 +81,10 @@ class CpuPagedBackend(TorchNativeBackend):
             self._native_ready = True
 
     def _masked_path(self, layer: AttentionLayer, batch: AttentionBatch) -> bool:
-        """Whether this layer runs torch_native's path (its metadata built on first use): a long extend, a
-        layer with attention sinks (the C++ op has none), or a sliding-window layer whose per-token window
-        table would pass WINDOW_TABLE_MAX."""
-        masked = (
-            not self._fused
-            or layer.sinks is not None
-            or (bool(layer.sliding_window) and self._window_table(layer.sliding_window, batch) is None)
+        """Whether this layer runs torch_native's path (its metadata built on first use): a long extend, or a
+        sliding-window layer whose per-token window table would pass WINDOW_TABLE_MAX."""
+        masked = not self._fused or (
+            bool(layer.sliding_window) and self._window_table(layer.sliding_window, batch) is None
         )
         if masked and not self._native_ready:
             super().init_forward_metadata(batch)
@@ -116,6 +113,7 @@ class CpuPagedBackend(TorchNativeBackend):
                 self.kv_pool.v[layer.layer_id],
                 *self._window_table(layer.sliding_window, batch)[:4],
                 layer.scaling,
+                layer.sinks,
             )
         return (
             self.kv_pool.k[layer.layer_id],
@@ -125,6 +123,7 @@ class CpuPagedBackend(TorchNativeBackend):
             batch.seq_lens,
             self._ext_lens,
             layer.scaling,
+            layer.sinks,
         )
 
     def _window_table(self, window: int, batch: AttentionBatch) -> tuple | None:

@@ -446,3 +446,48 @@ def test_bad_kv_write_inputs_are_errors_and_write_nothing(over, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.radixlm.paged_attention_kv(*args)
     assert not k_cache.any() and not v_cache.any()  # every check comes before the first write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_op", [False, True], ids=["attend", "write_then_attend"])
+def test_sinks_join_the_softmax_denominator(dtype, kv_op):
+    """gpt-oss's sinks (a logit per query head with no value): every output row equals the float64 softmax
+    over the row's keys plus the sink column, for requests of one split (decode and a short extend) and of
+    several (merged by log-sum-exp), sinks far below, near and far above the scores; unlike the output
+    without them."""
+    gen = torch.Generator().manual_seed(17)
+    seq, ext = [9, 300, 700, 40], [1, 3, 1, 4]
+    size = sum(seq) + 8
+    k = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(5, 720, dtype=torch.int64)
+    rows = torch.tensor([3, 0, 4, 1])
+    for b, n in enumerate(seq):
+        table[rows[b], :n] = torch.tensor([free.pop() for _ in range(n)])
+    q = torch.randn(sum(ext), 9, 64, generator=gen).to(dtype)
+    sinks = torch.tensor([-30.0, -1.0, 0.0, 0.5, 2.0, 3.0, 8.0, 40.0, -0.3])
+    args = (q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
+    if kv_op:  # the new tokens' K/V written first (the rows already there), then the same attention
+        loc = torch.cat([table[rows[b], seq[b] - ext[b] : seq[b]] for b in range(len(seq))])
+        new_k, new_v = k[loc].clone(), v[loc].clone()
+        out = torch.ops.radixlm.paged_attention_kv(q, new_k, new_v, loc, k, v, *args[3:], sinks)
+    else:
+        out = torch.ops.radixlm.paged_attention(*args, sinks)
+    plain = torch.ops.radixlm.paged_attention(*args)
+    want = torch.empty(q.shape, dtype=torch.float64)
+    start = 0
+    for b in range(len(seq)):
+        slots = table[rows[b], : seq[b]]
+        kb, vb = k[slots].double(), v[slots].double()
+        for j in range(ext[b]):
+            pos = seq[b] - ext[b] + j
+            for h in range(9):
+                scores = kb[: pos + 1, h // 3] @ q[start + j, h].double() * 0.125
+                w = torch.softmax(torch.cat([scores, sinks[h : h + 1].double()]), 0)[:-1]
+                want[start + j, h] = w @ vb[: pos + 1, h // 3]
+        start += ext[b]
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    assert not torch.allclose(out, plain)
+    with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
+        torch.ops.radixlm.paged_attention(*args, sinks[:4])

@@ -17,6 +17,8 @@
 // head h / (H / Hkv). Math is float32 whatever the storage types (a bfloat16 cache on an AMX CPU: tile products
 // with queries and weights at ~16 bits, see "AMX tiles"); the output is a contiguous [T, H, D] of q's dtype.
 // q may be a strided view (last dim contiguous), e.g. straight out of the fused qkv projection's split.
+// Optional sinks (float32 [H], gpt-oss's): one more logit per query head in its softmax's denominator, with no
+// value, applied where a row is normalised (a whole request) or its splits merged.
 //
 // paged_attention_kv(q, k, v, out_cache_loc, k_cache, v_cache, ...) first stores the new tokens' k, v
 // ([T, Hkv, D] views, last dim contiguous, any dtype of the three) converted to the cache's dtype at slots
@@ -917,10 +919,20 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
   if (lrows > 0) rows_from_lanes(lm.data(), ll.data(), nheads, rows, lrows, m, l);
 }
 
+// 1 / the softmax denominator of a row whose keys' running max is m and sum of exp(score - m) is l, with an
+// attention sink (gpt-oss: a learned logit per head with no value) added to the denominator, times the
+// exp(m - max) that rescales the row's accumulator to the common max: sum(exp(s - m) v) * inv is the output.
+inline float sink_inv(float m, float l, float sink) {
+  const float mx = std::max(m, sink);
+  const float keep = std::isfinite(m) ? std::exp(m - mx) : 0.f;
+  const float den = l * keep + std::exp(sink - mx);
+  return den > 0.f ? keep / den : 0.f;
+}
+
 template <typename KV, typename QT>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
-         at::Tensor& out) {
+         const float* sinks, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv, B = seq_lens.size(0);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t slot_stride = Hkv * D, C = req_to_token.size(1);
@@ -1041,7 +1053,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t i = members[mi], b = split_req[i], n = ext[b] * G;
         if (nsplit[b] == 1) {  // the whole request: normalise and write the output rows
           for (int64_t r = 0; r < n; ++r) {
-            const float inv = lh[row + r] > 0.f ? 1.f / lh[row + r] : 0.f;
+            const float inv = sinks != nullptr ? sink_inv(mh[row + r], lh[row + r], sinks[kvh * G + r % G])
+                              : lh[row + r] > 0.f ? 1.f / lh[row + r]
+                                                  : 0.f;
             const float* a = acch + (row + r) * D;
             QT* dst = op + ((q_start[b] + r / G) * H + kvh * G + r % G) * D;
             for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<QT>(a[c] * inv);
@@ -1073,7 +1087,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = long_reqs[task / Hkv], kvh = task % Hkv, rows = ext[b] * G;
       for (int64_t r = 0; r < rows; ++r) {
-        float mx = NEG_INF;
+        const int64_t j = r / G, g = r % G;
+        float mx = sinks != nullptr ? sinks[kvh * G + g] : NEG_INF;  // the sink: one more logit, no value
         for (int64_t s = 0; s < nsplit[b]; ++s) mx = std::max(mx, pm[part_start[b] + (kvh * nsplit[b] + s) * rows + r]);
         std::fill(o.begin(), o.end(), 0.f);
         float total = 0.f;
@@ -1084,8 +1099,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           total += w * pl[p];
           scale_add(o.data(), 1.f, w, pacc.data() + p * D, D);
         }
+        if (sinks != nullptr) total += std::exp(sinks[kvh * G + g] - mx);
         const float inv = total > 0.f ? 1.f / total : 0.f;
-        const int64_t j = r / G, g = r % G;
         QT* dst = op + ((q_start[b] + j) * H + kvh * G + g) * D;
         for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<QT>(o[i] * inv);
       }
@@ -1119,13 +1134,24 @@ void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(total == q.size(0), op, ": sum(ext_lens) must equal q.size(0)");
 }
 
+// sinks: float32 [H], one logit per query head added to its softmax's denominator (gpt-oss), or none.
+const float* sinks_of(const c10::optional<at::Tensor>& sinks, const at::Tensor& q) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->is_contiguous() &&
+                  sinks->size(0) == q.size(1),
+              "paged_attention: sinks must be a contiguous float32 [H] with H = q.size(1) = ", q.size(1), ", got ",
+              sinks->scalar_type(), " ", sinks->sizes());
+  return sinks->data_ptr<float>();
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                  const at::Tensor& ext_lens, double scale) {
+                  const at::Tensor& ext_lens, double scale, const float* sinks) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   const auto kv = k_cache.scalar_type();
   const auto qt = q.scalar_type();
-#define RADIXLM_RUN(KV_T, Q_T) run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, out)
+#define RADIXLM_RUN(KV_T, Q_T) \
+  run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks, out)
 #define RADIXLM_BY_Q(KV_T)                                        \
   if (qt == at::kFloat) RADIXLM_RUN(KV_T, float);                 \
   else if (qt == at::kBFloat16) RADIXLM_RUN(KV_T, c10::BFloat16); \
@@ -1142,9 +1168,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                           const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale) {
+                           const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
+                           const c10::optional<at::Tensor>& sinks) {
   check_attention("paged_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
-  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale);
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks_of(sinks, q));
 }
 
 // ------------------------------------------------------------------------------------------- KV write
@@ -1201,9 +1228,11 @@ void write_kv(const at::Tensor& x, const int64_t* slots, at::Tensor& cache) {
 at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& out_cache_loc, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                              const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale) {
+                              const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
+                              const c10::optional<at::Tensor>& sinks) {
   const char* op = "paged_attention_kv";
   check_attention(op, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
+  const float* sink_logits = sinks_of(sinks, q);  // checked before anything is written
   for (const at::Tensor* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == q.size(0) && x->size(1) == k_cache.size(1) &&
                     x->size(2) == k_cache.size(2),
@@ -1224,7 +1253,7 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
                 " is outside the KV pool's ", S, " slots");
   write_kv(k, slots, k_cache);
   write_kv(v, slots, v_cache);
-  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale);
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sink_logits);
 }
 
 }  // namespace
