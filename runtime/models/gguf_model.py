@@ -217,14 +217,7 @@ def load_gguf_model(
         gate_up = [b + "ffn_up.weight"] if arch.fused else [b + "ffn_gate.weight", b + "ffn_up.weight"]
         mlp.gate_up_proj = ld.linear(gate_up, [None] * len(gate_up), hidden, None)
         mlp.down_proj = ld.linear([b + "ffn_down.weight"], [None], cfg.intermediate_size, None)
-    blocks = _embedding_and_head(ld, model, cfg)
-    # what is still on the meta device (norms, a float embedding) gets storage and is filled from the file
-    for module in model.modules():
-        if any(p.is_meta for p in module.parameters(recurse=False)):
-            module.to_empty(device=device, recurse=False)
-    if not blocks:
-        model.embed_tokens.load_shard("weight", _float(ld.get("token_embd.weight")), 0)
-    model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
+    _embedding_head_and_rest(ld, model, cfg, device)
     for i, layer in enumerate(model.layers):
         b = f"blk.{i}."
         norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
@@ -297,9 +290,10 @@ def _log_loaded(ld: _Loader, model: nn.Module, t0: float) -> None:
     )
 
 
-def _embedding_and_head(ld: _Loader, model: nn.Module, cfg: ModelConfig) -> bool:
-    """The LM head and the token embedding from the file, the embedding kept as blocks where the file's are
-    (sharing the head's copy when tied); False when the embedding is a float tensor still to be filled."""
+def _embedding_head_and_rest(ld: _Loader, model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
+    """The LM head and the token embedding from the file (the embedding kept as blocks where the file's are,
+    sharing the head's copy when tied); then what is still on the meta device (norms, biases, a float
+    embedding) gets storage, and the float embedding and the final norm are filled from the file."""
     hidden = cfg.hidden_size
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     model.lm_head = ld.linear([head], [None], hidden, None)
@@ -310,7 +304,12 @@ def _embedding_and_head(ld: _Loader, model: nn.Module, cfg: ModelConfig) -> bool
         model.embed_tokens = GGUFEmbedding(model.lm_head.types[0], model.lm_head.w0, hidden)
     elif blocks:  # kept as blocks: each lookup dequantizes its rows
         model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), _raw_rows(embd), hidden)
-    return blocks
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+    if not blocks:
+        model.embed_tokens.load_shard("weight", _float(embd), 0)
+    model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
 
 
 def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.device) -> nn.Module:
@@ -346,13 +345,7 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
             continue
         mlp.w13 = mlp.w2 = mlp.b13 = mlp.b2 = None
         mlp.experts = experts
-    blocks = _embedding_and_head(ld, model, cfg)
-    for module in model.modules():
-        if any(p.is_meta for p in module.parameters(recurse=False)):
-            module.to_empty(device=device, recurse=False)
-    if not blocks:
-        model.embed_tokens.load_shard("weight", _float(ld.get("token_embd.weight")), 0)
-    model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
+    _embedding_head_and_rest(ld, model, cfg, device)
     for i, layer in enumerate(model.layers):
         b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
         layer.input_layernorm.weight.data.copy_(ld.norm(b + "attn_norm.weight"))
