@@ -16,6 +16,8 @@ Per architecture (`runtime.models.gguf_arch.ARCHS`): Gemma 3 builds `Gemma3ForCa
 mixture of experts (qwen3moe) serves its stacked ffn_*_exps tensors' blocks as they are (one expert is a
 contiguous byte range of each; the K types interleaved expert by expert) through the fused MoE op
 (`runtime.models.moe_fused.GGUFExperts`: one C++ call per layer); its router (ffn_gate_inp) is float32.
+gpt-oss builds `GptOssForCausalLM` the same way (`_gpt_oss`: its experts' biases and clamped SwiGLU, sinks).
+Pages of the file read in place are faulted in once the model is built (`map_in_place_weights`).
 
 The folder `--model FILE.gguf` resolves to (`runtime.models.gguf.resolve_gguf`) holds only the config, the
 tokenizer and the marker naming this file: no weights are written.
@@ -152,6 +154,13 @@ class _Loader:
             self.counts[t.tensor_type.name] = self.counts.get(t.tensor_type.name, 0) + fused.num_experts
         return fused
 
+    def float_experts(self, block: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H]: gate rows then up rows, w2 [E, H, I]) of experts stored as floats, dequantized to
+        float32 in the file's stacking ([E, out, in]), for the per-expert loop."""
+        gate, up, down = (_float(self.get(f"{block}ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
+        self.counts["F32"] = self.counts.get("F32", 0) + 3 * gate.shape[0]
+        return torch.cat([gate, up], dim=1), down
+
     def _rows(self, rows: torch.Tensor, heads: int | None) -> torch.Tensor:
         """Q/K rows back into HF order where llama.cpp permuted them (a copy); other rows untouched."""
         if heads is None or not self.rope_permuted:
@@ -181,13 +190,29 @@ def load_gguf_model(
         )
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError("--quantization gguf_native runs on the CPU with float32 activations")
-    path = gguf_source(model_dir)
-    ld = _Loader(path, cfg)
+    ld = _Loader(gguf_source(model_dir), cfg)
+    model = (_gpt_oss if ld.arch.sinks else _llama_family)(ld, cfg, tp, device)
+    left = [n for n, p in model.named_parameters() if p.is_meta] + [
+        n for n, p in model.named_buffers() if p.is_meta
+    ]
+    if left:
+        raise ValueError(f"{ld.path}: no GGUF tensor fills {left[:3]}")
+    t1 = time.perf_counter()
+    mapped = map_in_place_weights(model, ld.reader)
+    logger.info(
+        "GGUF %s served in place (%s) in %.2f s; norms float32; %.1f GB of it mapped in %.2f s",
+        ld.path,
+        ", ".join(f"{n} {k}" for k, n in sorted(ld.counts.items())),
+        t1 - t0,
+        mapped / 1e9,
+        time.perf_counter() - t1,
+    )
+    return model
+
+
+def _llama_family(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.device) -> nn.Module:
+    """Llama, Qwen2/3, Mistral 3, Phi-3, Gemma 3 and Qwen3-MoE from their files (see the module)."""
     arch = ld.arch
-    if arch.sinks:
-        model = _gpt_oss(ld, cfg, tp, device)
-        _log_loaded(ld, model, t0)
-        return model
     with torch.device("meta"):
         model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
         model = model_class(cfg, tp)
@@ -235,22 +260,11 @@ def load_gguf_model(
             layer.self_attn.k_norm.weight.data.copy_(ld.norm(b + "attn_k_norm.weight"))
         if isinstance(layer.mlp, SparseMoeBlock):
             layer.mlp.gate_weight.data.copy_(_float(ld.get(b + "ffn_gate_inp.weight")))  # the router
-        if i in float_experts:  # stacked [n_expert, out, in] dequantized to float32
-            gate, up, down = (_float(ld.get(f"{b}ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
-            layer.mlp.w13.data.copy_(torch.cat([gate, up], dim=1))
-            layer.mlp.w2.data.copy_(down)
-            ld.counts["F32"] = ld.counts.get("F32", 0) + 3 * gate.shape[0]
-    _check_filled(model, path)
-    _log_loaded(ld, model, t0)
+        if i in float_experts:
+            w13, w2 = ld.float_experts(b)
+            layer.mlp.w13.data.copy_(w13)
+            layer.mlp.w2.data.copy_(w2)
     return model
-
-
-def _check_filled(model: nn.Module, path: str) -> None:
-    left = [n for n, p in model.named_parameters() if p.is_meta] + [
-        n for n, p in model.named_buffers() if p.is_meta
-    ]
-    if left:
-        raise ValueError(f"{path}: no GGUF tensor fills {left[:3]}")
 
 
 PAGE = 4096
@@ -275,19 +289,6 @@ def map_in_place_weights(model: nn.Module, reader: Any) -> int:
             int(flat[::PAGE].sum())
             total += flat.numel()
     return total
-
-
-def _log_loaded(ld: _Loader, model: nn.Module, t0: float) -> None:
-    t1 = time.perf_counter()
-    mapped = map_in_place_weights(model, ld.reader)
-    logger.info(
-        "GGUF %s served in place (%s) in %.2f s; norms float32; %.1f GB of it mapped in %.2f s",
-        ld.path,
-        ", ".join(f"{n} {k}" for k, n in sorted(ld.counts.items())),
-        t1 - t0,
-        mapped / 1e9,
-        time.perf_counter() - t1,
-    )
 
 
 def _embedding_head_and_rest(ld: _Loader, model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
@@ -323,7 +324,7 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
     with torch.device("meta"):
         model = GptOssForCausalLM(cfg, tp)
     hidden, q_rows = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    float_experts = []
+    float_experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (b13, b2), experts as floats
     for i, layer in enumerate(model.layers):
         b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
         attn.qkv_proj = ld.linear(
@@ -333,15 +334,12 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
             [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"],
         )
         attn.o_proj = ld.linear([b + "attn_output.weight"], [None], q_rows, None)
-        gate_b, up_b, down_b = (_float(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down"))
-        experts = ld.experts(
-            b,
-            b13=torch.cat([gate_b, up_b], dim=1),
-            b2=down_b,
-            activation=ExpertActivation("clamped_swiglu", mlp.alpha, mlp.limit),
-        )
+        gate_b, up_b, b2 = (_float(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down"))
+        b13 = torch.cat([gate_b, up_b], dim=1)
+        activation = ExpertActivation("clamped_swiglu", mlp.alpha, mlp.limit)
+        experts = ld.experts(b, b13=b13, b2=b2, activation=activation)
         if experts is None:
-            float_experts.append(i)
+            float_experts[i] = (b13, b2)
             continue
         mlp.w13 = mlp.w2 = mlp.b13 = mlp.b2 = None
         mlp.experts = experts
@@ -355,13 +353,8 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
         attn.bind_sinks()
         mlp.router_weight.data.copy_(_float(ld.get(b + "ffn_gate_inp.weight")))
         mlp.router_bias.data.copy_(_float(ld.get(b + "ffn_gate_inp.bias")))
-        if i in float_experts:  # [E, out, in] as the file stacks them: gate rows then up rows in w13
-            gate, up, down = (_float(ld.get(f"{b}ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
-            gate_b, up_b, down_b = (_float(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down"))
-            mlp.w13.data.copy_(torch.cat([gate, up], dim=1))
-            mlp.b13.data.copy_(torch.cat([gate_b, up_b], dim=1))
-            mlp.w2.data.copy_(down)
-            mlp.b2.data.copy_(down_b)
-            ld.counts["F32"] = ld.counts.get("F32", 0) + 3 * gate.shape[0]
-    _check_filled(model, ld.path)
+        if i in float_experts:
+            (w13, w2), (b13, b2) = ld.float_experts(b), float_experts[i]
+            for param, value in ((mlp.w13, w13), (mlp.b13, b13), (mlp.w2, w2), (mlp.b2, b2)):
+                param.data.copy_(value)
     return model
