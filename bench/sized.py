@@ -106,6 +106,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "rope_theta": 1000000.0,
         "rms_norm_eps": 1e-6,
+        "quant": "Q4_K_M",
     },
     # gpt-oss-20b's (its config: 32 experts of 2,880 rows, 4 routed a token, 64 heads of 64 over 8 KV heads,
     # sliding window of 128 on every other layer, yarn x32 over 4,096 positions), in llama.cpp's MXFP4_MOE mix
@@ -154,8 +155,7 @@ def model_dir(size: str) -> Path:
 def file_quant(size: str, quant: str | None) -> str:
     """The GGUF type mix of `size`'s file: `--quant` (Q4_K_M unless given) for the llama shapes, made by
     llama-quantize; the mix a directly written file has (see `write_moe_gguf`) for the others."""
-    fixed = "Q4_K_M" if "num_experts" in SHAPES[size] else None
-    fixed = SHAPES[size].get("quant", fixed)
+    fixed = SHAPES[size].get("quant")
     if fixed is None:
         return quant or "Q4_K_M"
     if quant not in (None, fixed):

@@ -91,6 +91,38 @@ def test_every_query_group_size_matches_torch_native(
     torch.testing.assert_close(out.float(), reference(half), **TOL[torch.float16])
 
 
+def _scattered_batch(gen, seq, rows, table_rows, dtype):
+    """K/V [S, 3, 64] of `dtype` and a req_to_token table whose row rows[b] holds request b's seq[b] slots,
+    drawn at random from the pool (slot 0 unused), as a serving pool's are."""
+    size = sum(seq) + 8
+    k = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(size, 3, 64, generator=gen).to(dtype)
+    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(table_rows, 720, dtype=torch.int64)
+    for b, n in enumerate(seq):
+        table[rows[b], :n] = torch.tensor([free.pop() for _ in range(n)])
+    return k, v, table
+
+
+def _softmax_oracle(q, k, v, table, rows, seq, ext, scale, sinks=None):
+    """The attention in float64 from the gathered K/V, each query causal at its position; `sinks` [H] join
+    each head's softmax as a column with no value."""
+    want = torch.empty(q.shape, dtype=torch.float64)
+    heads, group, start = q.shape[1], q.shape[1] // k.shape[1], 0
+    for b in range(len(seq)):
+        slots = table[rows[b], : seq[b]]
+        kb, vb = k[slots].double(), v[slots].double()
+        for j in range(ext[b]):
+            pos = seq[b] - ext[b] + j
+            for h in range(heads):
+                scores = kb[: pos + 1, h // group] @ q[start + j, h].double() * scale
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double()])
+                want[start + j, h] = torch.softmax(scores, 0)[: pos + 1] @ vb[: pos + 1, h // group]
+        start += ext[b]
+    return want
+
+
 def _attend_alone(args, b, q_start):
     """paged_attention for request b of the batch `args` by itself."""
     q, k, v, table, rows, seq, ext, scale = args
@@ -107,14 +139,8 @@ def test_a_shared_prefix_changes_no_bits(dtype, ext):
     those K/V rows; each request's output is still bit for bit what it gets alone, and right."""
     gen = torch.Generator().manual_seed(11)
     seq = [700, 650, 612, 200]  # 0-2 share 512 slots (two splits); 3 shares its first 200 but no whole split
-    size = sum(seq) + 8
-    k = torch.randn(size, 3, 64, generator=gen).to(dtype)
-    v = torch.randn(size, 3, 64, generator=gen).to(dtype)
-    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(6, 720, dtype=torch.int64)
     rows = torch.tensor([4, 1, 5, 2])
-    for b, n in enumerate(seq):
-        table[rows[b], :n] = torch.tensor([free.pop() for _ in range(n)])
+    k, v, table = _scattered_batch(gen, seq, rows, 6, dtype)
     for b, n in ((1, 512), (2, 512), (3, 200)):
         table[rows[b], :n] = table[rows[0], :n]
     q = torch.randn(sum(ext), 9, 64, generator=gen).to(dtype)
@@ -125,15 +151,7 @@ def test_a_shared_prefix_changes_no_bits(dtype, ext):
         q_start.append(q_start[-1] + e)
     for b in range(len(seq)):
         assert torch.equal(out[q_start[b] : q_start[b + 1]], _attend_alone(args, b, q_start)), b
-    want = torch.empty(q.shape, dtype=torch.float64)  # the oracle: gathered K/V, softmax in float64
-    for b in range(len(seq)):
-        slots = table[rows[b], : seq[b]]
-        kb, vb = k[slots].double(), v[slots].double()
-        for j in range(ext[b]):
-            pos = seq[b] - ext[b] + j
-            for h in range(9):
-                w = torch.softmax(kb[: pos + 1, h // 3] @ q[q_start[b] + j, h].double() * 0.125, 0)
-                want[q_start[b] + j, h] = w @ vb[: pos + 1, h // 3]
+    want = _softmax_oracle(q, k, v, table, rows, seq, ext, 0.125)
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
 
 
@@ -457,14 +475,8 @@ def test_sinks_join_the_softmax_denominator(dtype, kv_op):
     without them."""
     gen = torch.Generator().manual_seed(17)
     seq, ext = [9, 300, 700, 40], [1, 3, 1, 4]
-    size = sum(seq) + 8
-    k = torch.randn(size, 3, 64, generator=gen).to(dtype)
-    v = torch.randn(size, 3, 64, generator=gen).to(dtype)
-    free = (torch.randperm(size - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(5, 720, dtype=torch.int64)
     rows = torch.tensor([3, 0, 4, 1])
-    for b, n in enumerate(seq):
-        table[rows[b], :n] = torch.tensor([free.pop() for _ in range(n)])
+    k, v, table = _scattered_batch(gen, seq, rows, 5, dtype)
     q = torch.randn(sum(ext), 9, 64, generator=gen).to(dtype)
     sinks = torch.tensor([-30.0, -1.0, 0.0, 0.5, 2.0, 3.0, 8.0, 40.0, -0.3])
     args = (q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
@@ -475,18 +487,7 @@ def test_sinks_join_the_softmax_denominator(dtype, kv_op):
     else:
         out = torch.ops.radixlm.paged_attention(*args, sinks)
     plain = torch.ops.radixlm.paged_attention(*args)
-    want = torch.empty(q.shape, dtype=torch.float64)
-    start = 0
-    for b in range(len(seq)):
-        slots = table[rows[b], : seq[b]]
-        kb, vb = k[slots].double(), v[slots].double()
-        for j in range(ext[b]):
-            pos = seq[b] - ext[b] + j
-            for h in range(9):
-                scores = kb[: pos + 1, h // 3] @ q[start + j, h].double() * 0.125
-                w = torch.softmax(torch.cat([scores, sinks[h : h + 1].double()]), 0)[:-1]
-                want[start + j, h] = w @ vb[: pos + 1, h // 3]
-        start += ext[b]
+    want = _softmax_oracle(q, k, v, table, rows, seq, ext, 0.125, sinks)
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
     assert not torch.allclose(out, plain)
     with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
