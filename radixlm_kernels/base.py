@@ -79,12 +79,16 @@ class AttentionLayer:
     # denominator as a key with no value: out = sum_j exp(s_j) v_j / (sum_j exp(s_j) + exp(sink)). None: no
     # sinks. Only backends with `supports_sinks` take a layer that has them (else the runner refuses).
     sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # Gemma 2: each scaled score s becomes cap * tanh(s / cap) before the softmax (attn_logit_softcapping).
+    # 0: none. Only backends with `supports_logit_softcap` take such a layer (else the runner refuses).
+    logit_softcap: float = 0.0
 
 
 class AttentionBackend(ABC):
     name: str = "base"
     supports_sliding_window: bool = False  # honours AttentionLayer.sliding_window (else the runner refuses)
     supports_sinks: bool = False  # honours AttentionLayer.sinks (else the runner refuses)
+    supports_logit_softcap: bool = False  # honours AttentionLayer.logit_softcap (else the runner refuses)
     # reads sliding layers through `PagedKV.translate` (else the runner keeps every layer in one pool)
     supports_sliding_pool: bool = False
 

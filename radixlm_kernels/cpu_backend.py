@@ -17,7 +17,8 @@ gives: one call per layer where the write alone was two casts and two index_copy
 A sliding-window layer (`AttentionLayer.sliding_window`) runs the same op over a per-batch table with one
 row per query token holding that token's window of slots (`_window_table`), so the op's causal walk reads
 the window and nothing before it; long extends, and tables past WINDOW_TABLE_MAX slots, take torch_native's
-masked path. So do layers with attention sinks (gpt-oss's `AttentionLayer.sinks`): the op does not take them.
+masked path. The op takes attention sinks (gpt-oss's `AttentionLayer.sinks`) and soft-capped scores (Gemma 2's
+`AttentionLayer.logit_softcap`) itself.
 
 The ops are built and loaded by the runtime (`runtime.models.native_kernels.PAGED_ATTENTION`) before this
 backend is created; kernels never import the runtime, so `op_available()` only checks that it is there.
@@ -52,7 +53,7 @@ def op_available() -> bool:
 
 
 class CpuPagedBackend(TorchNativeBackend):
-    name = "cpu"
+    name = "cpu"  # supports_sinks, supports_logit_softcap: the op's (and torch_native's for long extends)
 
     def __init__(self, kv_pool, req_to_token_pool):
         if not op_available():
@@ -114,6 +115,7 @@ class CpuPagedBackend(TorchNativeBackend):
                 *self._window_table(layer.sliding_window, batch)[:4],
                 layer.scaling,
                 layer.sinks,
+                layer.logit_softcap,
             )
         return (
             self.kv_pool.k[layer.layer_id],
@@ -124,6 +126,7 @@ class CpuPagedBackend(TorchNativeBackend):
             self._ext_lens,
             layer.scaling,
             layer.sinks,
+            layer.logit_softcap,
         )
 
     def _window_table(self, window: int, batch: AttentionBatch) -> tuple | None:

@@ -92,15 +92,23 @@ def attend_causal_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out, lse.float()
 
 
+def soft_cap_(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """scores <- cap * tanh(scores / cap) in place: Gemma 2's soft-capped attention logits
+    (`AttentionLayer.logit_softcap`); cap 0 leaves them."""
+    if cap:
+        scores.div_(cap).tanh_().mul_(cap)
+    return scores
+
+
 def masked_attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [1, H, nq, D], k/v [1, Hkv, nk, D], mask bool [nq, nk] (True = attend; every row attends somewhere)
-    -> (out in q's dtype, lse float32 [1, H, nq]), in float32 arithmetic."""
+    -> (out in q's dtype, lse float32 [1, H, nq]), in float32 arithmetic; scores soft-capped by `softcap`."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = soft_cap_(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale, softcap)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
@@ -121,6 +129,7 @@ def decode_attention_matmul(
     mask: torch.Tensor | None,
     scale: float,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One-token attention as two batched matmuls in q's dtype with an fp32 softmax (bf16/fp16 decode).
 
@@ -130,12 +139,13 @@ def decode_attention_matmul(
     in bf16 for a single query row. Measured at 1 thread (load ~10, 9 heads / 3 KV heads of 64, L=130):
     bf16 SDPA 0.29 / 2.3 / 9.8 ms at bs 1 / 8 / 32, this 0.20 / 0.47 / 0.98 ms; in a bs-32 bf16 decode
     step SDPA was 59% of the time. Largest output difference to fp32 SDPA: ~1 bf16 ulp.
-    `sinks` (float32 [H], `AttentionLayer.sinks`) join each head's softmax as a column with no value.
+    `sinks` (float32 [H], `AttentionLayer.sinks`) join each head's softmax as a column with no value;
+    `softcap` soft-caps the scores (`AttentionLayer.logit_softcap`).
     """
     bs, h, d = q.shape
     hkv = k.shape[2]
     scores = torch.matmul(q.view(bs, hkv, h // hkv, d), k.permute(0, 2, 3, 1)).float()  # [bs, Hkv, G, L]
-    scores.mul_(scale)
+    soft_cap_(scores.mul_(scale), softcap)
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
     if sinks is not None:
@@ -173,6 +183,7 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     supports_sliding_window = True
     supports_sinks = True
+    supports_logit_softcap = True
     supports_sliding_pool = True
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
@@ -194,8 +205,8 @@ class TorchNativeBackend(AttentionBackend):
             ]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
-        if layer.sinks is not None:
-            return self._extend_with_sinks(q, layer, batch)
+        if layer.sinks is not None or layer.logit_softcap:
+            return self._extend_with_lse(q, layer, batch)
         if layer.sliding_window:
             return self._extend_windowed(q, layer, batch)
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
@@ -242,35 +253,37 @@ class TorchNativeBackend(AttentionBackend):
             start += ext
         return out
 
-    def _extend_with_sinks(
-        self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch
-    ) -> torch.Tensor:
-        """Extend for a layer with sinks: the attention's output and its rows' log-sum-exp, then
-        `apply_sinks`. Global layers take the flash kernel's lse (prefix and new tokens merged as in
-        `attend_prefix_then_causal`); sliding-window layers a masked float32 pass per block of queries."""
+    def _extend_with_lse(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
+        """Extend for a layer with sinks or soft-capped scores: the attention's output and its rows'
+        log-sum-exp, then `apply_sinks` where the layer has sinks. Global layers without soft-capping take the
+        flash kernel's lse (prefix and new tokens merged as in `attend_prefix_then_causal`); sliding-window or
+        soft-capped layers (SDPA has no soft-cap) a masked float32 pass per block of queries."""
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
-        w = layer.sliding_window
+        w, cap = layer.sliding_window, layer.logit_softcap
+        masked = bool(w or cap)
         out = torch.empty_like(q)
         start = 0
         for slots, prefix, ext in zip(
             self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
         ):
-            blocks = range(0, ext, WINDOW_QUERY_BLOCK) if w else (0,)
+            blocks = range(0, ext, WINDOW_QUERY_BLOCK) if masked else (0,)
             for a in blocks:
-                b = min(ext, a + WINDOW_QUERY_BLOCK) if w else ext
+                b = min(ext, a + WINDOW_QUERY_BLOCK) if masked else ext
                 lo, hi = (max(0, prefix + a - w + 1) if w else 0), prefix + b
                 qi = q[start + a : start + b].transpose(0, 1).unsqueeze(0)  # [1, H, nq, D]
                 rows = self.kv_pool.translate(layer.layer_id, slots[lo:hi])
                 ki = k_buf.index_select(0, rows).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 vi = v_buf.index_select(0, rows).to(q.dtype).transpose(0, 1).unsqueeze(0)
-                if w:
-                    mask = window_mask(prefix + a, b - a, lo, hi - lo, w, q.device)
-                    o, lse = masked_attention_with_lse(qi, ki, vi, mask, layer.scaling)
+                if masked:  # a window of 0 is causal only (hi - lo keys: every key the block sees)
+                    mask = window_mask(prefix + a, b - a, lo, hi - lo, w or hi - lo, q.device)
+                    o, lse = masked_attention_with_lse(qi, ki, vi, mask, layer.scaling, cap)
                 elif prefix == 0:
                     o, lse = attend_causal_lse(qi, ki, vi, layer.scaling)
                 else:
                     o, lse = attend_prefix_then_causal_lse(qi, ki, vi, prefix, layer.scaling)
-                out[start + a : start + b] = apply_sinks(o, lse, layer.sinks).squeeze(0).transpose(0, 1)
+                if layer.sinks is not None:
+                    o = apply_sinks(o, lse, layer.sinks)
+                out[start + a : start + b] = o.squeeze(0).transpose(0, 1)
             start += ext
         return out
 
@@ -296,8 +309,8 @@ class TorchNativeBackend(AttentionBackend):
         shape = (*shape2, layer.num_kv_heads, layer.head_dim)
         k = self.kv_pool.k[layer.layer_id].index_select(0, slots).view(shape).to(q.dtype)
         v = self.kv_pool.v[layer.layer_id].index_select(0, slots).view(shape).to(q.dtype)
-        if q.dtype != torch.float32 or layer.sinks is not None:
-            return decode_attention_matmul(q, k, v, mask, layer.scaling, layer.sinks)
+        if q.dtype != torch.float32 or layer.sinks is not None or layer.logit_softcap:
+            return decode_attention_matmul(q, k, v, mask, layer.scaling, layer.sinks, layer.logit_softcap)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [bs, H, 1, D]
             k.transpose(1, 2),  # [bs, Hkv, max_len, D]

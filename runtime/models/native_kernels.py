@@ -173,7 +173,7 @@ def untrusted(path: Path) -> str | None:
 _LIB = torch.library.Library("radixlm", "FRAGMENT")
 _LIB.define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_pool_indices, "
-    "Tensor seq_lens, Tensor ext_lens, float scale, Tensor? sinks=None) -> Tensor"
+    "Tensor seq_lens, Tensor ext_lens, float scale, Tensor? sinks=None, float softcap=0.0) -> Tensor"
 )
 
 
@@ -181,20 +181,32 @@ _LIB.define(
 _LIB.define(
     "paged_attention_kv(Tensor q, Tensor k, Tensor v, Tensor out_cache_loc, Tensor(a!) k_cache, "
     "Tensor(b!) v_cache, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, Tensor ext_lens, "
-    "float scale, Tensor? sinks=None) -> Tensor"
+    "float scale, Tensor? sinks=None, float softcap=0.0) -> Tensor"
 )
 
 
 @torch.library.register_fake("radixlm::paged_attention", lib=_LIB)
 def _paged_attention_fake(
-    q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks=None
+    q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks=None, softcap=0.0
 ):
     return q.new_empty(q.shape)  # contiguous even when q is a strided view
 
 
 @torch.library.register_fake("radixlm::paged_attention_kv", lib=_LIB)
 def _paged_attention_kv_fake(
-    q, k, v, loc, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext, scale, sinks=None
+    q,
+    k,
+    v,
+    loc,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    ext,
+    scale,
+    sinks=None,
+    softcap=0.0,
 ):
     return q.new_empty(q.shape)
 

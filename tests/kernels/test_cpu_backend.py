@@ -104,9 +104,9 @@ def _scattered_batch(gen, seq, rows, table_rows, dtype):
     return k, v, table
 
 
-def _softmax_oracle(q, k, v, table, rows, seq, ext, scale, sinks=None):
+def _softmax_oracle(q, k, v, table, rows, seq, ext, scale, sinks=None, softcap=0.0):
     """The attention in float64 from the gathered K/V, each query causal at its position; `sinks` [H] join
-    each head's softmax as a column with no value."""
+    each head's softmax as a column with no value; `softcap` > 0 soft-caps the scaled scores."""
     want = torch.empty(q.shape, dtype=torch.float64)
     heads, group, start = q.shape[1], q.shape[1] // k.shape[1], 0
     for b in range(len(seq)):
@@ -116,6 +116,8 @@ def _softmax_oracle(q, k, v, table, rows, seq, ext, scale, sinks=None):
             pos = seq[b] - ext[b] + j
             for h in range(heads):
                 scores = kb[: pos + 1, h // group] @ q[start + j, h].double() * scale
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
                 if sinks is not None:
                     scores = torch.cat([scores, sinks[h : h + 1].double()])
                 want[start + j, h] = torch.softmax(scores, 0)[: pos + 1] @ vb[: pos + 1, h // group]
@@ -157,10 +159,12 @@ def test_a_shared_prefix_changes_no_bits(dtype, ext):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_an_extend_changes_no_bits(dtype, head_dim):
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_an_extend_changes_no_bits(dtype, head_dim, softcap):
     """A task of more than 4 rows (an extend, as speculative decoding's verify step, or requests sharing a
     prefix) scores its keys another way than a decode's 3 rows (AVX-512: 16 rows as the lanes of a vector);
-    each query's output is still bit for bit what decoding it alone at its position gives."""
+    each query's output is still bit for bit what decoding it alone at its position gives, soft-capped
+    scores (Gemma 2's) included."""
     gen = torch.Generator().manual_seed(13)
     seq, ext = [37, 300, 531, 21, 290, 70], [5, 9, 4, 9, 5, 2]  # 6..27 rows per task
     size = sum(seq) + 8
@@ -173,20 +177,23 @@ def test_an_extend_changes_no_bits(dtype, head_dim):
     table[4, :256] = table[1, :256]  # one whole split shared: 27 + 15 rows in one task
     q = torch.randn(sum(ext), 9, head_dim, generator=gen).to(dtype)
     rows = torch.arange(len(seq))
-    out = torch.ops.radixlm.paged_attention(q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
+    out = torch.ops.radixlm.paged_attention(
+        q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125, None, softcap
+    )
     one = torch.ones(1, dtype=torch.int64)
     i = 0
     for b in range(len(seq)):
         for j in range(ext[b]):
             pos = seq[b] - ext[b] + j
             alone = torch.ops.radixlm.paged_attention(
-                q[i : i + 1], k, v, table, rows[b : b + 1], torch.tensor([pos + 1]), one, 0.125
+                q[i : i + 1], k, v, table, rows[b : b + 1], torch.tensor([pos + 1]), one, 0.125, None, softcap
             )
             assert torch.equal(out[i : i + 1], alone), (b, j)
             slots = table[b, : pos + 1]
             kb, vb = k[slots].double(), v[slots].double()
             for h in range(9):
-                w = torch.softmax(kb[:, h // 3] @ q[i, h].double() * 0.125, 0)
+                s = kb[:, h // 3] @ q[i, h].double() * 0.125
+                w = torch.softmax(torch.tanh(s / softcap) * softcap if softcap else s, 0)
                 torch.testing.assert_close(out[i, h].double(), w @ vb[:, h // 3], **TOL[dtype])
             i += 1
 
@@ -260,7 +267,7 @@ from runtime.models.native_kernels import paged_attention_isa, paged_attention_u
 isa, amx = paged_attention_isa(), paged_attention_uses_amx()
 outs = []
 for args in torch.load(sys.argv[1]):
-    if len(args) == 8:
+    if args[3].dim() == 2:  # a slot table: the attention op (args[3] of the kv op is out_cache_loc)
         outs.append(torch.ops.radixlm.paged_attention(*args))
     else:  # the kv op: its output and the pool it wrote
         outs.append((torch.ops.radixlm.paged_attention_kv(*args), args[4], args[5]))
@@ -278,7 +285,8 @@ def expected_isa(env: dict[str, str]) -> str:
 
 def _variant_cases() -> list[tuple]:
     """Decode and extends, alone and over a shared prefix (two whole splits), on float32, bfloat16 and float16
-    pools, and the kv op writing a float16 pool from strided float32 k, v."""
+    pools, each also with soft-capped scores; and the kv op writing a float16 pool from strided float32
+    k, v."""
     gen = torch.Generator().manual_seed(9)
     table = (torch.randperm(1299, generator=gen) + 1)[:1200].view(3, 400)
     shared = torch.cat([table[:, :100], table[:, 100:].roll(1, 0)], dim=1).repeat(1, 2)[:, :560].contiguous()
@@ -295,6 +303,7 @@ def _variant_cases() -> list[tuple]:
             rows = torch.tensor([2, 0, 1][: len(seq)])
             q = torch.randn(sum(ext), 9, 64, generator=gen)
             cases.append((q, k, v, tab, rows, torch.tensor(seq), torch.tensor(ext), 0.125))
+            cases.append((*cases[-1], None, 2.0))
     qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=gen)
     q, k, v = qkv.view(5, 15, 64).split([9, 3, 3], dim=1)
     pools = (k.new_zeros(1300, 3, 64).half(), v.new_zeros(1300, 3, 64).half())
@@ -335,7 +344,7 @@ def test_every_build_gives_the_same_results(build, tmp_path):
     isa, amx, outs = torch.load(tmp_path / "out.pt")
     assert isa == expected_isa(build) and not amx  # every variant here is one without tiles
     for args, got in zip(cases, outs, strict=True):
-        if len(args) == 8:
+        if args[3].dim() == 2:
             torch.testing.assert_close(torch.ops.radixlm.paged_attention(*args), got, atol=1e-5, rtol=1e-5)
         else:
             out, k_pool, v_pool = got
@@ -492,3 +501,31 @@ def test_sinks_join_the_softmax_denominator(dtype, kv_op):
     assert not torch.allclose(out, plain)
     with pytest.raises(RuntimeError, match="sinks must be a contiguous float32"):
         torch.ops.radixlm.paged_attention(*args, sinks[:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kv_op", [False, True], ids=["attend", "write_then_attend"])
+def test_softcap_bends_every_score_before_the_softmax(dtype, kv_op):
+    """Gemma 2's attention soft-capping: every output row equals the float64 softmax of cap * tanh(s / cap)
+    over the row's scaled scores, for requests of one split and of several (merged by log-sum-exp), with
+    sinks beside it too; unlike the output without it. A negative cap is an error naming it."""
+    gen = torch.Generator().manual_seed(19)
+    seq, ext = [9, 300, 700, 40], [1, 3, 1, 4]
+    rows = torch.tensor([3, 0, 4, 1])
+    k, v, table = _scattered_batch(gen, seq, rows, 5, dtype)
+    q = (torch.randn(sum(ext), 9, 64, generator=gen) * 3).to(dtype)  # scores ~ N(0, 9): tanh bends them
+    args = (q, k, v, table, rows, torch.tensor(seq), torch.tensor(ext), 0.125)
+    sinks = torch.linspace(-2.0, 4.0, 9)
+    for cap, sink in ((2.5, None), (50.0, None), (2.5, sinks)):
+        if kv_op:
+            loc = torch.cat([table[rows[b], seq[b] - ext[b] : seq[b]] for b in range(len(seq))])
+            new_k, new_v = k[loc].clone(), v[loc].clone()
+            out = torch.ops.radixlm.paged_attention_kv(q, new_k, new_v, loc, k, v, *args[3:], sink, cap)
+        else:
+            out = torch.ops.radixlm.paged_attention(*args, sink, cap)
+        want = _softmax_oracle(q, k, v, table, rows, seq, ext, 0.125, sink, cap)
+        torch.testing.assert_close(out.double(), want, **TOL[dtype])
+        if cap < 10:
+            assert not torch.allclose(out, torch.ops.radixlm.paged_attention(*args, sink))
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        torch.ops.radixlm.paged_attention(*args, None, -1.0)

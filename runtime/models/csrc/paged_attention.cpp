@@ -18,7 +18,8 @@
 // with queries and weights at ~16 bits, see "AMX tiles"); the output is a contiguous [T, H, D] of q's dtype.
 // q may be a strided view (last dim contiguous), e.g. straight out of the fused qkv projection's split.
 // Optional sinks (float32 [H], gpt-oss's): one more logit per query head in its softmax's denominator, with no
-// value, applied where a row is normalised (a whole request) or its splits merged.
+// value, applied where a row is normalised (a whole request) or its splits merged. Optional soft-capping (softcap
+// > 0, Gemma 2's): each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 //
 // paged_attention_kv(q, k, v, out_cache_loc, k_cache, v_cache, ...) first stores the new tokens' k, v
 // ([T, Hkv, D] views, last dim contiguous, any dtype of the three) converted to the cache's dtype at slots
@@ -311,6 +312,15 @@ inline __mmask16 first_lanes(int64_t k) {  // the first k of 16 lanes (k clipped
   return k >= 16 ? __mmask16(0xFFFF) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1);
 }
 
+// cap * tanh(x / cap), 16 lanes: tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|) <= 1, which exp16 takes.
+inline __m512 soft_cap16(__m512 x, float cap) {
+  const __m512 e = exp16(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f / cap)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int32_t(0x80000000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
+}
+
 // Rows in lanes: 16 query rows of a task as the lanes of a vector, qt[d * 16 + i] = row i's dim d, so that a
 // key's 16 scores (one per row) come from vertical FMAs with the key's dims broadcast, and the online softmax
 // runs on whole vectors too: no transpose per block and no horizontal sum per key or row.
@@ -411,6 +421,20 @@ inline void softmax_lanes(float* s, int64_t n, const int32_t* valid, float* m, f
   }
 }
 #endif
+
+// s[0..n) <- cap * tanh(s / cap): Gemma 2's attention logit soft-capping of scaled scores. On AVX-512 every
+// score goes through soft_cap16 (the tail in masked lanes), so a score's result never depends on where it lies:
+// a decode and an extend of the same tokens keep the same bits.
+inline void soft_cap(float* s, int64_t n, float cap) {
+#ifdef RADIXLM_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(n - i);
+    _mm512_mask_storeu_ps(s + i, k, soft_cap16(_mm512_maskz_loadu_ps(k, s + i), cap));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+#endif
+}
 
 // Whether a task with `rows` query rows reads K/V rows of head_dim D in place (as T) in the vector loops;
 // otherwise attend_split widens each block into float rows first. AVX-512 reads in place up to 4 rows (a
@@ -670,7 +694,8 @@ constexpr int64_t FEW_ROWS = 4;  // a group of at most this many rows runs its s
 // attend_split with tiles over a bfloat16 cache (same arguments and results; see the section comment).
 void attend_split_amx(const float* q_rows, const int64_t* pos, int64_t rows, int64_t nheads, const int64_t* slots,
                       int64_t begin, int64_t end, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                      int64_t slot_stride, int64_t head_off, int64_t D, float* m, float* l, float* acc) {
+                      int64_t slot_stride, int64_t head_off, int64_t D, float softcap, float* m, float* l,
+                      float* acc) {
   static_assert(BLOCK == 32, "a block is two 16-key score tiles and one 32-key weight tile");
   const int64_t groups = (rows + 15) / 16, kv_tile = BLOCK * D;
   thread_local std::vector<uint16_t> qth, qtl, kst, vst;
@@ -743,6 +768,7 @@ void attend_split_amx(const float* q_rows, const int64_t* pos, int64_t rows, int
           }
           _tile_stored(4, s + 256 * half, 64);
         }
+        if (softcap > 0.f) soft_cap(s, (two ? 2 : 1) * 256, softcap);
         alignas(64) float keep[16];
         float *mg = lm.data() + hg, *lg = ll.data() + hg;
         if (cnt <= FEW_ROWS) {  // per row: its 32 scores gathered, softmax_update (the same bits as in lanes)
@@ -808,12 +834,12 @@ void attend_split_amx(const float* q_rows, const int64_t* pos, int64_t rows, int
 template <typename KV>
 void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t nheads, const int64_t* slots,
                   int64_t begin, int64_t end, const KV* k_cache, const KV* v_cache, int64_t slot_stride,
-                  int64_t head_off, int64_t D, bool staged, float* m, float* l, float* acc) {
+                  int64_t head_off, int64_t D, bool staged, float softcap, float* m, float* l, float* acc) {
 #ifdef RADIXLM_AMX
   if constexpr (std::is_same_v<KV, c10::BFloat16>)
     if (uses_amx(D))
       return attend_split_amx(q_rows, pos, rows, nheads, slots, begin, end, k_cache, v_cache, slot_stride, head_off,
-                              D, m, l, acc);
+                              D, softcap, m, l, acc);
 #endif
   thread_local std::vector<float> scores, kbuf, vbuf;  // reused: a decode step runs thousands of these
   scores.resize(std::max<int64_t>(rows, 16) * BLOCK);
@@ -885,6 +911,7 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
         const int64_t r0 = g * 16, cnt = std::min<int64_t>(16, lrows - r0), hg = (h * groups + g) * 16;
         float* s = scores.data();  // [key][lane]
         block_scores_lanes(qt.data() + hg * D, keys, n, D, s);
+        if (softcap > 0.f) soft_cap(s, n * 16, softcap);
         alignas(64) int32_t valid[16];
         alignas(64) float keep[16];
         for (int64_t i = 0; i < 16; ++i) valid[i] = i < cnt ? int32_t(std::min(pos[r0 + i] - t0 + 1, n)) : 0;
@@ -908,6 +935,8 @@ void attend_split(const float* q_rows, const int64_t* pos, int64_t rows, int64_t
       float *mr = mh + lrows, *lr = lh + lrows, *accr = acch + lrows * D;
       if (direct) block_scores<KV>(qr, rest, keys_kv, n, D, scores.data());
       else block_scores<float>(qr, rest, keys, n, D, scores.data());
+      if (softcap > 0.f)
+        for (int64_t r = 0; r < rest; ++r) soft_cap(scores.data() + r * BLOCK, n, softcap);
       for (int64_t r = 0; r < rest; ++r) {
         const float keep = softmax_update(scores.data() + r * BLOCK, n, pos[lrows + r] - t0 + 1, mr[r], lr[r]);
         if (keep != 1.f) scale_add(accr + r * D, keep, 0.f, accr + r * D, D);
@@ -932,7 +961,7 @@ inline float sink_inv(float m, float l, float sink) {
 template <typename KV, typename QT>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& req_to_token,
          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
-         const float* sinks, at::Tensor& out) {
+         const float* sinks, float softcap, at::Tensor& out) {
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), G = H / Hkv, B = seq_lens.size(0);
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t slot_stride = Hkv * D, C = req_to_token.size(1);
@@ -1044,7 +1073,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t first = lead[u], fb = split_req[first];
     const int64_t begin = (first - split_start[fb]) * SPLIT, end = std::min(seq[fb], begin + SPLIT);
     attend_split<KV>(qbuf.data(), pos.data(), rows, HG, slots_of(fb), begin, end, kp, vp, slot_stride, kvh0 * D, D,
-                     staged, mbuf.data(), lbuf.data(), accbuf.data());
+                     staged, softcap, mbuf.data(), lbuf.data(), accbuf.data());
     for (int64_t h = 0; h < HG; ++h) {
       const int64_t kvh = kvh0 + h;
       const float *mh = mbuf.data() + h * rows, *lh = lbuf.data() + h * rows, *acch = accbuf.data() + h * rows * D;
@@ -1146,12 +1175,15 @@ const float* sinks_of(const c10::optional<at::Tensor>& sinks, const at::Tensor& 
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                  const at::Tensor& ext_lens, double scale, const float* sinks) {
+                  const at::Tensor& ext_lens, double scale, const float* sinks, double softcap) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "paged_attention: softcap must be >= 0 (0: none), got ",
+              softcap);
   at::Tensor out = at::empty(q.sizes(), q.options());
   const auto kv = k_cache.scalar_type();
   const auto qt = q.scalar_type();
 #define RADIXLM_RUN(KV_T, Q_T) \
-  run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks, out)
+  run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks, \
+                 static_cast<float>(softcap), out)
 #define RADIXLM_BY_Q(KV_T)                                        \
   if (qt == at::kFloat) RADIXLM_RUN(KV_T, float);                 \
   else if (qt == at::kBFloat16) RADIXLM_RUN(KV_T, c10::BFloat16); \
@@ -1169,9 +1201,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                            const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
-                           const c10::optional<at::Tensor>& sinks) {
+                           const c10::optional<at::Tensor>& sinks, double softcap) {
   check_attention("paged_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
-  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks_of(sinks, q));
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks_of(sinks, q),
+                softcap);
 }
 
 // ------------------------------------------------------------------------------------------- KV write
@@ -1229,10 +1262,11 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& out_cache_loc, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
                               const at::Tensor& seq_lens, const at::Tensor& ext_lens, double scale,
-                              const c10::optional<at::Tensor>& sinks) {
+                              const c10::optional<at::Tensor>& sinks, double softcap) {
   const char* op = "paged_attention_kv";
   check_attention(op, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
   const float* sink_logits = sinks_of(sinks, q);  // checked before anything is written
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be >= 0 (0: none), got ", softcap);
   for (const at::Tensor* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == q.size(0) && x->size(1) == k_cache.size(1) &&
                     x->size(2) == k_cache.size(2),
@@ -1253,7 +1287,7 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
                 " is outside the KV pool's ", S, " slots");
   write_kv(k, slots, k_cache);
   write_kv(v, slots, v_cache);
-  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sink_logits);
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sink_logits, softcap);
 }
 
 }  // namespace
