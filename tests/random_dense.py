@@ -1,6 +1,9 @@
-"""Tiny random-weight Gemma 3 and Phi-3 checkpoints for tests, saved as HF folders.
+"""Tiny random-weight Gemma 2, Gemma 3 and Phi-3 checkpoints for tests, saved as HF folders.
 
-Both carry what sets them apart, at sizes where it shows in a few dozen tokens:
+Each carries what sets it apart, at sizes where it shows in a few dozen tokens:
+- gemma2: layers sliding (window 8) and global in turn, one rope, query_pre_attn_scalar != head_dim,
+  attention logits soft-capped at 3 (low enough that tanh bends most of this model's scores), final logit
+  soft-capping, tied embeddings;
 - gemma3: layers sliding (window 8), sliding, global, sliding, the two kinds with their own rope (the global
   one linearly scaled), query_pre_attn_scalar != head_dim, final logit soft-capping, tied embeddings;
 - phi3: LongRoPE (original length 64, context 256) with partial rotary (0.75 of head_dim), a sliding
@@ -25,6 +28,8 @@ COMMON = dict(
     pad_token_id=0,
 )
 GEMMA3_WINDOW = 8
+GEMMA2_WINDOW = 8
+GEMMA2_ATTN_SOFTCAP = 3.0
 PHI3_WINDOW = 24
 PHI3_ORIGINAL_MAX = 64
 
@@ -75,9 +80,24 @@ GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 
 
 def dense_config(arch: str, **overrides: Any) -> Any:
-    from transformers import Gemma3TextConfig, Phi3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config
 
     common = COMMON | overrides
+    if arch == "gemma2":
+        return Gemma2Config(
+            **common,
+            num_hidden_layers=4,
+            head_dim=16,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            sliding_window=GEMMA2_WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            architectures=["Gemma2ForCausalLM"],
+        )
     if arch == "gemma3":
         return Gemma3TextConfig(
             **common,

@@ -17,11 +17,9 @@ from runtime import allocator
 from runtime.mem_cache.memory_pool import KVPool, ReqToTokenPool, SlidingSlotAllocator, SlotAllocator
 from runtime.model_executor.forward_batch import ForwardBatch
 from runtime.models.frozen_modules import freeze_attributes
-from runtime.models.gemma3 import Gemma3ForCausalLM
-from runtime.models.gpt_oss import GptOssForCausalLM
-from runtime.models.llama import LlamaForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.parallel import HeadShard, TensorParallel
+from runtime.models.registry import model_class_for
 from runtime.server_args import ServerArgs
 
 logger = logging.getLogger("radixlm.model_runner")
@@ -30,13 +28,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Without an explicit --max-total-tokens the KV pool takes this share of free host/GPU memory.
 KV_MEMORY_FRACTION = 0.25
 MAX_AUTO_TOTAL_TOKENS = 1 << 20
-
-
-def model_class_for(architecture: str) -> type:
-    """The module class that builds `architecture` (a ModelConfig's); the Llama decoder serves the rest."""
-    return {"Gemma3ForCausalLM": Gemma3ForCausalLM, "GptOssForCausalLM": GptOssForCausalLM}.get(
-        architecture, LlamaForCausalLM
-    )
 
 
 class ModelRunner:
@@ -179,6 +170,11 @@ class ModelRunner:
             raise ValueError(
                 f"{cfg.architecture} has attention sinks, which the {self.backend_name} attention backend "
                 "does not implement: use --attention-backend cpu or torch_native"
+            )
+        if cfg.attn_logit_softcap and not self.backend.supports_logit_softcap:
+            raise ValueError(
+                f"{cfg.architecture} soft-caps its attention logits, which the {self.backend_name} attention "
+                "backend does not implement: use --attention-backend cpu or torch_native"
             )
         if cfg.sliding_windows and (
             enable_torch_compile or (self.device.type == "cuda" and not disable_cuda_graph)

@@ -74,9 +74,9 @@ class NotMeasurable(ValueError):
 def auto_quantization(model_dir: str, candidates: Sequence[str]) -> tuple[str, str]:
     """(quantization, why) for `model_dir` under `--quantization auto`: the cached answer when its key still
     matches, else a fresh measurement (cached). `candidates`: the modes that run fast here, fastest first."""
-    from runtime.model_executor.model_runner import model_class_for
     from runtime.models.model_config import ModelConfig
     from runtime.models.model_loader import load_hf_config
+    from runtime.models.registry import model_class_for
 
     arch = ModelConfig.from_hf(load_hf_config(model_dir)).architecture
     if not getattr(

@@ -43,7 +43,7 @@ class Arch:
 # llama.cpp writes Llama and Mistral-family models (HF MistralForCausalLM) as "llama" and permutes their Q/K
 # rows; "mistral3" (Ministral 3, Mistral Small 3.x text) is the same llama-shaped decoder with YaRN and
 # Llama 4's attention temperature in its metadata, rows permuted alike. Qwen2/2.5, Qwen3, Qwen3-MoE, Phi-3,
-# Gemma 3 and gpt-oss keep HF's row order (their RoPE rotates half-split pairs in both programs).
+# Gemma 2 and 3 and gpt-oss keep HF's row order (their RoPE rotates half-split pairs in both programs).
 ARCHS = {
     "llama": Arch("LlamaForCausalLM", "llama", rope_permuted=True, qkv_bias=False, qk_norm=False),
     "mistral3": Arch("LlamaForCausalLM", "llama", rope_permuted=True, qkv_bias=False, qk_norm=False),
@@ -53,6 +53,15 @@ ARCHS = {
         "Qwen3MoeForCausalLM", "qwen3_moe", rope_permuted=False, qkv_bias=False, qk_norm=True, moe=True
     ),
     "phi3": Arch("Phi3ForCausalLM", "phi3", rope_permuted=False, qkv_bias=False, qk_norm=False, fused=True),
+    "gemma2": Arch(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        rope_permuted=False,
+        qkv_bias=False,
+        qk_norm=False,
+        norm_shift=1.0,
+        sandwich=True,
+    ),
     "gemma3": Arch(
         "Gemma3ForCausalLM",
         "gemma3_text",
@@ -74,9 +83,7 @@ ARCHS = {
 }
 # Architectures llama.cpp writes that radixlm's decoder cannot run, and why (named in the refusal).
 REFUSED = {
-    "gemma2": "Gemma 2 soft-caps attention logits (attn_logit_softcapping), which radixlm's attention "
-    "backends do not implement",
-    "gemma": "Gemma 1 is not among radixlm's decoders (Gemma 3 is)",
+    "gemma": "Gemma 1 is not among radixlm's decoders (Gemma 2 and 3 are)",
 }
 
 # GGUF block tensor -> HF module (under model.layers.N.), per layout
@@ -319,6 +326,8 @@ def arch_config(name: str, meta: dict[str, Any], tensors: dict[str, Any], config
     def key(k: str, default: Any = None) -> Any:
         return meta.get(f"{name}.{k}", default)
 
+    if name == "gemma2":
+        return _gemma2_config(key, config)
     if name == "gemma3":
         return _gemma3_config(key, config)
     if name == "phi3":
@@ -347,6 +356,49 @@ def arch_config(name: str, meta: dict[str, Any], tensors: dict[str, Any], config
     return config
 
 
+# Gemma 2 as llama.cpp runs it (llama-model.cpp): layers sliding and global in turn, sliding first; one rope
+# for both; where the file has no key, a window of 4096 and caps of 50 (attention) and 30 (final logits).
+GEMMA2_SWA_PATTERN = 2
+GEMMA2_DEFAULT_WINDOW = 4096
+GEMMA2_DEFAULT_ATTN_SOFTCAP = 50.0
+GEMMA2_DEFAULT_FINAL_SOFTCAP = 30.0
+
+
+def _gemma_query_scalar(config: dict[str, Any], layers_27b: int) -> int:
+    """llama.cpp scales Gemma's queries by 1 / sqrt(head_dim), except for the 27B (Gemma 2: 46 layers,
+    Gemma 3: 62): 1 / sqrt(hidden / heads)."""
+    if config["num_hidden_layers"] == layers_27b:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config["head_dim"]
+
+
+def _gemma2_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
+    layers = config["num_hidden_layers"]
+    window = int(key("attention.sliding_window", GEMMA2_DEFAULT_WINDOW) or 0)
+    sliding = [i % GEMMA2_SWA_PATTERN < GEMMA2_SWA_PATTERN - 1 for i in range(layers)]
+    if config["rope_scaling"]:
+        kind = config["rope_scaling"].get("rope_type")
+        raise ValueError(f"Gemma 2 with {kind} rope scaling is not supported (llama.cpp's files have none)")
+    attn_cap = float(key("attn_logit_softcapping", GEMMA2_DEFAULT_ATTN_SOFTCAP))
+    final_cap = float(key("final_logit_softcapping", GEMMA2_DEFAULT_FINAL_SOFTCAP))
+    if attn_cap <= 0 or final_cap <= 0:
+        raise ValueError(
+            f"gemma2.attn_logit_softcapping ({attn_cap}) and final_logit_softcapping ({final_cap}) must be "
+            "positive (llama.cpp always applies both)"
+        )
+    out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    return out | {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _gemma_query_scalar(config, 46),
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+        "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+        "attn_logit_softcapping": f32(attn_cap),
+        "final_logit_softcapping": f32(final_cap),
+    }
+
+
 def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
     layers, window = config["num_hidden_layers"], int(key("attention.sliding_window", 0) or 0)
     pattern = key("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
@@ -367,13 +419,11 @@ def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
     if key("attn_logit_softcapping"):
         raise ValueError("attention logit soft-capping (gemma3.attn_logit_softcapping) is not supported")
     softcap = key("final_logit_softcapping")
-    # llama.cpp scales queries by 1 / sqrt(head_dim), except for the 62-layer 27B: 1 / sqrt(hidden / heads)
-    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
     out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
     return out | {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": scalar,
+        "query_pre_attn_scalar": _gemma_query_scalar(config, 62),
         "sliding_window": window or None,
         "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
         "rope_parameters": {

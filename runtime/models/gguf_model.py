@@ -11,11 +11,12 @@ pages are then no longer read). The token embedding stays as the file's blocks t
 F32 / F16 / BF16 serve as float32 (`nn.Linear`, a float embedding). Any other type is refused at start-up
 naming the tensor and its type; so is tensor parallelism.
 
-Per architecture (`runtime.models.gguf_arch.ARCHS`): Gemma 3 builds `Gemma3ForCausalLM` (its norms stored as
-1 + w are taken back to w); Phi-3's fused attn_qkv and ffn_up (gate | up) are one GGUFLinear each; a
-mixture of experts (qwen3moe) serves its stacked ffn_*_exps tensors' blocks as they are (one expert is a
-contiguous byte range of each; the K types interleaved expert by expert) through the fused MoE op
-(`runtime.models.moe_fused.GGUFExperts`: one C++ call per layer); its router (ffn_gate_inp) is float32.
+Per architecture (`runtime.models.gguf_arch.ARCHS`): Gemma 2 and 3 build `Gemma2ForCausalLM` /
+`Gemma3ForCausalLM` (their norms stored as 1 + w are taken back to w); Phi-3's fused attn_qkv and ffn_up
+(gate | up) are one GGUFLinear each; a mixture of experts (qwen3moe) serves its stacked ffn_*_exps tensors'
+blocks as they are (one expert is a contiguous byte range of each; the K types interleaved expert by expert)
+through the fused MoE op (`runtime.models.moe_fused.GGUFExperts`: one C++ call per layer); its router
+(ffn_gate_inp) is float32.
 gpt-oss builds `GptOssForCausalLM` the same way (`_gpt_oss`: its experts' biases and clamped SwiGLU, sinks).
 Pages of the file read in place are faulted in once the model is built (`map_in_place_weights`).
 
@@ -34,7 +35,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.models.gemma3 import Gemma3ForCausalLM
 from runtime.models.gguf import gguf_source, unpermute_rope_rows
 from runtime.models.gguf_arch import ARCHS, open_reader
 from runtime.models.gguf_linear import (
@@ -45,11 +45,12 @@ from runtime.models.gguf_linear import (
     dequantize_rows,
     reference_dequantize,
 )
-from runtime.models.llama import LlamaForCausalLM
+from runtime.models.gpt_oss import GptOssForCausalLM
 from runtime.models.model_config import ModelConfig
 from runtime.models.moe import SparseMoeBlock
 from runtime.models.moe_fused import GGUFExperts
 from runtime.models.parallel import TensorParallel
+from runtime.models.registry import model_class_for
 
 logger = logging.getLogger("radixlm.gguf_model")
 
@@ -211,10 +212,10 @@ def load_gguf_model(
 
 
 def _llama_family(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.device) -> nn.Module:
-    """Llama, Qwen2/3, Mistral 3, Phi-3, Gemma 3 and Qwen3-MoE from their files (see the module)."""
+    """Llama, Qwen2/3, Mistral 3, Phi-3, Gemma 2/3 and Qwen3-MoE from their files (see the module)."""
     arch = ld.arch
     with torch.device("meta"):
-        model_class = Gemma3ForCausalLM if cfg.architecture == "Gemma3ForCausalLM" else LlamaForCausalLM
+        model_class = model_class_for(cfg.architecture)
         model = model_class(cfg, tp)
     hidden, q_rows = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     float_experts: dict[int, str] = {}  # layer -> block prefix, for experts served as float32
@@ -318,7 +319,6 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
     (float32, with its bias) and each layer's experts as one GGUFExperts with their biases and the clamped
     SwiGLU (MXFP4 experts read in place, as `--quantization mxfp4` serves a checkpoint's); experts stored as
     floats fill the per-expert loop's w13 / b13 / w2 / b2 instead."""
-    from runtime.models.gpt_oss import GptOssForCausalLM
     from runtime.models.moe_fused import ExpertActivation
 
     with torch.device("meta"):

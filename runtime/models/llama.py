@@ -1,5 +1,5 @@
 """One Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, Phi-3 / Phi-4) over
-the paged KV pool. Gemma 3 reuses its pieces (`runtime.models.gemma3`).
+the paged KV pool. Gemma 2 and 3 reuse its pieces (`runtime.models.gemma`).
 
 Projections are fused (q|k|v and gate|up) so each layer runs four matmuls; attention goes through the
 `AttentionBackend`, which owns the KV pool reads and writes. Numerics follow transformers: RMSNorm in fp32

@@ -5,7 +5,8 @@ fields below, so one decoder implementation serves them all. Qwen3-MoE (Qwen3's 
 Mixtral (Mistral's) and GLM-4.5 (partial rotary, optional q/k norms) swap some or all MLPs for a mixture of
 experts (`MoeConfig`, `runtime.models.moe`). Phi-3 / Phi-4
 is Llama with fused checkpoint tensors (split by the loader), partial rotary and LongRoPE (`LongRope`).
-Gemma 3's layer differs enough to have its own module (`runtime.models.gemma3`); its config is read here too.
+Gemma 2's and Gemma 3's layers differ enough to have their own module (`runtime.models.gemma`); their configs
+are read here too (Gemma 2's attention logit soft-capping is `attn_logit_softcap`).
 So does gpt-oss's (`runtime.models.gpt_oss`: attention sinks, its own mixture of experts, yarn rope).
 
 Sliding-window layers (Mistral's and Phi-3's `sliding_window`, any `layer_types` entry "sliding_attention")
@@ -33,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
@@ -143,6 +145,7 @@ class ModelConfig:
     sliding_windows: tuple[int, ...] = ()  # per layer: 0 global, W > 0 a window of W keys; (): all global
     long_rope: LongRope | None = None
     attention_sinks: bool = False  # gpt-oss: a learned sink logit per head (`AttentionLayer.sinks`)
+    attn_logit_softcap: float = 0.0  # Gemma 2: scores soft-capped before the softmax (`AttentionLayer`)
 
     def sliding_window(self, layer_id: int) -> int:
         return self.sliding_windows[layer_id] if self.sliding_windows else 0
@@ -165,8 +168,14 @@ class ModelConfig:
             )
         kind = SUPPORTED_ARCHITECTURES[arch]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if getattr(cfg, "attn_logit_softcapping", None):
-            raise ValueError("attention logit soft-capping (config.attn_logit_softcapping) is not supported")
+        softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
+        if softcap and kind != "gemma2":
+            raise ValueError(
+                "attention logit soft-capping (config.attn_logit_softcapping) is supported for Gemma 2, "
+                f"not {arch}"
+            )
+        if softcap < 0:
+            raise ValueError(f"config.attn_logit_softcapping must be positive, got {softcap}")
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("bidirectional attention (an embedding model's config) is not supported")
         rope_layer_type = "full_attention" if kind == "gemma3_text" else None  # Gemma 3: per layer type
@@ -202,6 +211,7 @@ class ModelConfig:
             sliding_windows=_sliding_windows(cfg, kind),
             long_rope=long_rope,
             attention_sinks=kind == "gpt_oss",
+            attn_logit_softcap=softcap,
         )
 
 

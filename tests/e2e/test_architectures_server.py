@@ -18,8 +18,8 @@ from tests.unit.test_model_parity import hf_greedy
 pytestmark = pytest.mark.timeout(900)
 
 MAX_NEW = 10
-BUILDERS = {"qwen3_moe": save_random_moe, "mixtral": save_random_moe, "gemma3": save_random_dense,
-            "phi3": save_random_dense}  # fmt: skip
+BUILDERS = {"qwen3_moe": save_random_moe, "mixtral": save_random_moe, "gemma2": save_random_dense,
+            "gemma3": save_random_dense, "phi3": save_random_dense}  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", list(BUILDERS))

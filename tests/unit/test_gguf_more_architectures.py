@@ -1,7 +1,10 @@
-"""GGUF files of Gemma 3, Phi-3, Mistral 3 and Qwen3-MoE served through radixlm's model runner (issue 49).
+"""GGUF files of Gemma 2, Gemma 3, Phi-3, Mistral 3 and Qwen3-MoE served through radixlm's model runner.
 
 Each test builds a tiny seeded transformers model and writes it as a GGUF following llama.cpp's
 convert_hf_to_gguf.py for its architecture:
+- gemma2: every norm weight stored as 1 + w; query_pre_attn_scalar = head_dim; layers sliding and global in
+  turn (attention.sliding_window); attn_logit_softcapping (low, so that it bends the scores) and
+  final_logit_softcapping; no rope key (llama.cpp's default base); tied embeddings; rows in HF order;
 - gemma3: every norm weight stored as 1 + w; query_pre_attn_scalar = head_dim; every 6th layer global, the
   others sliding (attention.sliding_window), their rope base 10000 and the global layers' rope.freq_base with
   linear scaling; final_logit_softcapping; tied embeddings (no output.weight); rows in HF order;
@@ -48,7 +51,7 @@ from tests.unit.test_model_loader import llamacpp_permute
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-KINDS = ("gemma3", "phi3", "mistral3", "qwen3moe")
+KINDS = ("gemma2", "gemma3", "phi3", "mistral3", "qwen3moe")
 PHI3_ORIGINAL, PHI3_CONTEXT, PHI3_ROTARY = 64, 256, 0.75
 MISTRAL3_ORIGINAL = 128
 # prompts of <= 64 tokens: within Phi-3's original length (short factors, as transformers picks for them)
@@ -58,13 +61,20 @@ Q4_K_M = {"attn_v.weight": Q.Q6_K, "attn_qkv.weight": Q.Q6_K, "ffn_down.weight":
 
 
 def hf_config(kind: str, **overrides: Any) -> Any:
-    from transformers import Gemma3TextConfig, Ministral3Config, Phi3Config, Qwen3MoeConfig
+    from transformers import Gemma2Config, Gemma3TextConfig, Ministral3Config, Phi3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_attention_heads=4,
         num_key_value_heads=2,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6,
     )  # fmt: skip
+    if kind == "gemma2":
+        return Gemma2Config(
+            **common, num_hidden_layers=4, head_dim=64, max_position_embeddings=1024, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,  # llama.cpp's: in turn, sliding first
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, query_pre_attn_scalar=64,
+            attn_logit_softcapping=1.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        )  # fmt: skip
     if kind == "gemma3":
         return Gemma3TextConfig(
             **common, num_hidden_layers=6, head_dim=64, max_position_embeddings=1024, sliding_window=8,
@@ -150,14 +160,14 @@ def to_gguf(kind: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[str, np
             if module == "mlp.experts.down_proj":
                 out[b + "ffn_down_exps.weight"] = a
                 continue
-            short = (_GEMMA if kind == "gemma3" else {}).get(module) or _BLOCK[module]
+            short = (_GEMMA if kind.startswith("gemma") else {}).get(module) or _BLOCK[module]
             gname = f"{b}{short}.weight"
             if kind == "mistral3" and short in ("attn_q", "attn_k"):
                 a = llamacpp_permute(
                     a, cfg.num_attention_heads if short == "attn_q" else cfg.num_key_value_heads
                 )
-        if kind == "gemma3" and gname.endswith("norm.weight"):
-            a = a + 1.0  # Gemma3RMSNorm scales by 1 + w: llama.cpp stores 1 + w
+        if kind.startswith("gemma") and gname.endswith("norm.weight"):
+            a = a + 1.0  # Gemma's RMSNorm scales by 1 + w: llama.cpp stores 1 + w
         out[gname] = a
     return out
 
@@ -165,7 +175,7 @@ def to_gguf(kind: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[str, np
 def from_gguf(kind: str, cfg: Any, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """`to_gguf`'s inverse: the HF state dict a file's (dequantized) tensors encode."""
     inverse = {(f"blk.{i}.{v}.weight"): f"model.layers.{i}.{k}.weight" for i in range(cfg.num_hidden_layers)
-               for k, v in (_BLOCK | (_GEMMA if kind == "gemma3" else {})).items()
+               for k, v in (_BLOCK | (_GEMMA if kind.startswith("gemma") else {})).items()
                if k != "mlp.gate_up_proj"}  # fmt: skip
     inverse |= {v: k for k, v in _GLOBAL.items()}
     if kind == "phi3":
@@ -186,7 +196,7 @@ def from_gguf(kind: str, cfg: Any, arrays: dict[str, np.ndarray]) -> dict[str, t
         if gname.endswith("ffn_down_exps.weight"):
             state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.from_numpy(a.copy())
             continue
-        if kind == "gemma3" and gname.endswith("norm.weight"):
+        if kind.startswith("gemma") and gname.endswith("norm.weight"):
             a = a - 1.0
         if kind == "mistral3" and gname.endswith(("attn_q.weight", "attn_k.weight")):
             n = cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads
@@ -204,7 +214,12 @@ def metadata(kind: str, cfg: Any) -> dict[str, Any]:
         "context_length": cfg.max_position_embeddings,
     }  # fmt: skip
     rope = cfg.rope_parameters
-    if kind == "gemma3":
+    if kind == "gemma2":  # Gemma2Model's keys: no rope key at all
+        keys |= {"attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
+                 "attn_logit_softcapping": cfg.attn_logit_softcapping,
+                 "final_logit_softcapping": cfg.final_logit_softcapping,
+                 "attention.sliding_window": cfg.sliding_window}  # fmt: skip
+    elif kind == "gemma3":
         full = rope["full_attention"]
         keys |= {"attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
                  "rope.freq_base": full["rope_theta"], "rope.scaling.type": "linear",
@@ -317,7 +332,8 @@ def test_f32_file_serves_like_transformers(tmp_path: Path, models: dict[str, Any
     ref = hf_logits(model, PROMPTS)
     for quantization in ("none", "gguf_native"):
         runner = serve(tmp_path, "m.gguf", kind, quantization)
-        assert runner.config.architecture == {"gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+        assert runner.config.architecture == {"gemma2": "Gemma2ForCausalLM",
+                                              "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
                                               "mistral3": "LlamaForCausalLM",
                                               "qwen3moe": "Qwen3MoeForCausalLM"}[kind]  # fmt: skip
         for got, want in zip(served_logits(runner, PROMPTS), ref, strict=True):
@@ -386,6 +402,26 @@ def test_gemma3_config_follows_llama_cpp(tmp_path: Path, models: dict[str, Any])
     assert cfg.rope_parameters["full_attention"]["factor"] == 2.0
 
 
+def test_gemma2_config_follows_llama_cpp(tmp_path: Path, models: dict[str, Any]) -> None:
+    """The file's keys as llama.cpp reads them; without them, llama.cpp's defaults (window 4096, caps 50 and
+    30); the 46-layer 27B's queries scaled by hidden / heads."""
+    from runtime.models.gguf_arch import arch_config
+
+    write_gguf(tmp_path / "g.gguf", models["gemma2"], "gemma2")
+    folder = ml.resolve_model_path(str(tmp_path / "g.gguf"), str(tmp_path / "cache"))
+    cfg = ml.load_hf_config(folder)
+    assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2 and cfg.sliding_window == 8
+    assert cfg.attn_logit_softcapping == 1.0 and cfg.final_logit_softcapping == 30.0
+    assert cfg.query_pre_attn_scalar == 64 and cfg.tie_word_embeddings
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    base = {"num_hidden_layers": 46, "hidden_size": 4608, "num_attention_heads": 32, "head_dim": 128,
+            "rope_theta": 10000.0, "rope_scaling": None}  # fmt: skip
+    big = arch_config("gemma2", {}, {}, base)
+    assert big["query_pre_attn_scalar"] == 144 and big["sliding_window"] == 4096
+    assert big["attn_logit_softcapping"] == 50.0 and big["final_logit_softcapping"] == 30.0
+    assert big["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
 def test_mistral3_context_stops_where_the_attention_temperature_starts(
     tmp_path: Path, models: dict[str, Any]
 ) -> None:
@@ -415,8 +451,11 @@ def test_bad_files_are_refused_naming_the_tensor(
     assert_refused(tmp_path, "bad.gguf", match)
 
 
-def test_gemma2_is_refused_saying_why(tmp_path: Path, models: dict[str, Any]) -> None:
-    write_gguf(tmp_path / "g.gguf", models["gemma3"], "gemma3")
-    data = (tmp_path / "g.gguf").read_bytes().replace(b"gemma3", b"gemma2")  # arch name and its keys
-    (tmp_path / "g.gguf").write_bytes(data)
-    assert_refused(tmp_path, "g.gguf", r"'gemma2'.*attn_logit_softcapping")
+def test_gemma1_is_refused_saying_why(tmp_path: Path) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma")
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_refused(tmp_path, "g.gguf", r"'gemma'.*Gemma 1 is not among")

@@ -1,17 +1,21 @@
-"""Gemma 3 (text-only `Gemma3ForCausalLM`) over the paged KV pool, built from the Llama decoder's pieces.
+"""Gemma 2 and Gemma 3 (text-only `Gemma2ForCausalLM`, `Gemma3ForCausalLM`) over the paged KV pool, built from
+the Llama decoder's pieces.
 
-Where Gemma 3's layer differs from Llama's:
+Where Gemma 2's layer differs from Llama's:
 - RMSNorm scales by (1 + weight), computed in float32 and then cast (`GemmaRMSNorm`), and each layer norms
   four times: before and after attention, before and after the MLP (the "sandwich");
 - the MLP is GeGLU (gelu, tanh approximation) on the fused gate|up projection;
-- queries are scaled by query_pre_attn_scalar ** -0.5, after per-head q/k norms;
-- layers alternate sliding-window and global attention (`layer_types`), each kind with its own rope base
-  (`rope_parameters["sliding_attention"]` and `["full_attention"]`); the window is the attention backend's
-  (`AttentionLayer.sliding_window`);
+- queries are scaled by query_pre_attn_scalar ** -0.5, and each score is soft-capped, cap * tanh(s / cap),
+  before the softmax (attn_logit_softcapping: `AttentionLayer.logit_softcap`, which the backend applies);
+- layers alternate sliding-window and global attention (`layer_types`); the window is the attention
+  backend's (`AttentionLayer.sliding_window`);
 - the embedding is scaled by sqrt(hidden_size) (rounded to the model's dtype, as transformers does), and the
   LM head (tied) is soft-capped where the config has final_logit_softcapping.
 
-Checkpoint names are Llama's plus the two feed-forward norms, so `LlamaForCausalLM.load_weights` loads it.
+Gemma 3 adds per-head q/k norms before the rope, gives each layer kind its own rope base
+(`rope_parameters["sliding_attention"]` and `["full_attention"]`) and drops the attention soft-capping.
+
+Checkpoint names are Llama's plus the two feed-forward norms, so `LlamaForCausalLM.load_weights` loads both.
 In float32 on the CPU the layers run as the decoder's fused C++ ops do (`_forward_fused`): each norm is the
 `rms_norm` kernel with (1 + weight) computed once, the residual stream carried apart; GeGLU and the q/k norms
 stay eager.
@@ -48,10 +52,19 @@ class GemmaRMSNorm(nn.Module):
         return (out * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class Gemma3Attention(Attention):
+class Gemma2Attention(Attention):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__(cfg, layer_id, tp)
-        self.meta = dataclasses.replace(self.meta, scaling=cfg.hf_config.query_pre_attn_scalar**-0.5)
+        self.meta = dataclasses.replace(
+            self.meta,
+            scaling=cfg.hf_config.query_pre_attn_scalar**-0.5,
+            logit_softcap=cfg.attn_logit_softcap,
+        )
+
+
+class Gemma3Attention(Gemma2Attention):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
+        super().__init__(cfg, layer_id, tp)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -62,17 +75,19 @@ class GeGLU(MLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma2DecoderLayer(nn.Module):
+    attention_class: type[Attention] = Gemma2Attention
+
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
         super().__init__()
         act = getattr(cfg.hf_config, "hidden_activation", "gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
             raise ValueError(
-                f"Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)"
+                f"{cfg.architecture} with hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)"
             )
-        self.self_attn = Gemma3Attention(cfg, layer_id, tp)
+        self.self_attn = self.attention_class(cfg, layer_id, tp)
         self.mlp = GeGLU(cfg, tp)
-        self.local_rope = cfg.hf_config.layer_types[layer_id] == "sliding_attention"
+        self.local_rope = False  # whether the layer takes the sliding layers' own rope (Gemma 3)
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -86,20 +101,26 @@ class Gemma3DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class Gemma3DecoderLayer(Gemma2DecoderLayer):
+    attention_class = Gemma3Attention
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TensorParallel):
+        super().__init__(cfg, layer_id, tp)
+        self.local_rope = cfg.hf_config.layer_types[layer_id] == "sliding_attention"
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    layer_class: type[Gemma2DecoderLayer] = Gemma2DecoderLayer
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.inv_freq, cfg.rope_attention_scaling)  # global layers
-        with torch.device("cpu"):  # real tensors even while the model is built on the meta device
-            local_inv_freq, local_scaling = _rope_frequencies(
-                cfg.hf_config, cfg.head_dim, "sliding_attention"
-            )
-        self.rotary_local = Rotary(local_inv_freq, local_scaling)
+        self.rotary_local = self._local_rotary(cfg)
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         self.embed_scale = cfg.hidden_size**0.5
         self.logit_softcap = getattr(cfg.hf_config, "final_logit_softcapping", None)
@@ -107,14 +128,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self._fused_plan = None
         self.tie_weights()
 
+    def _local_rotary(self, cfg: ModelConfig) -> Rotary:
+        """The rope of layers whose `local_rope` is set: Gemma 2 has one rope for every layer."""
+        return self.rotary
+
+    def _ropes(self, cos_sin) -> tuple:
+        """(global, local) ropes, `cos_sin(rotary)` of each; the local one only where it differs (Gemma 3)."""
+        rope = cos_sin(self.rotary)
+        return rope, rope if self.rotary_local is self.rotary else cos_sin(self.rotary_local)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         h = self.embed_tokens(batch.input_ids)
         h = h * torch.tensor(self.embed_scale).to(h.dtype)  # the scale rounded to the model's dtype, as in HF
         if self.fused_cpu_ops:
             return self._softcap(self._forward_fused(h, batch, backend))
-        rope_global = self.rotary.cos_sin(batch.positions, h.dtype)
-        rope_local = self.rotary_local.cos_sin(batch.positions, h.dtype)
+        rope_global, rope_local = self._ropes(lambda r: r.cos_sin(batch.positions, h.dtype))
         for layer in self.layers:
             cos, sin = rope_local if layer.local_rope else rope_global
             h = layer(h, cos, sin, batch, backend)
@@ -129,7 +158,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def _layer_plan(self) -> list[tuple]:
         """Per layer: its four norms as (1 + weight, eps), its projections (`linear_call`), the qkv split, the
-        q/k norms, the attention metadata and whether it takes the local rope."""
+        q/k norms (None: Gemma 2 has none), the attention metadata and whether it takes the local rope."""
 
         def norm(n: GemmaRMSNorm) -> tuple:
             return (1.0 + n.weight.detach().float(), n.eps)
@@ -147,7 +176,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                     norm(layer.input_layernorm),
                     linear_call(a.qkv_proj),
                     split,
-                    (a.q_norm, a.k_norm),
+                    None if a.q_norm is None else (a.q_norm, a.k_norm),
                     m,
                     linear_call(a.o_proj),
                     norm(layer.post_attention_layernorm),
@@ -165,10 +194,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """float32 on the CPU (FUSED_LAYERS loaded): `residual` is the scaled embedding, then the residual
         stream; `h` the last layer's normed MLP output, added to `residual` in place as the next norm runs."""
         top = max(batch.seq_lens_cpu) - 1
-        ropes = (
-            self.rotary.cos_sin_rows(batch.positions, top),
-            self.rotary_local.cos_sin_rows(batch.positions, top),
-        )
+        ropes = self._ropes(lambda r: r.cos_sin_rows(batch.positions, top))
         plan = self._fused_plan
         if plan is None:
             plan = self._fused_plan = self._layer_plan()
@@ -186,7 +212,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             else:  # residual += h; h = norm(residual)
                 add_rms_norm_(h, residual, *norm_in)
             q, k, v = qkv[0](h, *qkv[1]).view(-1, n_heads, d).split_with_sizes(heads, dim=1)
-            q, k = qk_norm[0](q), qk_norm[1](k)
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
             cos, sin = ropes[local]
             rope_(q, k, cos, sin)
             out = attend(q, k, v, meta, batch).flatten(1)
@@ -198,3 +225,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             h, residual = h[batch.logits_indices], residual[batch.logits_indices]
         add_rms_norm_(h, residual, 1.0 + self.norm.weight.detach().float(), self.norm.eps)
         return self._logits(h)
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    layer_class = Gemma3DecoderLayer
+
+    def _local_rotary(self, cfg: ModelConfig) -> Rotary:
+        with torch.device("cpu"):  # real tensors even while the model is built on the meta device
+            inv_freq, scaling = _rope_frequencies(cfg.hf_config, cfg.head_dim, "sliding_attention")
+        return Rotary(inv_freq, scaling)
