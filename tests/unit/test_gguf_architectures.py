@@ -426,3 +426,36 @@ def test_other_architectures_are_refused_listing_the_supported(tmp_path: Path) -
         "g.gguf",
         r"unsupported GGUF architecture 'gemm2'.*'gemma3', 'gpt-oss', 'llama', .*'qwen2', 'qwen3'",
     )
+
+
+def test_the_reader_gives_ggufpy_fields_and_tensors(tmp_path: Path) -> None:
+    """open_reader's reader (array values cut on first use, see gguf_arch._reader_class) gives gguf-py's own
+    fields (offsets, parts, data indices, types, contents) and tensors for every kind of value."""
+    from runtime.models.gguf_arch import open_reader
+
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "qwen2")
+    w.add_string("test.string", "héllo")
+    w.add_uint32("test.u32", 7)
+    w.add_float32("test.f32", 0.25)
+    w.add_bool("test.bool", True)
+    w.add_array("test.strings", ["a", "", "ünï", "x" * 300])
+    w.add_array("test.ints", [3, -1, 2])
+    w.add_array("test.floats", [0.5, -2.0])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_tensor("t.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, ref = open_reader(str(tmp_path / "v.gguf")), gguf.GGUFReader(str(tmp_path / "v.gguf"))
+    assert list(ours.fields) == list(ref.fields)
+    for name, want in ref.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.name, got.data, got.types) == (want.offset, want.name, want.data, want.types)
+        assert [(p.dtype, p.tolist()) for p in got.parts] == [(p.dtype, p.tolist()) for p in want.parts]
+        assert got.contents() == want.contents(), name
+    assert ours.fields["test.strings"].contents() == ["a", "", "ünï", "x" * 300]
+    assert [(t.name, t.data_offset, t.data.tolist()) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.data.tolist()) for t in ref.tensors
+    ]

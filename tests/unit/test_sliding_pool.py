@@ -335,3 +335,18 @@ def test_auto_total_tokens_spends_the_budget_on_both_pools(full_bytes, row_bytes
     assert cost(t) <= budget < cost(t + 4)  # (the cache share rounds: rows grow every 4 tokens)
     if row_bytes and fixed < t:  # the sizing is `sliding_pool_size`'s: max_running x (window + slack) + chunk
         assert sliding_pool_size(t, 0, 0, fixed) == min(t, fixed + int(0.25 * t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pool_tensors_are_zero_aligned_and_writable(dtype):
+    """KVPool's tensors (lazy_zeros: calloc'd, mapped on first write) read as zeros, start on a 64-byte
+    boundary like torch's own allocations, and take writes as any tensor does; both pools' rows alike."""
+    pool = KVPool(300, 3, 2, 16, dtype, sliding_layers=[1], sliding_size=40)
+    assert [t.shape[0] for t in pool.k] == [301, 41, 301]
+    for t in pool.k + pool.v:
+        assert t.dtype == dtype and t.is_contiguous() and t.data_ptr() % 64 == 0
+        assert not t.any()
+    k = torch.randn(2, 2, 16).to(dtype)
+    pool.write(0, torch.tensor([5, 7]), k, k * 2)
+    assert torch.equal(pool.k[0][torch.tensor([5, 7])], k) and torch.equal(pool.v[0][7], k[1] * 2)
+    assert not pool.k[0][:5].any() and not pool.k[2].any()
