@@ -83,37 +83,34 @@ def dense_config(arch: str, **overrides: Any) -> Any:
     from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config
 
     common = COMMON | overrides
+    gemma = dict(
+        num_hidden_layers=4,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    )
     if arch == "gemma2":
         return Gemma2Config(
             **common,
-            num_hidden_layers=4,
-            head_dim=16,
-            max_position_embeddings=1024,
-            rms_norm_eps=1e-6,
+            **gemma,
             sliding_window=GEMMA2_WINDOW,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            query_pre_attn_scalar=24,
             attn_logit_softcapping=GEMMA2_ATTN_SOFTCAP,
-            final_logit_softcapping=30.0,
-            tie_word_embeddings=True,
             architectures=["Gemma2ForCausalLM"],
         )
     if arch == "gemma3":
         return Gemma3TextConfig(
             **common,
-            num_hidden_layers=4,
-            head_dim=16,
-            max_position_embeddings=1024,
-            rms_norm_eps=1e-6,
+            **gemma,
             sliding_window=GEMMA3_WINDOW,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
             },
-            query_pre_attn_scalar=24,
-            final_logit_softcapping=30.0,
-            tie_word_embeddings=True,
             architectures=["Gemma3ForCausalLM"],
         )
     if arch == "phi3":

@@ -428,12 +428,22 @@ GEMMA2_DEFAULT_ATTN_SOFTCAP = 50.0
 GEMMA2_DEFAULT_FINAL_SOFTCAP = 30.0
 
 
-def _gemma_query_scalar(config: dict[str, Any], layers_27b: int) -> int:
-    """llama.cpp scales Gemma's queries by 1 / sqrt(head_dim), except for the 27B (Gemma 2: 46 layers,
-    Gemma 3: 62): 1 / sqrt(hidden / heads)."""
+def _gemma_layers(config: dict[str, Any], layers_27b: int, window: int, sliding: list[bool]) -> dict:
+    """What Gemma 2's and 3's configs share: `config` without its rope keys (each sets its own), GeGLU, the
+    query scale and the layer types. llama.cpp scales Gemma's queries by 1 / sqrt(head_dim), except for the
+    27B (Gemma 2: 46 layers, Gemma 3: 62): 1 / sqrt(hidden / heads)."""
     if config["num_hidden_layers"] == layers_27b:
-        return config["hidden_size"] // config["num_attention_heads"]
-    return config["head_dim"]
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    else:
+        scalar = config["head_dim"]
+    out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
+    return out | {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+    }
 
 
 def _gemma2_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
@@ -450,13 +460,7 @@ def _gemma2_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
             f"gemma2.attn_logit_softcapping ({attn_cap}) and final_logit_softcapping ({final_cap}) must be "
             "positive (llama.cpp always applies both)"
         )
-    out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
-    return out | {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": _gemma_query_scalar(config, 46),
-        "sliding_window": window or None,
-        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+    return _gemma_layers(config, 46, window, sliding) | {
         "rope_parameters": {"rope_type": "default", "rope_theta": config["rope_theta"]},
         "attn_logit_softcapping": f32(attn_cap),
         "final_logit_softcapping": f32(final_cap),
@@ -483,13 +487,7 @@ def _gemma3_config(key: Any, config: dict[str, Any]) -> dict[str, Any]:
     if key("attn_logit_softcapping"):
         raise ValueError("attention logit soft-capping (gemma3.attn_logit_softcapping) is not supported")
     softcap = key("final_logit_softcapping")
-    out = {k: v for k, v in config.items() if k not in ("rope_theta", "rope_scaling")}
-    return out | {
-        "hidden_act": "gelu_pytorch_tanh",
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": _gemma_query_scalar(config, 62),
-        "sliding_window": window or None,
-        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+    return _gemma_layers(config, 62, window, sliding) | {
         "rope_parameters": {
             "full_attention": full | scaling,
             "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
