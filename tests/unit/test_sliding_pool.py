@@ -339,7 +339,7 @@ def test_auto_total_tokens_spends_the_budget_on_both_pools(full_bytes, row_bytes
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_pool_tensors_are_zero_aligned_and_writable(dtype):
-    """KVPool's tensors (lazy_zeros: calloc'd, mapped on first write) read as zeros, start on a 64-byte
+    """KVPool's tensors (lazy_zeros: anonymous pages, mapped on first write) read as zeros, start on a 64-byte
     boundary like torch's own allocations, and take writes as any tensor does; both pools' rows alike."""
     pool = KVPool(300, 3, 2, 16, dtype, sliding_layers=[1], sliding_size=40)
     assert [t.shape[0] for t in pool.k] == [301, 41, 301]
