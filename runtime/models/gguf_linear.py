@@ -26,15 +26,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import warnings
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from runtime.models.mxfp4 import E8M0_NAN, GGML_MXFP4
-from runtime.models.native_kernels import NativeLibrary
+from runtime.models.native_kernels import KernelUnavailable, NativeLibrary
 from runtime.models.parallel import TensorParallel
 
 logger = logging.getLogger("radixlm.gguf_linear")
@@ -171,6 +173,31 @@ def row_bytes(qtype: int, cols: int) -> int:
     if cols % block:
         raise ValueError(f"{name} rows must hold whole blocks of {block} elements, got {cols}")
     return cols // block * size
+
+
+def tensor_rows(t: Any) -> torch.Tensor:
+    """A GGUF reader tensor's bytes as uint8 [rows, row bytes], every dim but the innermost counted as rows:
+    a view of the memory-mapped file."""
+    rows = int(t.n_elements) // int(t.shape[0])  # GGUF lists dims innermost first
+    data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
+
+def dequantize_tensor(t: Any) -> torch.Tensor:
+    """A GGUF reader tensor as float32 in Hugging Face's shape ([out, in] for matrices): by the C++ row op
+    where it has the type (gguf-py's values, bit for bit; gguf-py's numpy takes ~7 s per 1e9 weights), else,
+    or where the kernels cannot be built, by gguf-py."""
+    shape = [int(d) for d in reversed(t.shape)]
+    qtype = int(t.tensor_type)
+    if qtype in KERNEL_TYPES:
+        try:
+            return dequantize_rows(tensor_rows(t), qtype, shape[-1]).reshape(shape)
+        except KernelUnavailable:
+            pass
+    rows = int(t.n_elements) // shape[-1]
+    return reference_dequantize(np.asarray(t.data).view(np.uint8), qtype, rows, shape[-1]).reshape(shape)
 
 
 def reference_dequantize(raw: np.ndarray | torch.Tensor, qtype: int, rows: int, cols: int) -> torch.Tensor:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import Any
 
 import numpy as np
@@ -42,8 +41,8 @@ from runtime.models.gguf_linear import (
     KERNEL_TYPES,
     GGUFEmbedding,
     GGUFLinear,
-    dequantize_rows,
-    reference_dequantize,
+    dequantize_tensor,
+    tensor_rows,
 )
 from runtime.models.gpt_oss import GptOssForCausalLM
 from runtime.models.model_config import ModelConfig
@@ -68,26 +67,6 @@ def check_served_types(tensors: dict[str, Any], path: str) -> None:
                 "or "
                 "pass --quantization none to dequantize it to float32 at load"
             )
-
-
-def _raw_rows(t: Any) -> torch.Tensor:
-    """A tensor's bytes as uint8 [rows, row bytes]: a view of the memory-mapped file."""
-    cols, rows = (int(v) for v in t.shape[:2])
-    data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
-    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(data)
-
-
-def _float(t: Any) -> torch.Tensor:
-    """A tensor dequantized to float32 in Hugging Face's shape ([out, in] for matrices)."""
-    shape = [int(d) for d in reversed(t.shape)]
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    if int(t.tensor_type) in KERNEL_TYPES:  # the C++ unpacker: gguf-py's numpy takes ~7 s per 1e9 weights
-        return dequantize_rows(_raw_rows(t).reshape(rows, -1), int(t.tensor_type), shape[-1]).reshape(shape)
-    return reference_dequantize(
-        np.asarray(t.data).view(np.uint8), int(t.tensor_type), rows, shape[-1]
-    ).reshape(shape)
 
 
 class _Loader:
@@ -115,7 +94,9 @@ class _Loader:
         parts = [self.get(n) for n in names]
         b = None
         if bias is not None:
-            b = torch.cat([self._rows(_float(self.get(n)), h) for n, h in zip(bias, heads, strict=True)])
+            b = torch.cat(
+                [self._rows(dequantize_tensor(self.get(n)), h) for n, h in zip(bias, heads, strict=True)]
+            )
         for n, t in zip(names, parts, strict=True):
             if int(t.shape[0]) != in_features:
                 raise ValueError(
@@ -123,14 +104,14 @@ class _Loader:
                 )
         if all(int(t.tensor_type) in KERNEL_TYPES for t in parts):
             blocks = [
-                (int(t.tensor_type), self._rows(_raw_rows(t), h)) for t, h in zip(parts, heads, strict=True)
+                (int(t.tensor_type), self._rows(tensor_rows(t), h)) for t, h in zip(parts, heads, strict=True)
             ]
             layer: nn.Module = GGUFLinear(in_features, blocks, b)
             for t in parts:
                 key = t.tensor_type.name
                 self.counts[key] = self.counts.get(key, 0) + 1
             return layer
-        w = torch.cat([self._rows(_float(t), h) for t, h in zip(parts, heads, strict=True)])
+        w = torch.cat([self._rows(dequantize_tensor(t), h) for t, h in zip(parts, heads, strict=True)])
         layer = nn.Linear(in_features, w.shape[0], bias=b is not None)
         layer.weight.data = w
         if b is not None:
@@ -140,7 +121,7 @@ class _Loader:
 
     def norm(self, name: str) -> torch.Tensor:
         """A norm weight as the model's module holds it: Gemma's stored 1 + w taken back to w."""
-        w = _float(self.get(name))
+        w = dequantize_tensor(self.get(name))
         return w - self.arch.norm_shift if self.arch.norm_shift else w
 
     def experts(self, block: str, **extra: Any) -> GGUFExperts | None:
@@ -158,7 +139,9 @@ class _Loader:
     def float_experts(self, block: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H]: gate rows then up rows, w2 [E, H, I]) of experts stored as floats, dequantized to
         float32 in the file's stacking ([E, out, in]), for the per-expert loop."""
-        gate, up, down = (_float(self.get(f"{block}ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
+        gate, up, down = (
+            dequantize_tensor(self.get(f"{block}ffn_{p}_exps.weight")) for p in ("gate", "up", "down")
+        )
         self.counts["F32"] = self.counts.get("F32", 0) + 3 * gate.shape[0]
         return torch.cat([gate, up], dim=1), down
 
@@ -172,11 +155,8 @@ class _Loader:
 def _expert_rows(t: Any) -> torch.Tensor:
     """A stacked expert tensor's bytes as uint8 [n_expert, rows, row bytes]: a view of the mapped file, so
     expert e's rows ([e]) are one contiguous byte range."""
-    cols, rows, n = (int(v) for v in t.shape[:3])
-    data = np.asarray(t.data).view(np.uint8).reshape(n, rows, -1)
-    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(data)
+    rows, n = (int(v) for v in t.shape[1:3])
+    return tensor_rows(t).reshape(n, rows, -1)
 
 
 def load_gguf_model(
@@ -260,7 +240,9 @@ def _llama_family(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: tor
             layer.self_attn.q_norm.weight.data.copy_(ld.norm(b + "attn_q_norm.weight"))
             layer.self_attn.k_norm.weight.data.copy_(ld.norm(b + "attn_k_norm.weight"))
         if isinstance(layer.mlp, SparseMoeBlock):
-            layer.mlp.gate_weight.data.copy_(_float(ld.get(b + "ffn_gate_inp.weight")))  # the router
+            layer.mlp.gate_weight.data.copy_(
+                dequantize_tensor(ld.get(b + "ffn_gate_inp.weight"))
+            )  # the router
         if i in float_experts:
             w13, w2 = ld.float_experts(b)
             layer.mlp.w13.data.copy_(w13)
@@ -305,12 +287,12 @@ def _embedding_head_and_rest(ld: _Loader, model: nn.Module, cfg: ModelConfig, de
         # the head's copy (in the kernel's layout): one resident copy of the table, not two
         model.embed_tokens = GGUFEmbedding(model.lm_head.types[0], model.lm_head.w0, hidden)
     elif blocks:  # kept as blocks: each lookup dequantizes its rows
-        model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), _raw_rows(embd), hidden)
+        model.embed_tokens = GGUFEmbedding(int(embd.tensor_type), tensor_rows(embd), hidden)
     for module in model.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
             module.to_empty(device=device, recurse=False)
     if not blocks:
-        model.embed_tokens.load_shard("weight", _float(embd), 0)
+        model.embed_tokens.load_shard("weight", dequantize_tensor(embd), 0)
     model.norm.weight.data.copy_(ld.norm("output_norm.weight"))
 
 
@@ -334,7 +316,9 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
             [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"],
         )
         attn.o_proj = ld.linear([b + "attn_output.weight"], [None], q_rows, None)
-        gate_b, up_b, b2 = (_float(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down"))
+        gate_b, up_b, b2 = (
+            dequantize_tensor(ld.get(f"{b}ffn_{p}_exps.bias")) for p in ("gate", "up", "down")
+        )
         b13 = torch.cat([gate_b, up_b], dim=1)
         activation = ExpertActivation("clamped_swiglu", mlp.alpha, mlp.limit)
         experts = ld.experts(b, b13=b13, b2=b2, activation=activation)
@@ -348,11 +332,11 @@ def _gpt_oss(ld: _Loader, cfg: ModelConfig, tp: TensorParallel, device: torch.de
         b, attn, mlp = f"blk.{i}.", layer.self_attn, layer.mlp
         layer.input_layernorm.weight.data.copy_(ld.norm(b + "attn_norm.weight"))
         layer.post_attention_layernorm.weight.data.copy_(ld.norm(b + "post_attention_norm.weight"))
-        attn.o_bias.data.copy_(_float(ld.get(b + "attn_output.bias")))
-        attn.sinks.data.copy_(_float(ld.get(b + "attn_sinks.weight")))
+        attn.o_bias.data.copy_(dequantize_tensor(ld.get(b + "attn_output.bias")))
+        attn.sinks.data.copy_(dequantize_tensor(ld.get(b + "attn_sinks.weight")))
         attn.bind_sinks()
-        mlp.router_weight.data.copy_(_float(ld.get(b + "ffn_gate_inp.weight")))
-        mlp.router_bias.data.copy_(_float(ld.get(b + "ffn_gate_inp.bias")))
+        mlp.router_weight.data.copy_(dequantize_tensor(ld.get(b + "ffn_gate_inp.weight")))
+        mlp.router_bias.data.copy_(dequantize_tensor(ld.get(b + "ffn_gate_inp.bias")))
         if i in float_experts:
             (w13, w2), (b13, b2) = ld.float_experts(b), float_experts[i]
             for param, value in ((mlp.w13, w13), (mlp.b13, b13), (mlp.w2, w2), (mlp.b2, b2)):

@@ -1173,17 +1173,20 @@ const float* sinks_of(const c10::optional<at::Tensor>& sinks, const at::Tensor& 
   return sinks->data_ptr<float>();
 }
 
+// softcap: Gemma 2's attention logit soft-capping, 0 for none.
+float softcap_of(const char* op, double softcap) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be >= 0 (0: none), got ", softcap);
+  return static_cast<float>(softcap);
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                  const at::Tensor& ext_lens, double scale, const float* sinks, double softcap) {
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "paged_attention: softcap must be >= 0 (0: none), got ",
-              softcap);
+                  const at::Tensor& ext_lens, double scale, const float* sinks, float softcap) {
   at::Tensor out = at::empty(q.sizes(), q.options());
   const auto kv = k_cache.scalar_type();
   const auto qt = q.scalar_type();
 #define RADIXLM_RUN(KV_T, Q_T) \
-  run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks, \
-                 static_cast<float>(softcap), out)
+  run<KV_T, Q_T>(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks, softcap, out)
 #define RADIXLM_BY_Q(KV_T)                                        \
   if (qt == at::kFloat) RADIXLM_RUN(KV_T, float);                 \
   else if (qt == at::kBFloat16) RADIXLM_RUN(KV_T, c10::BFloat16); \
@@ -1204,7 +1207,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const c10::optional<at::Tensor>& sinks, double softcap) {
   check_attention("paged_attention", q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
   return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sinks_of(sinks, q),
-                softcap);
+                softcap_of("paged_attention", softcap));
 }
 
 // ------------------------------------------------------------------------------------------- KV write
@@ -1266,7 +1269,7 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
   const char* op = "paged_attention_kv";
   check_attention(op, q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens);
   const float* sink_logits = sinks_of(sinks, q);  // checked before anything is written
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), op, ": softcap must be >= 0 (0: none), got ", softcap);
+  const float cap = softcap_of(op, softcap);
   for (const at::Tensor* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->size(0) == q.size(0) && x->size(1) == k_cache.size(1) &&
                     x->size(2) == k_cache.size(2),
@@ -1287,7 +1290,7 @@ at::Tensor paged_attention_kv(const at::Tensor& q, const at::Tensor& k, const at
                 " is outside the KV pool's ", S, " slots");
   write_kv(k, slots, k_cache);
   write_kv(v, slots, v_cache);
-  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sink_logits, softcap);
+  return attend(q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, ext_lens, scale, sink_logits, cap);
 }
 
 }  // namespace
