@@ -160,16 +160,10 @@ def test_sliding_window_prefix_reuse_equals_a_fresh_run(dense_model, default_tok
 def test_two_tensor_parallel_ranks_equal_one_process(dense_model):
     """--tp-size 2 on gloo: each rank holds half the heads (Phi-3: its slices of the split fused tensors) and
     half the MLP; the logits of a prefix extend, an extend and decode steps equal one process's."""
-    from runtime.model_executor.model_runner import ModelRunner
-    from tests.unit.test_tensor_parallel import POOL, TOL, _drive, _run_tp2
+    from tests.unit.test_tensor_parallel import assert_tp2_equals_one_process
 
     _, path, _ = dense_model
-    ref = _drive(ModelRunner(path, **POOL))
-    got, _ = _run_tp2(path)
-    assert len(got) == len(ref)
-    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+    assert_tp2_equals_one_process(path)
 
 
 @pytest.mark.slow  # whole models through the runner or scheduler (the full suite)

@@ -410,16 +410,10 @@ def test_two_tensor_parallel_ranks_equal_one_process(gpt_oss):
     """--tp-size 2 on gloo: each rank holds 2 of the 4 query heads (their sinks and biases), 1 of the 2 KV
     heads, half of every expert and half the vocabulary; the logits of a prefix extend, an extend and
     decode steps past the window equal one process's."""
-    from runtime.model_executor.model_runner import ModelRunner
-    from tests.unit.test_tensor_parallel import POOL, TOL, _drive, _run_tp2
+    from tests.unit.test_tensor_parallel import assert_tp2_equals_one_process
 
     path, _ = gpt_oss
-    ref = _drive(ModelRunner(path, **POOL))
-    got, kv_heads = _run_tp2(path)
-    assert kv_heads == 1 and len(got) == len(ref)
-    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+    assert assert_tp2_equals_one_process(path) == 1
 
 
 def test_refuses_quantization_and_lora(gpt_oss):

@@ -304,16 +304,10 @@ def test_glm4_moe_skips_its_next_token_prediction_layer(tmp_path, default_tokeni
 def test_two_tensor_parallel_ranks_equal_one_process(moe_model):
     """--tp-size 2 on gloo: each rank holds half of every expert's intermediate features (the router whole);
     the logits of a prefix extend, an extend and decode steps equal one process's."""
-    from runtime.model_executor.model_runner import ModelRunner
-    from tests.unit.test_tensor_parallel import POOL, TOL, _drive, _run_tp2
+    from tests.unit.test_tensor_parallel import assert_tp2_equals_one_process
 
     _, path, _ = moe_model
-    ref = _drive(ModelRunner(path, **POOL))
-    got, _ = _run_tp2(path)
-    assert len(got) == len(ref)
-    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+    assert_tp2_equals_one_process(path)
 
 
 def test_bfloat16_keeps_the_router_in_float32(moe_model):

@@ -152,17 +152,24 @@ def uneven_model_dir(tmp_path_factory, default_tokenizer) -> str:
     )
 
 
+def assert_tp2_equals_one_process(model_dir: str) -> int:
+    """Two gloo ranks' logits over `_drive`'s forwards equal one process's (within TOL, the same greedy token
+    in every row); returns rank 1's KV heads. The other architectures' tests call it on their models."""
+    ref = _drive(ModelRunner(model_dir, **POOL))
+    got, rank1_kv_heads = _run_tp2(model_dir)
+    assert len(got) == len(ref)
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert a.shape == b.shape, (step, a.shape, b.shape)
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+    return rank1_kv_heads
+
+
 @pytest.mark.parametrize("which", ["tiny", "uneven"])
 def test_two_gloo_ranks_equal_one_process(which, tiny_model_dir, uneven_model_dir):
     model_dir = tiny_model_dir if which == "tiny" else uneven_model_dir
     torch.manual_seed(0)
-    ref = _drive(ModelRunner(model_dir, **POOL))
-    got, rank1_kv_heads = _run_tp2(model_dir)
-    assert len(got) == len(ref)
-    for step, (a, b) in enumerate(zip(got, ref)):
-        assert a.shape == b.shape, (step, a.shape, b.shape)
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m, s=step: f"forward {s}: {m}")
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"forward {step}: greedy tokens differ"
+    rank1_kv_heads = assert_tp2_equals_one_process(model_dir)
     assert rank1_kv_heads == 1  # its own KV heads only: 2 // 2 (tiny), the third of 3 (uneven)
 
 
