@@ -94,6 +94,16 @@ class ReleaseSessionReq(Message):
     lora: str | None = None  # the adapter the session's requests ran under (its identity salts the key)
 
 
+class ToolCallsMade(Message):
+    """A finished request's answer called these tools (the front end parsed them from its text; the
+    scheduler sees only token ids). Automatic retention times the program's pin by the tools' own pauses
+    (`retention.py`). Sent before the answer goes to the client, so it reaches the scheduler before the
+    program's next call. No reply."""
+
+    rid: str  # the scheduler's rid of the finished request (one choice's)
+    names: list[str]
+
+
 # ---- Scheduler -> TokenizerManager (control replies) ------------------------------------------------------
 class FlushCacheResp(Message):
     success: bool
@@ -183,6 +193,7 @@ AnyMessage = Union[  # noqa: UP007 - msgspec needs a typing.Union of tagged stru
     GetServerInfoReq,
     DashboardStateReq,
     ReleaseSessionReq,
+    ToolCallsMade,
     LoadLoraReq,
     UnloadLoraReq,
     FlushCacheResp,

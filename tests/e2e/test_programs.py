@@ -2,7 +2,9 @@
 `--scheduling-policy fcfs`, which refuses a `priority`): a long agent
 program and many short ones share a server that runs one request at a time; the long program's next call
 arrives before the short programs' calls, yet every short one finishes before it completes. Its earlier calls
-were retained without the client asking, and nothing leaks."""
+were retained without the client asking, and nothing leaks. The tools an answer called reach automatic
+retention from every API (OpenAI chat, streamed or not; Anthropic Messages), which learns each tool's
+pause."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import threading
 import time
 import uuid
 
+import anthropic
+import openai
 import pytest
 import requests
 
@@ -165,3 +169,69 @@ def test_a_priority_is_refused_under_scheduling_policy_fcfs(url):
         ).status_code
         == 200
     )
+
+
+TOOLS = {
+    "search_web": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    "read_file": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+}
+
+
+def test_the_tools_an_answer_called_reach_automatic_retention_from_every_api(url):
+    """An agent whose answers are forced to call a named tool (alternating), answered after each tool's own
+    pause: every answer's tool names reach the scheduler (OpenAI chat, non-streamed and streamed, and
+    Anthropic Messages), and the next call's gap is learned as that tool's."""
+    pid = f"tools-{uuid.uuid4().hex[:8]}"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in TOOLS.items()]
+    messages = [{"role": "user", "content": "Find the capital of Norway and read notes.txt."}]
+    before = server_info(url)
+    for turn, name in enumerate(["search_web", "read_file", "search_web", "read_file"]):
+        kwargs = dict(
+            model="default",
+            messages=messages,
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": name}},
+            max_tokens=48,
+            temperature=0,
+            extra_headers={"X-Program-Id": pid},
+        )
+        if turn < 2:
+            call = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+            call_id, args = call.id, call.function.arguments
+            assert call.function.name == name
+        else:  # streamed: the call's name comes in its first delta
+            call_id, args, names = None, "", []
+            for chunk in client.chat.completions.create(**kwargs, stream=True):
+                for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                    call_id = call_id or tc.id
+                    names += [tc.function.name] if tc.function.name else []
+                    args += tc.function.arguments or ""
+            assert names == [name]
+        messages += [
+            {"role": "assistant", "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": "ok"},
+        ]  # fmt: skip
+        time.sleep(0.6 if name == "search_web" else 0.1)  # the tool runs
+    info = server_info(url)
+    assert info["retain_tool_timed"] - before["retain_tool_timed"] == 4, info
+    assert info["retain_tools_known"] >= 2, info  # each tool's pause was learned from the call after it
+
+    claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=HTTP_TIMEOUT_S)
+    kwargs = dict(
+        model="default",
+        max_tokens=48,
+        messages=[{"role": "user", "content": "Search for the capital of Norway."}],
+        tools=[{"name": n, "input_schema": p} for n, p in TOOLS.items()],
+        tool_choice={"type": "tool", "name": "search_web"},
+        extra_headers={"X-Program-Id": pid + "-messages"},
+    )
+    msg = claude.messages.create(**kwargs)
+    assert [b.name for b in msg.content if b.type == "tool_use"] == ["search_web"]
+    with claude.messages.stream(**kwargs) as stream:  # streamed (the Responses stream shares this path)
+        msg = stream.get_final_message()
+    assert [b.name for b in msg.content if b.type == "tool_use"] == ["search_web"]
+    info = wait_idle(url)
+    assert info["retain_tool_timed"] - before["retain_tool_timed"] == 6, info
+    assert_no_kv_leak(info)

@@ -133,6 +133,87 @@ def test_relieve_releases_the_automatic_pin_of_least_reuse_first_and_never_expli
     cm.check_accounting([])
 
 
+def _tool_history(table, ret, program: str, tools_and_gaps, now: float = 1000.0) -> float:
+    """A program whose answers called these tools, each followed by its gap: the tools' gap histories."""
+    for k, (tool, gap) in enumerate(tools_and_gaps):
+        r = _call(table, ret, [1, 2, 3], program, f"{program}-{k}", now)
+        table.finish(r, now)
+        ret.retain(r, [1, 2, 3], demand=0)  # (not cached: nothing is pinned)
+        assert ret.tool_calls(r.rid, [tool], demand=0) is not None
+        now += gap
+    return now
+
+
+def test_a_tool_call_times_the_pin_by_that_tools_own_pauses():
+    """A program that alternates a slow tool (8 s) and a fast one (1 s): its own gaps say 8 s after either,
+    but once the front end names the tool the answer called, the pin lasts for that tool's pause."""
+    cm, pins, table, ret = _setup(pool=64, host=64)
+    now = _tool_history(table, ret, "agent", [("search", 8.0), ("read", 1.0)] * 3)
+    assert ret.info()["retain_tools_known"] == 2 and ret.counts["retain_tool_timed"] == 6
+    key = list(range(100, 120))
+    cache_tokens(cm, key)
+    for tool, pause in (("read", 1.0), ("search", 8.0)):
+        r = _call(table, ret, key, "agent", f"last-{tool}", now)
+        prog = table.finish(r, now)
+        d = ret.retain(r, key, demand=0)
+        assert d.action == "device" and d.ttl_s == pytest.approx(TTL_MARGIN * 8.0)  # its own gaps
+        t = ret.tool_calls(r.rid, [tool], demand=0)
+        assert t.action == "device" and t.ttl_s == pytest.approx(TTL_MARGIN * pause)
+        pin = pins._pins[(None, None, ("program", "agent"))]
+        assert pin.expires_at - time.monotonic() == pytest.approx(TTL_MARGIN * pause, abs=0.5)
+        assert ret.ttl(prog) == pytest.approx(TTL_MARGIN * pause)
+        assert ret.tool_calls(r.rid, [tool], demand=0) is None  # decided once
+        now += pause
+    cm.check_accounting([])
+    # parallel calls: the slowest tool's pause decides; a tool never seen before adds nothing
+    r = _call(table, ret, key, "agent", "parallel", now)
+    table.finish(r, now)
+    ret.retain(r, key, demand=0)
+    assert ret.tool_calls(r.rid, ["read", "search", "new"], demand=0).ttl_s == pytest.approx(TTL_MARGIN * 8.0)
+
+
+def test_a_tool_slower_than_the_longest_ttl_is_not_pinned_and_stale_names_change_nothing():
+    cm, pins, table, ret = _setup(pool=64, host=64)
+    ret.max_ttl_s = 5.0
+    now = _tool_history(table, ret, "agent", [("build", 30.0), ("read", 1.0)] * 3)
+    key = list(range(100, 120))
+    cache_tokens(cm, key)
+    r = _call(table, ret, key, "agent", "last", now)
+    table.finish(r, now)
+    assert ret.retain(r, key, demand=0).action == "device"  # its own gaps: half of them are short
+    assert cm.cache.protected_size() == 20
+    d = ret.tool_calls(r.rid, ["build"], demand=0)  # a build outlasts any pin: reuse within it is 0
+    assert d.action == "lru" and d.reuse == 0.0 and cm.cache.protected_size() == 0 and not pins._pins
+    assert ret.counts["retain_device"] == 0 and ret.counts["retain_lru"] == 7
+    cm.check_accounting([])
+    # a name for a request whose program already moved on, or for a request never decided here: nothing
+    r2 = _call(table, ret, key, "agent", "next", now + 40.0)
+    assert ret.tool_calls("last", ["read"], demand=0) is None and ret.tool_calls("nobody", ["x"], 0) is None
+    table.finish(r2, now + 41.0)
+    assert ret.retain(r2, key, demand=0).action == "device"
+    assert ret.tool_calls("last", ["read"], demand=0) is None  # not the program's last finish
+
+
+def test_tool_histories_are_per_tenant_and_bounded(monkeypatch):
+    import runtime.managers.scheduler.retention as retention
+
+    cm, pins, table, ret = _setup()
+    now = _tool_history(table, ret, "agent", [("search", 8.0)] * 3)
+    r = make_req([1, 2, 3])
+    r.rid, r.options = "other", RequestOptions(program_id="agent", tenant="bob")  # another tenant's agent
+    ret.arrived(r, table.arrive(r, now))
+    table.finish(r, now)
+    ret.retain(r, [1, 2, 3], demand=0)
+    ret.tool_calls(r.rid, ["search"], demand=0)
+    assert table.get(("bob", None, ("program", "agent"))).tools == (("bob", "search"),)
+    assert ret.gaps(table.get(("bob", None, ("program", "agent")))) is ret.pooled  # not alice's search
+    monkeypatch.setattr(retention, "MAX_TOOLS", 3)
+    _tool_history(table, ret, "many", [(f"t{i}" + "x" * 500, 1.0) for i in range(6)], now=now)
+    assert len(ret.tool_gaps) == 3
+    assert all(len(name) == retention.MAX_TOOL_NAME_CHARS for _, name in ret.tool_gaps)
+    assert len(ret._finished) == 0 and ret.finished_tokens == 0  # each was taken by its tool call
+
+
 def test_prefetch_loads_a_programs_host_path_into_free_slots():
     cm, pins, table, ret = _setup(pool=64, host=64)
     key = list(range(100, 130))

@@ -190,6 +190,8 @@ class ChatFormatter(OpenAIFormatter):
         if ts is None:
             ts = self.tool_streams[index] = self.plan.stream()
         deltas = ts.feed(out["text"], bool(finish)) or ([{}] if finish else [])
+        if finish:
+            self.tm.tool_calls_made(out["meta_info"], [name for name, _ in ts.sent])
         events = []
         for k, d in enumerate(deltas):
             last = finish and k == len(deltas) - 1

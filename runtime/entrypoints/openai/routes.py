@@ -124,6 +124,7 @@ def register_openai_routes(app: FastAPI, tm: TokenizerManager, args: ServerArgs)
         for i, r in enumerate(results):
             split = reasoning.split(r["text"]) if reasoning else None
             message = plan.message(split.answer if split else r["text"])
+            tm.tool_calls_made(r["meta_info"], [c["function"]["name"] for c in message.get("tool_calls", [])])
             if split is not None and split.reasoning is not None:
                 message["reasoning_content"] = split.reasoning
             finish = tool_finish_reason(finish_reason(r), bool(message.get("tool_calls")))

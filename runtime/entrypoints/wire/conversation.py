@@ -146,9 +146,16 @@ class Prepared:
     reasoning: ReasoningParser | None
     tokenizer: Any = None
     cache_prefix_tokens: int = 0  # tokens of a `cache_control` breakpoint's prefix (0: none)
+    tm: TokenizerManager | None = None  # told the tools a finished answer called (`called`)
 
     def split(self, text: str, final: bool = True) -> Split:
         return self.reasoning.split(text, final) if self.reasoning else Split(None, text, "")
+
+    def called(self, meta: dict[str, Any], calls: list[ToolCall]) -> None:
+        """The answer (its meta_info `meta`) called `calls`: automatic retention learns which tools the
+        program waits on. Before the answer goes out."""
+        if self.tm is not None:
+            self.tm.tool_calls_made(meta, [c.name for c in calls])
 
     def reasoning_tokens(self, prefix: str | None) -> int:
         if not prefix or self.tokenizer is None:
@@ -254,7 +261,7 @@ async def prepare(
             options, session_id=session_id, cache_ttl_s=conv.cache_ttl_s, pin_prefix_len=prefix
         )
     req = GenerateReq(rid=uuid.uuid4().hex, input_ids=ids, params=params, stream=stream, options=options)
-    return Prepared(plan, req, len(ids), reasoning, tm.tokenizer, prefix)
+    return Prepared(plan, req, len(ids), reasoning, tm.tokenizer, prefix, tm)
 
 
 async def _cache_prefix_tokens(conv: Conversation, ids: list[int], tm: TokenizerManager, args) -> int:
@@ -295,6 +302,7 @@ def reply_of(prepared: Prepared, result: dict[str, Any]) -> Reply:
         ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
         for c in msg.get("tool_calls", [])
     ]
+    prepared.called(result["meta_info"], calls)
     finish, stop = _finish(result["meta_info"], bool(calls))
     usage = usage_numbers(result["meta_info"])
     prefix = split.prefix if split.reasoning is not None else None
@@ -390,6 +398,7 @@ class TurnStream:
                         events += self.on_call_arguments(k, fn["arguments"])
         if finished:
             calls = [ToolCall(*c) for c in self.calls]
+            self.prepared.called(meta, calls)
             finish, stop = _finish(meta, bool(calls))
             prefix = split.prefix if split.reasoning is not None else None
             usage, thoughts = usage_numbers(meta), self.prepared.reasoning_tokens(prefix)

@@ -162,6 +162,10 @@ class Program:
     followed: int = 0  # of those, the times another request of it arrived later
     touched: float = 0.0  # last arrival or finish (time.monotonic())
     new_gap: float | None = None  # the gap its latest arrival ended (None: it arrived while another ran)
+    last_rid: str | None = None  # the request whose finish last made it idle (None: never)
+    # the tools its last answer called, as (tenant, name) (`retention.Retention.tool_calls`); its next
+    # arrival's gap is each one's pause
+    tools: tuple[tuple, ...] = ()
 
 
 def level_of(service: int) -> int:
@@ -232,7 +236,7 @@ class ProgramTable:
         prog.live.discard(req.rid)
         prog.touched = now
         if not prog.live:
-            prog.last_finish = now
+            prog.last_finish, prog.last_rid = now, req.rid
             prog.finished += 1
             self.counts["program_idle"] += 1
         self._programs.move_to_end(key)

@@ -7,7 +7,12 @@ cost/benefit (arXiv 2511.02230):
 
 - **How long.** The program's own gaps between a request finishing and its next arriving (at least
   MIN_OWN_GAPS of them; else the gaps of all programs, the newest POOLED_GAPS; else FIRST_GAP_S): the TTL is
-  TTL_MARGIN x their GAP_QUANTILE quantile, within [MIN_TTL_S, --max-session-ttl-s].
+  TTL_MARGIN x their GAP_QUANTILE quantile, within [MIN_TTL_S, --max-session-ttl-s]. When the answer called
+  tools (the front end parses the calls and sends their names, `ToolCallsMade`, before the answer goes
+  out), the gaps that followed those tools' earlier calls, in any program of the tenant, are the basis
+  instead (the slowest tool's, once it has MIN_OWN_GAPS): a program waits on a web search longer than on
+  a file read, whatever it did last (Continuum's per-tool TTL). The decision is then taken again with
+  them: the pin's TTL changes, or its tier when p moved across rho.
 - **Whether it pays.** The expected reuse is p = P(the program sends another request) x P(it comes within the
   TTL), both counted online (the program's own finishes and follow-ups, with the pooled rate as a prior of
   weight PRIOR_WEIGHT). The memory pressure is rho = 0 while the waiting requests' tokens, the running
@@ -48,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.managers.scheduler.cache_manager import CacheManager
-from runtime.managers.scheduler.programs import Program, ProgramTable, program_key
+from runtime.managers.scheduler.programs import Program, ProgramKey, ProgramTable, program_key
 from runtime.managers.scheduler.req import Req
 from runtime.managers.scheduler.sessions import SessionPins
 
@@ -68,6 +73,10 @@ PREFETCH_TOKENS_PER_STEP = 4096
 PREFETCH_CHECKS_PER_STEP = 4  # expected programs looked at per step (round robin): each is a radix match
 MAX_EXPECTED = 256  # programs remembered for prefetch
 MAX_EXPECTED_TOKENS = 1 << 18  # their keys' tokens together
+TOOL_GAPS = 64  # gaps kept per tool (the newest)
+MAX_TOOLS = 1024  # tools remembered, per tenant and name (the least recently called go first)
+MAX_TOOL_NAME_CHARS = 128  # longer names are cut: they key a table, they are never shown
+MAX_TOOLS_PER_ANSWER = 16  # parallel calls of one answer counted (the slowest decides the wait)
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,16 @@ class Decision:
     ttl_s: float
     reuse: float  # p: the expected chance the program reuses the path within ttl_s
     pressure: float  # rho at the time
+
+
+@dataclass
+class _Finished:
+    """A retention decision the front end may still refine with the tools the answer called."""
+
+    program: ProgramKey
+    sid: tuple
+    key: list[int]
+    action: str
 
 
 def quantile(values, q: float) -> float:
@@ -100,12 +119,18 @@ class Retention:
         self._expected: OrderedDict[tuple, tuple[list[int], float]] = OrderedDict()
         self._disk_names: dict[tuple, list[str]] = {}  # an expected key's disk block names, hashed once
         self.expected_tokens = 0
+        # (tenant, tool name) -> the gaps that followed its calls, least recently called first
+        self.tool_gaps: OrderedDict[tuple, deque[float]] = OrderedDict()
+        # rid of a finished request -> its decision, until its program's next arrival (bounded as _expected)
+        self._finished: OrderedDict[str, _Finished] = OrderedDict()
+        self.finished_tokens = 0
         self.counts = dict(
             retain_device=0,
             retain_host=0,
             retain_disk=0,
             retain_lru=0,
             retain_relieved=0,
+            retain_tool_timed=0,
             prefetched_tokens=0,
             prefetches=0,
         )
@@ -118,10 +143,26 @@ class Retention:
             return
         if prog.new_gap is not None:
             self.pooled.append(prog.new_gap)
+            for tool in prog.tools:  # the tools the last answer called: this gap was their pause
+                gaps = self.tool_gaps.pop(tool, None) or deque(maxlen=TOOL_GAPS)
+                gaps.append(prog.new_gap)
+                self.tool_gaps[tool] = gaps  # most recently called last
+            while len(self.tool_gaps) > MAX_TOOLS:
+                self.tool_gaps.popitem(last=False)
+        prog.tools = ()
+        self._forget_finished(prog.last_rid)
         self._forget_expected(pin_sid(req))
 
+    def gaps(self, prog: Program):
+        """The gaps the program's TTL is learned from: those of the tools its last answer called (the slowest
+        tool's, of those with MIN_OWN_GAPS), else its own, else the pooled ones."""
+        known = [g for g in map(self.tool_gaps.get, prog.tools) if g is not None and len(g) >= MIN_OWN_GAPS]
+        if known:
+            return max(known, key=lambda g: quantile(g, GAP_QUANTILE))
+        return prog.gaps if len(prog.gaps) >= MIN_OWN_GAPS else self.pooled
+
     def ttl(self, prog: Program) -> float:
-        gaps = prog.gaps if len(prog.gaps) >= MIN_OWN_GAPS else self.pooled
+        gaps = self.gaps(prog)
         basis = quantile(gaps, GAP_QUANTILE) if gaps else FIRST_GAP_S
         return min(self.max_ttl_s, max(MIN_TTL_S, TTL_MARGIN * basis))
 
@@ -130,7 +171,7 @@ class Retention:
         pooled_rate = (counts["program_gaps"] + 1) / (counts["program_idle"] + 2)
         # prog.finished counts the finish being decided: it has not been followed yet, and may never be
         rate = (prog.followed + PRIOR_WEIGHT * pooled_rate) / (prog.finished + PRIOR_WEIGHT)
-        gaps = prog.gaps if len(prog.gaps) >= MIN_OWN_GAPS else self.pooled
+        gaps = self.gaps(prog)
         within = sum(g <= ttl for g in gaps) / len(gaps) if gaps else GAP_QUANTILE
         return rate * within
 
@@ -155,11 +196,43 @@ class Retention:
     def retain(self, req: Req, key: list[int], demand: int) -> Decision | None:
         """`req` (of a program, no explicit TTL) finished and its tokens `key` are cached: pin them on the
         device, in the host tier, or leave them to LRU (the module docstring). None: not a program's."""
-        prog = self.programs.get(program_key(req))
+        pkey = program_key(req)
+        prog = self.programs.get(pkey)
         if prog is None or prog.live:  # a fork still runs: the program is not idle, nothing to decide yet
             return None
         sid = pin_sid(req)
-        d = self.decide(prog, len(key), demand, self.cm.available())
+        d = self._act(sid, key, self.decide(prog, len(key), demand, self.cm.available()))
+        self.counts[f"retain_{d.action}"] += 1
+        self._remember_finished(req.rid, _Finished(pkey, sid, key, d.action))
+        return d
+
+    def tool_calls(self, rid: str, names: list[str], demand: int) -> Decision | None:
+        """The answer of finished request `rid` called tools `names`: its program now waits on them, so
+        its retention is decided again with their gaps (`gaps`). None when that program has moved on (its
+        next request came) or `rid`'s finish was not decided here."""
+        done = self._forget_finished(rid)
+        if done is None:
+            return None
+        prog = self.programs.get(done.program)
+        if prog is None or prog.live or prog.last_rid != rid:
+            return None
+        tenant, names = done.program[0], names[:MAX_TOOLS_PER_ANSWER]
+        prog.tools = tuple(dict.fromkeys((tenant, n[:MAX_TOOL_NAME_CHARS]) for n in names))
+        d = self.decide(prog, len(done.key), demand, self.cm.available())
+        if d.action == done.action and d.action in ("device", "host"):  # the same tier: only the TTL moves
+            self.pins.retime(done.sid, d.ttl_s)
+            if done.sid in self._expected:
+                self._expect(done.sid, done.key, time.monotonic() + d.ttl_s)
+        else:
+            d = self._act(done.sid, done.key, d)
+            self.counts[f"retain_{done.action}"] -= 1
+            self.counts[f"retain_{d.action}"] += 1
+        self.counts["retain_tool_timed"] += 1
+        return d
+
+    def _act(self, sid: tuple, key: list[int], d: Decision) -> Decision:
+        """Carry out decision `d` for pin `sid` over path `key` (its previous pin, if any, is replaced);
+        returns it with the action taken (a pin that could not be taken is "lru")."""
         self.pins.release(sid, reason=None)
         self._auto.pop(sid, None)
         action = d.action
@@ -172,8 +245,21 @@ class Retention:
         tiers = self.cm.host is not None or self.cm.disk is not None
         if d.reuse >= MIN_REUSE and tiers:  # (a device pin may be relieved and evicted)
             self._expect(sid, key, time.monotonic() + d.ttl_s)
-        self.counts[f"retain_{action}"] += 1
+        else:
+            self._forget_expected(sid)
         return Decision(action, d.ttl_s, d.reuse, d.pressure)
+
+    def _remember_finished(self, rid: str, done: _Finished) -> None:
+        self._finished[rid] = done
+        self.finished_tokens += len(done.key)
+        while len(self._finished) > MAX_EXPECTED or self.finished_tokens > MAX_EXPECTED_TOKENS:
+            self._forget_finished(next(iter(self._finished)))
+
+    def _forget_finished(self, rid: str | None) -> _Finished | None:
+        done = self._finished.pop(rid, None) if rid is not None else None
+        if done is not None:
+            self.finished_tokens -= len(done.key)
+        return done
 
     def device_limit(self) -> int:
         """The device pins' tokens an automatic pin may bring them to: (1 - HEADROOM) of the pool, or
@@ -251,6 +337,7 @@ class Retention:
             "retain_auto_pins": len(self._auto),
             "retain_expected_programs": len(self._expected),
             "retain_pooled_gaps": len(self.pooled),
+            "retain_tools_known": len(self.tool_gaps),
         }
 
 

@@ -62,6 +62,7 @@ from runtime.messages import (
     ReleaseSessionResp,
     ReqOutput,
     ServerInfoResp,
+    ToolCallsMade,
     UnloadLoraReq,
 )
 from runtime.model_executor.model_runner import ModelRunner
@@ -183,6 +184,9 @@ class Scheduler:
             return ReleaseSessionResp(
                 released_tokens=self.sessions.release((msg.tenant, salt, msg.session_id))
             )
+        elif isinstance(msg, ToolCallsMade):
+            if self.retention is not None:
+                self.retention.tool_calls(msg.rid, msg.names, self._kv_demand())
         elif isinstance(msg, (LoadLoraReq, UnloadLoraReq)):
             return lora_control(self.lora, msg)
         else:

@@ -168,6 +168,15 @@ class SessionPins:
         self._release(sid, reason=None)
         return False
 
+    def retime(self, sid: SessionKey, ttl_s: float, now: float | None = None) -> bool:
+        """Let the pin of `sid` (device or host) end `ttl_s` from now instead; False when it has none."""
+        pin = self._pins.get(sid)
+        if pin is None:
+            return False
+        pin.expires_at = (time.monotonic() if now is None else now) + ttl_s
+        self._next_expiry = min(self._next_expiry, pin.expires_at)
+        return True
+
     def release(self, sid: SessionKey, reason: str | None = "deleted") -> int:
         """Unlock the pin of session `sid`; returns the tokens it pinned (0: it had none). `reason` names
         the counter to bump (None: replaced by the session's own newer pin)."""

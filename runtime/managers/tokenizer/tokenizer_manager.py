@@ -40,6 +40,7 @@ from runtime.messages import (
     ReleaseSessionResp,
     ReqTextOutput,
     ServerInfoResp,
+    ToolCallsMade,
     UnloadLoraReq,
     decode,
 )
@@ -527,6 +528,13 @@ class TokenizerManager:
         if rid and not abort_all:
             for st in [s for s in self.states.values() if s.client_rid == rid]:
                 ipc.send(self._send_sock, AbortReq(rid=st.rid))
+
+    def tool_calls_made(self, meta: dict[str, Any], names: list[str]) -> None:
+        """A front end parsed tool calls `names` from the finished answer whose meta_info is `meta`: tell the
+        scheduler's automatic retention which tools the program now waits on (nothing without
+        `--kv-retention auto`, or without calls). Call it before the answer is sent."""
+        if names and self.args.kv_retention == "auto" and meta.get("id"):
+            ipc.send(self._send_sock, ToolCallsMade(rid=meta["id"], names=list(names)))
 
     # ---- control ---------------------------------------------------------------------------------------
     async def _control(self, msg, resp_type: type, timeout: float = 30.0):
