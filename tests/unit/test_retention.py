@@ -82,14 +82,41 @@ def test_pins_on_the_device_when_reuse_pays_and_memory_is_free():
     assert d.action == "device" and d.pressure == 0.0 and d.reuse > MIN_REUSE
 
 
-def test_demotes_to_the_host_under_pressure_and_leaves_it_to_lru_without_a_host():
+def test_demotes_to_the_host_under_pressure_and_pins_on_the_device_without_a_lower_tier():
     cm, pins, table, ret = _setup()
     prog = _returning_program(table, ret)
     d = ret.decide(prog, tokens=10, demand=60, available=64)  # waiting requests want the whole pool
     assert d.pressure == 1.0 and d.action == "host"
+    # no tier to demote to: pinned on the device, held against the waiting requests only as `relieve` allows
     cm2, pins2, table2, ret2 = _setup(with_host=False)
     prog2 = _returning_program(table2, ret2)
+    assert ret2.decide(prog2, tokens=10, demand=60, available=64).action == "device"
+    prog2.followed = 0  # a program that never came back: not pinned at all
+    prog2.finished = 50
     assert ret2.decide(prog2, tokens=10, demand=60, available=64).action == "lru"
+
+
+def test_a_pin_holds_against_waiting_requests_until_the_wait_is_worth_its_prefill():
+    """Ski rental: a waiting request that cannot be admitted waits while an automatic pin is expected to save
+    more prefill than it has waited (p x tokens / the measured prefill rate); then the pin is released."""
+    cm, pins, table, ret = _setup(pool=64, host=64)
+    key = list(range(100, 120))
+    cache_tokens(cm, key)
+    cm.host = pins.host = cm.cache.on_evict = None  # no lower tier from here on
+    _returning_program(table, ret)
+    r = _call(table, ret, key, "agent", "last", 2000.0)
+    table.finish(r, 2000.5)
+    d = ret.retain(r, key, demand=60)
+    assert d.action == "device" and d.pressure == 1.0
+    ret.observe_prefill(10, 0.001)  # too short a batch to time: not counted
+    assert ret.prefill_rate is None
+    ret.observe_prefill(200, 20.0)  # 10 tokens/s
+    worth = ret.worth_s(pin_key := (None, None, ("program", "agent")))
+    assert worth == pytest.approx(d.reuse * 20 / 10.0)
+    assert not ret.relieve(blocked_s=0.5 * worth) and ret.holding() and pin_key in pins._pins
+    assert ret.relieve(blocked_s=worth) and not ret.holding() and pin_key not in pins._pins
+    assert cm.cache.protected_size() == 0 and ret.counts["retain_relieved"] == 1
+    cm.check_accounting([])
 
 
 def test_retain_pins_demotes_or_leaves_the_path_and_keeps_the_accounting():

@@ -23,16 +23,21 @@ cost/benefit (arXiv 2511.02230):
   p >= MIN_REUSE: pin in the host tier (copied there, its device copy left to LRU), and `prefetch` loads it
   back when the pool has room. Else, with only a disk tier (`--kv-disk-dir`) and p >= MIN_REUSE: demoted
   to the disk (its full blocks were offered to the disk as the request left, like every cached prefix; the
-  device copy is left to LRU), and `prefetch` reads it back. Else nothing: the path is an ordinary LRU entry
-  (which eviction still copies to the host tier).
+  device copy is left to LRU), and `prefetch` reads it back. Else, with no lower tier and p >= MIN_REUSE:
+  pinned on the device all the same, held against waiting requests only as long as `relieve` allows. Else
+  nothing: the path is an ordinary LRU entry (which eviction still copies to the host tier).
 
-Never worse than LRU under pressure: automatic pins may hold up to (1 - HEADROOM) of the pool (or
---max-pinned-tokens where that is larger: the explicit pins' cap, sized for pins that never give way, would
-refuse most agent histories); while a waiting request cannot be admitted the scheduler calls `relieve`,
-which releases the automatic device pin of least expected reuse (the oldest among equals), one per step,
-and a decode step short of slots releases pins before it retracts anything, so memory goes back to LRU
-order before any request waits for it. Programs that never return (a flood of one-shot programs) drive p
-toward 0 and stop being pinned.
+Under pressure: automatic pins may hold up to (1 - HEADROOM) of the pool (or --max-pinned-tokens where that
+is larger: the explicit pins' cap, sized for pins that never give way, would refuse most agent histories).
+While no waiting request can be admitted the scheduler calls `relieve`, which releases the automatic device
+pin of least expected reuse (the oldest among equals) once the requests have waited as long as the prefill
+that pin is expected to save (p x its tokens / the measured prefill rate: a ski-rental rule, at most twice
+the cost of the better choice in hindsight); until then the pins hold and the server waits for their
+programs. LRU would release at once, and with programs whose histories together outgrow the pool that
+thrashes: each call evicts the history the next call of another program needs (bench.agent_replay with six
+20-turn programs in a pool a third of their histories: 109k prefill tokens recomputed under LRU). A decode
+step short of slots releases pins before it retracts anything. Programs that never return (a flood of
+one-shot programs) drive p toward 0 and stop being pinned.
 
 Prefetch (KVFlow, arXiv 2507.07400): a program whose reuse is expected (p >= MIN_REUSE) is remembered until
 its next request arrives or its TTL passes. When no request waits (the program's tool runs), `prefetch` looks
@@ -46,6 +51,7 @@ on the device.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -73,6 +79,8 @@ PREFETCH_TOKENS_PER_STEP = 4096
 PREFETCH_CHECKS_PER_STEP = 4  # expected programs looked at per step (round robin): each is a radix match
 MAX_EXPECTED = 256  # programs remembered for prefetch
 MAX_EXPECTED_TOKENS = 1 << 18  # their keys' tokens together
+FIRST_PREFILL_RATE = 1000.0  # tokens/s a pin's worth is counted in before an extend batch was timed
+MIN_RATE_TOKENS = 64  # extend batches shorter than this are not timed (fixed costs dominate them)
 TOOL_GAPS = 64  # gaps kept per tool (the newest)
 MAX_TOOLS = 1024  # tools remembered, per tenant and name (the least recently called go first)
 MAX_TOOL_NAME_CHARS = 128  # longer names are cut: they key a table, they are never shown
@@ -124,6 +132,7 @@ class Retention:
         # rid of a finished request -> its decision, until its program's next arrival (bounded as _expected)
         self._finished: OrderedDict[str, _Finished] = OrderedDict()
         self.finished_tokens = 0
+        self.prefill_rate: float | None = None  # tokens/s of extend batches (`observe_prefill`), smoothed
         self.counts = dict(
             retain_device=0,
             retain_host=0,
@@ -188,6 +197,8 @@ class Retention:
             action = "host"
         elif p >= MIN_REUSE and self.cm.disk is not None:
             action = "disk"
+        elif p >= MIN_REUSE:  # no lower tier: pinned all the same, held only as long as `relieve` allows
+            action = "device"
         else:
             action = "lru"
         return Decision(action, ttl, p, rho)
@@ -269,18 +280,44 @@ class Retention:
         cap = self.pins.max_pinned_tokens
         return 0 if cap == 0 else max(cap, int((1 - HEADROOM) * self.cm.allocator.size))
 
-    def relieve(self) -> bool:
-        """A waiting request could not be admitted: release the automatic device pin of least expected reuse,
-        the oldest among equals (it becomes an ordinary LRU entry). False when there is none."""
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """An extend batch computed `tokens` in `seconds`: the prefill rate a pin's worth is counted in."""
+        if tokens >= MIN_RATE_TOKENS and seconds > 0:
+            rate = tokens / seconds
+            self.prefill_rate = rate if self.prefill_rate is None else 0.8 * self.prefill_rate + 0.2 * rate
+
+    def worth_s(self, sid: tuple) -> float:
+        """Seconds of prefill an automatic pin is expected to save: p x its tokens / the prefill rate."""
+        pin = self.pins._pins.get(sid)
+        if pin is None or pin.on_host:
+            return 0.0
+        return self._auto.get(sid, 0.0) * pin.tokens / (self.prefill_rate or FIRST_PREFILL_RATE)
+
+    def relieve(self, blocked_s: float = math.inf) -> bool:
+        """No waiting request could be admitted for `blocked_s` seconds: release the automatic device pin of
+        least expected reuse (the oldest among equals; it becomes an ordinary LRU entry) once that wait is
+        as long as the prefill the pin is expected to save (`worth_s`). Until then the pin holds and the
+        waiting requests wait: releasing it only moves the recompute to its program's next call, and under
+        a KV pool smaller than the programs' histories that is thrashing (each call recomputing what the one
+        before evicted). Paying the wait up to the pin's worth, then releasing (a ski-rental rule), costs at
+        most twice the better choice in hindsight. False when nothing was released."""
         while self._auto:
             sid = min(self._auto, key=self._auto.__getitem__)  # min keeps the first (oldest) of equals
-            del self._auto[sid]
             pin = self.pins._pins.get(sid)
-            if pin is not None and not pin.on_host:
-                self.pins.release(sid, reason="evicted_for_memory")
-                self.counts["retain_relieved"] += 1
-                return True
+            if pin is None or pin.on_host:
+                del self._auto[sid]
+                continue
+            if blocked_s < self.worth_s(sid):
+                return False
+            del self._auto[sid]
+            self.pins.release(sid, reason="evicted_for_memory")
+            self.counts["retain_relieved"] += 1
+            return True
         return False
+
+    def holding(self) -> bool:
+        """Whether an automatic device pin is held against waiting requests (`relieve` declined)."""
+        return any(sid in self.pins._pins and not self.pins._pins[sid].on_host for sid in self._auto)
 
     # ---- prefetch ------------------------------------------------------------------------------------------
     def _expect(self, sid: tuple, key: list[int], until: float) -> None:

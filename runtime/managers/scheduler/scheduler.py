@@ -119,6 +119,8 @@ class Scheduler:
             if args.kv_retention == "auto"
             else None
         )
+        self._blocked_since: float | None = None  # since when no waiting request could be admitted
+        self._holding = False  # nothing runs and the waiting requests wait for automatic pins (`can_run`)
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
         torch.manual_seed(args.random_seed)
@@ -284,8 +286,11 @@ class Scheduler:
         return bool(queued or self.outputs.pending())  # outputs: e.g. a request rejected while idle
 
     def can_run(self) -> bool:
-        """Work that needs a forward pass (not just grammars compiling in the background)."""
-        return bool(self.waiting or self.reextend or self.running)
+        """Work that needs a forward pass (not just grammars compiling in the background, nor only requests
+        waiting while automatic pins hold the memory: the loop then polls, not spins)."""
+        if self.reextend or self.running:
+            return True
+        return bool(self.waiting) and not self._holding
 
     def step(self) -> list[ReqOutput]:
         """Run at most one forward pass; return the outputs to send.
@@ -429,8 +434,20 @@ class Scheduler:
                 # Cut by chunked prefill (at most one: the adder stops after cutting). It holds KV, so it goes
                 # first next step; a request that is not admitted simply stays in `reextend`.
                 self.reextend.insert(0, req)
-        if not admitted and self.waiting and self.retention is not None and self.retention.relieve():
+        now = time.monotonic()
+        self._holding = False
+        if admitted or not self.waiting:
+            self._blocked_since = None
+        elif self._blocked_since is None:
+            self._blocked_since = now
+        blocked = 0.0 if self._blocked_since is None else now - self._blocked_since
+        if not admitted and self.waiting and self.retention is not None and self.retention.relieve(blocked):
             pass  # an automatic pin went back to LRU order first: the next step tries again
+        elif not admitted and self.waiting and self.retention is not None and self.retention.holding():
+            # automatic pins are worth more prefill than the wait so far: they hold (`relieve`)
+            self._holding = not self.running
+            if self.running:
+                self._preempt_for_priority()
         elif not admitted and not self.running and self.waiting:
             # Nothing runs and nothing fits: pinned sessions must not stall the server. Unpin the oldest
             # (its tokens become evictable); the next step tries again.
@@ -496,6 +513,7 @@ class Scheduler:
             return None
 
     def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:
+        t0 = time.perf_counter()
         ran = self._forward(
             [r for r, _ in admitted],
             lambda: build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device),
@@ -503,6 +521,8 @@ class Scheduler:
         )
         if ran is None:
             return
+        if self.retention is not None:
+            self.retention.observe_prefill(sum(take for _, take in admitted), time.perf_counter() - t0)
         built, logits = ran
         self.stats["extend_steps"] += 1
 
