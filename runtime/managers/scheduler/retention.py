@@ -286,10 +286,15 @@ class Retention:
             rate = tokens / seconds
             self.prefill_rate = rate if self.prefill_rate is None else 0.8 * self.prefill_rate + 0.2 * rate
 
+    def _device_pin(self, sid: tuple):
+        """Pin `sid` while it holds device memory (None: released, expired, or moved to the host tier)."""
+        pin = self.pins._pins.get(sid)
+        return pin if pin is not None and not pin.on_host else None
+
     def worth_s(self, sid: tuple) -> float:
         """Seconds of prefill an automatic pin is expected to save: p x its tokens / the prefill rate."""
-        pin = self.pins._pins.get(sid)
-        if pin is None or pin.on_host:
+        pin = self._device_pin(sid)
+        if pin is None:
             return 0.0
         return self._auto.get(sid, 0.0) * pin.tokens / (self.prefill_rate or FIRST_PREFILL_RATE)
 
@@ -303,8 +308,7 @@ class Retention:
         most twice the better choice in hindsight. False when nothing was released."""
         while self._auto:
             sid = min(self._auto, key=self._auto.__getitem__)  # min keeps the first (oldest) of equals
-            pin = self.pins._pins.get(sid)
-            if pin is None or pin.on_host:
+            if self._device_pin(sid) is None:
                 del self._auto[sid]
                 continue
             if blocked_s < self.worth_s(sid):
@@ -317,7 +321,7 @@ class Retention:
 
     def holding(self) -> bool:
         """Whether an automatic device pin is held against waiting requests (`relieve` declined)."""
-        return any(sid in self.pins._pins and not self.pins._pins[sid].on_host for sid in self._auto)
+        return any(self._device_pin(sid) is not None for sid in self._auto)
 
     # ---- prefetch ------------------------------------------------------------------------------------------
     def _expect(self, sid: tuple, key: list[int], until: float) -> None:
