@@ -113,8 +113,8 @@ def test_a_pin_holds_against_waiting_requests_until_the_wait_is_worth_its_prefil
     ret.observe_prefill(200, 20.0)  # 10 tokens/s
     worth = ret.worth_s(pin_key := (None, None, ("program", "agent")))
     assert worth == pytest.approx(d.reuse * 20 / 10.0)
-    assert not ret.relieve(blocked_s=0.5 * worth) and ret.holding() and pin_key in pins._pins
-    assert ret.relieve(blocked_s=worth) and not ret.holding() and pin_key not in pins._pins
+    assert not ret.relieve(waited_s=0.5 * worth) and ret.holding() and pin_key in pins._pins
+    assert ret.relieve(waited_s=worth) and not ret.holding() and pin_key not in pins._pins
     assert cm.cache.protected_size() == 0 and ret.counts["retain_relieved"] == 1
     cm.check_accounting([])
 
@@ -365,6 +365,23 @@ def test_a_client_naming_no_program_keeps_its_history_where_lru_loses_it(tiny_mo
             # the agent's calls joined one program, and the one-shot's pin went first
             assert info["lineage_continued"] == 3 and info["retain_relieved"] == 1, info
     assert found["ttl"] < 60 <= found["auto"], found
+
+
+def test_a_hold_is_charged_every_waiting_requests_wait(tiny_model_dir, default_tokenizer):
+    """What holding an automatic pin costs is the delay of every request it keeps waiting: four waiting
+    requests run up the wait `relieve` weighs four times as fast as one, and an admission starts it again."""
+    s = make_scheduler(tiny_model_dir, default_tokenizer, kv_retention="auto", max_total_tokens=256)
+    waiting = [make_req(list(range(10, 40))) for _ in range(4)]
+    s.waiting.extend(waiting)
+    try:
+        assert s._count_blocked_wait(False, now=100.0) == 0.0  # the block starts
+        assert s._count_blocked_wait(False, now=100.5) == pytest.approx(2.0)  # 4 requests x 0.5 s
+        s.waiting.remove(waiting[0])
+        assert s._count_blocked_wait(False, now=101.5) == pytest.approx(5.0)  # + 3 x 1 s
+        assert s._count_blocked_wait(True, now=102.0) == 0.0  # one was admitted: the block ended
+        assert s._count_blocked_wait(False, now=103.0) == 0.0
+    finally:
+        s.waiting.clear()
 
 
 def test_automatic_pins_have_their_own_cap_and_zero_disables_them(tiny_model_dir, default_tokenizer):

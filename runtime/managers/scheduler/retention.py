@@ -30,10 +30,11 @@ cost/benefit (arXiv 2511.02230):
 Under pressure: automatic pins may hold up to (1 - HEADROOM) of the pool (or --max-pinned-tokens where that
 is larger: the explicit pins' cap, sized for pins that never give way, would refuse most agent histories).
 While no waiting request can be admitted the scheduler calls `relieve`, which releases the automatic device
-pin of least expected reuse (the oldest among equals) once the requests have waited as long as the prefill
-that pin is expected to save (p x its tokens / the measured prefill rate: a ski-rental rule, at most twice
-the cost of the better choice in hindsight); until then the pins hold and the server waits for their
-programs. LRU would release at once, and with programs whose histories together outgrow the pool that
+pin of least expected reuse (the oldest among equals) once the waiting requests' waits, added up, are as
+long as the prefill that pin is expected to save (p x its tokens / the measured prefill rate: a ski-rental
+rule, at most twice the cost of the better choice in hindsight); until then the pins hold and the server
+waits for their programs. Each waiting request's wait counts: four requests queued behind a pin pay its
+rent four times as fast as one. LRU would release at once, and with programs whose histories together outgrow the pool that
 thrashes: each call evicts the history the next call of another program needs (bench.agent_replay with six
 20-turn programs in a pool a third of their histories: 109k prefill tokens recomputed under LRU). A decode
 step short of slots releases pins before it retracts anything. Programs that never return (a flood of
@@ -298,20 +299,21 @@ class Retention:
             return 0.0
         return self._auto.get(sid, 0.0) * pin.tokens / (self.prefill_rate or FIRST_PREFILL_RATE)
 
-    def relieve(self, blocked_s: float = math.inf) -> bool:
-        """No waiting request could be admitted for `blocked_s` seconds: release the automatic device pin of
-        least expected reuse (the oldest among equals; it becomes an ordinary LRU entry) once that wait is
-        as long as the prefill the pin is expected to save (`worth_s`). Until then the pin holds and the
-        waiting requests wait: releasing it only moves the recompute to its program's next call, and under
-        a KV pool smaller than the programs' histories that is thrashing (each call recomputing what the one
-        before evicted). Paying the wait up to the pin's worth, then releasing (a ski-rental rule), costs at
+    def relieve(self, waited_s: float = math.inf) -> bool:
+        """No waiting request could be admitted, and together they have waited `waited_s` seconds (the sum
+        of their waits since): release the automatic device pin of least expected reuse (the oldest among
+        equals; it becomes an ordinary LRU entry) once that is as long as the prefill the pin is expected to
+        save (`worth_s`). Until then the pin holds and the waiting requests wait: releasing it only moves the
+        recompute to its program's next call, and under a KV pool smaller than the programs' histories that
+        is thrashing (each call recomputing what the one before evicted). Paying the waits up to the pin's
+        worth, then releasing (a ski-rental rule, the rent being every waiting request's delay), costs at
         most twice the better choice in hindsight. False when nothing was released."""
         while self._auto:
             sid = min(self._auto, key=self._auto.__getitem__)  # min keeps the first (oldest) of equals
             if self._device_pin(sid) is None:
                 del self._auto[sid]
                 continue
-            if blocked_s < self.worth_s(sid):
+            if waited_s < self.worth_s(sid):
                 return False
             del self._auto[sid]
             self.pins.release(sid, reason="evicted_for_memory")

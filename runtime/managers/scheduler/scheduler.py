@@ -119,7 +119,10 @@ class Scheduler:
             if args.kv_retention == "auto"
             else None
         )
-        self._blocked_since: float | None = None  # since when no waiting request could be admitted
+        # while no waiting request can be admitted: the seconds they have waited together (each one's wait
+        # counts: what holding automatic pins costs), and when that was last counted
+        self._blocked_wait_s = 0.0
+        self._blocked_at: float | None = None
         self._holding = False  # nothing runs and the waiting requests wait for automatic pins (`can_run`)
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
@@ -434,13 +437,8 @@ class Scheduler:
                 # Cut by chunked prefill (at most one: the adder stops after cutting). It holds KV, so it goes
                 # first next step; a request that is not admitted simply stays in `reextend`.
                 self.reextend.insert(0, req)
-        now = time.monotonic()
         self._holding = False
-        if admitted or not self.waiting:
-            self._blocked_since = None
-        elif self._blocked_since is None:
-            self._blocked_since = now
-        blocked = 0.0 if self._blocked_since is None else now - self._blocked_since
+        blocked = self._count_blocked_wait(bool(admitted))
         if not admitted and self.waiting and self.retention is not None and self.retention.relieve(blocked):
             pass  # an automatic pin went back to LRU order first: the next step tries again
         elif not admitted and self.waiting and self.retention is not None and self.retention.holding():
@@ -455,6 +453,18 @@ class Scheduler:
         elif not admitted and self.waiting:
             self._preempt_for_priority()
         return admitted
+
+    def _count_blocked_wait(self, admitted: bool, now: float | None = None) -> float:
+        """The request-seconds the waiting requests have waited together since none could last be admitted
+        (0 once one is, or none waits): each step adds the time since the last one x the requests waiting."""
+        now = time.monotonic() if now is None else now
+        if admitted or not self.waiting:
+            self._blocked_wait_s, self._blocked_at = 0.0, None
+            return 0.0
+        if self._blocked_at is not None:
+            self._blocked_wait_s += (now - self._blocked_at) * len(self.waiting)
+        self._blocked_at = now
+        return self._blocked_wait_s
 
     def _preempt_for_priority(self) -> None:
         """Nothing waiting could start (no request row or no KV): when a waiting request outranks a running
