@@ -21,7 +21,8 @@ reaches.
 Sides (`--sides`): `fcfs`, `lpm`, `program` (`--schedule-policy`), and `program+auto` / `lpm+auto` (that
 policy with `--kv-retention auto`). Per side: job completion time (a program's first call sent to its last
 call answered, tool pauses included) p50 / p90 / p99, for all programs and for short and long ones apart;
-programs per minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all and
+server time p50 (job time less the program's own tool pauses: the part a scheduler can shorten); programs per
+minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all and
 recomputed (the tokens of a prompt the server had computed before for that program's history, less what it
 found cached: lost to eviction), as in bench.agent_swarm.
 
@@ -121,6 +122,15 @@ def make_trace(args) -> dict[str, Any]:
         )
         start += rng.expovariate(1.0 / args.arrival_gap_s) if args.arrival_gap_s > 0 else 0.0
     return {"catalogue": catalogue, "programs": programs}
+
+
+def tool_time(prog: dict[str, Any]) -> float:
+    """Seconds a program spends in its own tool pauses (a fork: its slower sub-agent's): the part of its job
+    time no server can shorten. Job time less this is what the server (compute and queueing) adds."""
+    total = sum(c["pause"] for c in prog["calls"][:-1])
+    for c in prog["calls"]:
+        total += max((sub["pause"] * (sub["calls"] - 1) for sub in c["fork"] or ()), default=0.0)
+    return total
 
 
 def working_set(trace: dict[str, Any], args) -> int:
@@ -390,6 +400,7 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
     finally:
         server.stop()
     jct = [r.end - r.start for r in runs]
+    served = [j - tool_time(p) for j, p in zip(jct, trace["programs"])]
     longs = [j for j, p in zip(jct, trace["programs"]) if p["long"]]
     shorts = [j for j, p in zip(jct, trace["programs"]) if not p["long"]]
     lat = [x for r in runs for x in r.latencies]
@@ -405,6 +416,7 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
         "jct_short_s": common.summarize(shorts),
         "jct_long_s": common.summarize(longs),
         "jct_by_program_s": [round(j, 3) for j in jct],
+        "server_time_s": common.summarize(served),
         "programs_per_min": 60.0 * len(runs) / wall if wall > 0 else math.nan,
         "wall_s": wall,
         "call_latency_s": common.summarize(lat),
@@ -436,7 +448,7 @@ def _pair(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
     p = common.base_parser(__doc__.split("\n")[0])
     p.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     p.add_argument("--programs", type=int, default=16)
@@ -480,17 +492,24 @@ def main(argv: list[str] | None = None) -> int:
         "--scale-down",
         action="store_true",
         help="fit a shared 2-core machine: 8 programs (a quarter long, of 6-10 calls), a 200-token "
-        "catalogue, 100-token tasks, 40-token tool results, 8 new tokens, pauses x0.3",
+        "catalogue, 100-token tasks, 40-token tool results, 8 new tokens, pauses x0.3, arrivals 1 s apart "
+        "(flags given with it win)",
     )
     args = p.parse_args(argv)
-    if args.scale_down or args.quick:
-        args.programs, args.long_turns, args.short_turns = 8, (6, 10), (2, 3)
-        args.catalogue_tokens, args.task_tokens, args.growth_tokens = 200, 100, 40
-        args.max_new_tokens, args.pause_scale, args.arrival_gap_s = 8, 0.3, 1.0
-    sides = common.csv_list(args.sides)
-    bad = [s for s in sides if s not in SIDES]
+    if args.scale_down or args.quick:  # its sizes become the defaults: flags given with it still win
+        p.set_defaults(programs=8, long_turns=(6, 10), short_turns=(2, 3), catalogue_tokens=200)
+        p.set_defaults(task_tokens=100, growth_tokens=40, max_new_tokens=8)
+        p.set_defaults(pause_scale=0.3, arrival_gap_s=1.0)
+        args = p.parse_args(argv)
+    bad = [s for s in common.csv_list(args.sides) if s not in SIDES]
     if bad:
         p.error(f"unknown side(s) {bad}; known: {', '.join(SIDES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sides = common.csv_list(args.sides)
     from bench.harness.peers import check_installed
 
     check_installed([s for s in sides if s in PEERS])  # before any side runs: the install hint
@@ -530,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{side:>13}: JCT p50 {res['jct_s']['p50']:.2f} s p90 {res['jct_s']['p90']:.2f} s p99 "
                 f"{res['jct_s']['p99']:.2f} s (short p50 {res['jct_short_s']['p50']:.2f} s, long p50 "
-                f"{res['jct_long_s']['p50']:.2f} s), {res['programs_per_min']:.2f} programs/min, recomputed "
+                f"{res['jct_long_s']['p50']:.2f} s; server time p50 {res['server_time_s']['p50']:.2f} s), "
+                f"{res['programs_per_min']:.2f} programs/min, recomputed "
                 f"{_na(res['prefill_recomputed'])}, errors {len(res['errors'])}",
                 flush=True,
             )
@@ -542,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['side']:>13} (median of {len(r['runs'])}): JCT p50 {r['jct_p50_s']:.2f} s p90 "
             f"{r['jct_p90_s']:.2f} s p99 {r['jct_p99_s']:.2f} s, short p50 {r['jct_short_p50_s']:.2f} s, "
+            f"server time p50 {r['server_time_p50_s']:.2f} s, "
             f"{r['programs_per_min']:.2f} programs/min, recomputed {_na(r['prefill_recomputed'])}",
             flush=True,
         )
@@ -570,6 +591,7 @@ def summarize_side(side: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "jct_p99_s": med(lambda r: r["jct_s"]["p99"]),
         "jct_short_p50_s": med(lambda r: r["jct_short_s"]["p50"]),
         "jct_long_p50_s": med(lambda r: r["jct_long_s"]["p50"]),
+        "server_time_p50_s": med(lambda r: r["server_time_s"]["p50"]),
         "programs_per_min": med(lambda r: r["programs_per_min"]),
         "call_latency_p99_s": med(lambda r: r["call_latency_s"]["p99"]),
         "prefill_tokens": med(lambda r: r["prefill_tokens"]),

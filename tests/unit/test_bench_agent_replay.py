@@ -57,6 +57,7 @@ def test_a_side_without_reported_cached_tokens_has_none_not_zero():
         return {
             "jct_s": jct, "jct_short_s": jct, "jct_long_s": jct, "programs_per_min": 1.0,
             "call_latency_s": jct, "prefill_tokens": rec, "prefill_recomputed": rec, "kv_pool": "x",
+            "server_time_s": jct,
         }  # fmt: skip
 
     peer = ar.summarize_side("llama-server", [run(3.0, None), run(5.0, 10)])
@@ -64,6 +65,25 @@ def test_a_side_without_reported_cached_tokens_has_none_not_zero():
     ours = ar.summarize_side("lpm", [run(3.0, 20), run(5.0, 10), run(4.0, 30)])
     assert ours["prefill_recomputed"] == 20 and ours["kv_pool"] == "x"
     assert ar._na(None) == "n/a" and ar._na(12.0) == "12"
+
+
+def test_tool_time_is_the_pauses_between_calls_and_a_forks_slower_sub_agent():
+    sub = lambda pause, calls: {"task": [1], "calls": calls, "pause": pause}  # noqa: E731
+    prog = {
+        "calls": [
+            {"pause": 1.0, "tool": [1], "fork": [sub(0.5, 2), sub(2.0, 3)]},  # sub-agents pause 0.5 and 4 s
+            {"pause": 3.0, "tool": [1], "fork": None},
+            {"pause": 9.0, "tool": [1], "fork": None},  # the last call's pause is never slept
+        ]
+    }
+    assert ar.tool_time(prog) == pytest.approx(1.0 + 3.0 + 4.0)
+
+
+def test_scale_down_sets_defaults_that_flags_given_with_it_override():
+    args = ar.parse_args(["--scale-down"])
+    assert (args.programs, args.arrival_gap_s, args.long_turns) == (8, 1.0, (6, 10))
+    args = ar.parse_args(["--scale-down", "--programs", "16", "--arrival-gap-s", "0.3"])
+    assert (args.programs, args.arrival_gap_s, args.catalogue_tokens) == (16, 0.3, 200)
 
 
 def test_an_unknown_side_is_refused_by_name(capsys):
