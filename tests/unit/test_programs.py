@@ -60,7 +60,7 @@ def test_plas_puts_short_programs_first_and_lpm_orders_within_a_level():
     now = time.monotonic()
     long_ = _req(cached + [1], program="long", arrival=now - 3)  # oldest, and a cache hit
     table.arrive(long_)
-    table.charge(long_, 5 * QUANTUM_TOKENS)  # its earlier calls
+    table.charge(long_, 0, 5 * QUANTUM_TOKENS)  # its earlier calls
     cold_short = _req([7, 8, 9], program="short", arrival=now - 2)
     hit_short = _req(cached + [2], program="other", arrival=now - 1)
     loner = _req([5, 6], arrival=now)  # no program: one of its own, no service yet
@@ -80,7 +80,7 @@ def test_a_programs_service_is_shared_by_its_calls_and_forks():
     fork = _req([1, 2, 4], program="p", rid="b")
     table.arrive(first)
     table.arrive(fork)
-    table.charge(first, 300)
+    table.charge(first, 0, 300)
     first.output_ids = [5] * 20
     table.finish(first)
     assert table.service(fork) == 320  # the fork's level counts its sibling's work
@@ -91,6 +91,31 @@ def test_a_programs_service_is_shared_by_its_calls_and_forks():
     assert len(prog.gaps) == 1 and prog.followed == 1 and prog.new_gap is not None
 
 
+def test_recomputing_a_programs_own_history_is_not_charged():
+    """A call that recomputes the history its program computed last (evicted during the tool pause) is
+    charged only for its new tokens; a call with another history of the same program is charged in full."""
+    table = ProgramTable()
+    history = list(range(100, 400))  # 300 tokens
+    first = _req(history, program="p", rid="a")
+    table.arrive(first)
+    table.charge(first, 0, 300)
+    first.output_ids = [7] * 8
+    table.finish(first)
+    assert table.service(first) == 308
+    nxt = _req(history + [7] * 8 + list(range(500, 540)), program="p", rid="b")  # + output + a tool result
+    table.arrive(nxt)
+    table.charge(nxt, 0, 200)  # its history was evicted: recomputed in two chunks
+    table.charge(nxt, 200, 348)
+    assert table.service(nxt) == 308 + 40  # only the tool result is new
+    nxt.output_ids = [8] * 8
+    table.finish(nxt)
+    assert table.service(nxt) == 356
+    other = _req(list(range(600, 700)), program="p", rid="c")  # the program starts another context
+    table.arrive(other)
+    table.charge(other, 0, 100)
+    assert table.service(other) == 456
+
+
 def test_aging_bounds_the_wait_of_a_long_programs_request():
     """The starvation bound: a level-L request is at level 0 after L x PROMOTE_AFTER_S, and first in the
     queue once it has waited OVERDUE_AFTER_S, whatever the levels of the others."""
@@ -99,7 +124,7 @@ def test_aging_bounds_the_wait_of_a_long_programs_request():
     now = time.monotonic()
     long_ = _req([1, 2, 3], program="long")
     table.arrive(long_)
-    table.charge(long_, 40 * QUANTUM_TOKENS)
+    table.charge(long_, 0, 40 * QUANTUM_TOKENS)
     lvl = level_of(40 * QUANTUM_TOKENS)
     assert lvl == 6
     long_.arrival = now - (lvl - 1) * PROMOTE_AFTER_S - 0.5
@@ -113,7 +138,7 @@ def test_aging_bounds_the_wait_of_a_long_programs_request():
     assert order_waiting("program", [*fresh, long_], cm, programs=table)[0][0] is long_
     # a request whose level stayed high by a younger queue's service still goes first once overdue
     young = _req([9, 9], program="long", arrival=now - OVERDUE_AFTER_S - 1)
-    table.charge(young, 10**9)
+    table.charge(young, 0, 10**9)
     table.arrive(young)
     ordered = order_waiting("program", [*fresh, young], cm, programs=table)[0]
     assert ordered[0] is young

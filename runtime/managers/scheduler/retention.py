@@ -34,11 +34,11 @@ pin of least expected reuse (the oldest among equals) once the waiting requests'
 long as the prefill that pin is expected to save (p x its tokens / the measured prefill rate: a ski-rental
 rule, at most twice the cost of the better choice in hindsight); until then the pins hold and the server
 waits for their programs. Each waiting request's wait counts: four requests queued behind a pin pay its
-rent four times as fast as one. LRU would release at once, and with programs whose histories together outgrow the pool that
-thrashes: each call evicts the history the next call of another program needs (bench.agent_replay with six
-20-turn programs in a pool a third of their histories: 109k prefill tokens recomputed under LRU). A decode
-step short of slots releases pins before it retracts anything. Programs that never return (a flood of
-one-shot programs) drive p toward 0 and stop being pinned.
+rent four times as fast as one. LRU would release at once, and with programs whose histories together
+outgrow the pool that thrashes: each call evicts the history the next call of another program needs
+(bench.agent_replay with six 20-turn programs in a pool a third of their histories: 109k prefill tokens
+recomputed under LRU). A decode step short of slots releases pins before it retracts anything. Programs
+that never return (a flood of one-shot programs) drive p toward 0 and stop being pinned.
 
 Prefetch (KVFlow, arXiv 2507.07400): a program whose reuse is expected (p >= MIN_REUSE) is remembered until
 its next request arrives or its TTL passes. When no request waits (the program's tool runs), `prefetch` looks

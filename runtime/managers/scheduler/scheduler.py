@@ -419,7 +419,7 @@ class Scheduler:
             self.cm, self.running, list(self.reextend), self.waiting, a, self.rng, self._offer, self.programs
         )
         for req, take in admitted:
-            self.programs.charge(req, take)
+            self.programs.charge(req, req.kv_len - take, req.kv_len)  # its slots were appended: kv_len moved
         for req in started:
             self.waiting.remove(req)
             if req.retractions == 0 and not req.output_ids:
