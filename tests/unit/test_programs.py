@@ -33,6 +33,11 @@ def _req(prompt, program=None, session=None, rid=None, arrival=None, tenant=None
     return r
 
 
+def _credit(table, req, tokens):
+    """Service the program of `req` attained in calls the test does not replay."""
+    table.get(program_key(req)).service += tokens
+
+
 def test_program_key_is_the_program_id_else_the_session_within_tenant_and_salt():
     assert program_key(_req([1])) is None
     a = _req([1], program="p")
@@ -60,7 +65,7 @@ def test_plas_puts_short_programs_first_and_lpm_orders_within_a_level():
     now = time.monotonic()
     long_ = _req(cached + [1], program="long", arrival=now - 3)  # oldest, and a cache hit
     table.arrive(long_)
-    table.charge(long_, 0, 5 * QUANTUM_TOKENS)  # its earlier calls
+    _credit(table, long_, 5 * QUANTUM_TOKENS)  # its earlier calls
     cold_short = _req([7, 8, 9], program="short", arrival=now - 2)
     hit_short = _req(cached + [2], program="other", arrival=now - 1)
     loner = _req([5, 6], arrival=now)  # no program: one of its own, no service yet
@@ -76,7 +81,7 @@ def test_plas_puts_short_programs_first_and_lpm_orders_within_a_level():
 
 def test_a_programs_service_is_shared_by_its_calls_and_forks():
     table = ProgramTable()
-    first = _req([1, 2, 3], program="p", rid="a")
+    first = _req(list(range(1, 301)), program="p", rid="a")
     fork = _req([1, 2, 4], program="p", rid="b")
     table.arrive(first)
     table.arrive(fork)
@@ -93,7 +98,9 @@ def test_a_programs_service_is_shared_by_its_calls_and_forks():
 
 def test_recomputing_a_programs_own_history_is_not_charged():
     """A call that recomputes the history its program computed last (evicted during the tool pause) is
-    charged only for its new tokens; a call with another history of the same program is charged in full."""
+    charged only for its new tokens, also when the client re-rendered the answer; another context of the
+    same program, as long as that history, is charged in full; a retracted request's re-prefill is free
+    and its output is charged once."""
     table = ProgramTable()
     history = list(range(100, 400))  # 300 tokens
     first = _req(history, program="p", rid="a")
@@ -110,10 +117,30 @@ def test_recomputing_a_programs_own_history_is_not_charged():
     nxt.output_ids = [8] * 8
     table.finish(nxt)
     assert table.service(nxt) == 356
-    other = _req(list(range(600, 700)), program="p", rid="c")  # the program starts another context
+    # the client re-rendered the answer (its tokens differ): the prompt before it is still credited
+    rerendered = _req(nxt.prompt_ids + [9] * 8 + [1, 2], program="p", rid="c")
+    table.arrive(rerendered)
+    table.charge(rerendered, 0, 358)
+    assert table.service(rerendered) == 356 + 10
+    # retracted after 3 tokens and re-prefilled (its output too): nothing charged again, the output once
+    rerendered.output_ids = [4, 4, 4]
+    table.charge(rerendered, 0, 361)
+    rerendered.output_ids += [4, 4]
+    table.finish(rerendered)
+    assert table.service(rerendered) == 366 + 5
+    # as long as the last history and differing in its last token: only the last prompt is credited
+    close = _req(rerendered.all_ids[:-1] + [11], program="p", rid="d")
+    table.arrive(close)
+    table.charge(close, 0, 363)
+    assert table.service(close) == 371 + 5
+    assert close.prompt_hashes is not None
+    table.finish(close)
+    assert close.prompt_hashes is None  # not kept past the request
+    # another context of the program, as long, differing in its first token: charged in full
+    other = _req([11] + close.prompt_ids[1:], program="p", rid="e")
     table.arrive(other)
-    table.charge(other, 0, 100)
-    assert table.service(other) == 456
+    table.charge(other, 0, 363)
+    assert table.service(other) == 376 + 363
 
 
 def test_aging_bounds_the_wait_of_a_long_programs_request():
@@ -124,7 +151,7 @@ def test_aging_bounds_the_wait_of_a_long_programs_request():
     now = time.monotonic()
     long_ = _req([1, 2, 3], program="long")
     table.arrive(long_)
-    table.charge(long_, 0, 40 * QUANTUM_TOKENS)
+    _credit(table, long_, 40 * QUANTUM_TOKENS)
     lvl = level_of(40 * QUANTUM_TOKENS)
     assert lvl == 6
     long_.arrival = now - (lvl - 1) * PROMOTE_AFTER_S - 0.5
@@ -138,7 +165,7 @@ def test_aging_bounds_the_wait_of_a_long_programs_request():
     assert order_waiting("program", [*fresh, long_], cm, programs=table)[0][0] is long_
     # a request whose level stayed high by a younger queue's service still goes first once overdue
     young = _req([9, 9], program="long", arrival=now - OVERDUE_AFTER_S - 1)
-    table.charge(young, 0, 10**9)
+    _credit(table, young, 10**9)
     table.arrive(young)
     ordered = order_waiting("program", [*fresh, young], cm, programs=table)[0]
     assert ordered[0] is young

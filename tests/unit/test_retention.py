@@ -377,8 +377,10 @@ def test_a_hold_is_charged_every_waiting_requests_wait(tiny_model_dir, default_t
         assert s._count_blocked_wait(False, now=100.0) == 0.0  # the block starts
         assert s._count_blocked_wait(False, now=100.5) == pytest.approx(2.0)  # 4 requests x 0.5 s
         s.waiting.remove(waiting[0])
-        assert s._count_blocked_wait(False, now=101.5) == pytest.approx(5.0)  # + 3 x 1 s
-        assert s._count_blocked_wait(True, now=102.0) == 0.0  # one was admitted: the block ended
+        assert s._count_blocked_wait(False, now=101.5) == pytest.approx(6.0)  # + 4 x 1 s (as counted)
+        s.waiting.append(waiting[0])  # an arrival: it waits from now on
+        assert s._count_blocked_wait(False, now=102.0) == pytest.approx(7.5)  # + 3 x 0.5 s
+        assert s._count_blocked_wait(True, now=102.5) == 0.0  # one was admitted: the block ended
         assert s._count_blocked_wait(False, now=103.0) == 0.0
     finally:
         s.waiting.clear()

@@ -11,13 +11,15 @@ else it starts a program of its own.
 chunk when it is admitted, every generated token when its request leaves), the requests it has live now, and
 the gaps between one of its requests finishing and its next one arriving (what `retention` learns from).
 
-Recomputation is not service: the part of a chunk that recomputes the program's last computed history (the
-request's sequence begins with it: `Program.reach` tokens with hash `reach_hash`) is not charged. Charged,
-a program whose history was evicted during a tool pause rose a level by recomputing it, waited behind the
-others, lost its history again while it waited, and rose again (bench.agent_replay, 16 programs in a pool a
-third of their histories: `program` job time p50 24 s against `lpm`'s 8 s on one trace). Only the last
-history is remembered: of sub-agents extending one history in parallel, one that recomputes what another
-computed last is charged for it.
+Recomputation is not service. A prompt chunk is charged only past what its request already paid for (a
+retracted request's re-prefill is free) and past the program's last history when the prompt begins with it
+(`Program.histories`: the last finished request's prompt, and its prompt and output, as lengths and prefix
+hashes, so an answer the client re-renders still credits the prompt before it); generated tokens are
+charged once, as the request leaves. Charged, a program whose history was evicted during a tool pause rose a
+level by recomputing it, waited behind the others, lost its history again while it waited, and rose again
+(bench.agent_replay, 16 programs in a pool a third of their histories: `program` job time p50 24 s against
+`lpm`'s 8 s on one trace). Only the last history is remembered: of sub-agents extending one history in
+parallel, one that recomputes what another computed last is charged for it.
 
 `--schedule-policy program` orders the waiting queue by Autellix's program-level least attained service
 (PLAS, arXiv 2502.13965): a request's *level* is its program's attained service on a log scale (level 0
@@ -82,6 +84,24 @@ def prefix_hashes(ids: list[int]) -> np.ndarray:
     powers = np.full(len(ids), _HASH_BASE, dtype=np.uint64)
     powers[0] = 1
     return np.cumsum((np.asarray(ids, dtype=np.uint64) + np.uint64(1)) * np.cumprod(powers))
+
+
+def extend_hash(h: int, n: int, ids: list[int]) -> int:
+    """The `prefix_hashes` value of a sequence whose first `n` tokens hash to `h`, followed by `ids`."""
+    mod = 1 << 64
+    base = int(_HASH_BASE)
+    power = pow(base, n, mod)
+    for i in ids:
+        h = (h + (i + 1) * power) % mod
+        power = power * base % mod
+    return h
+
+
+def prompt_hashes(req: Req) -> np.ndarray:
+    """`prefix_hashes` of the request's prompt, computed once per request."""
+    if req.prompt_hashes is None:
+        req.prompt_hashes = prefix_hashes(req.prompt_ids)
+    return req.prompt_hashes
 
 
 @dataclass
@@ -162,16 +182,16 @@ class Lineage:
 
 @dataclass
 class Program:
-    service: int = 0  # tokens computed for the program so far (prefill + decode)
+    service: int = 0  # tokens computed for the program so far (prefill + decode), recomputation not counted
     live: set[str] = field(default_factory=set)  # rids of its requests queued or running now
     last_finish: float | None = None  # when its live set last became empty (None: never, or not idle)
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAP_SAMPLES))  # finish -> next arrival
     finished: int = 0  # times its live set became empty (a request that could be followed)
     followed: int = 0  # of those, the times another request of it arrived later
     touched: float = 0.0  # last arrival or finish (time.monotonic())
-    # its last computed history: length and `prefix_hashes` value (recomputing it is not charged)
-    reach: int = 0
-    reach_hash: int = 0
+    # its last history as (length, `prefix_hashes` value), longest first: the last finished request's prompt
+    # and output, and its prompt alone (recomputing either is not charged)
+    histories: tuple[tuple[int, int], ...] = ()
     new_gap: float | None = None  # the gap its latest arrival ended (None: it arrived while another ran)
     last_rid: str | None = None  # the request whose finish last made it idle (None: never)
     # the tools its last answer called, as (tenant, name) (`retention.Retention.tool_calls`); its next
@@ -230,23 +250,23 @@ class ProgramTable:
         return prog
 
     def charge(self, req: Req, start: int, end: int) -> None:
-        """Positions [start, end) of `req`'s sequence were computed (a prefill chunk, or its generated tokens
-        as it leaves): the program is charged for them, less what recomputes its last history."""
+        """Prompt positions [start, end) of `req` were prefilled: its program is charged for them, less what
+        the request paid for before (a retracted request's re-prefill) and what recomputes the program's
+        last history. Positions past the prompt (a retracted request's earlier output) are charged as
+        generated tokens when it leaves."""
         prog = self.get(program_key(req))
+        end = min(end, len(req.prompt_ids))
         if prog is None or end <= start:
             return
-        seq = req.all_ids
-        if end > len(seq):  # not expected: nothing to recognise, charged in full
-            prog.service += end - start
-            prog.reach = 0
-            return
-        hashes = prefix_hashes(seq[: max(end, prog.reach)])
-        free = 0
-        if start < prog.reach <= len(hashes) and int(hashes[prog.reach - 1]) == prog.reach_hash:
-            free = min(end, prog.reach) - start  # it continues the last history: that part is recomputed
-        prog.service += end - start - free
-        if end >= prog.reach or not free:  # the newest history computed is the one to recognise next
-            prog.reach, prog.reach_hash = end, int(hashes[end - 1])
+        paid = req.charged_to
+        for length, h in prog.histories:  # longest first
+            if length <= paid:
+                break
+            if start < length <= len(req.prompt_ids) and int(prompt_hashes(req)[length - 1]) == h:
+                paid = length  # it continues the program's last history: recomputing that is free
+                break
+        prog.service += end - start - max(0, min(end, paid) - start)
+        req.charged_to = max(req.charged_to, end)
 
     def finish(self, req: Req, now: float | None = None) -> Program | None:
         """`req` left (finished, aborted, failed): its generated tokens are charged; when it was the program's
@@ -256,7 +276,12 @@ class ProgramTable:
         if prog is None or req.rid not in prog.live:
             return None
         now = time.monotonic() if now is None else now
-        self.charge(req, len(req.prompt_ids), len(req.prompt_ids) + len(req.output_ids))
+        prog.service += len(req.output_ids)
+        if req.prompt_ids:
+            ph = int(prompt_hashes(req)[-1])
+            prog.histories = ((len(req.all_ids), extend_hash(ph, len(req.prompt_ids), req.output_ids)),)
+            prog.histories += ((len(req.prompt_ids), ph),) if req.output_ids else ()
+        req.prompt_hashes = None  # 8 bytes a prompt token: not kept past the request
         prog.live.discard(req.rid)
         prog.touched = now
         if not prog.live:

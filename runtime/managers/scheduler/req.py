@@ -78,6 +78,10 @@ class Req:
     lora_adapter: Any = None  # models.lora.Adapter bound at arrival (`lora_manager`); None: the base model
     lora_slot: int = -1  # its adapter's pool slot while admitted
     lineage: int | None = None  # the program inferred from its prompt when it names none (`programs.Lineage`)
+    # its program's service accounting (`ProgramTable.charge`): prompt positions already charged, and the
+    # prompt's prefix hashes (computed once, dropped as it leaves)
+    charged_to: int = 0
+    prompt_hashes: Any = None
 
     @classmethod
     def from_message(cls, msg: GenerateReq, timeout_s: float | None = None) -> Req:

@@ -123,6 +123,7 @@ class Scheduler:
         # counts: what holding automatic pins costs), and when that was last counted
         self._blocked_wait_s = 0.0
         self._blocked_at: float | None = None
+        self._blocked_waiting = 0  # requests waiting when it was last counted
         self._holding = False  # nothing runs and the waiting requests wait for automatic pins (`can_run`)
         self.rng = random.Random(args.random_seed)
         self.spec = SpeculativeDecoder.from_args(args)  # the decode step with drafts; None: off
@@ -456,14 +457,16 @@ class Scheduler:
 
     def _count_blocked_wait(self, admitted: bool, now: float | None = None) -> float:
         """The request-seconds the waiting requests have waited together since none could last be admitted
-        (0 once one is, or none waits): each step adds the time since the last one x the requests waiting."""
+        (0 once one is, or none waits): each step adds the time since the last one x the requests that were
+        waiting then (one that arrived since has not waited that long). It is not reset when `relieve`
+        releases a pin: every pin held meanwhile was paid that rent, so the next may go at once."""
         now = time.monotonic() if now is None else now
         if admitted or not self.waiting:
             self._blocked_wait_s, self._blocked_at = 0.0, None
             return 0.0
         if self._blocked_at is not None:
-            self._blocked_wait_s += (now - self._blocked_at) * len(self.waiting)
-        self._blocked_at = now
+            self._blocked_wait_s += (now - self._blocked_at) * self._blocked_waiting
+        self._blocked_at, self._blocked_waiting = now, len(self.waiting)
         return self._blocked_wait_s
 
     def _preempt_for_priority(self) -> None:
