@@ -474,7 +474,7 @@ def sized(results_dir: Path) -> str:
     return out + "\n\n" + "\n".join(f"- {_sized_source(n, d)}" for n, d in docs) + "\n"
 
 
-AGENT_REPLAY = "agent_replay_loaded"  # the README's trace: more programs than the pool and the CPU keep up with
+AGENT_REPLAY = "agent_replay_loaded"  # the README's trace: more programs than the pool and CPU keep up with
 AGENT_REPLAY_LABELS = {
     "fcfs": "radixlm `fcfs`",
     "lpm": "`lpm` (default)",
