@@ -386,6 +386,31 @@ def test_a_hold_is_charged_every_waiting_requests_wait(tiny_model_dir, default_t
         s.waiting.clear()
 
 
+def test_four_waiting_requests_release_a_pin_sooner_than_one(tiny_model_dir, default_tokenizer, monkeypatch):
+    """Through the scheduler's step: a program's pin worth 10 s of prefill holds for 5 s against one waiting
+    request that needs its memory (5 request-seconds), and gives way to four (20)."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    sid = (None, None, ("program", "agent"))
+    for n, released in ((1, False), (4, True)):
+        s = make_scheduler(tiny_model_dir, default_tokenizer, kv_retention="auto", max_total_tokens=256)
+        _run(s, _gen(f"agent{n}", list(range(20, 170)), program_id="agent"))  # 150 tokens, then pinned
+        assert sid in s.sessions._pins and s.server_info()["retain_device"] == 1
+        s.retention.prefill_rate = s.retention._auto[sid] * s.sessions._pins[sid].tokens / 10.0
+        assert s.retention.worth_s(sid) == pytest.approx(10.0)
+        for i in range(n):  # each needs more than the 105 slots the pin leaves
+            s.handle(_gen(f"w{n}-{i}", [300 + i] + list(range(200, 319))))
+        s.step()  # the block starts
+        assert sid in s.sessions._pins and not s.can_run()  # held: the loop polls, nothing to run
+        clock[0] += 5.0
+        s.step()
+        assert (sid not in s.sessions._pins) is released, n
+        while s.has_work():  # released or not, every request finishes (the unreleased pin expires)
+            clock[0] += 1.0
+            s.step()
+            s.check_accounting()
+
+
 def test_automatic_pins_have_their_own_cap_and_zero_disables_them(tiny_model_dir, default_tokenizer):
     prompt = list(range(20, 120))  # 100 tokens: above a quarter of the pool, within three quarters
     for cap, pinned in ((-1, True), (0, False)):
