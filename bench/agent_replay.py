@@ -438,6 +438,8 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
                 "retain_relieved",
                 "session_pins_pinned",
                 "session_pins_evicted_for_memory",
+                "lineage_continued",  # --no-program-ids: calls that joined an inferred program
+                "lineage_started",
             )
         },
     }
