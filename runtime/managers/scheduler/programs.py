@@ -141,7 +141,7 @@ class Lineage:
             return None
         self._forget(now)
         scope = (req.options.tenant, req.options.cache_salt)
-        hashes = prefix_hashes(ids)
+        hashes = prompt_hashes(req)  # kept on the request: its program charge and finish use them again
         program = None
         end = bisect.bisect_right(self._lengths, len(ids))
         last = None
