@@ -21,7 +21,10 @@ reaches.
 Sides (`--sides`): `fcfs`, `lpm`, `program` (`--schedule-policy`), and `program+auto` / `lpm+auto` (that
 policy with `--kv-retention auto`). Per side: job completion time (a program's first call sent to its last
 call answered, tool pauses included) p50 / p90 / p99, for all programs and for short and long ones apart;
-server time p50 (job time less the program's own tool pauses: the part a scheduler can shorten); programs per
+server time p50 (job time less the program's own tool pauses: the part a scheduler can shorten); slowdown p50
+and p99 (a program's job time over its tool time plus its server time with the server to itself, measured
+once per trace on radixlm `lpm` with the programs run one by one and their pauses cut: 1.0 is no wait on
+others, whatever the program's length, so a p99 far above the p50 is starvation); programs per
 minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all and
 recomputed (the tokens of a prompt the server had computed before for that program's history, less what it
 found cached: lost to eviction), as in bench.agent_swarm.
@@ -358,32 +361,65 @@ def side_flags(side: str, args, pool: int) -> list[str]:
     return flags
 
 
-def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any]:
-    import requests
-
+def _launch(side: str, args, trace: dict[str, Any], pool: int, log_name: str):
+    """A side's server, started: (the server, how it was launched, what its KV pool holds)."""
     from bench.serving import LaunchedServer
 
     port = _free_port()
-    log = Path(args.results_dir) / f"{args.name or 'agent_replay'}_{side.replace('+', '_')}.log"
+    log = Path(args.results_dir) / f"{args.name or 'agent_replay'}_{log_name.replace('+', '_')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    args.kind = side if side in PEERS else "radixlm"
     if side in PEERS:
         spec = peer_side_spec(side, port, args, trace, pool)
         server = LaunchedServer(spec.command, port, log, spec.health_path, spec.start_timeout_s, spec.env)
-        launched: dict[str, Any] = {**spec.record(), "start_s": server.start_seconds}
-        kv_pool = spec.notes.get("kv_pool")
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "runtime.launch_server",
-            "--port",
-            str(port),
-            *side_flags(side, args, pool),
-        ]
-        server = LaunchedServer(cmd, port, log)
-        launched = {"command_line": " ".join(["python", *cmd[1:]]), "start_s": server.start_seconds}
-        kv_pool = f"{pool} tokens"
+        return server, {**spec.record(), "start_s": server.start_seconds}, spec.notes.get("kv_pool")
+    cmd = [sys.executable, "-m", "runtime.launch_server", "--port", str(port), *side_flags(side, args, pool)]
+    server = LaunchedServer(cmd, port, log)
+    launched = {"command_line": " ".join(["python", *cmd[1:]]), "start_s": server.start_seconds}
+    return server, launched, f"{pool} tokens"
+
+
+def without_pauses(prog: dict[str, Any]) -> dict[str, Any]:
+    """The program with its tool pauses (its sub-agents' too) cut to nothing and its start at 0."""
+    calls = [
+        {**c, "pause": 0.0, "fork": c["fork"] and [{**sub, "pause": 0.0} for sub in c["fork"]]}
+        for c in prog["calls"]
+    ]
+    return {**prog, "start": 0.0, "calls": calls}
+
+
+def run_alone(trace: dict[str, Any], args, pool: int) -> list[float]:
+    """Each program's server time with the server to itself: on radixlm `lpm` with the same pool, the programs
+    one after another, their tool pauses cut. A program's slowdown on a side is its job time there over its
+    tool time plus this (1.0: it waited for nothing but its tools and its own compute)."""
+    import copy
+
+    args = copy.copy(args)
+    args.kind, args.no_program_ids = "radixlm", False
+    server, _, _ = _launch("lpm", args, trace, pool, "alone")
+    try:
+        alone = []
+        for prog in trace["programs"]:
+            run = ProgramRun()
+            run_program(server.url, trace["catalogue"], without_pauses(prog), args, time.perf_counter(), run)
+            if run.error:
+                raise RuntimeError(f"{prog['id']} alone: {run.error}")
+            alone.append(run.end - run.start)
+    finally:
+        server.stop()
+    return alone
+
+
+def slowdowns(jct: list[float], trace: dict[str, Any], alone: list[float]) -> list[float]:
+    """Per program, its job time over what it takes on a server of its own (its tool time plus its server
+    time alone): how long the others made it wait, whatever its length."""
+    return [j / (tool_time(p) + a) for j, p, a in zip(jct, trace["programs"], alone)]
+
+
+def run_side(side: str, trace: dict[str, Any], args, pool: int, alone: list[float]) -> dict[str, Any]:
+    import requests
+
+    args.kind = side if side in PEERS else "radixlm"
+    server, launched, kv_pool = _launch(side, args, trace, pool, side)
     try:
         runs = [ProgramRun() for _ in trace["programs"]]
         t_zero = time.perf_counter() + 0.5
@@ -417,6 +453,7 @@ def run_side(side: str, trace: dict[str, Any], args, pool: int) -> dict[str, Any
         "jct_long_s": common.summarize(longs),
         "jct_by_program_s": [round(j, 3) for j in jct],
         "server_time_s": common.summarize(served),
+        "slowdown": common.summarize(slowdowns(jct, trace, alone)),
         "programs_per_min": 60.0 * len(runs) / wall if wall > 0 else math.nan,
         "wall_s": wall,
         "call_latency_s": common.summarize(lat),
@@ -535,23 +572,27 @@ def main(argv: list[str] | None = None) -> int:
             "long_programs": sum(p["long"] for p in trace["programs"]),
             "calls_planned": sum(len(p["calls"]) for p in trace["programs"]),
         }
-        config["traces"].append(shape)
         print(
             f"seed {args.seed}: {args.programs} programs ({shape['long_programs']} long), "
             f"{shape['calls_planned']} calls, working set {ws} tokens, KV pool {pool}",
             flush=True,
         )
+        alone = run_alone(trace, args, pool)
+        shape["alone_server_time_s"] = [round(a, 3) for a in alone]
+        config["traces"].append(shape)
+        print(f"  alone: server time p50 {common.percentile(alone, 50):.2f} s", flush=True)
         for side in sides:
             load = (
                 common.load_average()
             )  # the machine's load as the side starts (timings are rough above 1.5)
-            res = run_side(side, trace, args, pool)
+            res = run_side(side, trace, args, pool, alone)
             res["seed"], res["load_at_start"], res["load_at_end"] = args.seed, load, common.load_average()
             runs[side].append(res)
             print(
                 f"{side:>13}: JCT p50 {res['jct_s']['p50']:.2f} s p90 {res['jct_s']['p90']:.2f} s p99 "
                 f"{res['jct_s']['p99']:.2f} s (short p50 {res['jct_short_s']['p50']:.2f} s, long p50 "
-                f"{res['jct_long_s']['p50']:.2f} s; server time p50 {res['server_time_s']['p50']:.2f} s), "
+                f"{res['jct_long_s']['p50']:.2f} s; server time p50 {res['server_time_s']['p50']:.2f} s; "
+                f"slowdown p50 {res['slowdown']['p50']:.2f} p99 {res['slowdown']['p99']:.2f}), "
                 f"{res['programs_per_min']:.2f} programs/min, recomputed "
                 f"{_na(res['prefill_recomputed'])}, errors {len(res['errors'])}",
                 flush=True,
@@ -564,8 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['side']:>13} (median of {len(r['runs'])}): JCT p50 {r['jct_p50_s']:.2f} s p90 "
             f"{r['jct_p90_s']:.2f} s p99 {r['jct_p99_s']:.2f} s, short p50 {r['jct_short_p50_s']:.2f} s, "
-            f"server time p50 {r['server_time_p50_s']:.2f} s, "
-            f"{r['programs_per_min']:.2f} programs/min, recomputed {_na(r['prefill_recomputed'])}",
+            f"server time p50 {r['server_time_p50_s']:.2f} s, slowdown p50 {r['slowdown_p50']:.2f} p99 "
+            f"{r['slowdown_p99']:.2f}, {r['programs_per_min']:.2f} programs/min, "
+            f"recomputed {_na(r['prefill_recomputed'])}",
             flush=True,
         )
     common.write_results(
@@ -594,6 +636,10 @@ def summarize_side(side: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "jct_short_p50_s": med(lambda r: r["jct_short_s"]["p50"]),
         "jct_long_p50_s": med(lambda r: r["jct_long_s"]["p50"]),
         "server_time_p50_s": med(lambda r: r["server_time_s"]["p50"]),
+        "slowdown_p50": med(lambda r: r["slowdown"]["p50"]),
+        "slowdown_p99": med(lambda r: r["slowdown"]["p99"]),
+        # per trace, then the median: the starvation target compares a trace's p99 with its own p50
+        "slowdown_p99_over_p50": med(lambda r: r["slowdown"]["p99"] / r["slowdown"]["p50"]),
         "programs_per_min": med(lambda r: r["programs_per_min"]),
         "call_latency_p99_s": med(lambda r: r["call_latency_s"]["p99"]),
         "prefill_tokens": med(lambda r: r["prefill_tokens"]),

@@ -57,13 +57,14 @@ def test_a_side_without_reported_cached_tokens_has_none_not_zero():
         return {
             "jct_s": jct, "jct_short_s": jct, "jct_long_s": jct, "programs_per_min": 1.0,
             "call_latency_s": jct, "prefill_tokens": rec, "prefill_recomputed": rec, "kv_pool": "x",
-            "server_time_s": jct,
+            "server_time_s": jct, "slowdown": {"p50": 1.0, "p99": p50},
         }  # fmt: skip
 
     peer = ar.summarize_side("llama-server", [run(3.0, None), run(5.0, 10)])
     assert peer["prefill_recomputed"] is None and peer["jct_p50_s"] == 4.0
     ours = ar.summarize_side("lpm", [run(3.0, 20), run(5.0, 10), run(4.0, 30)])
     assert ours["prefill_recomputed"] == 20 and ours["kv_pool"] == "x"
+    assert ours["slowdown_p99_over_p50"] == 4.0  # per trace (3, 5, 4), then the median
     assert ar._na(None) == "n/a" and ar._na(12.0) == "12"
 
 
@@ -121,3 +122,17 @@ def test_peers_get_radixlm_s_kv_budget_with_peer_kv_pool(side):
         assert slots * per_slot <= 1195 and per_slot >= ar.longest_program(trace, args) + args.max_new_tokens
         assert cmd[cmd.index("--cache-ram") + 1] == "0"
     assert spec.notes["kv_pool"].startswith(("1", "1280"))
+
+
+def test_a_programs_slowdown_is_its_job_time_over_its_tools_and_its_time_alone():
+    sub = {"task": [1], "calls": 2, "pause": 2.0}
+    prog = {
+        "start": 7.0,
+        "calls": [{"pause": 1.0, "tool": [1], "fork": [sub]}, {"pause": 5.0, "tool": [1], "fork": None}],
+    }
+    bare = ar.without_pauses(prog)
+    assert bare["start"] == 0.0 and ar.tool_time(bare) == 0.0
+    assert bare["calls"][1]["fork"] is None and prog["calls"][0]["fork"][0]["pause"] == 2.0  # a copy
+    assert ar.tool_time(prog) == 3.0  # 1 s, and the sub-agent's one pause of 2 s
+    trace = {"programs": [prog, {**prog, "calls": prog["calls"][1:]}]}  # the second: no pauses at all
+    assert ar.slowdowns([4.0, 3.0], trace, [1.0, 1.5]) == [1.0, 2.0]
