@@ -491,6 +491,11 @@ def _server_time(side: dict) -> str:
     return "–" if t is None else f"{t:.2f}"
 
 
+def _slowdown(side: dict) -> str:
+    p50, p99 = side.get("slowdown_p50"), side.get("slowdown_p99")
+    return "–" if p50 is None else f"{p50:.2f} / {p99:.2f}"
+
+
 def agent_replay(results_dir: Path) -> str:
     """bench.agent_replay: a trace of agent programs over HTTP; radixlm's queue orders, then the peers."""
     doc = load(AGENT_REPLAY, results_dir)
@@ -503,6 +508,8 @@ def agent_replay(results_dir: Path) -> str:
         ["job time p50 / p90 / p99, s"]
         + [f"{r['jct_p50_s']:.2f} / {r['jct_p90_s']:.1f} / {r['jct_p99_s']:.1f}" for r in sides],
         ["server time p50, s (job time less tool pauses)"] + [_server_time(r) for r in sides],
+        ["slowdown p50 / p99 (job time over the program's own with the server to itself)"]
+        + [_slowdown(r) for r in sides],
         ["programs per minute"] + [f"{r['programs_per_min']:.2f}" for r in sides],
         ["prefill tokens recomputed"] + [recomputed(r) for r in sides],
         ["KV pool"] + [r.get("kv_pool") or "–" for r in sides],
