@@ -17,6 +17,7 @@ from runtime.managers.scheduler.retention import (
     FIRST_GAP_S,
     MIN_REUSE,
     TTL_MARGIN,
+    PathMap,
     Retention,
     load_from_disk,
     load_from_host,
@@ -238,7 +239,7 @@ def test_tool_histories_are_per_tenant_and_bounded(monkeypatch):
     _tool_history(table, ret, "many", [(f"t{i}" + "x" * 500, 1.0) for i in range(6)], now=now)
     assert len(ret.tool_gaps) == 3
     assert all(len(name) == retention.MAX_TOOL_NAME_CHARS for _, name in ret.tool_gaps)
-    assert len(ret._finished) == 0 and ret.finished_tokens == 0  # each was taken by its tool call
+    assert len(ret._finished) == 0 and ret._finished.tokens == 0  # each was taken by its tool call
 
 
 def test_prefetch_loads_a_programs_host_path_into_free_slots():
@@ -503,3 +504,20 @@ def test_the_scheduler_prefetches_a_programs_history_from_the_host_when_idle(
         hits[mode] = (out.cached_tokens, out.cached_tokens_host)
     assert hits["auto"][0] >= 100 and hits["auto"][1] == 0  # on the device already
     assert hits["ttl"][0] >= 100 and hits["ttl"][1] > 0  # loaded from the host at admission
+
+
+def test_a_path_map_drops_its_oldest_entries_past_either_bound():
+    m = PathMap(max_entries=3, max_tokens=10)
+    m.put("a", [1] * 4, "A")
+    m.put("b", [2] * 4, "B")
+    assert len(m) == 2 and m.tokens == 8
+    m.put("c", [3] * 4, "C")  # 12 tokens: the oldest goes
+    assert "a" not in m and m.tokens == 8 and m.oldest() == ("b", [2] * 4, "B")
+    m.move_to_end("b")
+    m.put("d", [4], "D")
+    m.put("e", [5], "E")  # 4 entries: the oldest, now "c", goes
+    assert "c" not in m and len(m) == 3 and m.tokens == 6
+    m.put("d", [6] * 2, "D2")  # the same key again: replaced, counted once
+    assert len(m) == 3 and m.tokens == 7 and m.pop("d") == ([6] * 2, "D2") and m.tokens == 5
+    m.put("x", [7] * 11, "X")  # longer than the token bound: not kept, nothing else dropped
+    assert "x" not in m and len(m) == 2 and m.pop("x") is None and m.pop(None) is None

@@ -55,7 +55,9 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -108,6 +110,54 @@ class _Finished:
     action: str
 
 
+@dataclass
+class _Expected:
+    """A program expected back: until when, and its path's disk block names (hashed once, when first read)."""
+
+    until: float
+    disk_names: list[str] | None = None
+
+
+class PathMap:
+    """Token paths by key with a value each, oldest first, at most `max_entries` entries and `max_tokens`
+    tokens together: adding past either bound drops the oldest (a longer path than `max_tokens` is not
+    kept)."""
+
+    def __init__(self, max_entries: int = MAX_EXPECTED, max_tokens: int = MAX_EXPECTED_TOKENS):
+        self.max_entries, self.max_tokens = max_entries, max_tokens
+        self._entries: OrderedDict[Hashable, tuple[list[int], Any]] = OrderedDict()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, k: Hashable) -> bool:
+        return k in self._entries
+
+    def put(self, k: Hashable, path: list[int], value: Any) -> None:
+        self.pop(k)
+        if len(path) > self.max_tokens:
+            return
+        self._entries[k] = (path, value)
+        self.tokens += len(path)
+        while len(self._entries) > self.max_entries or self.tokens > self.max_tokens:
+            self.pop(next(iter(self._entries)))
+
+    def pop(self, k: Hashable | None) -> tuple[list[int], Any] | None:
+        """(path, value) of `k`, removed; None when it is not kept."""
+        entry = self._entries.pop(k, None) if k is not None else None
+        if entry is not None:
+            self.tokens -= len(entry[0])
+        return entry
+
+    def oldest(self) -> tuple[Hashable, list[int], Any]:
+        k, (path, value) = next(iter(self._entries.items()))
+        return k, path, value
+
+    def move_to_end(self, k: Hashable) -> None:
+        self._entries.move_to_end(k)
+
+
 def quantile(values, q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -124,15 +174,12 @@ class Retention:
         self.programs, self.pins, self.cm, self.max_ttl_s = programs, pins, cm, max_ttl_s
         self.pooled: deque[float] = deque(maxlen=POOLED_GAPS)
         self._auto: OrderedDict[tuple, float] = OrderedDict()  # pins this policy took -> p, oldest first
-        # programs whose path is expected back: pin sid -> (cache key, until), oldest first
-        self._expected: OrderedDict[tuple, tuple[list[int], float]] = OrderedDict()
-        self._disk_names: dict[tuple, list[str]] = {}  # an expected key's disk block names, hashed once
-        self.expected_tokens = 0
+        # programs whose path is expected back: pin sid -> (cache key, _Expected), oldest first
+        self._expected = PathMap()
         # (tenant, tool name) -> the gaps that followed its calls, least recently called first
         self.tool_gaps: OrderedDict[tuple, deque[float]] = OrderedDict()
-        # rid of a finished request -> its decision, until its program's next arrival (bounded as _expected)
-        self._finished: OrderedDict[str, _Finished] = OrderedDict()
-        self.finished_tokens = 0
+        # rid of a finished request -> (its path, its decision), until its program's next arrival
+        self._finished = PathMap()
         self.prefill_rate: float | None = None  # tokens/s of extend batches (`observe_prefill`), smoothed
         self.counts = dict(
             retain_device=0,
@@ -160,8 +207,8 @@ class Retention:
             while len(self.tool_gaps) > MAX_TOOLS:
                 self.tool_gaps.popitem(last=False)
         prog.tools = ()
-        self._forget_finished(prog.last_rid)
-        self._forget_expected(pin_sid(req))
+        self._finished.pop(prog.last_rid)
+        self._expected.pop(pin_sid(req))
 
     def gaps(self, prog: Program):
         """The gaps the program's TTL is learned from: those of the tools its last answer called (the slowest
@@ -215,16 +262,17 @@ class Retention:
         sid = pin_sid(req)
         d = self._act(sid, key, self.decide(prog, len(key), demand, self.cm.available()))
         self.counts[f"retain_{d.action}"] += 1
-        self._remember_finished(req.rid, _Finished(pkey, sid, key, d.action))
+        self._finished.put(req.rid, key, _Finished(pkey, sid, key, d.action))
         return d
 
     def tool_calls(self, rid: str, names: list[str], demand: int) -> Decision | None:
         """The answer of finished request `rid` called tools `names`: its program now waits on them, so
         its retention is decided again with their gaps (`gaps`). None when that program has moved on (its
         next request came) or `rid`'s finish was not decided here."""
-        done = self._forget_finished(rid)
-        if done is None:
+        entry = self._finished.pop(rid)
+        if entry is None:
             return None
+        done = entry[1]
         prog = self.programs.get(done.program)
         if prog is None or prog.live or prog.last_rid != rid:
             return None
@@ -258,20 +306,8 @@ class Retention:
         if d.reuse >= MIN_REUSE and tiers:  # (a device pin may be relieved and evicted)
             self._expect(sid, key, time.monotonic() + d.ttl_s)
         else:
-            self._forget_expected(sid)
+            self._expected.pop(sid)
         return Decision(action, d.ttl_s, d.reuse, d.pressure)
-
-    def _remember_finished(self, rid: str, done: _Finished) -> None:
-        self._finished[rid] = done
-        self.finished_tokens += len(done.key)
-        while len(self._finished) > MAX_EXPECTED or self.finished_tokens > MAX_EXPECTED_TOKENS:
-            self._forget_finished(next(iter(self._finished)))
-
-    def _forget_finished(self, rid: str | None) -> _Finished | None:
-        done = self._finished.pop(rid, None) if rid is not None else None
-        if done is not None:
-            self.finished_tokens -= len(done.key)
-        return done
 
     def device_limit(self) -> int:
         """The device pins' tokens an automatic pin may bring them to: (1 - HEADROOM) of the pool, or
@@ -327,19 +363,7 @@ class Retention:
 
     # ---- prefetch ------------------------------------------------------------------------------------------
     def _expect(self, sid: tuple, key: list[int], until: float) -> None:
-        self._forget_expected(sid)
-        if len(key) > MAX_EXPECTED_TOKENS:
-            return
-        self._expected[sid] = (key, until)
-        self.expected_tokens += len(key)
-        while len(self._expected) > MAX_EXPECTED or self.expected_tokens > MAX_EXPECTED_TOKENS:
-            self._forget_expected(next(iter(self._expected)))
-
-    def _forget_expected(self, sid: tuple) -> None:
-        self._disk_names.pop(sid, None)
-        entry = self._expected.pop(sid, None)
-        if entry is not None:
-            self.expected_tokens -= len(entry[0])
+        self._expected.put(sid, key, _Expected(until))
 
     def prefetch(self, now: float | None = None) -> int:
         """Load expected programs' paths from the host tier, then the disk tier, into free or LRU device
@@ -353,20 +377,20 @@ class Retention:
         budget, loaded = PREFETCH_TOKENS_PER_STEP, 0
         headroom = int(PREFETCH_HEADROOM * cm.allocator.size)
         for _ in range(min(PREFETCH_CHECKS_PER_STEP, len(self._expected))):
-            sid, (key, until) = next(iter(self._expected.items()))
-            if until <= now:
-                self._forget_expected(sid)
+            sid, key, expected = self._expected.oldest()
+            if expected.until <= now:
+                self._expected.pop(sid)
                 continue
             self._expected.move_to_end(sid)
             got = load_from_host(cm, key, budget - loaded, headroom) if cm.host is not None else 0
             if got == 0 and cm.disk is not None:  # the host holds nothing past the device: the disk may
-                if sid not in self._disk_names:
-                    self._disk_names[sid] = cm.disk.block_names(key)
-                got = load_from_disk(cm, key, self._disk_names[sid], budget - loaded, headroom)
+                if expected.disk_names is None:
+                    expected.disk_names = cm.disk.block_names(key)
+                got = load_from_disk(cm, key, expected.disk_names, budget - loaded, headroom)
             if got is None:  # no room now: try again on a later step
                 break
             if got:  # loaded once per finish: a later eviction is LRU's call, not undone again
-                self._forget_expected(sid)
+                self._expected.pop(sid)
                 loaded += got
                 self.counts["prefetches"] += 1
             if loaded >= budget:
