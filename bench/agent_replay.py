@@ -11,7 +11,9 @@ real HTTP (native `/generate` with token ids, so lengths are exact, and each cal
 - `--long-fraction` of the programs are long (`--long-turns` calls), the rest short (`--short-turns`);
 - with probability `--fork-prob` a call of a long program forks two sub-agents (one or two calls each on the
   parent's history + a sub-task, concurrently, the same program id); the parent continues after both;
-- programs start at Poisson arrivals (mean gap `--arrival-gap-s`).
+- programs start at Poisson arrivals (mean gap `--arrival-gap-s`; with `--arrival-load L`, the programs'
+  mean server time alone, measured per trace before the sides run, over L: the same draws scaled, so the
+  trace is as loaded whatever the machine's speed at the time).
 
 The KV pool is `--pool-fraction` (a third) of the working set (the catalogue + every program's final
 history), so programs evict each other while their tools run; at least the longest history plus a call's
@@ -125,6 +127,13 @@ def make_trace(args) -> dict[str, Any]:
         )
         start += rng.expovariate(1.0 / args.arrival_gap_s) if args.arrival_gap_s > 0 else 0.0
     return {"catalogue": catalogue, "programs": programs}
+
+
+def rescale_arrivals(trace: dict[str, Any], gap_from: float, gap_to: float) -> dict[str, Any]:
+    """The trace with its programs' arrivals spread for a mean gap of `gap_to` instead of `gap_from`: the
+    same draws scaled, everything else unchanged."""
+    f = gap_to / gap_from
+    return {**trace, "programs": [{**p, "start": p["start"] * f} for p in trace["programs"]]}
 
 
 def tool_time(prog: dict[str, Any]) -> float:
@@ -503,6 +512,13 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--pause-p95-s", type=float, default=10.0)
     p.add_argument("--pause-scale", type=float, default=1.0)
     p.add_argument("--arrival-gap-s", type=float, default=2.0)
+    p.add_argument(
+        "--arrival-load",
+        type=float,
+        default=None,
+        help="instead of a fixed --arrival-gap-s, a mean gap of the programs' mean server time alone (the "
+        "alone pass) / this, so a trace is as loaded on a faster or slower machine (or moment)",
+    )
     p.add_argument("--pool-fraction", type=float, default=1 / 3)
     p.add_argument(
         "--dtype", default="float32", help="radixlm sides' dtype (vLLM runs bf16, llama-server the GGUF)"
@@ -540,6 +556,8 @@ def parse_args(argv: list[str] | None = None):
         p.set_defaults(task_tokens=100, growth_tokens=40, max_new_tokens=8)
         p.set_defaults(pause_scale=0.3, arrival_gap_s=1.0)
         args = p.parse_args(argv)
+    if args.arrival_load is not None and not (args.arrival_load > 0 and args.arrival_gap_s > 0):
+        p.error("--arrival-load must be > 0, with --arrival-gap-s > 0 (its draws are scaled)")
     bad = [s for s in common.csv_list(args.sides) if s not in SIDES]
     if bad:
         p.error(f"unknown side(s) {bad}; known: {', '.join(SIDES)}")
@@ -579,8 +597,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         alone = run_alone(trace, args, pool)
         shape["alone_server_time_s"] = [round(a, 3) for a in alone]
+        if args.arrival_load:  # as loaded on any machine: the gap follows the server's measured speed
+            gap = sum(alone) / len(alone) / args.arrival_load
+            trace = rescale_arrivals(trace, args.arrival_gap_s, gap)
+            shape["arrival_gap_s"] = round(gap, 4)
         config["traces"].append(shape)
-        print(f"  alone: server time p50 {common.percentile(alone, 50):.2f} s", flush=True)
+        gap_note = f", arrival gap {shape['arrival_gap_s']:.2f} s" if args.arrival_load else ""
+        print(f"  alone: server time p50 {common.percentile(alone, 50):.2f} s{gap_note}", flush=True)
         for side in sides:
             load = (
                 common.load_average()

@@ -136,3 +136,17 @@ def test_a_programs_slowdown_is_its_job_time_over_its_tools_and_its_time_alone()
     assert ar.tool_time(prog) == 3.0  # 1 s, and the sub-agent's one pause of 2 s
     trace = {"programs": [prog, {**prog, "calls": prog["calls"][1:]}]}  # the second: no pauses at all
     assert ar.slowdowns([4.0, 3.0], trace, [1.0, 1.5]) == [1.0, 2.0]
+
+
+def test_arrivals_follow_the_measured_speed_with_arrival_load():
+    trace = ar.make_trace(_args())
+    slow = ar.rescale_arrivals(trace, 2.0, 5.0)
+    assert [p["start"] for p in slow["programs"]] == pytest.approx(
+        [2.5 * p["start"] for p in trace["programs"]]
+    )
+    assert [p["calls"] for p in slow["programs"]] == [p["calls"] for p in trace["programs"]]
+    assert slow["catalogue"] == trace["catalogue"] and trace == ar.make_trace(_args())  # not changed in place
+    assert ar.parse_args(["--arrival-load", "2"]).arrival_load == 2.0
+    for bad in (["--arrival-load", "0"], ["--arrival-load", "1", "--arrival-gap-s", "0"]):
+        with pytest.raises(SystemExit):
+            ar.parse_args(bad)
