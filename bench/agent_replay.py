@@ -26,7 +26,8 @@ call answered, tool pauses included) p50 / p90 / p99, for all programs and for s
 server time p50 (job time less the program's own tool pauses: the part a scheduler can shorten); slowdown p50
 and p99 (a program's job time over its tool time plus its server time with the server to itself, measured
 once per trace on radixlm `lpm` with the programs run one by one and their pauses cut: 1.0 is no wait on
-others, whatever the program's length, so a p99 far above the p50 is starvation); programs per
+others, whatever the program's length, so a p99 far above the p50 is starvation; a peer's slowdown also
+counts its slower calls); programs per
 minute (N / the wall time of the whole replay); call latency p50 / p99; prefill tokens in all and
 recomputed (the tokens of a prompt the server had computed before for that program's history, less what it
 found cached: lost to eviction), as in bench.agent_swarm.
@@ -399,7 +400,8 @@ def without_pauses(prog: dict[str, Any]) -> dict[str, Any]:
 def run_alone(trace: dict[str, Any], args, pool: int) -> list[float]:
     """Each program's server time with the server to itself: on radixlm `lpm` with the same pool, the programs
     one after another, their tool pauses cut. A program's slowdown on a side is its job time there over its
-    tool time plus this (1.0: it waited for nothing but its tools and its own compute)."""
+    tool time plus this (1.0: it waited for nothing but its tools and its own compute; on a peer its slower
+    calls count too)."""
     import copy
 
     args = copy.copy(args)

@@ -508,7 +508,7 @@ def agent_replay(results_dir: Path) -> str:
         ["job time p50 / p90 / p99, s"]
         + [f"{r['jct_p50_s']:.2f} / {r['jct_p90_s']:.1f} / {r['jct_p99_s']:.1f}" for r in sides],
         ["server time p50, s (job time less tool pauses)"] + [_server_time(r) for r in sides],
-        ["slowdown p50 / p99 (job time over the program's own with the server to itself)"]
+        ["slowdown p50 / p99 (job time over the program's on radixlm `lpm` alone)"]
         + [_slowdown(r) for r in sides],
         ["programs per minute"] + [f"{r['programs_per_min']:.2f}" for r in sides],
         ["prefill tokens recomputed"] + [recomputed(r) for r in sides],

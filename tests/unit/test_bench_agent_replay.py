@@ -52,19 +52,20 @@ def test_computed_before_is_the_shared_prefix_less_the_last_tokens():
 
 
 def test_a_side_without_reported_cached_tokens_has_none_not_zero():
-    def run(p50, rec):
+    def run(p50, rec, slow=(1.0, 1.0)):
         jct = {"p50": p50, "p90": p50, "p99": p50}
         return {
             "jct_s": jct, "jct_short_s": jct, "jct_long_s": jct, "programs_per_min": 1.0,
             "call_latency_s": jct, "prefill_tokens": rec, "prefill_recomputed": rec, "kv_pool": "x",
-            "server_time_s": jct, "slowdown": {"p50": 1.0, "p99": p50},
+            "server_time_s": jct, "slowdown": {"p50": slow[0], "p99": slow[1]},
         }  # fmt: skip
 
     peer = ar.summarize_side("llama-server", [run(3.0, None), run(5.0, 10)])
     assert peer["prefill_recomputed"] is None and peer["jct_p50_s"] == 4.0
-    ours = ar.summarize_side("lpm", [run(3.0, 20), run(5.0, 10), run(4.0, 30)])
+    ours = ar.summarize_side("lpm", [run(3.0, 20, (1, 3)), run(5.0, 10, (2, 10)), run(4.0, 30, (4, 16))])
     assert ours["prefill_recomputed"] == 20 and ours["kv_pool"] == "x"
-    assert ours["slowdown_p99_over_p50"] == 4.0  # per trace (3, 5, 4), then the median
+    # per trace (3, 5, 4), then the median: 4, where the medians' ratio would be 10 / 2 = 5
+    assert ours["slowdown_p99_over_p50"] == 4.0 and ours["slowdown_p50"] == 2 and ours["slowdown_p99"] == 10
     assert ar._na(None) == "n/a" and ar._na(12.0) == "12"
 
 
