@@ -102,11 +102,11 @@ class Decision:
 
 @dataclass
 class _Finished:
-    """A retention decision the front end may still refine with the tools the answer called."""
+    """A retention decision the front end may still refine with the tools the answer called (its path is
+    the `PathMap` entry's)."""
 
     program: ProgramKey
     sid: tuple
-    key: list[int]
     action: str
 
 
@@ -262,7 +262,7 @@ class Retention:
         sid = pin_sid(req)
         d = self._act(sid, key, self.decide(prog, len(key), demand, self.cm.available()))
         self.counts[f"retain_{d.action}"] += 1
-        self._finished.put(req.rid, key, _Finished(pkey, sid, key, d.action))
+        self._finished.put(req.rid, key, _Finished(pkey, sid, d.action))
         return d
 
     def tool_calls(self, rid: str, names: list[str], demand: int) -> Decision | None:
@@ -272,19 +272,19 @@ class Retention:
         entry = self._finished.pop(rid)
         if entry is None:
             return None
-        done = entry[1]
+        key, done = entry
         prog = self.programs.get(done.program)
         if prog is None or prog.live or prog.last_rid != rid:
             return None
         tenant, names = done.program[0], names[:MAX_TOOLS_PER_ANSWER]
         prog.tools = tuple(dict.fromkeys((tenant, n[:MAX_TOOL_NAME_CHARS]) for n in names))
-        d = self.decide(prog, len(done.key), demand, self.cm.available())
+        d = self.decide(prog, len(key), demand, self.cm.available())
         if d.action == done.action and d.action in ("device", "host"):  # the same tier: only the TTL moves
             self.pins.retime(done.sid, d.ttl_s)
             if done.sid in self._expected:
-                self._expect(done.sid, done.key, time.monotonic() + d.ttl_s)
+                self._expect(done.sid, key, time.monotonic() + d.ttl_s)
         else:
-            d = self._act(done.sid, done.key, d)
+            d = self._act(done.sid, key, d)
             self.counts[f"retain_{done.action}"] -= 1
             self.counts[f"retain_{d.action}"] += 1
         self.counts["retain_tool_timed"] += 1
