@@ -14,6 +14,12 @@ one.
     python -m bench.paged_attention_op --cases 4x1400,4x1400s,32x128,4x1400e8 --threads 2
     python -m bench.paged_attention_op --cases 4x1400 --threads 1 --same-pool
     python -m bench.paged_attention_op --cases 8x300,8x2300 --kv-dtype bfloat16 --layout contiguous
+
+`--vs-torch-native` also times, per case, what the cpu backend runs for extends longer than its
+`FUSED_MAX_EXTEND`: torch_native's per-request gather of the context out of the pool, then flash attention
+over the prefix and the new tokens (`attend_prefix_then_causal`). The ratio says where that threshold lies:
+
+    python -m bench.paged_attention_op --cases 1x1400e32,1x1400e64,1x1400e128,1x4000e64 --vs-torch-native
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import time
 from typing import Any
 
 import torch
+
+from radixlm_kernels.torch_native import attend_prefix_then_causal
 
 H, HKV, D, LAYERS = 9, 3, 64, 30
 
@@ -60,7 +68,13 @@ def slot_table(bs: int, ctx: int, ext: int, shared: bool, layout: str, gen: torc
 
 
 def time_case(
-    spec: str, reps: int, same_pool: bool, kv_dtype: torch.dtype, gen: torch.Generator, layout: str
+    spec: str,
+    reps: int,
+    same_pool: bool,
+    kv_dtype: torch.dtype,
+    gen: torch.Generator,
+    layout: str,
+    vs_torch_native: bool = False,
 ) -> dict[str, Any]:
     bs, ctx, ext, shared = parse_case(spec)
     seq = ctx + ext
@@ -79,14 +93,39 @@ def time_case(
         for layer in range(LAYERS):
             op(q, kn, vn, loc, k[layer % pools], v[layer % pools], *meta)
 
-    step()  # warm-up
+    case = {"case": spec, **_timed(step, reps)}
+    if vs_torch_native:
+        qf = q.contiguous()
+
+        def native_step() -> None:  # the pool already holds the new tokens' K/V (written by the op)
+            for layer in range(LAYERS):
+                for i in range(bs):
+                    qi = qf[i * ext : (i + 1) * ext].transpose(0, 1).unsqueeze(0)
+                    ki = k[layer % pools].index_select(0, table[i]).float().transpose(0, 1).unsqueeze(0)
+                    vi = v[layer % pools].index_select(0, table[i]).float().transpose(0, 1).unsqueeze(0)
+                    if ctx:
+                        attend_prefix_then_causal(qi, ki, vi, ctx, D**-0.5)
+                    else:
+                        torch.nn.functional.scaled_dot_product_attention(
+                            qi, ki, vi, is_causal=True, scale=D**-0.5, enable_gqa=True
+                        )
+
+        native = _timed(native_step, reps)
+        case["torch_native_min_ms"] = native["min_ms"]
+        case["torch_native_over_op"] = round(native["min_ms"] / case["min_ms"], 2)
+    return case
+
+
+def _timed(step: Any, reps: int) -> dict[str, float]:
+    """min and median ms of `reps` calls of step(), after one warm-up call."""
+    step()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         step()
         times.append(1000 * (time.perf_counter() - t0))
     times.sort()
-    return {"case": spec, "min_ms": round(times[0], 2), "median_ms": round(times[len(times) // 2], 2)}
+    return {"min_ms": round(times[0], 2), "median_ms": round(times[len(times) // 2], 2)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -97,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--same-pool", action="store_true", help="one pool for every layer: K/V stay in cache")
     p.add_argument("--kv-dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--layout", default="interleaved", choices=LAYOUTS, help="where requests' KV slots lie")
+    p.add_argument(
+        "--vs-torch-native", action="store_true", help="also time torch_native's extend path (gather + flash)"
+    )
     p.add_argument("--out", help="write the JSON here too")
     args = p.parse_args(argv)
     from runtime.models.native_kernels import PAGED_ATTENTION, paged_attention_isa
@@ -115,10 +157,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cases": [],
     }
     for spec in args.cases.split(","):
-        case = time_case(spec, args.reps, args.same_pool, kv_dtype, gen, args.layout)
+        case = time_case(spec, args.reps, args.same_pool, kv_dtype, gen, args.layout, args.vs_torch_native)
         result["cases"].append(case)
+        native = ""
+        if args.vs_torch_native:
+            ratio = case["torch_native_over_op"]
+            native = f"; torch_native {case['torch_native_min_ms']:8.2f} ms min ({ratio}x)"
         print(
-            f"{spec:12s} {case['min_ms']:8.2f} ms min, {case['median_ms']:8.2f} ms median per step",
+            f"{spec:12s} {case['min_ms']:8.2f} ms min, {case['median_ms']:8.2f} ms median per step{native}",
             flush=True,
         )
     if args.out:
