@@ -11,6 +11,9 @@ prefix); longer extends, where the prefix copy is amortised over many queries an
 stay on torch_native. One request extending E = 64 tokens over P cached ones, the default model's 30 layers,
 2 threads: torch_native takes 1.1-2.1x the op's time (P = 0 to 4,000, either slot layout), and still
 1.0-1.2x at E = 128 (`python -m bench.paged_attention_op --vs-torch-native --cases 1x1400e64,...`).
+In a batch that mixes both (a long prefill with running requests decoding beside it), the short requests
+still take the op (`_ShortRequests`): decoding beside a prefill costs what a decode step's attention does,
+not a copy of each request's context.
 
 `forward` (the per-layer call) goes through the sibling op `paged_attention_kv`, which also stores the new
 tokens' K/V in the pool, cast to its dtype, and takes q, k, v as the strided views the model's qkv split
@@ -28,6 +31,8 @@ backend is created; kernels never import the runtime, so `op_available()` only c
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +60,37 @@ def op_available() -> bool:
     return has_cpu_kernels(*OPS)
 
 
+class _ShortRequests(NamedTuple):
+    """The requests of a long-extend batch that add at most FUSED_MAX_EXTEND tokens: their batch indices,
+    their query rows, and the op's per-request arguments for them."""
+
+    indices: frozenset[int]
+    rows: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    ext_lens: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: AttentionBatch) -> _ShortRequests | None:
+        ext = batch.extend_seq_lens_cpu
+        short = [i for i, e in enumerate(ext) if e <= FUSED_MAX_EXTEND]
+        if not short:
+            return None
+        starts = [0]
+        for e in ext:
+            starts.append(starts[-1] + e)
+        device = batch.seq_lens.device
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in short])
+        pick = torch.tensor(short, dtype=torch.int64, device=device)
+        return cls(
+            frozenset(short),
+            rows,
+            batch.req_pool_indices[pick],
+            batch.seq_lens[pick],
+            torch.tensor([ext[i] for i in short], dtype=torch.int64, device=device),
+        )
+
+
 class CpuPagedBackend(TorchNativeBackend):
     name = "cpu"  # supports_sinks, supports_logit_softcap: the op's (and torch_native's for long extends)
 
@@ -69,10 +105,12 @@ class CpuPagedBackend(TorchNativeBackend):
         self._ext_lens: torch.Tensor | None = None
         self._windows: dict[int, tuple | None] = {}
         self._native_ready = False  # torch_native's metadata built for this batch
+        self._short: _ShortRequests | None = None  # a long-extend batch's short requests
 
     def init_forward_metadata(self, batch: AttentionBatch) -> None:
         self._windows = {}
         self._native_ready = False
+        self._short = None
         if batch.is_decode:
             self._fused = True
             self._ext_lens = torch.ones(batch.batch_size, dtype=torch.int64, device=batch.seq_lens.device)
@@ -83,6 +121,7 @@ class CpuPagedBackend(TorchNativeBackend):
         else:
             super().init_forward_metadata(batch)
             self._native_ready = True
+            self._short = _ShortRequests.of(batch)
 
     def _masked_path(self, layer: AttentionLayer, batch: AttentionBatch) -> bool:
         """Whether this layer runs torch_native's path (its metadata built on first use): a long extend, or a
@@ -168,9 +207,25 @@ class CpuPagedBackend(TorchNativeBackend):
         return self._windows[window]
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
-        if self._masked_path(layer, batch):
+        if not self._masked_path(layer, batch):
+            return self._attend(q, layer, batch)
+        short = self._short
+        if short is None or layer.sliding_window or layer.sinks is not None or layer.logit_softcap:
             return super().forward_extend(q, layer, batch)
-        return self._attend(q, layer, batch)
+        out = self._extend_plain(q, layer, batch, skip=short.indices)  # the long requests
+        out[short.rows] = torch.ops.radixlm.paged_attention(
+            q[short.rows],
+            self.kv_pool.k[layer.layer_id],
+            self.kv_pool.v[layer.layer_id],
+            self.req_to_token_pool.req_to_token,
+            short.req_pool_indices,
+            short.seq_lens,
+            short.ext_lens,
+            layer.scaling,
+            None,
+            0.0,
+        )
+        return out
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         if self._masked_path(layer, batch):

@@ -209,12 +209,22 @@ class TorchNativeBackend(AttentionBackend):
             return self._extend_with_lse(q, layer, batch)
         if layer.sliding_window:
             return self._extend_windowed(q, layer, batch)
+        return self._extend_plain(q, layer, batch)
+
+    def _extend_plain(
+        self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch, skip: frozenset = frozenset()
+    ) -> torch.Tensor:
+        """Extend of a full-attention layer without sinks or soft-capping, request by request; the rows of
+        the requests in `skip` (batch indices) are left unset, for another kernel to fill."""
         k_buf, v_buf = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         out = torch.empty_like(q)
         start = 0
-        for slots, prefix, ext in zip(
-            self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+        for i, (slots, prefix, ext) in enumerate(
+            zip(self._extend_slots, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True)
         ):
+            if i in skip:
+                start += ext
+                continue
             qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
             ki = k_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, seq, D]
             vi = v_buf.index_select(0, slots).to(q.dtype).transpose(0, 1).unsqueeze(0)

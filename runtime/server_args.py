@@ -87,6 +87,11 @@ class ServerArgs:
     new_token_ratio: float = _opt(
         0.4, "share of running requests' remaining max_new_tokens reserved at admission"
     )
+    disable_mixed_batch: bool = _opt(
+        False,
+        "run prefill and decode as separate forward passes (default: running requests decode one token in "
+        "every prefill pass, so a prompt arriving does not stall them for a pass)",
+    )
     disable_radix_cache: bool = _opt(False, "never reuse cached prefixes (baseline for comparison)")
     disable_sliding_window_pool: bool = _opt(
         False,

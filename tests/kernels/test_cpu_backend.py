@@ -51,6 +51,7 @@ TOL = {
         ([300, 300], [FUSED_MAX_EXTEND, 2], 0),  # the largest fused extend
         ([600, 530], None, 520),  # decode over a shared prefix: its first two splits are read once
         ([300, 280], [5, 9], 280),  # extends over a shared prefix (one whole split shared)
+        ([30, 300, 7], [FUSED_MAX_EXTEND + 9, 1, 3], 0),  # a long extend; the short ones beside it take the op
     ],
 )
 def test_matches_torch_native(dtype, prefix_lens, extend_lens, share, make_case, run_backend, reference):
@@ -396,6 +397,7 @@ def _qkv_views(case, dtype):
         ([0, 5, 130], None),  # decode
         ([40, 3, 0], [7, 1, 12]),  # short extends: new tokens attend to each other (written first)
         ([10], [FUSED_MAX_EXTEND + 1]),  # a long extend: pool write, then the SDPA path
+        ([10, 200, 50], [FUSED_MAX_EXTEND + 1, 1, 4]),  # ... with short requests beside it (the op's)
     ],
 )
 def test_forward_writes_the_new_kv_then_attends(
@@ -529,3 +531,22 @@ def test_softcap_bends_every_score_before_the_softmax(dtype, kv_op):
             assert not torch.allclose(out, torch.ops.radixlm.paged_attention(*args, sink))
     with pytest.raises(RuntimeError, match="softcap must be >= 0"):
         torch.ops.radixlm.paged_attention(*args, None, -1.0)
+
+
+def test_short_requests_beside_a_long_extend_take_the_op(make_case, run_backend, reference, monkeypatch):
+    """A batch with one long extend (torch_native's path) and requests of a few tokens beside it, as decoding
+    requests riding along with a prefill are: torch_native computes the long request alone and the op the
+    others, and together they match the reference."""
+    case = make_case([30, 300, 7], [FUSED_MAX_EXTEND + 5, 1, 3], num_kv_heads=3, group=3, seed=11)
+    backend = CpuPagedBackend(case.pool_copy(), case.req_pool)
+    computed = []
+    plain = backend._extend_plain
+
+    def spy(q, layer, batch, skip=frozenset()):
+        computed.append(sorted(set(range(3)) - skip))
+        return plain(q, layer, batch, skip)
+
+    monkeypatch.setattr(backend, "_extend_plain", spy)
+    out = run_backend(backend, case)
+    assert computed and all(c == [0] for c in computed)  # torch_native: the long request only
+    torch.testing.assert_close(out.float(), reference(case), **TOL[torch.float32])

@@ -100,6 +100,24 @@ def test_greedy_outputs_independent_of_cache_chunking_and_batching(
     assert_all_free(sched)
 
 
+def test_running_requests_decode_inside_prefill_passes(tiny_model_dir, default_tokenizer, reference):
+    """Prompts arriving one every 2 steps while others decode: each prefill pass also gives every running
+    request its next token, so the same outputs take fewer forward passes than with separate passes."""
+    passes = {}
+    for mixed in (True, False):
+        sched = make_scheduler(
+            tiny_model_dir, default_tokenizer, max_running_requests=8, disable_mixed_batch=not mixed
+        )
+        res = run(sched, prompts(32), arrive_every=2)
+        assert res["outs"] == reference
+        stats = res["stats"]
+        assert (stats["mixed_decode_tokens"] > 0) == mixed
+        assert stats["generated_tokens"] == 32 * 12
+        passes[mixed] = stats["extend_steps"] + stats["decode_steps"]
+        assert_all_free(sched)
+    assert passes[True] < passes[False]
+
+
 @pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight", "random"])
 def test_policies_keep_outputs(tiny_model_dir, default_tokenizer, reference, policy):
     sched = make_scheduler(tiny_model_dir, default_tokenizer, schedule_policy=policy, max_running_requests=8)

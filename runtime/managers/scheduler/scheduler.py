@@ -309,7 +309,7 @@ class Scheduler:
         self._poll_grammars()
         admitted = self._schedule_extend()
         if admitted:
-            self._run_extend(admitted)
+            self._run_extend(admitted, self._riders())
         elif self.running:
             self._run_decode()
         self.prefetch()
@@ -525,11 +525,30 @@ class Scheduler:
                 self._fail_internal(req, what)
             return None
 
-    def _run_extend(self, admitted: list[tuple[Req, int]]) -> None:
+    def _riders(self) -> list[Req]:
+        """The running requests that decode their next token inside this step's prefill pass, with a slot
+        each already appended (none when mixing is off or the pool has no slot for each without evicting
+        past what decode would: they then wait for the next decode step, as they did before mixing).
+
+        Why: a prefill pass reads every weight once, as a decode step does; the running requests' one token
+        each adds little to it, where a separate decode step would read the weights again. Without it every
+        arriving prompt (an agent's next call, a new user turn) stalls every running stream for a pass."""
+        if self.args.disable_mixed_batch or not self.running:
+            return []
+        riders = list(self.running)
+        slots = self.cm.run_slots(riders, [1] * len(riders))
+        if slots is None:
+            return []
+        self.cm.append_one_slot_each(riders, slots)
+        self.running = []
+        return riders
+
+    def _run_extend(self, admitted: list[tuple[Req, int]], riders: list[Req] = ()) -> None:
         t0 = time.perf_counter()
+        batch = [*admitted, *((r, 1) for r in riders)]  # a rider extends its last token (a decode step)
         ran = self._forward(
-            [r for r, _ in admitted],
-            lambda: build_extend_batch(admitted, self.cm.req_pool, device=self.runner.device),
+            [r for r, _ in batch],
+            lambda: build_extend_batch(batch, self.cm.req_pool, device=self.runner.device),
             "prefilling",
         )
         if ran is None:
@@ -566,6 +585,12 @@ class Scheduler:
                 continue
         for req, _ in admitted:
             self.outputs.touch(req)
+        if riders:
+            self.stats["mixed_decode_tokens"] += len(riders)
+            self._sample_and_advance(riders, logits[[rows[-1] for rows in built.logit_rows[len(admitted) :]]])
+            for req in riders:
+                self.outputs.touch(req)
+                self._place(req)
 
     def _run_decode(self) -> None:
         if self.spec is not None and self.spec.step(self):

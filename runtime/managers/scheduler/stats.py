@@ -15,6 +15,7 @@ COUNTERS = (
     "generated_tokens",
     "extend_steps",
     "decode_steps",
+    "mixed_decode_tokens",  # tokens running requests decoded inside a prefill pass (see Scheduler._riders)
     "retractions",
     "jump_forward_tokens",
     "requests_finished",
