@@ -51,7 +51,7 @@ TOL = {
         ([300, 300], [FUSED_MAX_EXTEND, 2], 0),  # the largest fused extend
         ([600, 530], None, 520),  # decode over a shared prefix: its first two splits are read once
         ([300, 280], [5, 9], 280),  # extends over a shared prefix (one whole split shared)
-        ([30, 300, 7], [FUSED_MAX_EXTEND + 9, 1, 3], 0),  # a long extend; the short ones beside it take the op
+        ([30, 300, 7], [FUSED_MAX_EXTEND + 9, 1, 3], 0),  # a long extend; the short ones beside take the op
     ],
 )
 def test_matches_torch_native(dtype, prefix_lens, extend_lens, share, make_case, run_backend, reference):
