@@ -385,3 +385,18 @@ def test_a_flush_that_frees_every_slot_puts_the_pool_back_in_order():
     assert cm.flush()
     assert cm.allocator.free_slots().tolist() == list(range(1, 17))
     cm.check_accounting([])
+
+
+def test_run_slots_without_evicting_leaves_the_cache_and_takes_nothing():
+    """A decode riding along with a prefill (evict=False) gets its slot from the free list or not at all:
+    the cached prefix stays, and no run is filled."""
+    cm = make_cm(8)
+    cache_tokens(cm, [1, 2, 3, 4])  # evictable
+    req = start_decoding(cm, [5, 6, 7])  # 8 - 4 - 3: 1 free slot
+    assert cm.run_slots([req], [2], evict=False) is None
+    assert (cm.allocator.available(), cm.cache.total_size(), cm.info()["decode_run_tokens"]) == (1, 4, 0)
+    cm.append_slots(req, cm.run_slots([req], [1], evict=False))  # the free slot
+    assert cm.cache.total_size() == 4
+    cm.append_slots(req, cm.run_slots([req], [2]))  # a decode step evicts
+    assert cm.cache.total_size() < 4
+    cm.check_accounting([req])

@@ -177,12 +177,13 @@ class CacheManager:
             slots = self.allocator.alloc(n)
         return slots
 
-    def run_slots(self, reqs: list[Req], counts: list[int]) -> torch.Tensor | None:
+    def run_slots(self, reqs: list[Req], counts: list[int], evict: bool = True) -> torch.Tensor | None:
         """`counts[i]` slots for the next positions of `reqs[i]` (a decode or verify step), concatenated in
         request order, from each request's decode run. A short run is refilled in one piece of up to
         `DECODE_RUN` slots (no more than the request can still use) while the free list has them; when it
         does not, only the missing slots are allocated (evicting), and when even eviction cannot supply
-        them every run goes back to the free list first. None: not enough KV for the step."""
+        them every run goes back to the free list first. None: not enough KV for the step (with
+        evict=False: not enough without evicting a cached prefix; nothing is taken then)."""
         runs = self._runs
         short = [max(0, c - len(runs.get(r.req_pool_idx, ()))) for r, c in zip(reqs, counts)]
         need = sum(short)
@@ -193,6 +194,8 @@ class CacheManager:
             ]
             if sum(want) > self._free_now():
                 want = short
+                if not evict and need > self._free_now():
+                    return None
                 if need > self._free_now() + self._evictable_now():
                     self._drop_runs()
                     want = list(counts)

@@ -527,16 +527,18 @@ class Scheduler:
 
     def _riders(self) -> list[Req]:
         """The running requests that decode their next token inside this step's prefill pass, with a slot
-        each already appended (none when mixing is off or the pool has no slot for each without evicting
-        past what decode would: they then wait for the next decode step, as they did before mixing).
+        each already appended (none when mixing is off, or when the free list cannot give each its slot:
+        they then wait for the next decode step, as without mixing).
 
         Why: a prefill pass reads every weight once, as a decode step does; the running requests' one token
         each adds little to it, where a separate decode step would read the weights again. Without it every
-        arriving prompt (an agent's next call, a new user turn) stalls every running stream for a pass."""
+        arriving prompt (an agent's next call, a new user turn) stalls every running stream for a pass.
+        Riders never evict: under a pool that is full, slots taken a pass early evicted cached prefixes
+        that paused agents came back for (bench.agent_replay recomputed ~20% more prefill)."""
         if self.args.disable_mixed_batch or not self.running:
             return []
         riders = list(self.running)
-        slots = self.cm.run_slots(riders, [1] * len(riders))
+        slots = self.cm.run_slots(riders, [1] * len(riders), evict=False)
         if slots is None:
             return []
         self.cm.append_one_slot_each(riders, slots)
