@@ -148,8 +148,9 @@ class CpuPagedBackend(TorchNativeBackend):
     def _attend(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
         return torch.ops.radixlm.paged_attention(q, *self._op_args(layer, batch))
 
-    def _op_args(self, layer: AttentionLayer, batch: AttentionBatch) -> tuple:
-        """What both ops take after q (and the new k, v): the layer's pool, the slot table, the batch."""
+    def _op_args(self, layer: AttentionLayer, batch: AttentionBatch, requests: tuple | None = None) -> tuple:
+        """What both ops take after q (and the new k, v): the layer's pool, the slot table, the batch (or
+        `requests`: the pool rows, sequence and extend lengths of some of its requests)."""
         if layer.sliding_window:
             return (
                 self.kv_pool.k[layer.layer_id],
@@ -159,13 +160,14 @@ class CpuPagedBackend(TorchNativeBackend):
                 layer.sinks,
                 layer.logit_softcap,
             )
+        pool_rows, seq_lens, ext_lens = requests or (batch.req_pool_indices, batch.seq_lens, self._ext_lens)
         return (
             self.kv_pool.k[layer.layer_id],
             self.kv_pool.v[layer.layer_id],
             self.req_to_token_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            self._ext_lens,
+            pool_rows,
+            seq_lens,
+            ext_lens,
             layer.scaling,
             layer.sinks,
             layer.logit_softcap,
@@ -213,18 +215,8 @@ class CpuPagedBackend(TorchNativeBackend):
         if short is None or layer.sliding_window or layer.sinks is not None or layer.logit_softcap:
             return super().forward_extend(q, layer, batch)
         out = self._extend_plain(q, layer, batch, skip=short.indices)  # the long requests
-        out[short.rows] = torch.ops.radixlm.paged_attention(
-            q[short.rows],
-            self.kv_pool.k[layer.layer_id],
-            self.kv_pool.v[layer.layer_id],
-            self.req_to_token_pool.req_to_token,
-            short.req_pool_indices,
-            short.seq_lens,
-            short.ext_lens,
-            layer.scaling,
-            None,
-            0.0,
-        )
+        args = self._op_args(layer, batch, (short.req_pool_indices, short.seq_lens, short.ext_lens))
+        out[short.rows] = torch.ops.radixlm.paged_attention(q[short.rows], *args)
         return out
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, batch: AttentionBatch) -> torch.Tensor:
