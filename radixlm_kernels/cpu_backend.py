@@ -152,6 +152,7 @@ class CpuPagedBackend(TorchNativeBackend):
         """What both ops take after q (and the new k, v): the layer's pool, the slot table, the batch (or
         `requests`: the pool rows, sequence and extend lengths of some of its requests)."""
         if layer.sliding_window:
+            assert requests is None, "a sliding-window layer's table covers the whole batch"
             return (
                 self.kv_pool.k[layer.layer_id],
                 self.kv_pool.v[layer.layer_id],

@@ -116,6 +116,31 @@ def test_failed_forward_fails_its_batch_and_the_next_one_runs(sched, monkeypatch
     assert res["next"]["error"] is None and len(res["next"]["tokens"]) == MAX_NEW
 
 
+def test_failed_prefill_pass_fails_its_prompts_and_spares_the_requests_decoding_in_it(sched, monkeypatch):
+    """A prompt arriving while others decode: its prefill pass carries their next tokens (mixed batch). When
+    that pass fails, the prompt fails (500) and the decoding requests give their slot back and finish with
+    every token, as they would had they waited for a decode step of their own."""
+    real = sched.runner.forward
+    failed_with = []
+
+    def failing_mixed_pass(batch):
+        if not batch.is_decode and sched.riding and not failed_with:
+            failed_with.extend(r.rid for r in sched.riding)
+            raise RuntimeError(SECRET)
+        return real(batch)
+
+    monkeypatch.setattr(sched.runner, "forward", failing_mixed_pass)
+    for rid in ("a", "b"):
+        sched.handle(msg(rid, PROMPTS[rid]))
+    sched.step()  # a and b prefilled together; both decode from here
+    assert {r.rid for r in sched.running} == {"a", "b"}
+    res = drive(sched, [msg("victim", PROMPTS["victim"])])
+    assert sorted(failed_with) == ["a", "b"]
+    assert res["victim"]["status"] == 500 and SECRET not in res["victim"]["error"]
+    for rid in ("a", "b"):
+        assert res[rid]["error"] is None and len(res[rid]["tokens"]) == MAX_NEW, (rid, res[rid])
+
+
 def test_step_failure_outside_requests_is_recovered(sched, monkeypatch):
     """What the scheduler process does when `step` itself raises: `recover` fails every live request and
     the pool is intact."""

@@ -135,6 +135,7 @@ class Scheduler:
             Req
         ] = []  # hold KV but need more than one token computed (chunked prefill, jump-forward)
         self.running: list[Req] = []  # decoding: kv_len == seq_len - 1
+        self.riding: list[Req] = []  # running requests inside this step's prefill pass (`_riders`)
         self.outputs = OutputStream(args.stream_interval)  # what each touched request owes its client
         self.stats = new_counters()
         self._log = ThroughputLog(args.log_interval)
@@ -379,10 +380,10 @@ class Scheduler:
         return self._collect_outputs()
 
     def _all_queued(self) -> list[Req]:
-        return [*self.grammar_wait, *self.waiting, *self.reextend, *self.running]
+        return [*self.grammar_wait, *self.waiting, *self.reextend, *self.running, *self.riding]
 
     def _dequeue(self, req: Req) -> None:
-        for queue in (self.grammar_wait, self.waiting, self.reextend, self.running):
+        for queue in (self.grammar_wait, self.waiting, self.reextend, self.running, self.riding):
             if req in queue:
                 queue.remove(req)
         self.grammars.cancel(req.grammar_future)  # no-op unless it still waits for a compile
@@ -511,9 +512,11 @@ class Scheduler:
         if req.cache_miss is not None:
             logger.debug("cache miss of %s (session %s): %s", req.rid[:256], req.session_id, req.cache_miss)
 
-    def _forward(self, reqs: list[Req], build: Callable[[], BuiltBatch], what: str):
+    def _forward(self, reqs: list[Req], build: Callable[[], BuiltBatch], what: str, spared: list[Req] = ()):
         """Build and run one batch: (the built batch, logits). If either raises, every request of the batch
-        fails (500, error id) and None is returned: a failed forward cannot be blamed on one request."""
+        but `spared` fails (500, error id) and None is returned: a failed forward cannot be blamed on one
+        request. `spared`: requests that ran there as they would in a pass of their own (the decoding riders
+        of a prefill pass), which the caller takes back."""
         try:
             built = build()
             if self.lora is not None:
@@ -521,6 +524,8 @@ class Scheduler:
             return built, self.runner.forward(built.batch)
         except Exception:
             for req in reqs:
+                if req in spared:
+                    continue
                 self._dequeue(req)
                 self._fail_internal(req, what)
             return None
@@ -542,7 +547,7 @@ class Scheduler:
         if slots is None:
             return []
         self.cm.append_one_slot_each(riders, slots)
-        self.running = []
+        self.running, self.riding = [], riders
         return riders
 
     def _run_extend(self, admitted: list[tuple[Req, int]], riders: list[Req] = ()) -> None:
@@ -552,10 +557,15 @@ class Scheduler:
             [r for r, _ in batch],
             lambda: build_extend_batch(batch, self.cm.req_pool, device=self.runner.device),
             "prefilling",
+            spared=riders,
         )
-        if ran is None:
+        if ran is None:  # the prompts failed; the riders give their slot back and decode next step
+            riding, self.riding = self.riding, []
+            for req in riding:
+                self.cm.drop_kv_from(req, req.kv_len - 1)
+                self._place(req)
             return
-        if self.retention is not None:
+        if self.retention is not None and not riders:  # the prompts' own time (retention's prefill rate)
             self.retention.observe_prefill(sum(take for _, take in admitted), time.perf_counter() - t0)
         built, logits = ran
         self.stats["extend_steps"] += 1
@@ -590,7 +600,8 @@ class Scheduler:
         if riders:
             self.stats["mixed_decode_tokens"] += len(riders)
             self._sample_and_advance(riders, logits[[rows[-1] for rows in built.logit_rows[len(admitted) :]]])
-            for req in riders:
+            riding, self.riding = self.riding, []  # those still riding: a failed one left it (`_dequeue`)
+            for req in riding:
                 self.outputs.touch(req)
                 self._place(req)
 
@@ -762,7 +773,7 @@ class Scheduler:
 
     # ---- introspection -------------------------------------------------------------------------------------
     def live_requests(self) -> list[Req]:
-        return [*self.waiting, *self.reextend, *self.running]
+        return [*self.waiting, *self.reextend, *self.running, *self.riding]
 
     def check_accounting(self) -> None:
         self.cm.check_accounting(self.live_requests())
