@@ -13,7 +13,8 @@ stay on torch_native. One request extending E = 64 tokens over P cached ones, th
 1.0-1.2x at E = 128 (`python -m bench.paged_attention_op --vs-torch-native --cases 1x1400e64,...`).
 In a batch that mixes both (a long prefill with running requests decoding beside it), the short requests
 still take the op (`_ShortRequests`): decoding beside a prefill costs what a decode step's attention does,
-not a copy of each request's context.
+not a copy of each request's context. Only on full-attention layers without sinks or soft-capping: the
+others still run the whole batch through torch_native.
 
 `forward` (the per-layer call) goes through the sibling op `paged_attention_kv`, which also stores the new
 tokens' K/V in the pool, cast to its dtype, and takes q, k, v as the strided views the model's qkv split
