@@ -10,11 +10,18 @@ fbgemm's dynamic int8 linear (activations quantized per call, per tensor, 7 bits
 `--quantization w4a8`'s Q4_1 layer (int8 activations per block of 32, radixlm's C++ kernel), then per-M sums.
 Timings on a shared machine are noisy: record `uptime` next to them. With `--name NAME` the figures (and the
 load average before and after) are also written to bench/results/NAME.json.
+
+The per-layer loop calls one weight over and over, so it stays in the core's cache. `--sequence` times what a
+decode step reads instead: the model's 30 layers of distinct w4a8 Q4_1 weights and its Q8_0 head called in
+model order (each linear's op as the model's decode loop calls it), so every weight streams from L3 or DRAM:
+
+    python bench/quant_matmul.py --sequence --m 1,4 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -79,6 +86,65 @@ def _kernels(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor
     }
 
 
+NUM_LAYERS = 30  # SmolLM2-135M
+
+
+def _sequence(ms: list[int], threads: list[int], seconds: float) -> list[dict]:
+    """Milliseconds per pass over the model's distinct w4a8 linears (the layers, then the head)."""
+    torch.manual_seed(0)
+    layers = [
+        W4A8Linear.from_float("q4_1", torch.randn(n, k) * 0.02)
+        for _ in range(NUM_LAYERS)
+        for name, n, k in SHAPES
+        if name != "lm_head"
+    ]
+    head = W4A8Linear.from_float("q8_0", torch.randn(SHAPES[-1][1], SHAPES[-1][2]) * 0.02)
+    calls = [(*lin.decode_call(), lin.in_features) for lin in layers]
+    head_fn, head_args = head.decode_call()
+    rows: list[dict] = []
+    heads = ("layers min", "layers med", "head min", "head med")
+    print(f"{'thr':>3} {'M':>4} " + " ".join(f"{h:>11}" for h in heads) + f" {'GB/s':>6}")
+    weight_bytes = sum(lin.qs.nbytes + lin.d.nbytes + lin.m.nbytes for lin in layers)
+    weight_bytes += head.qs.nbytes + head.d.nbytes
+    for t in threads:
+        torch.set_num_threads(t)
+        for m in ms:
+            xs = {k: torch.randn(m, k) for k in {k for _, _, k in calls}}
+            layer_ms: list[float] = []
+            head_ms: list[float] = []
+            t_end = time.perf_counter() + seconds
+            for i in itertools.count():
+                t0 = time.perf_counter()
+                for fn, fargs, k in calls:
+                    fn(xs[k], *fargs)
+                t1 = time.perf_counter()
+                head_fn(xs[SHAPES[-1][2]], *head_args)
+                t2 = time.perf_counter()
+                if i >= 2:  # the first passes load the weights into whatever cache holds them
+                    layer_ms.append((t1 - t0) * 1e3)
+                    head_ms.append((t2 - t1) * 1e3)
+                if i >= 7 and time.perf_counter() > t_end:
+                    break
+            best = min(a + b for a, b in zip(layer_ms, head_ms, strict=True))
+            row = {
+                "threads": t,
+                "m": m,
+                "layers_ms_min": min(layer_ms),
+                "layers_ms_median": statistics.median(layer_ms),
+                "head_ms_min": min(head_ms),
+                "head_ms_median": statistics.median(head_ms),
+                "weight_gb_per_s_best": weight_bytes / best / 1e6,
+            }
+            rows.append(row)
+            print(
+                f"{t:>3} {m:>4} "
+                + " ".join(f"{row[k]:11.3f}" for k in ("layers_ms_min", "layers_ms_median", "head_ms_min"))
+                + f" {row['head_ms_median']:11.3f} {row['weight_gb_per_s_best']:6.1f}",
+                flush=True,
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", default="1,8,32,512", help="comma-separated token counts (rows of x)")
@@ -88,10 +154,23 @@ def main(argv: list[str] | None = None) -> None:
         "--kernels", default="fp32,int8,int4,bf16,w8a8dyn,w8a8,w4a8", help="comma-separated subset"
     )
     p.add_argument("--name", default=None, help="also write bench/results/NAME.json")
+    p.add_argument(
+        "--sequence",
+        action="store_true",
+        help="time one pass over the model's distinct w4a8 layers and head per M instead (weights streamed)",
+    )
     args = p.parse_args(argv)
     env = common.environment() if args.name else None
     if env is not None:
         env["load_before"] = common.load_average()
+    if args.sequence:
+        seq_rows = _sequence(
+            [int(v) for v in args.m.split(",")], [int(t) for t in args.threads.split(",")], args.seconds * 10
+        )
+        if env is not None:
+            config = {"command": common.command_line(), **vars(args), "layers": NUM_LAYERS, "shapes": SHAPES}
+            common.write_results(args.name, config, {"rows": seq_rows}, env)
+        return
     rows: list[dict] = []
     torch.manual_seed(0)
     names = args.kernels.split(",")

@@ -84,6 +84,24 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 #endif
 
+#if defined(RADIXLM_AVX2) || defined(RADIXLM_AVX512)
+// Software prefetch of the weight stream PREFETCH_BLOCKS blocks ahead (4 KB of Q4_1, 8 KB of Q8_0; past the
+// group's end it runs into the next group, which is the next to be read). Why: at decode a layer's blocks come
+// from DRAM or L3 once per step and the hardware prefetcher alone left the dot loop waiting on them
+// (bench/quant_matmul.py --sequence: the 30 layers' Q4_1 linears at M = 4 took 4.4 ms a step without it and
+// 3.0 ms with it, the Q8_0 head 1.4 ms and 0.9 ms). A prefetch past the end of the array is dropped, never faults.
+constexpr int64_t PREFETCH_BLOCKS = 16;
+inline void prefetch_ahead(const uint8_t* wb, int64_t blk_bytes, const c10::Half* d, const c10::Half* m,
+                           int64_t b) {
+  const char* w = reinterpret_cast<const char*>(wb + PREFETCH_BLOCKS * blk_bytes);
+  for (int64_t o = 0; o < blk_bytes; o += 64) _mm_prefetch(w + o, _MM_HINT_T0);
+  if ((b & 1) == 0) {  // a block's 16 fp16 scales (or mins) are half a cache line
+    _mm_prefetch(reinterpret_cast<const char*>(d + (b + PREFETCH_BLOCKS) * NG), _MM_HINT_T0);
+    if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + (b + PREFETCH_BLOCKS) * NG), _MM_HINT_T0);
+  }
+}
+#endif
+
 // ------------------------------------------------------------------------------------------- activations
 #if defined(RADIXLM_AVX2) || defined(RADIXLM_AVX512)
 // One block of 32 with AVX2: the same numbers as the scalar loop below (cvtps rounds half to even under the
@@ -252,6 +270,7 @@ void group_avx2_small(const uint8_t* qs, const c10::Half* d, const c10::Half* m,
       sa[r] = a.sa[r * nb + b];
       aq[r] = a.qa + r * a.K + b * QK;
     }
+    prefetch_ahead(qs + b * blk_bytes, blk_bytes, d, kQ4 ? m : nullptr, b);
     for (int h = 0; h < 2; ++h) {
       const uint8_t* wb = qs + b * blk_bytes + 32 * h;
       const int64_t s = b * NG + 8 * h;
@@ -305,6 +324,7 @@ void group_kernel(const uint8_t* qs, const c10::Half* d, const c10::Half* m, con
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = qs + b * blk_bytes;
+    prefetch_ahead(wb, blk_bytes, d, kQ4 ? m : nullptr, b);
     __m512i w[8];
     if (kQ4) {
       for (int p = 0; p < 4; ++p) {
