@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from bench.harness import common
+
 
 def parse_cases(spec: str) -> list[tuple[int, int, bool]]:
     """ "4x1400,4x1400s" -> [(4, 1400, False), (4, 1400, True)]: a trailing s shares the context's slots."""
@@ -154,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             profile_case(runner, bs, ctx, args.steps, args.top, args.seed, shared)
             for bs, ctx, shared in cases
         ],
+        "environment": common.environment(),
+        "command": common.command_line(),
     }
     for case in result["cases"]:
         what = f"bs {case['bs']} context {case['context']}" + (" (shared)" if case["shared_context"] else "")
