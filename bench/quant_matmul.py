@@ -188,11 +188,13 @@ def main(argv: list[str] | None = None) -> None:
                 totals = {n: totals[n] + ms[n] for n in names}
                 rows.append({"threads": threads, "m": m, "layer": name, "ms": ms})
                 print(f"{threads:>3} {m:>4} {name:>8} " + " ".join(f"{ms[n]:11.3f}" for n in names))
+            speedups = ""
+            if "fp32" in names:  # --kernels may leave it out
+                speedups = "   speed-up vs fp32: " + " ".join(
+                    f"{n}={totals['fp32'] / totals[n]:.2f}" for n in names if n != "fp32"
+                )
             print(
-                f"{threads:>3} {m:>4} {'sum':>8} "
-                + " ".join(f"{totals[n]:11.3f}" for n in names)
-                + "   speed-up vs fp32: "
-                + " ".join(f"{n}={totals['fp32'] / totals[n]:.2f}" for n in names if n != "fp32"),
+                f"{threads:>3} {m:>4} {'sum':>8} " + " ".join(f"{totals[n]:11.3f}" for n in names) + speedups,
                 flush=True,
             )
             rows.append({"threads": threads, "m": m, "layer": "sum", "ms": totals})

@@ -1034,8 +1034,6 @@ inline __m512 k4_min(const uint8_t* P, int s) {
                                         _mm512_srli_epi32(widen16(P + 16 * s), 2), _mm512_set1_epi32(15)));
 }
 
-// Q4_K, or Q5_K (HIGH: a fifth bit per weight from qh). Q4_K's high nibble is used as (byte & 0xF0) = 16 * u,
-// its scale divided by 16 (exact); the mins use the activations' sums per 32, once per super-block.
 // Software prefetch of an interleaved group's stream ~PREFETCH_BYTES ahead (whole blocks): at decode each weight is
 // read once per step from L3 or DRAM, and the hardware prefetcher alone left the dot loops waiting on it. With
 // it (bench.gguf_kernels --rows 8192 --cols 2048 --copies 16, 2 threads) Q6_K reads 25 GB/s at one row against
@@ -1047,15 +1045,18 @@ inline void prefetch_ahead(const uint8_t* c) {
   for (int64_t o = 0; o < CHUNK; o += 64) _mm_prefetch(reinterpret_cast<const char*>(c + ahead + o), _MM_HINT_T0);
 }
 
+// Q4_K, or Q5_K (HIGH: a fifth bit per weight from qh). Q4_K's high nibble is used as (byte & 0xF0) = 16 * u,
+// its scale divided by 16 (exact); the mins use the activations' sums per 32, once per super-block.
 template <int MR, bool HIGH>
-void k45_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+void k45_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y,
+               int64_t ldy, bool ahead) {
   constexpr int64_t CHUNK = NR * (HIGH ? 176 : 144), QS = HIGH ? 768 : 256;
   const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8(static_cast<char>(0xF0));
   __m512 tot[MR];
   for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = G + b * CHUNK;
-    prefetch_ahead<CHUNK>(c);
+    if (ahead) prefetch_ahead<CHUNK>(c);
     __m512 fs[MR];
     for (int m = 0; m < MR; ++m) fs[m] = _mm512_setzero_ps();
 #pragma GCC unroll 4
@@ -1103,25 +1104,28 @@ void k45_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActVi
 }
 
 template <int MR>
-void q4_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
-  k45_group<MR, false>(G, off, nb, K, a, y, ldy);
+void q4_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y,
+                int64_t ldy, bool ahead) {
+  k45_group<MR, false>(G, off, nb, K, a, y, ldy, ahead);
 }
 template <int MR>
-void q5_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
-  k45_group<MR, true>(G, off, nb, K, a, y, ldy);
+void q5_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y,
+                int64_t ldy, bool ahead) {
+  k45_group<MR, true>(G, off, nb, K, a, y, ldy, ahead);
 }
 
 // Q6_K: u = 4 low bits from ql | 2 high bits from qh (0..63), sums started at -32 * (the sub-block's activation
 // sum), so one float scale per sub-block of 16 covers the -32 offset too.
 template <int MR>
-void q6_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+void q6_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y,
+                int64_t ldy, bool ahead) {
   constexpr int64_t CHUNK = NR * 210;
   const __m512i m0f = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   __m512 tot[MR];
   for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = G + b * CHUNK;
-    prefetch_ahead<CHUNK>(c);
+    if (ahead) prefetch_ahead<CHUNK>(c);
     const int lead = lead_first(off + b * CHUNK) ? 32 : 0;  // d first
     const uint8_t *q6 = c + lead, *sc = c + lead + 3072;
     __m512 fs[MR];
@@ -1168,13 +1172,14 @@ void q6_k_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActV
 
 // Q8_0: q + 128 (unsigned) times qa, less 128 * (the block's activation sum)
 template <int MR>
-void q8_0_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+void q8_0_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, float* y,
+                int64_t ldy, bool ahead) {
   constexpr int64_t CHUNK = NR * 34;
   __m512 tot[MR];
   for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = G + b * CHUNK;
-    prefetch_ahead<CHUNK>(c);
+    if (ahead) prefetch_ahead<CHUNK>(c);
     const bool lead = lead_first(off + b * CHUNK);  // d first
     const uint8_t* qs = lead ? c + 32 : c;
     __m512i acc[MR], acc2[MR];
@@ -1206,7 +1211,8 @@ void q8_0_group(const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActV
 // activation sum), the 16 rows' scales are built from their exponent bytes in float bits (e8m0_half's, e < 2
 // subnormal). The chunk (272 bytes) keeps no 64-byte alignment: its loads are unaligned.
 template <int MR>
-void mxfp4_group(const uint8_t* G, int64_t, int64_t nb, int64_t K, const ActView& a, float* y, int64_t ldy) {
+void mxfp4_group(const uint8_t* G, int64_t, int64_t nb, int64_t K, const ActView& a, float* y,
+                 int64_t ldy, bool ahead) {
   constexpr int64_t CHUNK = NR * 17;
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(MXFP4_U)));
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -1214,7 +1220,7 @@ void mxfp4_group(const uint8_t* G, int64_t, int64_t nb, int64_t K, const ActView
   for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = G + b * CHUNK;
-    prefetch_ahead<CHUNK>(c);
+    if (ahead) prefetch_ahead<CHUNK>(c);
     __m512i acc[MR], acc2[MR];
     for (int m = 0; m < MR; ++m) {
       const int32_t* s16 = a.i16 + (m * K + b * 32) / 16;
@@ -1245,15 +1251,16 @@ void mxfp4_group(const uint8_t* G, int64_t, int64_t nb, int64_t K, const ActView
 }
 
 // group G (16 rows, `nb` blocks each; at byte `off` of its tensor) of an interleaved part of base type `type`
-// times M <= 4 activation rows
+// times M <= 4 activation rows; `ahead`: prefetch the stream ahead (the first of the tiles over the group only:
+// the later ones find it in cache, and prefetching again cost 5-7% at 64 rows)
 void interleaved_group(int64_t type, const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, int64_t M,
-                       float* y, int64_t ldy) {
-#define RADIXLM_GROUP(...)                                  \
-  switch (M) {                                              \
-    case 1: __VA_ARGS__<1>(G, off, nb, K, a, y, ldy); return;  \
-    case 2: __VA_ARGS__<2>(G, off, nb, K, a, y, ldy); return;  \
-    case 3: __VA_ARGS__<3>(G, off, nb, K, a, y, ldy); return;  \
-    default: __VA_ARGS__<4>(G, off, nb, K, a, y, ldy); return; \
+                       float* y, int64_t ldy, bool ahead = true) {
+#define RADIXLM_GROUP(...)                                            \
+  switch (M) {                                                        \
+    case 1: __VA_ARGS__<1>(G, off, nb, K, a, y, ldy, ahead); return;  \
+    case 2: __VA_ARGS__<2>(G, off, nb, K, a, y, ldy, ahead); return;  \
+    case 3: __VA_ARGS__<3>(G, off, nb, K, a, y, ldy, ahead); return;  \
+    default: __VA_ARGS__<4>(G, off, nb, K, a, y, ldy, ahead); return; \
   }
   if (type == Q4_K) RADIXLM_GROUP(q4_k_group)
   if (type == Q6_K) RADIXLM_GROUP(q6_k_group)
@@ -1368,7 +1375,7 @@ at::Tensor gguf_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef t
             const ActView v{a.qa.data() + m0 * K, a.dl.data() + m0 * K / 4, a.sg.data() + m0 * K / 16,
                             a.s32.data() + m0 * K / 32, a.i16.data() + m0 * K / 16};
             interleaved_group(type, W + g * NR * rb, g * NR * rb, nb, K, v, std::min<int64_t>(4, M - m0),
-                              yc + m0 * total + g * NR, total);
+                              yc + m0 * total + g * NR, total, m0 == 0);
           }
       });
     }

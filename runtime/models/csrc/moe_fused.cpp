@@ -224,7 +224,7 @@ void gguf_unit(int64_t type, const uint8_t* W, int64_t N, int64_t rb, int64_t K,
       const int64_t M = std::min<int64_t>(4, r1 - m0);
       float* ym = y + (m0 - r0) * ldy;
       if (group)
-        gg::interleaved_group(base, W + n0 * rb, n0 * rb, nb, K, v, M, ym + n0, ldy);
+        gg::interleaved_group(base, W + n0 * rb, n0 * rb, nb, K, v, M, ym + n0, ldy, m0 == r0);
       else
         gg::decode_rows(base, W, K, v, M, ym, ldy, n0, n1);
     }

@@ -88,8 +88,9 @@ inline __m512i broadcast4(const int8_t* p) {
 // Software prefetch of the weight stream PREFETCH_BLOCKS blocks ahead (4 KB of Q4_1, 8 KB of Q8_0; past the
 // group's end it runs into the next group, which is the next to be read). Why: at decode a layer's blocks come
 // from DRAM or L3 once per step and the hardware prefetcher alone left the dot loop waiting on them
-// (bench/quant_matmul.py --sequence: the 30 layers' Q4_1 linears at M = 4 took 4.4 ms a step without it and
-// 3.0 ms with it, the Q8_0 head 1.4 ms and 0.9 ms). A prefetch past the end of the array is dropped, never faults.
+// (bench/quant_matmul.py --sequence, 2 threads: the 30 layers' Q4_1 linears at M = 4 took 4.7-4.9 ms a step
+// without it and 3.2-3.3 ms with it, the Q8_0 head 1.5-1.6 ms and 1.0-1.1 ms). A prefetch past the end of the
+// array is dropped, never faults.
 constexpr int64_t PREFETCH_BLOCKS = 16;
 inline void prefetch_ahead(const uint8_t* wb, int64_t blk_bytes, const c10::Half* d, const c10::Half* m,
                            int64_t b) {
