@@ -136,12 +136,11 @@ def _sequence(ms: list[int], threads: list[int], seconds: float) -> list[dict]:
                 "weight_gb_per_s_best": weight_bytes / best / 1e6,
             }
             rows.append(row)
-            print(
-                f"{t:>3} {m:>4} "
-                + " ".join(f"{row[k]:11.3f}" for k in ("layers_ms_min", "layers_ms_median", "head_ms_min"))
-                + f" {row['head_ms_median']:11.3f} {row['weight_gb_per_s_best']:6.1f}",
-                flush=True,
+            times = " ".join(
+                f"{row[k]:11.3f}"
+                for k in ("layers_ms_min", "layers_ms_median", "head_ms_min", "head_ms_median")
             )
+            print(f"{t:>3} {m:>4} {times} {row['weight_gb_per_s_best']:6.1f}", flush=True)
     return rows
 
 
@@ -149,7 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", default="1,8,32,512", help="comma-separated token counts (rows of x)")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    p.add_argument("--seconds", type=float, default=0.3, help="minimum timing per kernel and shape")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=0.3,
+        help="minimum timing per kernel and shape (with --sequence: 10x this per M, a pass being 121 calls)",
+    )
     p.add_argument(
         "--kernels", default="fp32,int8,int4,bf16,w8a8dyn,w8a8,w4a8", help="comma-separated subset"
     )
