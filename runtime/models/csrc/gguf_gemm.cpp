@@ -1254,7 +1254,7 @@ void mxfp4_group(const uint8_t* G, int64_t, int64_t nb, int64_t K, const ActView
 // times M <= 4 activation rows; `ahead`: prefetch the stream ahead (the first of the tiles over the group only:
 // the later ones find it in cache, and prefetching again cost 5-7% at 64 rows)
 void interleaved_group(int64_t type, const uint8_t* G, int64_t off, int64_t nb, int64_t K, const ActView& a, int64_t M,
-                       float* y, int64_t ldy, bool ahead = true) {
+                       float* y, int64_t ldy, bool ahead) {
 #define RADIXLM_GROUP(...)                                            \
   switch (M) {                                                        \
     case 1: __VA_ARGS__<1>(G, off, nb, K, a, y, ldy, ahead); return;  \
